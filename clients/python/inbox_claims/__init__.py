@@ -1,0 +1,1 @@
+"""Client for the Inbox Coordinator: claims on email replies, so that an agent never replies twice."""

@@ -1,0 +1,1 @@
+"""The Inbox Coordinator server: domain, store and service."""
