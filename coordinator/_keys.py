@@ -1,0 +1,86 @@
+"""The etcd key layout. Every id component is percent-encoded, so no id can leave its place in a key.
+
+Under the deployment prefix P:
+
+    P m/<mailbox>/s/<kind>/<id>     the subject: its claim or reply record (fencing token = create revision)
+    P m/<mailbox>/e/<kind>/<id>     why the subject was last freed by a call (short-lived)
+    P d/<mailbox>/<notification>    a delivery record (delivery dedup)
+    P x/<deadline ms>/<mailbox>/<kind>/<id>   a SENDING subject's deadline, for the IN_DOUBT sweeper
+
+One mailbox's subjects and end marks share the prefix ``P m/<mailbox>/``, so one etcd watch sees a
+deletion and the reason for it in the same revision.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote, unquote
+
+from .domain import Subject, SubjectKind
+
+_DEADLINE_DIGITS = 15
+
+
+def _enc(component: str) -> str:
+    # quote() with no safe characters leaves only [A-Za-z0-9_.~-]: '/' and '%' become %2F and %25.
+    return quote(component, safe="")
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key starting with ``prefix`` (etcd's range_end)."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"
+
+
+class Keys:
+    def __init__(self, prefix: str) -> None:
+        if not prefix.endswith("/"):
+            prefix += "/"
+        self.prefix = prefix
+        self._root = prefix.encode()
+
+    def mailbox(self, mailbox: str) -> bytes:
+        return self._root + f"m/{_enc(mailbox)}/".encode()
+
+    def subjects(self, mailbox: str) -> bytes:
+        return self.mailbox(mailbox) + b"s/"
+
+    def subject(self, subject: Subject) -> bytes:
+        return self.mailbox(subject.mailbox) + f"s/{subject.kind.value}/{_enc(subject.id)}".encode()
+
+    def end_mark(self, subject: Subject) -> bytes:
+        return self.mailbox(subject.mailbox) + f"e/{subject.kind.value}/{_enc(subject.id)}".encode()
+
+    def delivery(self, mailbox: str, notification_id: str) -> bytes:
+        return self._root + f"d/{_enc(mailbox)}/{_enc(notification_id)}".encode()
+
+    def sending_index(self) -> bytes:
+        return self._root + b"x/"
+
+    def sending(self, deadline_ms: int, subject: Subject) -> bytes:
+        return (
+            self.sending_index()
+            + (
+                f"{deadline_ms:0{_DEADLINE_DIGITS}d}/{_enc(subject.mailbox)}/{subject.kind.value}/{_enc(subject.id)}"
+            ).encode()
+        )
+
+    def sending_until(self, now_ms: int) -> bytes:
+        """range_end covering every deadline at or before ``now_ms``."""
+        return self.sending_index() + f"{now_ms + 1:0{_DEADLINE_DIGITS}d}".encode()
+
+    def parse_sending(self, key: bytes) -> Subject:
+        _deadline, mailbox, kind, subject_id = key[len(self.sending_index()) :].decode().split("/")
+        return Subject(unquote(mailbox), SubjectKind(kind), unquote(subject_id))
+
+    def parse_mailbox_key(self, mailbox: str, key: bytes) -> tuple[str, Subject] | None:
+        """For a key under ``mailbox(mailbox)``: ("s" or "e", the subject); None for anything else."""
+        rest = key[len(self.mailbox(mailbox)) :].decode()
+        parts = rest.split("/")
+        if len(parts) != 3 or parts[0] not in ("s", "e"):
+            return None
+        return parts[0], Subject(mailbox, SubjectKind(parts[1]), unquote(parts[2]))

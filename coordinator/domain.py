@@ -1,0 +1,483 @@
+"""The claim state machine (DESIGN.md section 3): pure rules, no I/O, the clock passed in.
+
+Every transition is a function from what is stored now (``Stored | None``) to a ``Transition`` that says
+what to write. The store applies it with a compare-and-swap on the subject's revision, so a decision made
+on a stale read never lands: it is taken again on a fresh one.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+
+from .errors import FailedPrecondition, PermissionDenied
+from .limits import Limits
+
+
+class SubjectKind(enum.Enum):
+    MESSAGE = "m"
+    THREAD = "t"
+
+
+class HolderKind(enum.Enum):
+    AGENT = "agent"
+    HUMAN = "human"
+
+
+class State(enum.Enum):
+    FREE = "free"
+    CLAIMED = "claimed"
+    SENDING = "sending"
+    REPLIED = "replied"
+    IN_DOUBT = "in_doubt"
+
+
+class EndReason(enum.Enum):
+    """Why a subject key was deleted by a call (a deletion without one is a lease running out)."""
+
+    RELEASED = "released"
+    ABORTED = "aborted"
+    TAKEN_OVER = "taken_over"
+    RESOLVED_NOT_SENT = "resolved_not_sent"
+
+
+class EventType(enum.Enum):
+    CLAIMED = "claimed"
+    RENEWED = "renewed"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    SENDING = "sending"
+    REPLIED = "replied"
+    ABORTED = "aborted"
+    TAKEN_OVER = "taken_over"
+    IN_DOUBT = "in_doubt"
+    RESOLVED_NOT_SENT = "resolved_not_sent"
+    RETENTION_ENDED = "retention_ended"
+
+
+class ClaimResult(enum.Enum):
+    GRANTED = "granted"
+    HELD = "held"
+    ALREADY_REPLIED = "already_replied"
+    DUPLICATE_DELIVERY = "duplicate_delivery"
+
+
+class FenceResult(enum.Enum):
+    OK = "ok"
+    STALE_TOKEN = "stale_token"
+
+
+class TakeoverResult(enum.Enum):
+    TAKEN_OVER = "taken_over"
+    GRANTED = "granted"
+    HELD = "held"
+    ALREADY_REPLIED = "already_replied"
+
+
+class ResolveOutcome(enum.Enum):
+    SENT = "sent"
+    NOT_SENT = "not_sent"
+
+
+@dataclass(frozen=True)
+class Subject:
+    mailbox: str
+    kind: SubjectKind
+    id: str
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The authenticated principal making a call: the only source of a claim's holder."""
+
+    principal: str
+    kind: HolderKind
+
+
+@dataclass(frozen=True)
+class SubjectRecord:
+    """What the store keeps under a subject's key while it is not FREE."""
+
+    state: State
+    holder: str
+    holder_kind: HolderKind
+    acquired_ms: int
+    ttl_seconds: int
+    # CLAIMED: when the lease frees it; REPLIED: when the retention ends; otherwise None (no lease).
+    expires_ms: int | None
+    note: str = ""
+    # The ClaimReply request that created the claim, so that its retry gets the same grant.
+    request_id: str = ""
+    send_started_ms: int | None = None
+    send_deadline_ms: int | None = None
+    sent_ms: int | None = None
+    sent_message_id: str = ""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A record as read from the store. ``token`` is the key's create revision: the fencing token."""
+
+    record: SubjectRecord
+    token: int
+    revision: int
+
+
+@dataclass(frozen=True)
+class EndMark:
+    """Written beside a deletion so that watchers and retries learn why the subject was freed."""
+
+    reason: EndReason
+    by: str
+    token: int
+    previous_holder: str
+    request_id: str
+    at_ms: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class DeliveryRecord:
+    mailbox: str
+    notification_id: str
+    recorded_by: str
+    recorded_ms: int
+    request_id: str
+    subject: Subject | None = None
+
+
+@dataclass(frozen=True)
+class Transition:
+    """What a call decided. At most one of ``write`` and ``end`` is set; neither means no change."""
+
+    result: FenceResult
+    write: SubjectRecord | None = None
+    end: EndMark | None = None
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The configurable numbers of the state machine."""
+
+    limits: Limits
+    # Claims share one etcd lease per bucket of this width: a claim frees between its TTL and its TTL plus
+    # this width after its last renewal, never earlier.
+    claim_bucket_ms: int = 1_000
+    # Reply and delivery records live hours; a wider bucket keeps the number of leases small.
+    record_bucket_ms: int = 10_000
+    reply_retention_ms: int = 72 * 3600 * 1000
+    delivery_retention_ms: int = 24 * 3600 * 1000
+    # How long BeginSend gives the holder to confirm or abort before the subject is reported IN_DOUBT.
+    send_timeout_ms: int = 120_000
+
+    def claim_expiry(self, now_ms: int, ttl_seconds: int) -> int:
+        return _round_up(now_ms + ttl_seconds * 1000, self.claim_bucket_ms)
+
+    def reply_expiry(self, now_ms: int) -> int:
+        return _round_up(now_ms + self.reply_retention_ms, self.record_bucket_ms)
+
+    def delivery_expiry(self, now_ms: int) -> int:
+        return _round_up(now_ms + self.delivery_retention_ms, self.record_bucket_ms)
+
+
+def _round_up(value: int, step: int) -> int:
+    return math.ceil(value / step) * step
+
+
+def state_of(stored: Stored | None) -> State:
+    return State.FREE if stored is None else stored.record.state
+
+
+# --- ClaimReply -----------------------------------------------------------------------------------------
+
+
+def new_claim(
+    rules: Rules, caller: Caller, *, ttl_seconds: int, note: str, request_id: str, now_ms: int
+) -> SubjectRecord:
+    return SubjectRecord(
+        state=State.CLAIMED,
+        holder=caller.principal,
+        holder_kind=caller.kind,
+        acquired_ms=now_ms,
+        ttl_seconds=ttl_seconds,
+        expires_ms=rules.claim_expiry(now_ms, ttl_seconds),
+        note=note,
+        request_id=request_id,
+    )
+
+
+def new_delivery(
+    caller: Caller,
+    *,
+    mailbox: str,
+    notification_id: str,
+    request_id: str,
+    now_ms: int,
+    subject: Subject | None,
+) -> DeliveryRecord:
+    return DeliveryRecord(
+        mailbox=mailbox,
+        notification_id=notification_id,
+        recorded_by=caller.principal,
+        recorded_ms=now_ms,
+        request_id=request_id,
+        subject=subject,
+    )
+
+
+def is_own_delivery(delivery: DeliveryRecord, caller: Caller, request_id: str) -> bool:
+    """A delivery recorded by this very request (a retry whose first answer was lost)."""
+    return delivery.recorded_by == caller.principal and delivery.request_id == request_id
+
+
+def claim_conflict(current: Stored, caller: Caller, request_id: str) -> ClaimResult:
+    """The answer to a ClaimReply whose create-if-absent found the subject taken."""
+    record = current.record
+    if record.state is State.CLAIMED:
+        if record.holder == caller.principal and record.request_id == request_id:
+            return ClaimResult.GRANTED
+        return ClaimResult.HELD
+    return ClaimResult.ALREADY_REPLIED
+
+
+# --- Calls that present a fencing token -----------------------------------------------------------------
+
+
+def _check_token(current: Stored | None, caller: Caller, token: int) -> bool:
+    """True when ``token`` is the subject's current claim; raises if the caller is not its holder."""
+    if current is None or current.token != token:
+        return False
+    if current.record.holder != caller.principal:
+        raise PermissionDenied(f"fencing token {token} belongs to another principal; only the holder may use it")
+    return True
+
+
+def _wrong_state(call: str, token: int, state: State, needed: str) -> FailedPrecondition:
+    return FailedPrecondition(f"{call}: the claim with token {token} is {state.name}; {call} needs {needed}")
+
+
+def renew(
+    rules: Rules, current: Stored | None, caller: Caller, *, token: int, ttl_seconds: int, now_ms: int
+) -> Transition:
+    if not _check_token(current, caller, token):
+        return Transition(FenceResult.STALE_TOKEN)
+    assert current is not None
+    if current.record.state is not State.CLAIMED:
+        raise _wrong_state("RenewClaim", token, current.record.state, "CLAIMED")
+    renewed = replace(current.record, ttl_seconds=ttl_seconds, expires_ms=rules.claim_expiry(now_ms, ttl_seconds))
+    return Transition(FenceResult.OK, write=renewed)
+
+
+def release(
+    current: Stored | None,
+    last_end: EndMark | None,
+    caller: Caller,
+    *,
+    token: int,
+    request_id: str,
+    now_ms: int,
+) -> Transition:
+    if _repeats(last_end, caller, token, request_id, EndReason.RELEASED):
+        return Transition(FenceResult.OK)
+    if not _check_token(current, caller, token):
+        return Transition(FenceResult.STALE_TOKEN)
+    assert current is not None
+    if current.record.state is not State.CLAIMED:
+        raise _wrong_state("ReleaseClaim", token, current.record.state, "CLAIMED (after BeginSend use AbortSend)")
+    return Transition(
+        FenceResult.OK,
+        end=EndMark(EndReason.RELEASED, caller.principal, token, current.record.holder, request_id, now_ms),
+    )
+
+
+def begin_send(rules: Rules, current: Stored | None, caller: Caller, *, token: int, now_ms: int) -> Transition:
+    if not _check_token(current, caller, token):
+        return Transition(FenceResult.STALE_TOKEN)
+    assert current is not None
+    record = current.record
+    if record.state is State.SENDING:
+        return Transition(FenceResult.OK)  # a retry: the commit point was already passed with this token
+    if record.state is not State.CLAIMED:
+        raise _wrong_state("BeginSend", token, record.state, "CLAIMED")
+    sending = replace(
+        record,
+        state=State.SENDING,
+        expires_ms=None,
+        send_started_ms=now_ms,
+        send_deadline_ms=now_ms + rules.send_timeout_ms,
+    )
+    return Transition(FenceResult.OK, write=sending)
+
+
+def confirm_sent(
+    rules: Rules, current: Stored | None, caller: Caller, *, token: int, sent_message_id: str, now_ms: int
+) -> Transition:
+    if not _check_token(current, caller, token):
+        return Transition(FenceResult.STALE_TOKEN)
+    assert current is not None
+    record = current.record
+    if record.state is State.REPLIED:
+        return Transition(FenceResult.OK)
+    if record.state not in (State.SENDING, State.IN_DOUBT):
+        raise _wrong_state("ConfirmSent", token, record.state, "SENDING (call BeginSend first)")
+    return Transition(FenceResult.OK, write=_replied(rules, record, sent_message_id, now_ms))
+
+
+def abort_send(
+    current: Stored | None,
+    last_end: EndMark | None,
+    caller: Caller,
+    *,
+    token: int,
+    reason: str,
+    request_id: str,
+    now_ms: int,
+) -> Transition:
+    if _repeats(last_end, caller, token, request_id, EndReason.ABORTED):
+        return Transition(FenceResult.OK)
+    if not _check_token(current, caller, token):
+        return Transition(FenceResult.STALE_TOKEN)
+    assert current is not None
+    if current.record.state not in (State.SENDING, State.IN_DOUBT):
+        raise _wrong_state("AbortSend", token, current.record.state, "SENDING (before BeginSend use ReleaseClaim)")
+    return Transition(
+        FenceResult.OK,
+        end=EndMark(EndReason.ABORTED, caller.principal, token, current.record.holder, request_id, now_ms, reason),
+    )
+
+
+def mark_in_doubt(current: Stored | None, *, now_ms: int) -> Transition:
+    """The sweeper's transition: a send that outlived its deadline is reported, never freed."""
+    if current is None or current.record.state is not State.SENDING:
+        return Transition(FenceResult.STALE_TOKEN)
+    deadline = current.record.send_deadline_ms
+    if deadline is None or deadline > now_ms:
+        return Transition(FenceResult.STALE_TOKEN)
+    return Transition(FenceResult.OK, write=replace(current.record, state=State.IN_DOUBT))
+
+
+def _replied(rules: Rules, record: SubjectRecord, sent_message_id: str, now_ms: int) -> SubjectRecord:
+    return replace(
+        record,
+        state=State.REPLIED,
+        expires_ms=rules.reply_expiry(now_ms),
+        send_deadline_ms=None,
+        sent_ms=now_ms,
+        sent_message_id=sent_message_id,
+    )
+
+
+def _repeats(last_end: EndMark | None, caller: Caller, token: int, request_id: str, reason: EndReason) -> bool:
+    return (
+        last_end is not None
+        and last_end.reason is reason
+        and last_end.token == token
+        and last_end.by == caller.principal
+        and last_end.request_id == request_id
+    )
+
+
+# --- Humans' calls --------------------------------------------------------------------------------------
+
+
+def require_human(caller: Caller) -> None:
+    if caller.kind is not HolderKind.HUMAN:
+        raise PermissionDenied("Takeover is for principals of kind human; an agent must wait or use ClaimReply")
+
+
+def takeover_refusal(current: Stored | None) -> TakeoverResult | None:
+    """Why a takeover cannot proceed, or None when the subject is FREE or claimed by an agent."""
+    if current is None:
+        return None
+    if current.record.state is not State.CLAIMED:
+        return TakeoverResult.ALREADY_REPLIED
+    if current.record.holder_kind is HolderKind.HUMAN:
+        return TakeoverResult.HELD
+    return None
+
+
+def takeover_release(current: Stored | None, caller: Caller, *, request_id: str, now_ms: int) -> Transition:
+    """First step of a takeover: end the agent's claim, which makes its token stale at once."""
+    require_human(caller)
+    if current is None or takeover_refusal(current) is not None:
+        return Transition(FenceResult.STALE_TOKEN)
+    return Transition(
+        FenceResult.OK,
+        end=EndMark(
+            EndReason.TAKEN_OVER,
+            caller.principal,
+            current.token,
+            current.record.holder,
+            request_id,
+            now_ms,
+            f"taken over by {caller.principal}",
+        ),
+    )
+
+
+def resolve_in_doubt(
+    rules: Rules,
+    current: Stored | None,
+    caller: Caller,
+    *,
+    outcome: ResolveOutcome,
+    sent_message_id: str,
+    note: str,
+    request_id: str,
+    now_ms: int,
+) -> Transition:
+    state = state_of(current)
+    if state is not State.IN_DOUBT:
+        raise FailedPrecondition(
+            f"ResolveInDoubt: the subject is {state.name}; only an IN_DOUBT subject can be resolved"
+        )
+    assert current is not None
+    if outcome is ResolveOutcome.SENT:
+        resolved = _replied(rules, current.record, sent_message_id, now_ms)
+        return Transition(FenceResult.OK, write=replace(resolved, note=note or resolved.note))
+    return Transition(
+        FenceResult.OK,
+        end=EndMark(
+            EndReason.RESOLVED_NOT_SENT,
+            caller.principal,
+            current.token,
+            current.record.holder,
+            request_id,
+            now_ms,
+            note,
+        ),
+    )
+
+
+# --- Watch ----------------------------------------------------------------------------------------------
+
+_END_EVENTS = {
+    EndReason.RELEASED: EventType.RELEASED,
+    EndReason.ABORTED: EventType.ABORTED,
+    EndReason.TAKEN_OVER: EventType.TAKEN_OVER,
+    EndReason.RESOLVED_NOT_SENT: EventType.RESOLVED_NOT_SENT,
+}
+
+_STATE_EVENTS = {
+    State.SENDING: EventType.SENDING,
+    State.REPLIED: EventType.REPLIED,
+    State.IN_DOUBT: EventType.IN_DOUBT,
+}
+
+
+def classify_change(previous: Stored | None, now: Stored | None, end: EndMark | None) -> EventType | None:
+    """Names a change of one subject key; ``end`` is the EndMark written in the same revision, if any."""
+    if now is not None:
+        if previous is None or previous.token != now.token:
+            return EventType.CLAIMED
+        if now.record.state is State.CLAIMED:
+            return EventType.RENEWED
+        return _STATE_EVENTS.get(now.record.state)
+    if previous is None:
+        return None
+    if end is not None and end.token == previous.token:
+        return _END_EVENTS[end.reason]
+    if previous.record.state is State.REPLIED:
+        return EventType.RETENTION_ENDED
+    return EventType.EXPIRED

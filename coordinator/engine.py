@@ -1,0 +1,366 @@
+"""The use cases: each call validates its input, asks the domain what to do and has the store do it.
+
+Nothing here knows etcd (that is the store) or protobuf (that is the service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from . import domain, limits
+from .domain import (
+    Caller,
+    ClaimResult,
+    DeliveryRecord,
+    EndMark,
+    EventType,
+    FenceResult,
+    ResolveOutcome,
+    Rules,
+    State,
+    Stored,
+    Subject,
+    TakeoverResult,
+    Transition,
+)
+from .errors import InvalidArgument, StoreUnavailable
+from .store import Change, EtcdStore, FeedLost
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClaimOutcome:
+    result: ClaimResult
+    stored: Stored | None
+    delivery: DeliveryRecord | None = None
+
+
+@dataclass(frozen=True)
+class TakeoverOutcome:
+    result: TakeoverResult
+    stored: Stored | None
+    previous_holder: str = ""
+    previous_token: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    subjects: list[tuple[Subject, Stored]]
+    revision: int
+
+
+@dataclass(frozen=True)
+class Event:
+    type: EventType
+    change: Change
+
+
+@dataclass(frozen=True)
+class Page:
+    subjects: list[tuple[Subject, Stored]]
+    next_token: bytes | None
+    revision: int
+
+
+def _check_subject(subject: Subject) -> None:
+    limits.check_text("subject.mailbox", subject.mailbox, limits.MAILBOX_MAX_BYTES, required=True)
+    limits.check_text("subject.id", subject.id, limits.SUBJECT_ID_MAX_BYTES, required=True)
+
+
+def _check_request_id(request_id: str) -> None:
+    limits.check_text("request_id", request_id, limits.REQUEST_ID_MAX_BYTES, required=True)
+
+
+def _check_token(token: int) -> None:
+    if token <= 0:
+        raise InvalidArgument("fencing_token", "is required: pass the token ClaimReply granted (a positive number)")
+
+
+def check_caller(caller: Caller) -> None:
+    limits.check_text("principal", caller.principal, limits.PRINCIPAL_MAX_BYTES, required=True)
+
+
+class Engine:
+    def __init__(self, store: EtcdStore, rules: Rules, clock: Callable[[], int]) -> None:
+        self.store = store
+        self.rules = rules
+        self._clock = clock
+
+    # --- deliveries and claims -----------------------------------------------------------------------------
+
+    async def record_delivery(
+        self, caller: Caller, *, request_id: str, mailbox: str, notification_id: str
+    ) -> tuple[bool, DeliveryRecord]:
+        """(True, the new record) on a first sighting; (False, the first record) for a duplicate."""
+        _check_request_id(request_id)
+        limits.check_text("mailbox", mailbox, limits.MAILBOX_MAX_BYTES, required=True)
+        limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=True)
+        now = self._clock()
+        record = domain.new_delivery(
+            caller,
+            mailbox=mailbox,
+            notification_id=notification_id,
+            request_id=request_id,
+            now_ms=now,
+            subject=None,
+        )
+        earlier = await self.store.record_delivery(record, self.rules.delivery_expiry(now))
+        if earlier is None or domain.is_own_delivery(earlier, caller, request_id):
+            return True, earlier or record
+        return False, earlier
+
+    async def claim_reply(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        notification_id: str,
+        ttl_seconds: int,
+        note: str,
+    ) -> ClaimOutcome:
+        _check_request_id(request_id)
+        _check_subject(subject)
+        limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
+        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        ttl = self.rules.limits.ttl(ttl_seconds)
+        now = self._clock()
+        record = domain.new_claim(self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=now)
+        delivery = (
+            domain.new_delivery(
+                caller,
+                mailbox=subject.mailbox,
+                notification_id=notification_id,
+                request_id=request_id,
+                now_ms=now,
+                subject=subject,
+            )
+            if notification_id
+            else None
+        )
+        attempt = await self.store.claim(subject, record, delivery, self.rules.delivery_expiry(now))
+        if attempt.created is not None:
+            return ClaimOutcome(ClaimResult.GRANTED, attempt.created)
+        if attempt.delivery is not None and not domain.is_own_delivery(attempt.delivery, caller, request_id):
+            return ClaimOutcome(ClaimResult.DUPLICATE_DELIVERY, None, attempt.delivery)
+        if attempt.current is None:
+            # Our own delivery record stands but the subject is free: a retry whose first answer was lost
+            # after the claim ended. The notification's one effect is still this request's claim.
+            retry = await self.store.claim(subject, record, None, 0)
+            if retry.created is not None:
+                return ClaimOutcome(ClaimResult.GRANTED, retry.created)
+            assert retry.current is not None
+            return ClaimOutcome(domain.claim_conflict(retry.current, caller, request_id), retry.current)
+        return ClaimOutcome(domain.claim_conflict(attempt.current, caller, request_id), attempt.current)
+
+    # --- calls with a fencing token ------------------------------------------------------------------------
+
+    async def renew(
+        self, caller: Caller, *, request_id: str, subject: Subject, token: int, ttl_seconds: int
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_request_id(request_id)
+        _check_subject(subject)
+        _check_token(token)
+        ttl = self.rules.limits.ttl(ttl_seconds)
+        return await self._apply(
+            subject,
+            lambda current, _end: domain.renew(
+                self.rules, current, caller, token=token, ttl_seconds=ttl, now_ms=self._clock()
+            ),
+        )
+
+    async def release(
+        self, caller: Caller, *, request_id: str, subject: Subject, token: int
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_request_id(request_id)
+        _check_subject(subject)
+        _check_token(token)
+        return await self._apply(
+            subject,
+            lambda current, end: domain.release(
+                current, end, caller, token=token, request_id=request_id, now_ms=self._clock()
+            ),
+        )
+
+    async def begin_send(
+        self, caller: Caller, *, request_id: str, subject: Subject, token: int
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_request_id(request_id)
+        _check_subject(subject)
+        _check_token(token)
+        return await self._apply(
+            subject,
+            lambda current, _end: domain.begin_send(self.rules, current, caller, token=token, now_ms=self._clock()),
+        )
+
+    async def confirm_sent(
+        self, caller: Caller, *, request_id: str, subject: Subject, token: int, sent_message_id: str
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_request_id(request_id)
+        _check_subject(subject)
+        _check_token(token)
+        limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
+        return await self._apply(
+            subject,
+            lambda current, _end: domain.confirm_sent(
+                self.rules,
+                current,
+                caller,
+                token=token,
+                sent_message_id=sent_message_id,
+                now_ms=self._clock(),
+            ),
+        )
+
+    async def abort_send(
+        self, caller: Caller, *, request_id: str, subject: Subject, token: int, reason: str
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_request_id(request_id)
+        _check_subject(subject)
+        _check_token(token)
+        limits.check_text("reason", reason, limits.NOTE_MAX_BYTES, required=False)
+        return await self._apply(
+            subject,
+            lambda current, end: domain.abort_send(
+                current, end, caller, token=token, reason=reason, request_id=request_id, now_ms=self._clock()
+            ),
+        )
+
+    async def _apply(
+        self, subject: Subject, decide: Callable[[Stored | None, EndMark | None], Transition]
+    ) -> tuple[FenceResult, Stored | None]:
+        transition, after = await self.store.apply(subject, decide)
+        return transition.result, after
+
+    # --- reads ---------------------------------------------------------------------------------------------
+
+    async def status(self, subject: Subject) -> Stored | None:
+        _check_subject(subject)
+        return await self.store.status(subject)
+
+    async def list_claims(
+        self, *, mailbox: str, states: frozenset[State], page_size: int, page_token: bytes | None
+    ) -> Page:
+        limits.check_text("mailbox", mailbox, limits.MAILBOX_MAX_BYTES, required=True)
+        size = limits.check_page_size(page_size)
+        if page_token is not None and not page_token.startswith(self.store.keys.subjects(mailbox)):
+            raise InvalidArgument("page_token", "does not belong to this mailbox's listing; start without one")
+        wanted = states or frozenset(State) - {State.FREE}
+        found: list[tuple[Subject, Stored]] = []
+        after = page_token
+        revision = 0
+        # Filtering happens after reading, so keep reading until the page is full or the mailbox ends.
+        while True:
+            items, last, revision = await self.store.list_subjects(
+                mailbox, after=after, limit=size - len(found), revision=revision
+            )
+            found.extend(item for item in items if item[1].record.state in wanted)
+            if last is None:
+                return Page(found, None, revision)
+            if len(found) >= size:
+                return Page(found, last, revision)
+            after = last
+
+    # --- humans --------------------------------------------------------------------------------------------
+
+    async def takeover(
+        self, caller: Caller, *, request_id: str, subject: Subject, ttl_seconds: int, note: str
+    ) -> TakeoverOutcome:
+        domain.require_human(caller)
+        _check_request_id(request_id)
+        _check_subject(subject)
+        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        ttl = self.rules.limits.ttl(ttl_seconds)
+        transition, current = await self.store.apply(
+            subject,
+            lambda current, _end: domain.takeover_release(current, caller, request_id=request_id, now_ms=self._clock()),
+        )
+        previous = transition.end
+        if previous is None and current is not None:
+            refusal = domain.takeover_refusal(current) or TakeoverResult.HELD
+            return TakeoverOutcome(refusal, current)
+        # Two steps, because etcd refuses to delete and create one key in one transaction, and the new
+        # token must be a new create revision. An agent may claim in between: then the human sees HELD.
+        now = self._clock()
+        record = domain.new_claim(self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=now)
+        attempt = await self.store.claim(subject, record, None, 0)
+        previous_holder = previous.previous_holder if previous else ""
+        previous_token = previous.token if previous else 0
+        if attempt.created is not None:
+            result = TakeoverResult.TAKEN_OVER if previous else TakeoverResult.GRANTED
+            return TakeoverOutcome(result, attempt.created, previous_holder, previous_token)
+        assert attempt.current is not None
+        refusal = domain.takeover_refusal(attempt.current) or TakeoverResult.HELD
+        return TakeoverOutcome(refusal, attempt.current, previous_holder, previous_token)
+
+    async def resolve_in_doubt(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        outcome: ResolveOutcome,
+        sent_message_id: str,
+        note: str,
+    ) -> Stored | None:
+        _check_request_id(request_id)
+        _check_subject(subject)
+        limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
+        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        _, after = await self.store.apply(
+            subject,
+            lambda current, _end: domain.resolve_in_doubt(
+                self.rules,
+                current,
+                caller,
+                outcome=outcome,
+                sent_message_id=sent_message_id,
+                note=note,
+                request_id=request_id,
+                now_ms=self._clock(),
+            ),
+        )
+        return after
+
+    # --- watch and upkeep ----------------------------------------------------------------------------------
+
+    async def watch(self, mailbox: str) -> AsyncIterator[Snapshot | Event]:
+        limits.check_text("mailbox", mailbox, limits.MAILBOX_MAX_BYTES, required=True)
+        async with self.store.feeds.subscribe(mailbox) as queue:
+            subjects, revision = await self.store.snapshot(mailbox)
+            yield Snapshot(subjects, revision)
+            while True:
+                batch = await queue.get()
+                if isinstance(batch, FeedLost):
+                    raise StoreUnavailable(f"the watch of mailbox {mailbox!r} ended: {batch}; watch again")
+                for change in batch:
+                    if change.revision <= revision:
+                        continue  # already in the snapshot
+                    event_type = domain.classify_change(change.previous, change.now, change.end)
+                    if event_type is not None:
+                        yield Event(event_type, change)
+
+    async def sweep_in_doubt(self) -> int:
+        """Moves every SENDING subject past its deadline to IN_DOUBT; returns how many it moved."""
+        now = self._clock()
+        moved = 0
+        for subject in await self.store.due_sends(now):
+            transition, _ = await self.store.apply(
+                subject, lambda current, _end: domain.mark_in_doubt(current, now_ms=now)
+            )
+            moved += transition.result is FenceResult.OK
+        return moved
+
+    async def run_sweeper(self, interval_s: float = 1.0) -> None:
+        while True:
+            try:
+                moved = await self.sweep_in_doubt()
+                if moved:
+                    log.warning("marked %d subject(s) IN_DOUBT: a send began and was never confirmed", moved)
+            except StoreUnavailable as error:
+                log.warning("IN_DOUBT sweep skipped: %s", error)
+            await asyncio.sleep(interval_s)

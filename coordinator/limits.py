@@ -1,0 +1,65 @@
+"""Every limit on a request field, named, with the check that enforces it."""
+
+from __future__ import annotations
+
+import unicodedata
+from dataclasses import dataclass
+
+from .errors import InvalidArgument
+
+MAILBOX_MAX_BYTES = 320  # an email address is at most 254; grant ids are UUIDs
+SUBJECT_ID_MAX_BYTES = 512  # provider ids are short, but RFC 5322 Message-IDs can be long
+NOTIFICATION_ID_MAX_BYTES = 256
+REQUEST_ID_MAX_BYTES = 128
+PRINCIPAL_MAX_BYTES = 128
+NOTE_MAX_BYTES = 1024
+SENT_MESSAGE_ID_MAX_BYTES = 512
+PAGE_SIZE_DEFAULT = 100
+PAGE_SIZE_MAX = 1000
+
+
+@dataclass(frozen=True)
+class Limits:
+    ttl_min_seconds: int = 5
+    ttl_max_seconds: int = 3600
+    ttl_default_seconds: int = 60
+
+    def ttl(self, requested: int) -> int:
+        """0 means the default; anything else must lie in [min, max]."""
+        if requested == 0:
+            return self.ttl_default_seconds
+        if not self.ttl_min_seconds <= requested <= self.ttl_max_seconds:
+            raise InvalidArgument(
+                "ttl_seconds",
+                f"{requested} is outside {self.ttl_min_seconds}..{self.ttl_max_seconds} seconds "
+                f"(0 means the default, {self.ttl_default_seconds})",
+            )
+        return requested
+
+
+def _has_control_character(text: str) -> bool:
+    return any(unicodedata.category(ch) == "Cc" for ch in text)
+
+
+def check_text(field: str, value: str, max_bytes: int, *, required: bool) -> str:
+    """An identifier or note: UTF-8, within ``max_bytes``, no control characters; empty only if optional."""
+    if not value:
+        if required:
+            raise InvalidArgument(field, "is required and was empty")
+        return value
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise InvalidArgument(field, f"is {size} bytes; the limit is {max_bytes} bytes of UTF-8")
+    if _has_control_character(value):
+        raise InvalidArgument(field, "contains a control character (U+0000..U+001F or U+007F..U+009F)")
+    if any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):
+        raise InvalidArgument(field, "contains an unpaired surrogate; send valid UTF-8")
+    return value
+
+
+def check_page_size(requested: int) -> int:
+    if requested == 0:
+        return PAGE_SIZE_DEFAULT
+    if requested > PAGE_SIZE_MAX:
+        raise InvalidArgument("page_size", f"{requested} is over the limit of {PAGE_SIZE_MAX}")
+    return requested

@@ -1,0 +1,400 @@
+"""The gRPC servicer: protobuf in, engine call, protobuf out; coordinator errors to status codes."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+
+from .domain import (
+    Caller,
+    ClaimResult,
+    DeliveryRecord,
+    EventType,
+    FenceResult,
+    HolderKind,
+    ResolveOutcome,
+    State,
+    Stored,
+    Subject,
+    SubjectKind,
+    TakeoverResult,
+)
+from .engine import Engine, Event, Snapshot, check_caller
+from .errors import (
+    CoordinatorError,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    StoreConflict,
+    StoreUnavailable,
+    Unauthenticated,
+)
+
+log = logging.getLogger(__name__)
+
+PRINCIPAL_METADATA = "x-inbox-principal"
+PRINCIPAL_KIND_METADATA = "x-inbox-principal-kind"
+
+_STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
+    StoreConflict: grpc.StatusCode.ABORTED,
+}
+
+_KINDS = {pb.SUBJECT_KIND_MESSAGE: SubjectKind.MESSAGE, pb.SUBJECT_KIND_THREAD: SubjectKind.THREAD}
+_KINDS_OUT = {v: k for k, v in _KINDS.items()}
+_HOLDER_KINDS_OUT = {HolderKind.AGENT: pb.HOLDER_KIND_AGENT, HolderKind.HUMAN: pb.HOLDER_KIND_HUMAN}
+_STATES = {
+    State.FREE: pb.SUBJECT_STATE_FREE,
+    State.CLAIMED: pb.SUBJECT_STATE_CLAIMED,
+    State.SENDING: pb.SUBJECT_STATE_SENDING,
+    State.REPLIED: pb.SUBJECT_STATE_REPLIED,
+    State.IN_DOUBT: pb.SUBJECT_STATE_IN_DOUBT,
+}
+_STATES_IN = {v: k for k, v in _STATES.items()}
+_CLAIM_RESULTS = {
+    ClaimResult.GRANTED: pb.ClaimReplyResponse.GRANTED,
+    ClaimResult.HELD: pb.ClaimReplyResponse.HELD,
+    ClaimResult.ALREADY_REPLIED: pb.ClaimReplyResponse.ALREADY_REPLIED,
+    ClaimResult.DUPLICATE_DELIVERY: pb.ClaimReplyResponse.DUPLICATE_DELIVERY,
+}
+_FENCE_RESULTS = {FenceResult.OK: pb.FENCE_RESULT_OK, FenceResult.STALE_TOKEN: pb.FENCE_RESULT_STALE_TOKEN}
+_TAKEOVER_RESULTS = {
+    TakeoverResult.TAKEN_OVER: pb.TakeoverResponse.TAKEN_OVER,
+    TakeoverResult.GRANTED: pb.TakeoverResponse.GRANTED,
+    TakeoverResult.HELD: pb.TakeoverResponse.HELD,
+    TakeoverResult.ALREADY_REPLIED: pb.TakeoverResponse.ALREADY_REPLIED,
+}
+_EVENT_TYPES = {
+    EventType.CLAIMED: pb.EVENT_TYPE_CLAIMED,
+    EventType.RENEWED: pb.EVENT_TYPE_RENEWED,
+    EventType.RELEASED: pb.EVENT_TYPE_RELEASED,
+    EventType.EXPIRED: pb.EVENT_TYPE_EXPIRED,
+    EventType.SENDING: pb.EVENT_TYPE_SENDING,
+    EventType.REPLIED: pb.EVENT_TYPE_REPLIED,
+    EventType.ABORTED: pb.EVENT_TYPE_ABORTED,
+    EventType.TAKEN_OVER: pb.EVENT_TYPE_TAKEN_OVER,
+    EventType.IN_DOUBT: pb.EVENT_TYPE_IN_DOUBT,
+    EventType.RESOLVED_NOT_SENT: pb.EVENT_TYPE_RESOLVED_NOT_SENT,
+    EventType.RETENTION_ENDED: pb.EVENT_TYPE_RETENTION_ENDED,
+}
+_RESOLVE_OUTCOMES = {
+    pb.ResolveInDoubtRequest.OUTCOME_SENT: ResolveOutcome.SENT,
+    pb.ResolveInDoubtRequest.OUTCOME_NOT_SENT: ResolveOutcome.NOT_SENT,
+}
+
+
+def _timestamp(ms: int | None) -> Timestamp | None:
+    if ms is None:
+        return None
+    stamp = Timestamp()
+    stamp.FromMilliseconds(ms)
+    return stamp
+
+
+def subject_in(message: pb.Subject, field: str = "subject") -> Subject:
+    kind = _KINDS.get(message.kind)
+    if kind is None:
+        raise InvalidArgument(f"{field}.kind", "must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD")
+    return Subject(message.mailbox, kind, message.id)
+
+
+def subject_out(subject: Subject) -> pb.Subject:
+    return pb.Subject(mailbox=subject.mailbox, kind=_KINDS_OUT[subject.kind], id=subject.id)
+
+
+def status_out(subject: Subject, stored: Stored | None) -> pb.SubjectStatus:
+    if stored is None:
+        return pb.SubjectStatus(subject=subject_out(subject), state=pb.SUBJECT_STATE_FREE)
+    record = stored.record
+    return pb.SubjectStatus(
+        subject=subject_out(subject),
+        state=_STATES[record.state],
+        holder=record.holder,
+        holder_kind=_HOLDER_KINDS_OUT[record.holder_kind],
+        fencing_token=stored.token,
+        acquired_at=_timestamp(record.acquired_ms),
+        expires_at=_timestamp(record.expires_ms),
+        note=record.note,
+        send_started_at=_timestamp(record.send_started_ms),
+        send_deadline=_timestamp(record.send_deadline_ms),
+        sent_at=_timestamp(record.sent_ms),
+        sent_message_id=record.sent_message_id,
+        revision=stored.revision,
+        ttl_seconds=record.ttl_seconds,
+    )
+
+
+def delivery_out(delivery: DeliveryRecord) -> pb.DeliveryRecord:
+    return pb.DeliveryRecord(
+        mailbox=delivery.mailbox,
+        notification_id=delivery.notification_id,
+        recorded_by=delivery.recorded_by,
+        recorded_at=_timestamp(delivery.recorded_ms),
+        subject=subject_out(delivery.subject) if delivery.subject is not None else None,
+    )
+
+
+def event_out(event: Event) -> pb.WatchEvent:
+    change = event.change
+    previous = change.previous
+    ended = change.now is None
+    return pb.WatchEvent(
+        type=_EVENT_TYPES[event.type],
+        status=status_out(change.subject, change.now),
+        previous_holder=previous.record.holder
+        if previous is not None and (ended or event.type is EventType.CLAIMED)
+        else "",
+        previous_token=previous.token if previous is not None and ended else 0,
+        revision=change.revision,
+        reason=change.end.detail if change.end is not None else "",
+    )
+
+
+def caller_from_metadata(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
+    """Development mode: the principal is whatever the call's metadata says. Authentication replaces this."""
+    metadata = {key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
+    principal = metadata.get(PRINCIPAL_METADATA, "")
+    if not principal:
+        raise Unauthenticated(
+            f"no principal: send the metadata key {PRINCIPAL_METADATA!r} (the name this agent or person acts as)"
+        )
+    kind_text = metadata.get(PRINCIPAL_KIND_METADATA, "agent").lower()
+    try:
+        kind = HolderKind(kind_text)
+    except ValueError:
+        raise InvalidArgument(PRINCIPAL_KIND_METADATA, f"is {kind_text!r}; use 'agent' or 'human'") from None
+    caller = Caller(principal, kind)
+    check_caller(caller)
+    return caller
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _reported(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Turns coordinator errors into their status codes; anything else is logged and stays INTERNAL."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        context: grpc.aio.ServicerContext[Any, Any] = args[2]  # type: ignore[assignment]
+        try:
+            return await method(*args, **kwargs)
+        except CoordinatorError as error:
+            await context.abort(_STATUS_CODES[type(error)], str(error))
+            raise  # abort() raises; this line only satisfies the type checker
+
+    return wrapper
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, engine: Engine, authenticate: Callable[[Any], Caller] = caller_from_metadata) -> None:
+        self._engine = engine
+        self._authenticate = authenticate
+
+    @_reported
+    async def RecordDelivery(
+        self, request: pb.RecordDeliveryRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RecordDeliveryResponse:
+        new, record = await self._engine.record_delivery(
+            self._authenticate(context),
+            request_id=request.request_id,
+            mailbox=request.mailbox,
+            notification_id=request.notification_id,
+        )
+        result = pb.RecordDeliveryResponse.NEW if new else pb.RecordDeliveryResponse.DUPLICATE
+        return pb.RecordDeliveryResponse(result=result, first=delivery_out(record))
+
+    @_reported
+    async def ClaimReply(
+        self, request: pb.ClaimReplyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClaimReplyResponse:
+        subject = subject_in(request.subject)
+        outcome = await self._engine.claim_reply(
+            self._authenticate(context),
+            request_id=request.request_id,
+            subject=subject,
+            notification_id=request.notification_id,
+            ttl_seconds=request.ttl_seconds,
+            note=request.note,
+        )
+        return pb.ClaimReplyResponse(
+            result=_CLAIM_RESULTS[outcome.result],
+            status=status_out(subject, outcome.stored),
+            delivery=delivery_out(outcome.delivery) if outcome.delivery is not None else None,
+        )
+
+    @_reported
+    async def RenewClaim(
+        self, request: pb.RenewClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RenewClaimResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.renew(
+            self._authenticate(context),
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+            ttl_seconds=request.ttl_seconds,
+        )
+        return pb.RenewClaimResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    @_reported
+    async def ReleaseClaim(
+        self, request: pb.ReleaseClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReleaseClaimResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.release(
+            self._authenticate(context),
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+        )
+        return pb.ReleaseClaimResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    @_reported
+    async def BeginSend(
+        self, request: pb.BeginSendRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.BeginSendResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.begin_send(
+            self._authenticate(context),
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+        )
+        return pb.BeginSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    @_reported
+    async def ConfirmSent(
+        self, request: pb.ConfirmSentRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ConfirmSentResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.confirm_sent(
+            self._authenticate(context),
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+            sent_message_id=request.sent_message_id,
+        )
+        return pb.ConfirmSentResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    @_reported
+    async def AbortSend(
+        self, request: pb.AbortSendRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.AbortSendResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.abort_send(
+            self._authenticate(context),
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+            reason=request.reason,
+        )
+        return pb.AbortSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    @_reported
+    async def GetStatus(
+        self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetStatusResponse:
+        self._authenticate(context)
+        subject = subject_in(request.subject)
+        return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(subject)))
+
+    @_reported
+    async def ListClaims(
+        self, request: pb.ListClaimsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ListClaimsResponse:
+        self._authenticate(context)
+        states = set()
+        for state in request.states:
+            if state not in _STATES_IN:
+                raise InvalidArgument("states", f"{state} is not a SubjectState")
+            states.add(_STATES_IN[state])
+        page = await self._engine.list_claims(
+            mailbox=request.mailbox,
+            states=frozenset(states),
+            page_size=request.page_size,
+            page_token=_page_token_in(request.page_token),
+        )
+        return pb.ListClaimsResponse(
+            subjects=[status_out(subject, stored) for subject, stored in page.subjects],
+            next_page_token=base64.urlsafe_b64encode(page.next_token).decode() if page.next_token else "",
+            revision=page.revision,
+        )
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.WatchResponse]:
+        try:
+            self._authenticate(context)
+            async for item in self._engine.watch(request.mailbox):
+                if isinstance(item, Snapshot):
+                    yield pb.WatchResponse(
+                        snapshot=pb.WatchSnapshot(
+                            subjects=[status_out(subject, stored) for subject, stored in item.subjects],
+                            revision=item.revision,
+                        )
+                    )
+                else:
+                    yield pb.WatchResponse(event=event_out(item))
+        except CoordinatorError as error:
+            await context.abort(_STATUS_CODES[type(error)], str(error))
+
+    @_reported
+    async def Takeover(
+        self, request: pb.TakeoverRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.TakeoverResponse:
+        subject = subject_in(request.subject)
+        outcome = await self._engine.takeover(
+            self._authenticate(context),
+            request_id=request.request_id,
+            subject=subject,
+            ttl_seconds=request.ttl_seconds,
+            note=request.note,
+        )
+        return pb.TakeoverResponse(
+            result=_TAKEOVER_RESULTS[outcome.result],
+            status=status_out(subject, outcome.stored),
+            previous_holder=outcome.previous_holder,
+            previous_token=outcome.previous_token,
+        )
+
+    @_reported
+    async def ResolveInDoubt(
+        self, request: pb.ResolveInDoubtRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ResolveInDoubtResponse:
+        subject = subject_in(request.subject)
+        outcome = _RESOLVE_OUTCOMES.get(request.outcome)
+        if outcome is None:
+            raise InvalidArgument("outcome", "must be OUTCOME_SENT or OUTCOME_NOT_SENT")
+        stored = await self._engine.resolve_in_doubt(
+            self._authenticate(context),
+            request_id=request.request_id,
+            subject=subject,
+            outcome=outcome,
+            sent_message_id=request.sent_message_id,
+            note=request.note,
+        )
+        return pb.ResolveInDoubtResponse(status=status_out(subject, stored))
+
+
+def _page_token_in(token: str) -> bytes | None:
+    if not token:
+        return None
+    try:
+        return base64.urlsafe_b64decode(token.encode())
+    except (binascii.Error, ValueError):
+        raise InvalidArgument("page_token", "is not a token this service issued; start without one") from None

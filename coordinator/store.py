@@ -1,0 +1,566 @@
+"""The only code that knows etcd: transactions, shared leases, watches. etcd errors are translated here.
+
+It speaks etcd's v3 gRPC API through the generated messages and stubs that ``aetcd`` ships: its high-level
+client has no nested transactions, no revision in a transaction's answer and no prev_kv watches, and the
+raw stubs skip a layer of Python on the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import ipaddress
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from aetcd import rpc
+
+from . import _codec
+from ._keys import Keys, prefix_end
+from .domain import DeliveryRecord, EndMark, State, Stored, Subject, SubjectRecord, Transition
+from .errors import StoreConflict, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A compare-and-swap that loses this many times in a row is reported instead of spinning.
+_CAS_ATTEMPTS = 32
+_RANGE_PAGE = 1000
+# How long the reason for a deletion is kept: the window in which a retried release or abort is
+# recognised as the same call, and in which a watcher that resumes can still name the transition.
+END_MARK_RETENTION_MS = 300_000
+
+
+@dataclass(frozen=True)
+class EtcdSettings:
+    endpoints: Sequence[str]
+    prefix: str = "inbox-coordinator/v1/"
+    # Deadline of one etcd call: a store slower than this is reported UNAVAILABLE, not waited on forever.
+    call_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class ClaimAttempt:
+    """The answer of the one-transaction claim: either ``created`` or what stood in the way."""
+
+    created: Stored | None
+    current: Stored | None
+    delivery: DeliveryRecord | None
+
+
+@dataclass(frozen=True)
+class Change:
+    """One subject key changed at ``revision``; ``end`` is the reason written beside a deletion."""
+
+    subject: Subject
+    previous: Stored | None
+    now: Stored | None
+    end: EndMark | None
+    revision: int
+
+
+class FeedLost(Exception):
+    """A mailbox watch ended (etcd unreachable too long, history compacted, or a slow subscriber)."""
+
+
+def channel_target(endpoints: Sequence[str]) -> str:
+    """A gRPC target for one or several etcd endpoints (several must be IP literals, as gRPC needs)."""
+    cleaned = [e.removeprefix("http://").removeprefix("https://").rstrip("/") for e in endpoints]
+    if not cleaned:
+        raise ValueError("no etcd endpoint given")
+    if len(cleaned) == 1:
+        return cleaned[0]
+    hosts = []
+    for endpoint in cleaned:
+        host, _, port = endpoint.rpartition(":")
+        host = host.strip("[]")
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(
+                f"etcd endpoint {endpoint!r}: several endpoints must be IP addresses (host:port); "
+                "for DNS names give one name that resolves to every member"
+            ) from None
+        hosts.append(f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}")
+    return "ipv4:" + ",".join(hosts) if all("[" not in h for h in hosts) else "ipv6:" + ",".join(hosts)
+
+
+def _translate(error: grpc.aio.AioRpcError) -> StoreUnavailable:
+    code = error.code()
+    detail = error.details() or ""
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return StoreUnavailable(f"etcd refused the write: {detail} (is its storage quota alarm raised?)")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return StoreUnavailable(f"etcd is unavailable ({code.name}: {detail}); retry with the same request id")
+    return StoreUnavailable(f"etcd failed the request ({code.name}: {detail})")
+
+
+def _is_lease_not_found(error: grpc.aio.AioRpcError) -> bool:
+    return error.code() is grpc.StatusCode.NOT_FOUND and "lease" in (error.details() or "")
+
+
+class _LeaseBuckets:
+    """One etcd lease per expiry instant, shared by every key that expires then.
+
+    A LeaseGrant costs as much as a transaction; a lease per claim would halve throughput. Keys are put
+    with the lease of their (rounded-up) expiry, so the hot path grants at most once per bucket.
+    """
+
+    def __init__(self, stub: Any, clock: Callable[[], int], timeout: float) -> None:
+        self._stub = stub
+        self._clock = clock
+        self._timeout = timeout
+        self._leases: dict[int, asyncio.Future[int]] = {}
+
+    async def lease_for(self, expires_ms: int) -> int:
+        future = self._leases.get(expires_ms)
+        if future is None or (future.done() and future.exception() is not None):
+            future = asyncio.get_running_loop().create_future()
+            self._leases[expires_ms] = future
+            self._forget_past()
+            try:
+                ttl = max(1, math.ceil((expires_ms - self._clock()) / 1000))
+                response = await self._stub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self._timeout)
+                future.set_result(response.ID)
+            except BaseException as exc:
+                del self._leases[expires_ms]
+                future.set_exception(exc)
+                future.exception()  # mark retrieved: the other waiters re-raise it themselves
+                raise
+        return await asyncio.shield(future)
+
+    def forget(self, expires_ms: int) -> None:
+        self._leases.pop(expires_ms, None)
+
+    def _forget_past(self) -> None:
+        now = self._clock()
+        for expiry in [e for e in self._leases if e < now]:
+            del self._leases[expiry]
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+
+def _stored(kv: Any) -> Stored:
+    return Stored(_codec.decode_record(kv.value), token=kv.create_revision, revision=kv.mod_revision)
+
+
+def _op_put(key: bytes, value: bytes, lease: int = 0) -> Any:
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
+
+
+def _op_get(key: bytes) -> Any:
+    return rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
+
+
+def _op_delete(key: bytes) -> Any:
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+
+
+def _absent(key: bytes) -> Any:
+    return rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.VERSION, version=0)
+
+
+def _unchanged_since(key: bytes, revision: int) -> Any:
+    return rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.MOD, mod_revision=revision)
+
+
+def _first_kv(response: Any) -> Any | None:
+    kvs = response.response_range.kvs
+    return kvs[0] if kvs else None
+
+
+class EtcdStore:
+    def __init__(self, settings: EtcdSettings, clock: Callable[[], int]) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.prefix)
+        self._clock = clock
+        self._timeout = settings.call_timeout_s
+        self._channel = grpc.aio.insecure_channel(
+            channel_target(settings.endpoints),
+            options=[
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.lb_policy_name", "pick_first"),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2_000),
+            ],
+        )
+        self._kv = rpc.KVStub(self._channel)
+        self._watch = rpc.WatchStub(self._channel)
+        self._maintenance = rpc.MaintenanceStub(self._channel)
+        self._leases = _LeaseBuckets(rpc.LeaseStub(self._channel), clock, self._timeout)
+        self.feeds = _FeedHub(self)
+
+    async def close(self) -> None:
+        await self.feeds.close()
+        await self._channel.close()
+
+    async def _call(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+        try:
+            return await method(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as error:
+            raise _translate(error) from error
+
+    async def _txn(self, compare: list[Any], success: list[Any], failure: list[Any]) -> Any:
+        return await self._call(self._kv.Txn, rpc.TxnRequest(compare=compare, success=success, failure=failure))
+
+    async def _with_leases(self, build: Callable[[], Awaitable[Any]]) -> Any:
+        """Runs a transaction built with bucket leases, once more if etcd no longer knows one of them."""
+        try:
+            return await build()
+        except StoreUnavailable as error:
+            cause = error.__cause__
+            if isinstance(cause, grpc.aio.AioRpcError) and _is_lease_not_found(cause):
+                # The cache outlived a lease (etcd restored from a backup, or a clock jump): grant anew.
+                self._leases = _LeaseBuckets(self._leases._stub, self._clock, self._timeout)
+                return await build()
+            raise
+
+    async def _lease(self, expires_ms: int | None) -> int:
+        if expires_ms is None:
+            return 0
+        try:
+            return await self._leases.lease_for(expires_ms)
+        except grpc.aio.AioRpcError as error:
+            raise _translate(error) from error
+
+    # --- health --------------------------------------------------------------------------------------------
+
+    async def ping(self) -> str:
+        """etcd's version; raises StoreUnavailable when no member answers."""
+        response = await self._call(self._maintenance.Status, rpc.StatusRequest())
+        return str(response.version)
+
+    async def current_revision(self) -> int:
+        response = await self._call(self._kv.Range, rpc.RangeRequest(key=self.keys.sending_index(), count_only=True))
+        return int(response.header.revision)
+
+    # --- claims --------------------------------------------------------------------------------------------
+
+    async def claim(
+        self,
+        subject: Subject,
+        record: SubjectRecord,
+        delivery: DeliveryRecord | None,
+        delivery_expires_ms: int,
+    ) -> ClaimAttempt:
+        """Create-if-absent in one transaction; on failure the same round trip reads what is in the way."""
+        subject_key = self.keys.subject(subject)
+        delivery_key = self.keys.delivery(delivery.mailbox, delivery.notification_id) if delivery is not None else None
+
+        async def attempt() -> Any:
+            compare = [_absent(subject_key)]
+            success = [_op_put(subject_key, _codec.encode_record(record), await self._lease(record.expires_ms))]
+            failure = [_op_get(subject_key)]
+            if delivery is not None and delivery_key is not None:
+                compare.append(_absent(delivery_key))
+                lease = await self._lease(delivery_expires_ms)
+                success.append(_op_put(delivery_key, _codec.encode_delivery(delivery), lease))
+                failure.append(_op_get(delivery_key))
+            return await self._txn(compare, success, failure)
+
+        response = await self._with_leases(attempt)
+        if response.succeeded:
+            revision = response.header.revision
+            return ClaimAttempt(Stored(record, token=revision, revision=revision), None, None)
+        subject_kv = _first_kv(response.responses[0])
+        delivery_kv = _first_kv(response.responses[1]) if delivery is not None else None
+        return ClaimAttempt(
+            None,
+            _stored(subject_kv) if subject_kv is not None else None,
+            _codec.decode_delivery(delivery_kv.value) if delivery_kv is not None else None,
+        )
+
+    async def record_delivery(self, delivery: DeliveryRecord, expires_ms: int) -> DeliveryRecord | None:
+        """Records a notification id; returns the earlier record instead when it was seen before."""
+        key = self.keys.delivery(delivery.mailbox, delivery.notification_id)
+
+        async def attempt() -> Any:
+            lease = await self._lease(expires_ms)
+            return await self._txn(
+                [_absent(key)], [_op_put(key, _codec.encode_delivery(delivery), lease)], [_op_get(key)]
+            )
+
+        response = await self._with_leases(attempt)
+        if response.succeeded:
+            return None
+        kv = _first_kv(response.responses[0])
+        # The record can expire between the compare and the read of the same transaction? No: both see one
+        # revision. It is absent only if it was deleted by hand; treat that as a fresh sighting.
+        return _codec.decode_delivery(kv.value) if kv is not None else None
+
+    async def read(self, subject: Subject) -> tuple[Stored | None, EndMark | None]:
+        response = await self._txn([], [_op_get(self.keys.subject(subject)), _op_get(self.keys.end_mark(subject))], [])
+        subject_kv = _first_kv(response.responses[0])
+        end_kv = _first_kv(response.responses[1])
+        return (
+            _stored(subject_kv) if subject_kv is not None else None,
+            _codec.decode_end_mark(end_kv.value) if end_kv is not None else None,
+        )
+
+    async def apply(
+        self, subject: Subject, decide: Callable[[Stored | None, EndMark | None], Transition]
+    ) -> tuple[Transition, Stored | None]:
+        """Reads, decides, and writes only if nothing changed in between; decides again if something did."""
+        subject_key = self.keys.subject(subject)
+        for _ in range(_CAS_ATTEMPTS):
+            current, last_end = await self.read(subject)
+            transition = decide(current, last_end)
+            if transition.write is None and transition.end is None:
+                return transition, current
+            assert current is not None, "a transition always starts from a stored subject"
+            response = await self._with_leases(functools.partial(self._commit, subject, current, transition))
+            if response.succeeded:
+                if transition.write is None:
+                    return transition, None
+                revision = response.header.revision
+                return transition, Stored(transition.write, token=current.token, revision=revision)
+            log.debug("compare-and-swap on %r lost a race; deciding again", subject_key)
+        raise StoreConflict(f"the subject changed {_CAS_ATTEMPTS} times while this call ran; retry it")
+
+    async def _commit(self, subject: Subject, current: Stored, transition: Transition) -> Any:
+        subject_key = self.keys.subject(subject)
+        ops: list[Any] = []
+        was_sending = current.record.state is State.SENDING and current.record.send_deadline_ms is not None
+        will_send = transition.write is not None and transition.write.state is State.SENDING
+        if was_sending and not will_send:
+            assert current.record.send_deadline_ms is not None
+            ops.append(_op_delete(self.keys.sending(current.record.send_deadline_ms, subject)))
+        if transition.write is not None:
+            record = transition.write
+            lease = await self._lease(record.expires_ms)
+            ops.append(_op_put(subject_key, _codec.encode_record(record), lease))
+            if will_send and not was_sending:
+                assert record.send_deadline_ms is not None
+                ops.append(_op_put(self.keys.sending(record.send_deadline_ms, subject), subject_key))
+        if transition.end is not None:
+            lease = await self._lease(_round_up(transition.end.at_ms + END_MARK_RETENTION_MS, 10_000))
+            ops.append(_op_delete(subject_key))
+            ops.append(_op_put(self.keys.end_mark(subject), _codec.encode_end_mark(transition.end), lease))
+        return await self._txn([_unchanged_since(subject_key, current.revision)], ops, [])
+
+    async def status(self, subject: Subject) -> Stored | None:
+        response = await self._call(self._kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))
+        return _stored(response.kvs[0]) if response.kvs else None
+
+    async def list_subjects(
+        self, mailbox: str, *, after: bytes | None, limit: int, revision: int = 0
+    ) -> tuple[list[tuple[Subject, Stored]], bytes | None, int]:
+        """Up to ``limit`` subjects of a mailbox in key order, after key ``after``; the last key if more follow."""
+        base = self.keys.subjects(mailbox)
+        start = after + b"\0" if after is not None else base
+        response = await self._call(
+            self._kv.Range,
+            rpc.RangeRequest(key=start, range_end=prefix_end(base), limit=limit, revision=revision),
+        )
+        items: list[tuple[Subject, Stored]] = []
+        for kv in response.kvs:
+            parsed = self.keys.parse_mailbox_key(mailbox, kv.key)
+            if parsed is not None:
+                items.append((parsed[1], _stored(kv)))
+        last = response.kvs[-1].key if response.more and response.kvs else None
+        return items, last, int(response.header.revision)
+
+    async def snapshot(self, mailbox: str) -> tuple[list[tuple[Subject, Stored]], int]:
+        """Every subject of a mailbox, all read at one revision."""
+        items, last, revision = await self.list_subjects(mailbox, after=None, limit=_RANGE_PAGE)
+        while last is not None:
+            more, last, _ = await self.list_subjects(mailbox, after=last, limit=_RANGE_PAGE, revision=revision)
+            items.extend(more)
+        return items, revision
+
+    async def due_sends(self, now_ms: int, limit: int = 256) -> list[Subject]:
+        """SENDING subjects whose deadline has passed (candidates for IN_DOUBT)."""
+        response = await self._call(
+            self._kv.Range,
+            rpc.RangeRequest(
+                key=self.keys.sending_index(),
+                range_end=self.keys.sending_until(now_ms),
+                limit=limit,
+                keys_only=True,
+            ),
+        )
+        return [self.keys.parse_sending(kv.key) for kv in response.kvs]
+
+    # --- watches -------------------------------------------------------------------------------------------
+
+    def watch_stream(self, mailbox: str, start_revision: int) -> AsyncIterator[list[Change]]:
+        return self._watch_mailbox(mailbox, start_revision)
+
+    async def _watch_mailbox(self, mailbox: str, start_revision: int) -> AsyncIterator[list[Change]]:
+        prefix = self.keys.mailbox(mailbox)
+        create = rpc.WatchRequest(
+            create_request=rpc.WatchCreateRequest(
+                key=prefix, range_end=prefix_end(prefix), start_revision=start_revision, prev_kv=True
+            )
+        )
+        requests: asyncio.Queue[Any] = asyncio.Queue()
+        requests.put_nowait(create)
+
+        async def outgoing() -> AsyncIterator[Any]:
+            while True:
+                yield await requests.get()
+
+        call = self._watch.Watch(outgoing())
+        try:
+            async for response in call:
+                if response.canceled:
+                    raise FeedLost(
+                        f"etcd cancelled the watch of mailbox {mailbox!r}: {response.cancel_reason or 'no reason'}"
+                        + (f" (history compacted at {response.compact_revision})" if response.compact_revision else "")
+                    )
+                if response.events:
+                    yield self._changes(mailbox, response.events)
+        except grpc.aio.AioRpcError as error:
+            raise _translate(error) from error
+        finally:
+            call.cancel()
+
+    def _changes(self, mailbox: str, events: Sequence[Any]) -> list[Change]:
+        ends: dict[tuple[int, Subject], EndMark] = {}
+        subject_events: list[tuple[Subject, Any]] = []
+        for event in events:
+            parsed = self.keys.parse_mailbox_key(mailbox, event.kv.key)
+            if parsed is None:
+                continue
+            kind, subject = parsed
+            if kind == "e":
+                if event.type == rpc.Event.PUT:
+                    ends[(event.kv.mod_revision, subject)] = _codec.decode_end_mark(event.kv.value)
+            else:
+                subject_events.append((subject, event))
+        changes = []
+        for subject, event in subject_events:
+            deleted = event.type == rpc.Event.DELETE
+            previous = _stored(event.prev_kv) if event.HasField("prev_kv") else None
+            revision = event.kv.mod_revision
+            changes.append(
+                Change(
+                    subject=subject,
+                    previous=previous,
+                    now=None if deleted else _stored(event.kv),
+                    end=ends.get((revision, subject)) if deleted else None,
+                    revision=revision,
+                )
+            )
+        return changes
+
+
+def _round_up(ms: int, step: int) -> int:
+    return math.ceil(ms / step) * step
+
+
+@dataclass
+class _Feed:
+    """One etcd watch of one mailbox, fanned out to every subscriber's queue."""
+
+    mailbox: str
+    subscribers: set[asyncio.Queue[list[Change] | FeedLost]] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+
+
+# A subscriber this many batches behind is cut off (it re-subscribes and gets a fresh snapshot) rather
+# than let one slow reader grow the coordinator's memory without bound.
+SUBSCRIBER_BACKLOG = 10_000
+# How long a feed keeps trying to resume its watch while etcd is unreachable before giving up.
+FEED_RESUME_SECONDS = 10.0
+
+
+class _FeedHub:
+    """Shares one etcd watch per mailbox among all of its watchers."""
+
+    def __init__(self, store: EtcdStore) -> None:
+        self._store = store
+        self._feeds: dict[str, _Feed] = {}
+        self._lock = asyncio.Lock()
+
+    @property
+    def mailboxes(self) -> int:
+        return len(self._feeds)
+
+    @property
+    def subscribers(self) -> int:
+        return sum(len(feed.subscribers) for feed in self._feeds.values())
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, mailbox: str) -> AsyncIterator[asyncio.Queue[list[Change] | FeedLost]]:
+        queue: asyncio.Queue[list[Change] | FeedLost] = asyncio.Queue(SUBSCRIBER_BACKLOG)
+        async with self._lock:
+            feed = self._feeds.get(mailbox)
+            if feed is None:
+                # Start at the current revision: every later change reaches the queue, and the
+                # subscriber's snapshot (read after this) tells it which of them it already knows.
+                start = await self._store.current_revision() + 1
+                feed = _Feed(mailbox)
+                feed.task = asyncio.create_task(self._run(feed, start), name=f"watch {mailbox}")
+                self._feeds[mailbox] = feed
+            feed.subscribers.add(queue)
+        try:
+            yield queue
+        finally:
+            feed.subscribers.discard(queue)
+            if not feed.subscribers and self._feeds.get(mailbox) is feed:
+                del self._feeds[mailbox]
+                if feed.task is not None:
+                    feed.task.cancel()
+
+    async def _run(self, feed: _Feed, start_revision: int) -> None:
+        next_revision = start_revision
+        failing_since: float | None = None
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    async for changes in self._store.watch_stream(feed.mailbox, next_revision):
+                        failing_since = None
+                        next_revision = changes[-1].revision + 1 if changes else next_revision
+                        self._deliver(feed, changes)
+                except StoreUnavailable as error:
+                    # etcd keeps history: resuming from the next revision loses nothing.
+                    failing_since = failing_since or loop.time()
+                    if loop.time() - failing_since > FEED_RESUME_SECONDS:
+                        raise FeedLost(str(error)) from error
+                    await asyncio.sleep(0.2)
+        except FeedLost as lost:
+            self._end(feed, lost)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # pragma: no cover - defensive: never leave watchers hanging
+            log.exception("mailbox watch failed")
+            self._end(feed, FeedLost(f"mailbox watch failed: {error}"))
+
+    def _deliver(self, feed: _Feed, changes: list[Change]) -> None:
+        if not changes:
+            return
+        for queue in list(feed.subscribers):
+            try:
+                queue.put_nowait(changes)
+            except asyncio.QueueFull:
+                feed.subscribers.discard(queue)
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    queue.get_nowait()
+                queue.put_nowait(FeedLost("this watcher fell too far behind; watch again for a fresh snapshot"))
+
+    def _end(self, feed: _Feed, lost: FeedLost) -> None:
+        if self._feeds.get(feed.mailbox) is feed:
+            del self._feeds[feed.mailbox]
+        for queue in list(feed.subscribers):
+            with contextlib.suppress(asyncio.QueueEmpty):
+                while queue.full():
+                    queue.get_nowait()
+            queue.put_nowait(lost)
+
+    async def close(self) -> None:
+        for feed in list(self._feeds.values()):
+            self._end(feed, FeedLost("the coordinator is shutting down"))
+            if feed.task is not None:
+                feed.task.cancel()
+        self._feeds.clear()

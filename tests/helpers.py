@@ -1,0 +1,174 @@
+"""A thin typed wrapper over the generated stub, acting as one principal, for the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from coordinator.service import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
+from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+
+
+def message(mailbox: str, message_id: str) -> pb.Subject:
+    return pb.Subject(mailbox=mailbox, kind=pb.SUBJECT_KIND_MESSAGE, id=message_id)
+
+
+def thread(mailbox: str, thread_id: str) -> pb.Subject:
+    return pb.Subject(mailbox=mailbox, kind=pb.SUBJECT_KIND_THREAD, id=thread_id)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Actor:
+    """One principal (agent or human) talking to a coordinator."""
+
+    def __init__(self, channel: grpc.aio.Channel, principal: str, kind: str = "agent") -> None:
+        self.stub = pb_grpc.CoordinatorStub(channel)
+        self.name = principal
+        self.metadata = ((PRINCIPAL_METADATA, principal), (PRINCIPAL_KIND_METADATA, kind))
+
+    async def claim(
+        self,
+        subject: pb.Subject,
+        *,
+        ttl: int = 0,
+        notification_id: str = "",
+        request_id: str | None = None,
+        note: str = "",
+    ) -> pb.ClaimReplyResponse:
+        return await self.stub.ClaimReply(
+            pb.ClaimReplyRequest(
+                request_id=request_id or new_request_id(),
+                subject=subject,
+                notification_id=notification_id,
+                ttl_seconds=ttl,
+                note=note,
+            ),
+            metadata=self.metadata,
+        )
+
+    async def record_delivery(
+        self, mailbox: str, notification_id: str, request_id: str | None = None
+    ) -> pb.RecordDeliveryResponse:
+        return await self.stub.RecordDelivery(
+            pb.RecordDeliveryRequest(
+                request_id=request_id or new_request_id(), mailbox=mailbox, notification_id=notification_id
+            ),
+            metadata=self.metadata,
+        )
+
+    async def renew(
+        self, subject: pb.Subject, token: int, ttl: int = 0, request_id: str | None = None
+    ) -> pb.RenewClaimResponse:
+        return await self.stub.RenewClaim(
+            pb.RenewClaimRequest(
+                request_id=request_id or new_request_id(), subject=subject, fencing_token=token, ttl_seconds=ttl
+            ),
+            metadata=self.metadata,
+        )
+
+    async def release(self, subject: pb.Subject, token: int, request_id: str | None = None) -> pb.ReleaseClaimResponse:
+        return await self.stub.ReleaseClaim(
+            pb.ReleaseClaimRequest(request_id=request_id or new_request_id(), subject=subject, fencing_token=token),
+            metadata=self.metadata,
+        )
+
+    async def begin(self, subject: pb.Subject, token: int, request_id: str | None = None) -> pb.BeginSendResponse:
+        return await self.stub.BeginSend(
+            pb.BeginSendRequest(request_id=request_id or new_request_id(), subject=subject, fencing_token=token),
+            metadata=self.metadata,
+        )
+
+    async def confirm(
+        self, subject: pb.Subject, token: int, sent_message_id: str = "sent-1", request_id: str | None = None
+    ) -> pb.ConfirmSentResponse:
+        return await self.stub.ConfirmSent(
+            pb.ConfirmSentRequest(
+                request_id=request_id or new_request_id(),
+                subject=subject,
+                fencing_token=token,
+                sent_message_id=sent_message_id,
+            ),
+            metadata=self.metadata,
+        )
+
+    async def abort(
+        self, subject: pb.Subject, token: int, reason: str = "refused", request_id: str | None = None
+    ) -> pb.AbortSendResponse:
+        return await self.stub.AbortSend(
+            pb.AbortSendRequest(
+                request_id=request_id or new_request_id(), subject=subject, fencing_token=token, reason=reason
+            ),
+            metadata=self.metadata,
+        )
+
+    async def status(self, subject: pb.Subject) -> pb.SubjectStatus:
+        response = await self.stub.GetStatus(pb.GetStatusRequest(subject=subject), metadata=self.metadata)
+        return response.status
+
+    async def takeover(self, subject: pb.Subject, ttl: int = 0, note: str = "") -> pb.TakeoverResponse:
+        return await self.stub.Takeover(
+            pb.TakeoverRequest(request_id=new_request_id(), subject=subject, ttl_seconds=ttl, note=note),
+            metadata=self.metadata,
+        )
+
+    async def resolve(
+        self, subject: pb.Subject, outcome: int, sent_message_id: str = "", note: str = ""
+    ) -> pb.ResolveInDoubtResponse:
+        return await self.stub.ResolveInDoubt(
+            pb.ResolveInDoubtRequest(
+                request_id=new_request_id(),
+                subject=subject,
+                outcome=outcome,  # type: ignore[arg-type]
+                sent_message_id=sent_message_id,
+                note=note,
+            ),
+            metadata=self.metadata,
+        )
+
+    async def list(
+        self, mailbox: str, states: tuple[int, ...] = (), page_size: int = 0, page_token: str = ""
+    ) -> pb.ListClaimsResponse:
+        return await self.stub.ListClaims(
+            pb.ListClaimsRequest(
+                mailbox=mailbox,
+                states=states,  # type: ignore[arg-type]
+                page_size=page_size,
+                page_token=page_token,
+            ),
+            metadata=self.metadata,
+        )
+
+    def watch(self, mailbox: str) -> AsyncIterator[pb.WatchResponse]:
+        return self.stub.Watch(pb.WatchRequest(mailbox=mailbox), metadata=self.metadata).__aiter__()
+
+
+async def eventually(
+    check: Callable[[], Awaitable[Any]], *, timeout: float = 10.0, interval: float = 0.1
+) -> Any:
+    """Polls ``check`` until it returns a truthy value; fails with its last value after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s; last value: {value!r}")
+        await asyncio.sleep(interval)
+
+
+async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
+    """Awaits a call that must fail, and returns its error."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as error:
+        return error
+    raise AssertionError("the call succeeded; an error status was expected")
