@@ -681,17 +681,37 @@ class EtcdCluster:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop every member: the followers together, then the leader."""
-        # On SIGTERM an etcd leader first hands leadership to its longest-connected
-        # peer and waits for that up to the request timeout (5 s + 2 election timeouts,
-        # 7 s by default). Terminated together with its followers, it picks one that is
-        # already going away and sits out the whole 7 s. Once the followers are gone it
-        # sees no active peer and skips the handover at once.
+        # On SIGTERM an etcd leader first hands leadership to the peer it has been
+        # connected to longest and waits for that up to the request timeout (5 s + 2
+        # election timeouts: 7 s by default). If that peer is going away too, as when
+        # everything is stopped at once, the leader sits out the whole 7 s; it even does
+        # so a few milliseconds after the followers have exited, before it has noticed.
+        # A leader that has stepped down for lack of quorum skips the handover, so the
+        # followers go first and the leader is stopped once it no longer leads.
         deadline = time.monotonic() + timeout
-        leader = _agreed_leader(self.member_statuses(), quorum=self._size // 2 + 1)
+        statuses = self.member_statuses()
+        leader = _agreed_leader(statuses, quorum=self._size // 2 + 1)
         followers = [m for i, m in enumerate(self.members) if i != leader]
         _stop_together(followers, deadline)
         if leader is not None:
+            status = statuses[leader]
+            assert status is not None  # _agreed_leader only names members that answered
+            self._await_step_down(leader, str(status["header"]["member_id"]), deadline)
             _stop_together([self.members[leader]], deadline)
+
+    def _await_step_down(self, index: int, member_id: str, deadline: float) -> None:
+        # Bounded to half the remaining budget so that a leader that never steps down
+        # (a changed election timeout, say) still gets its SIGTERM and a fair wait.
+        until = time.monotonic() + (deadline - time.monotonic()) / 2
+        member = self.members[index]
+        while time.monotonic() < until and member.is_running:
+            try:
+                status = _http_json(f"{member.client_url}/v3/maintenance/status", {})
+            except (OSError, ValueError):
+                return
+            if not isinstance(status, dict) or str(status.get("leader", "0")) != member_id:
+                return
+            time.sleep(_POLL_INTERVAL)
 
     def member_statuses(self, timeout: float = _PROBE_TIMEOUT) -> list[dict[str, Any] | None]:
         """``/v3/maintenance/status`` of each member; None for one that did not answer."""

@@ -280,7 +280,7 @@ def test_taken_port_with_explicit_spec_fails_and_spares_the_other_server(tmp_pat
         second = EtcdServer(tmp_path / "b" / "data", spec=spec)
         # Which of the two symptoms shows first is a race: our etcd failing to bind, or
         # the first server answering /health on the port in its place.
-        with pytest.raises(EtcdStartError, match="address already in use|answered by another etcd member"):
+        with pytest.raises(EtcdStartError, match=r"address already in use|answered by another etcd member"):
             second.start(timeout=10)
         assert not second.is_running
         assert _healthy(first.client_url)
