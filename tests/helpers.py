@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-
-from coordinator.service import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+
+from coordinator.service import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 
 
 def message(mailbox: str, message_id: str) -> pb.Subject:
@@ -151,17 +151,15 @@ class Actor:
         return self.stub.Watch(pb.WatchRequest(mailbox=mailbox), metadata=self.metadata).__aiter__()
 
 
-async def eventually(
-    check: Callable[[], Awaitable[Any]], *, timeout: float = 10.0, interval: float = 0.1
-) -> Any:
-    """Polls ``check`` until it returns a truthy value; fails with its last value after ``timeout``."""
-    deadline = time.monotonic() + timeout
+async def eventually(check: Callable[[], Awaitable[Any]], *, within: float = 10.0, interval: float = 0.1) -> Any:
+    """Polls ``check`` until it returns a truthy value; fails with its last value after ``within`` seconds."""
+    deadline = time.monotonic() + within
     while True:
         value = await check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s; last value: {value!r}")
+            raise AssertionError(f"condition not met within {within} s; last value: {value!r}")
         await asyncio.sleep(interval)
 
 

@@ -12,16 +12,25 @@ import time
 from pathlib import Path
 
 import grpc
+from inbox_claims._proto import coordinator_pb2 as pb
 
 from coordinator.etcd_process import free_port
-from inbox_claims._proto import coordinator_pb2 as pb
 
 from .helpers import Actor, message
 
 
 def _start(data_dir: Path, port: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir)],
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--data-dir",
+            str(data_dir),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -78,8 +87,7 @@ async def test_serve_runs_on_an_embedded_etcd_and_keeps_its_data(tmp_path: Path)
     # The embedded etcd stopped with the coordinator, and its data stays for the next start.
     ports = json.loads((data_dir / "ports.json").read_text())
     assert not _port_open(ports["client"]), "the embedded etcd outlived the coordinator"
-    with open(data_dir / "etcd.log") as log:
-        assert "embedded" in log.read()
+    assert "embedded" in (data_dir / "etcd.log").read_text()
     process = _start(data_dir, port)
     _wait_for_line(process, "serving gRPC on")
     again = await _claim(port, "persisted")

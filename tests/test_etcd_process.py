@@ -336,6 +336,16 @@ def test_three_member_cluster_survives_losing_its_leader(tmp_path: Path) -> None
         assert len(members) == 3
         assert cluster.leader_index() in range(3)
         assert len({s["leader"] for s in _statuses(cluster).values()}) == 1
+
+        # A paused leader is replaced; once resumed it still believes in its old term
+        # for a moment, which leader_index must not take for the current leader.
+        paused = cluster.leader_index()
+        cluster.members[paused].pause()
+        replacement = cluster.leader_index(timeout=15)
+        assert replacement != paused
+        cluster.members[paused].resume()
+        assert cluster.leader_index() == replacement
+        cluster.members[paused].wait_healthy(timeout=10)
         pids = [m.pid for m in cluster.members]
     assert not any(m.is_running for m in cluster.members)
     for pid in pids:

@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from inbox_claims._proto import coordinator_pb2 as pb
 
 from coordinator.etcd_process import EtcdServer
-from inbox_claims._proto import coordinator_pb2 as pb
 
 from .conftest import StartCoordinator
 from .helpers import Actor, eventually, message, rpc_error
@@ -19,7 +19,8 @@ OK = pb.FENCE_RESULT_OK
 
 async def _health(channel: grpc.aio.Channel) -> int:
     stub = health_pb2_grpc.HealthStub(channel)
-    return (await stub.Check(health_pb2.HealthCheckRequest(service=""))).status  # type: ignore[no-any-return]
+    response = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+    return int(response.status)
 
 
 async def test_etcd_stopped_and_started_again(
@@ -41,16 +42,16 @@ async def test_etcd_stopped_and_started_again(
         assert "retry" in (error.details() or "")
 
         async def not_serving() -> bool:
-            return await _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            return bool(await _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING)
 
-        await eventually(not_serving, timeout=10)
+        await eventually(not_serving, within=10)
 
         private_etcd.start()
 
         async def serving() -> bool:
-            return await _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            return bool(await _health(channel) == health_pb2.HealthCheckResponse.SERVING)
 
-        await eventually(serving, timeout=20)
+        await eventually(serving, within=20)
         # The claim and its token survived; so did the reply record.
         assert (await agent.renew(held, token)).result == OK
         assert (await agent.status(replied)).state == pb.SUBJECT_STATE_REPLIED
@@ -61,7 +62,7 @@ async def test_etcd_stopped_and_started_again(
             except grpc.aio.AioRpcError:
                 return False
 
-        await eventually(claims_again, timeout=20)
+        await eventually(claims_again, within=20)
 
 
 async def test_acknowledged_reply_survives_an_etcd_crash(
@@ -85,7 +86,7 @@ async def test_acknowledged_reply_survives_an_etcd_crash(
                 return False
             return states == [pb.SUBJECT_STATE_REPLIED] * len(subjects)
 
-        await eventually(all_replied, timeout=20)
+        await eventually(all_replied, within=20)
         for subject in subjects:
             assert (await agent.claim(subject)).result == pb.ClaimReplyResponse.ALREADY_REPLIED
 
@@ -108,7 +109,7 @@ async def test_watch_resumes_across_an_etcd_restart(
             except grpc.aio.AioRpcError:
                 return False
 
-        await eventually(claimed, timeout=20)
+        await eventually(claimed, within=20)
         async with asyncio.timeout(15):
             response = await anext(stream)
         assert response.event.type == pb.EVENT_TYPE_CLAIMED

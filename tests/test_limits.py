@@ -8,10 +8,10 @@ import urllib.request
 
 import grpc
 import pytest
+from inbox_claims._proto import coordinator_pb2 as pb
 
 from coordinator import limits
 from coordinator.etcd_process import EtcdServer
-from inbox_claims._proto import coordinator_pb2 as pb
 
 from .helpers import Actor, message, rpc_error
 
@@ -132,9 +132,7 @@ async def test_missing_principal_is_unauthenticated(channel: grpc.aio.Channel, m
     from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
     stub = pb_grpc.CoordinatorStub(channel)
-    error = await rpc_error(
-        stub.ClaimReply(pb.ClaimReplyRequest(request_id="r", subject=message(mailbox, "m")))
-    )
+    error = await rpc_error(stub.ClaimReply(pb.ClaimReplyRequest(request_id="r", subject=message(mailbox, "m"))))
     assert error.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "x-inbox-principal" in (error.details() or "")
 

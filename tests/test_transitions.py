@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import grpc
+from inbox_claims._proto import coordinator_pb2 as pb
 
 from coordinator.server import CoordinatorServer
-from inbox_claims._proto import coordinator_pb2 as pb
 
 from .conftest import StartCoordinator
 from .helpers import Actor, eventually, message, rpc_error, thread
@@ -81,7 +81,7 @@ async def test_ttl_running_out_frees_the_subject_and_stales_the_token(
     async def freed() -> bool:
         return (await agent.status(subject)).state == pb.SUBJECT_STATE_FREE
 
-    await eventually(freed, timeout=10, interval=0.05)
+    await eventually(freed, within=10, interval=0.05)
     # Stated bound: TTL + lease bucket (1 s) + etcd's expiry check and revoke (about 1 s).
     assert time.monotonic() - started <= 2 + 1 + 1.5
     assert (await agent.renew(subject, granted.fencing_token)).result == STALE
@@ -90,9 +90,7 @@ async def test_ttl_running_out_frees_the_subject_and_stales_the_token(
     assert (await other_agent.claim(subject)).result == GRANTED
 
 
-async def test_send_cycle_ends_replied_and_blocks_later_claims(
-    agent: Actor, other_agent: Actor, mailbox: str
-) -> None:
+async def test_send_cycle_ends_replied_and_blocks_later_claims(agent: Actor, other_agent: Actor, mailbox: str) -> None:
     subject = message(mailbox, "msg-1")
     token = (await agent.claim(subject)).status.fencing_token
     begun = await agent.begin(subject, token)
@@ -152,7 +150,7 @@ async def test_reply_record_frees_when_retention_ends(start_coordinator: StartCo
         async def freed() -> bool:
             return (await agent.status(subject)).state == pb.SUBJECT_STATE_FREE
 
-        await eventually(freed, timeout=10)
+        await eventually(freed, within=10)
         assert (await agent.claim(subject)).result == GRANTED
 
 
@@ -173,7 +171,7 @@ async def test_unconfirmed_send_becomes_in_doubt_and_a_human_resolves_it(
             states = [(await agent.status(s)).state for s in (sent, not_sent)]
             return states == [pb.SUBJECT_STATE_IN_DOUBT] * 2
 
-        await eventually(in_doubt, timeout=10)
+        await eventually(in_doubt, within=10)
         # IN_DOUBT is never freed by itself and blocks claims: the reply may have gone out.
         assert (await agent.claim(sent)).result == ALREADY_REPLIED
         resolved = await human.resolve(sent, pb.ResolveInDoubtRequest.OUTCOME_SENT, sent_message_id="found-it")
@@ -200,7 +198,7 @@ async def test_late_confirm_of_an_in_doubt_send_still_records_it(
         async def in_doubt() -> bool:
             return (await agent.status(subject)).state == pb.SUBJECT_STATE_IN_DOUBT
 
-        await eventually(in_doubt, timeout=10)
+        await eventually(in_doubt, within=10)
         confirmed = await agent.confirm(subject, token, sent_message_id="late")
         assert confirmed.result == OK
         assert confirmed.status.state == pb.SUBJECT_STATE_REPLIED
@@ -253,9 +251,7 @@ async def test_human_claims_like_an_agent(human: Actor, agent: Actor, mailbox: s
     assert held.status.note == "calling them back"
 
 
-async def test_thread_and_message_claims_are_separate_subjects(
-    agent: Actor, other_agent: Actor, mailbox: str
-) -> None:
+async def test_thread_and_message_claims_are_separate_subjects(agent: Actor, other_agent: Actor, mailbox: str) -> None:
     assert (await agent.claim(thread(mailbox, "t-1"))).result == GRANTED
     # Another message of the same conversation: the thread claim stops a second reply to the thread ...
     assert (await other_agent.claim(thread(mailbox, "t-1"))).result == HELD
