@@ -13,9 +13,10 @@ import functools
 import ipaddress
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from aetcd import rpc
@@ -176,9 +177,21 @@ def _first_kv(response: Any) -> Any | None:
     return kvs[0] if kvs else None
 
 
+class EtcdObserver(Protocol):
+    """Told about every etcd call (for metrics); must not block."""
+
+    def etcd_call(self, method: str, seconds: float, error: str | None) -> None: ...
+
+
+class _NoObserver:
+    def etcd_call(self, method: str, seconds: float, error: str | None) -> None:
+        pass
+
+
 class EtcdStore:
-    def __init__(self, settings: EtcdSettings, clock: Callable[[], int]) -> None:
+    def __init__(self, settings: EtcdSettings, clock: Callable[[], int], observer: EtcdObserver | None = None) -> None:
         self.settings = settings
+        self.observer: EtcdObserver = observer or _NoObserver()
         self.keys = Keys(settings.prefix)
         self._clock = clock
         self._timeout = settings.call_timeout_s
@@ -204,10 +217,14 @@ class EtcdStore:
         await self._channel.close()
 
     async def _call(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+        started = time.perf_counter()
         try:
-            return await method(request, timeout=self._timeout)
+            response = await method(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as error:
+            self.observer.etcd_call(type(request).__name__, time.perf_counter() - started, error.code().name)
             raise _translate(error) from error
+        self.observer.etcd_call(type(request).__name__, time.perf_counter() - started, None)
+        return response
 
     async def _txn(self, compare: list[Any], success: list[Any], failure: list[Any]) -> Any:
         return await self._call(self._kv.Txn, rpc.TxnRequest(compare=compare, success=success, failure=failure))
