@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 from aetcd import rpc
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 from coordinator.etcd_process import EtcdServer, etcd_version
+from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 from ._common import HEADER, CoordinatorProcess, Result, closed_loop
 

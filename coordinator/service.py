@@ -11,6 +11,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
+
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 

@@ -44,6 +44,11 @@ class EtcdSettings:
     prefix: str = "inbox-coordinator/v1/"
     # Deadline of one etcd call: a store slower than this is reported UNAVAILABLE, not waited on forever.
     call_timeout_s: float = 5.0
+    # Group commit: transactions that arrive while others are in flight are sent together, each as a
+    # nested transaction of one etcd request (one raft entry, one fsync). 1 turns batching off.
+    max_batch: int = 64
+    # How many batches may be in flight at once; more keeps etcd's pipeline full under load.
+    max_batches_in_flight: int = 2
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,12 @@ class EtcdStore:
         self._maintenance = rpc.MaintenanceStub(self._channel)
         self._leases = _LeaseBuckets(rpc.LeaseStub(self._channel), clock, self._timeout)
         self.feeds = _FeedHub(self)
+        self._batcher = _TxnBatcher(self, settings.max_batch, settings.max_batches_in_flight)
+
+    @property
+    def batch_stats(self) -> tuple[int, int]:
+        """(etcd requests sent by the group commit, transactions they carried)."""
+        return self._batcher.requests, self._batcher.transactions
 
     async def close(self) -> None:
         await self.feeds.close()
@@ -227,7 +238,10 @@ class EtcdStore:
         return response
 
     async def _txn(self, compare: list[Any], success: list[Any], failure: list[Any]) -> Any:
-        return await self._call(self._kv.Txn, rpc.TxnRequest(compare=compare, success=success, failure=failure))
+        request = rpc.TxnRequest(compare=compare, success=success, failure=failure)
+        if self.settings.max_batch <= 1:
+            return await self._call(self._kv.Txn, request)
+        return await self._batcher.submit(request)
 
     async def _with_leases(self, build: Callable[[], Awaitable[Any]]) -> Any:
         """Runs a transaction built with bucket leases, once more if etcd no longer knows one of them."""
@@ -469,6 +483,112 @@ class EtcdStore:
                 )
             )
         return changes
+
+
+def _written_keys(request: Any) -> frozenset[bytes] | None:
+    """The keys a transaction may write; None if it writes a range (then it is never batched with others)."""
+    keys = set()
+    for op in (*request.success, *request.failure):
+        kind = op.WhichOneof("request")
+        if kind == "request_put":
+            keys.add(op.request_put.key)
+        elif kind == "request_delete_range":
+            if op.request_delete_range.range_end:
+                return None
+            keys.add(op.request_delete_range.key)
+        elif kind == "request_txn":
+            return None
+    return frozenset(keys)
+
+
+@dataclass
+class _Pending:
+    request: Any
+    keys: frozenset[bytes] | None
+    future: asyncio.Future[Any]
+
+
+class _TxnBatcher:
+    """Group commit: many independent transactions in one etcd request, each nested, each with its own
+    compare and its own outcome, all committed at one revision.
+
+    A transaction goes out at once when a batch slot is free, so a lone call waits for nothing; under load,
+    what arrives while batches are in flight goes out together. etcd refuses one request that writes a key
+    twice, so a transaction touching a key already in the batch waits for the next one: semantics stay
+    exactly those of one transaction per call.
+    """
+
+    def __init__(self, store: EtcdStore, max_batch: int, max_in_flight: int) -> None:
+        self._store = store
+        self._max_batch = max_batch
+        self._max_in_flight = max_in_flight
+        self._pending: list[_Pending] = []
+        self._in_flight = 0
+        self.requests = 0
+        self.transactions = 0
+
+    async def submit(self, request: Any) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(request, _written_keys(request), future))
+        self._launch()
+        return await future
+
+    def _launch(self) -> None:
+        while self._pending and self._in_flight < self._max_in_flight:
+            batch = self._take()
+            self._in_flight += 1
+            task = asyncio.create_task(self._send(batch))
+            task.add_done_callback(self._sent)
+
+    def _take(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        written: set[bytes] = set()
+        waiting: list[_Pending] = []
+        for item in self._pending:
+            if len(batch) >= self._max_batch:
+                waiting.append(item)
+            elif item.keys is None:
+                if batch:
+                    waiting.append(item)
+                else:
+                    batch.append(item)
+                    written.add(b"")  # nothing joins a batch led by a range write
+            elif b"" in written or not written.isdisjoint(item.keys):
+                waiting.append(item)
+            else:
+                batch.append(item)
+                written.update(item.keys)
+        self._pending = waiting
+        return batch
+
+    def _sent(self, _task: asyncio.Task[None]) -> None:
+        self._in_flight -= 1
+        self._launch()
+
+    async def _send(self, batch: list[_Pending]) -> None:
+        live = [item for item in batch if not item.future.cancelled()]
+        if not live:
+            return
+        self.requests += 1
+        self.transactions += len(live)
+        try:
+            if len(live) == 1:
+                live[0].future.set_result(await self._store._call(self._store._kv.Txn, live[0].request))
+                return
+            outer = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=item.request) for item in live])
+            response = await self._store._call(self._store._kv.Txn, outer)
+        except BaseException as error:
+            for item in live:
+                if not item.future.done():
+                    item.future.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
+            return
+        for item, answer in zip(live, response.responses, strict=True):
+            nested = answer.response_txn
+            nested.header.CopyFrom(response.header)
+            if not item.future.done():
+                item.future.set_result(nested)
 
 
 def _round_up(ms: int, step: int) -> int:

@@ -3,6 +3,7 @@ coordinators serving gRPC on loopback."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -83,9 +84,16 @@ async def start_coordinator(etcd: EtcdServer, prefix: str) -> AsyncIterator[Star
     """Starts coordinators on the test's prefix (on the shared etcd unless ``endpoint`` is given)."""
     servers: list[CoordinatorServer] = []
 
-    async def start(*, endpoint: str | None = None, sweep_interval_s: float = 0.2, **rules: Any) -> CoordinatorServer:
+    async def start(
+        *,
+        endpoint: str | None = None,
+        sweep_interval_s: float = 0.2,
+        etcd_options: dict[str, Any] | None = None,
+        **rules: Any,
+    ) -> CoordinatorServer:
+        etcd_settings = EtcdSettings([endpoint or etcd.endpoint], prefix=prefix, call_timeout_s=2.0)
         settings = ServerSettings(
-            EtcdSettings([endpoint or etcd.endpoint], prefix=prefix, call_timeout_s=2.0),
+            dataclasses.replace(etcd_settings, **(etcd_options or {})),
             listen="127.0.0.1:0",
             rules=test_rules(**rules),
             sweep_interval_s=sweep_interval_s,

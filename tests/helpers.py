@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 from coordinator.service import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
+from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 
 def message(mailbox: str, message_id: str) -> pb.Subject:

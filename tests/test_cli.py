@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import grpc
-from inbox_claims._proto import coordinator_pb2 as pb
 
 from coordinator.etcd_process import free_port
+from inbox_claims._proto import coordinator_pb2 as pb
 
 from .helpers import Actor, message
 

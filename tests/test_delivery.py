@@ -6,6 +6,7 @@ import asyncio
 import collections
 
 import grpc
+
 from inbox_claims._proto import coordinator_pb2 as pb
 
 from .helpers import Actor, message, new_request_id

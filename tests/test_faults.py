@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from inbox_claims._proto import coordinator_pb2 as pb
 
 from coordinator.etcd_process import EtcdServer
+from inbox_claims._proto import coordinator_pb2 as pb
 
 from .conftest import StartCoordinator
 from .helpers import Actor, eventually, message, rpc_error

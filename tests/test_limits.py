@@ -8,10 +8,10 @@ import urllib.request
 
 import grpc
 import pytest
-from inbox_claims._proto import coordinator_pb2 as pb
 
 from coordinator import limits
 from coordinator.etcd_process import EtcdServer
+from inbox_claims._proto import coordinator_pb2 as pb
 
 from .helpers import Actor, message, rpc_error
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import grpc
-from inbox_claims._proto import coordinator_pb2 as pb
 
 from coordinator.server import CoordinatorServer
+from inbox_claims._proto import coordinator_pb2 as pb
 
 from .conftest import StartCoordinator
 from .helpers import Actor, eventually, message, rpc_error, thread

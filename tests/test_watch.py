@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+
 from inbox_claims._proto import coordinator_pb2 as pb
 
 from .conftest import StartCoordinator
