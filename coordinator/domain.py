@@ -87,12 +87,38 @@ class Subject:
     id: str
 
 
+class Grants:
+    """What a principal may do besides holding its own claims. This base grants everything: it is the
+    development mode without authentication; ``coordinator.auth`` narrows it per principal."""
+
+    def may_access(self, mailbox: str) -> bool:
+        return True
+
+    def has_role(self, role: str) -> bool:
+        return True
+
+
+UNRESTRICTED = Grants()
+
+
 @dataclass(frozen=True)
 class Caller:
     """The authenticated principal making a call: the only source of a claim's holder."""
 
     principal: str
     kind: HolderKind
+    grants: Grants = UNRESTRICTED
+
+
+def authorize_mailbox(caller: Caller, mailbox: str) -> None:
+    if not caller.grants.may_access(mailbox):
+        # Names only what the caller asked for: nothing about who else uses the mailbox, or whether it exists.
+        raise PermissionDenied(f"principal {caller.principal!r} is not granted mailbox {mailbox!r}")
+
+
+def require_role(caller: Caller, role: str, call: str) -> None:
+    if not caller.grants.has_role(role):
+        raise PermissionDenied(f"{call} needs the role {role!r}, which principal {caller.principal!r} does not have")
 
 
 @dataclass(frozen=True)

@@ -66,9 +66,15 @@ class Page:
     revision: int
 
 
-def _check_subject(subject: Subject) -> None:
+def _check_subject(caller: Caller, subject: Subject) -> None:
     limits.check_text("subject.mailbox", subject.mailbox, limits.MAILBOX_MAX_BYTES, required=True)
     limits.check_text("subject.id", subject.id, limits.SUBJECT_ID_MAX_BYTES, required=True)
+    domain.authorize_mailbox(caller, subject.mailbox)
+
+
+def _check_mailbox(caller: Caller, mailbox: str) -> None:
+    limits.check_text("mailbox", mailbox, limits.MAILBOX_MAX_BYTES, required=True)
+    domain.authorize_mailbox(caller, mailbox)
 
 
 def _check_request_id(request_id: str) -> None:
@@ -78,10 +84,6 @@ def _check_request_id(request_id: str) -> None:
 def _check_token(token: int) -> None:
     if token <= 0:
         raise InvalidArgument("fencing_token", "is required: pass the token ClaimReply granted (a positive number)")
-
-
-def check_caller(caller: Caller) -> None:
-    limits.check_text("principal", caller.principal, limits.PRINCIPAL_MAX_BYTES, required=True)
 
 
 class Engine:
@@ -97,7 +99,7 @@ class Engine:
     ) -> tuple[bool, DeliveryRecord]:
         """(True, the new record) on a first sighting; (False, the first record) for a duplicate."""
         _check_request_id(request_id)
-        limits.check_text("mailbox", mailbox, limits.MAILBOX_MAX_BYTES, required=True)
+        _check_mailbox(caller, mailbox)
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=True)
         now = self._clock()
         record = domain.new_delivery(
@@ -124,7 +126,7 @@ class Engine:
         note: str,
     ) -> ClaimOutcome:
         _check_request_id(request_id)
-        _check_subject(subject)
+        _check_subject(caller, subject)
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
         ttl = self.rules.limits.ttl(ttl_seconds)
@@ -163,7 +165,7 @@ class Engine:
         self, caller: Caller, *, request_id: str, subject: Subject, token: int, ttl_seconds: int
     ) -> tuple[FenceResult, Stored | None]:
         _check_request_id(request_id)
-        _check_subject(subject)
+        _check_subject(caller, subject)
         _check_token(token)
         ttl = self.rules.limits.ttl(ttl_seconds)
         return await self._apply(
@@ -177,7 +179,7 @@ class Engine:
         self, caller: Caller, *, request_id: str, subject: Subject, token: int
     ) -> tuple[FenceResult, Stored | None]:
         _check_request_id(request_id)
-        _check_subject(subject)
+        _check_subject(caller, subject)
         _check_token(token)
         return await self._apply(
             subject,
@@ -190,7 +192,7 @@ class Engine:
         self, caller: Caller, *, request_id: str, subject: Subject, token: int
     ) -> tuple[FenceResult, Stored | None]:
         _check_request_id(request_id)
-        _check_subject(subject)
+        _check_subject(caller, subject)
         _check_token(token)
         return await self._apply(
             subject,
@@ -201,7 +203,7 @@ class Engine:
         self, caller: Caller, *, request_id: str, subject: Subject, token: int, sent_message_id: str
     ) -> tuple[FenceResult, Stored | None]:
         _check_request_id(request_id)
-        _check_subject(subject)
+        _check_subject(caller, subject)
         _check_token(token)
         limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
         return await self._apply(
@@ -220,7 +222,7 @@ class Engine:
         self, caller: Caller, *, request_id: str, subject: Subject, token: int, reason: str
     ) -> tuple[FenceResult, Stored | None]:
         _check_request_id(request_id)
-        _check_subject(subject)
+        _check_subject(caller, subject)
         _check_token(token)
         limits.check_text("reason", reason, limits.NOTE_MAX_BYTES, required=False)
         return await self._apply(
@@ -238,14 +240,14 @@ class Engine:
 
     # --- reads ---------------------------------------------------------------------------------------------
 
-    async def status(self, subject: Subject) -> Stored | None:
-        _check_subject(subject)
+    async def status(self, caller: Caller, subject: Subject) -> Stored | None:
+        _check_subject(caller, subject)
         return await self.store.status(subject)
 
     async def list_claims(
-        self, *, mailbox: str, states: frozenset[State], page_size: int, page_token: bytes | None
+        self, caller: Caller, *, mailbox: str, states: frozenset[State], page_size: int, page_token: bytes | None
     ) -> Page:
-        limits.check_text("mailbox", mailbox, limits.MAILBOX_MAX_BYTES, required=True)
+        _check_mailbox(caller, mailbox)
         size = limits.check_page_size(page_size)
         if page_token is not None and not page_token.startswith(self.store.keys.subjects(mailbox)):
             raise InvalidArgument("page_token", "does not belong to this mailbox's listing; start without one")
@@ -271,8 +273,9 @@ class Engine:
         self, caller: Caller, *, request_id: str, subject: Subject, ttl_seconds: int, note: str
     ) -> TakeoverOutcome:
         domain.require_human(caller)
+        domain.require_role(caller, "takeover", "Takeover")
         _check_request_id(request_id)
-        _check_subject(subject)
+        _check_subject(caller, subject)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
         ttl = self.rules.limits.ttl(ttl_seconds)
         transition, current = await self.store.apply(
@@ -307,8 +310,9 @@ class Engine:
         sent_message_id: str,
         note: str,
     ) -> Stored | None:
+        domain.require_role(caller, "resolve", "ResolveInDoubt")
         _check_request_id(request_id)
-        _check_subject(subject)
+        _check_subject(caller, subject)
         limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
         _, after = await self.store.apply(
@@ -328,8 +332,8 @@ class Engine:
 
     # --- watch and upkeep ----------------------------------------------------------------------------------
 
-    async def watch(self, mailbox: str) -> AsyncIterator[Snapshot | Event]:
-        limits.check_text("mailbox", mailbox, limits.MAILBOX_MAX_BYTES, required=True)
+    async def watch(self, caller: Caller, mailbox: str) -> AsyncIterator[Snapshot | Event]:
+        _check_mailbox(caller, mailbox)
         async with self.store.feeds.subscribe(mailbox) as queue:
             subjects, revision = await self.store.snapshot(mailbox)
             yield Snapshot(subjects, revision)

@@ -27,6 +27,14 @@ class Unauthenticated(CoordinatorError):
     """The call carries no usable identity."""
 
 
+class ResourceExhausted(CoordinatorError):
+    """A quota was hit; ``retry_after_s`` says when trying again can succeed."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class StoreUnavailable(CoordinatorError):
     """etcd could not be reached or did not answer in time; the call may be retried with its request id."""
 

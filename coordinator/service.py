@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import functools
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -15,6 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
+from .auth import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA, Authenticator, CallCredentials, DevelopmentAuthenticator
 from .domain import (
     Caller,
     ClaimResult,
@@ -29,21 +32,22 @@ from .domain import (
     SubjectKind,
     TakeoverResult,
 )
-from .engine import Engine, Event, Snapshot, check_caller
+from .engine import Engine, Event, Snapshot
 from .errors import (
     CoordinatorError,
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
+    ResourceExhausted,
     StoreConflict,
     StoreUnavailable,
     Unauthenticated,
 )
+from .quotas import QuotaSettings, RateLimiter, WatchSlots
 
 log = logging.getLogger(__name__)
 
-PRINCIPAL_METADATA = "x-inbox-principal"
-PRINCIPAL_KIND_METADATA = "x-inbox-principal-kind"
+__all__ = ["PRINCIPAL_KIND_METADATA", "PRINCIPAL_METADATA", "CoordinatorServicer"]
 
 _STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -52,6 +56,7 @@ _STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     StoreConflict: grpc.StatusCode.ABORTED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 _KINDS = {pb.SUBJECT_KIND_MESSAGE: SubjectKind.MESSAGE, pb.SUBJECT_KIND_THREAD: SubjectKind.THREAD}
@@ -164,47 +169,74 @@ def event_out(event: Event) -> pb.WatchEvent:
     )
 
 
-def caller_from_metadata(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
-    """Development mode: the principal is whatever the call's metadata says. Authentication replaces this."""
+def credentials_of(context: grpc.aio.ServicerContext[Any, Any]) -> CallCredentials:
     metadata = {key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
-    principal = metadata.get(PRINCIPAL_METADATA, "")
-    if not principal:
-        raise Unauthenticated(
-            f"no principal: send the metadata key {PRINCIPAL_METADATA!r} (the name this agent or person acts as)"
-        )
-    kind_text = metadata.get(PRINCIPAL_KIND_METADATA, "agent").lower()
-    try:
-        kind = HolderKind(kind_text)
-    except ValueError:
-        raise InvalidArgument(PRINCIPAL_KIND_METADATA, f"is {kind_text!r}; use 'agent' or 'human'") from None
-    caller = Caller(principal, kind)
-    check_caller(caller)
-    return caller
+    auth = context.auth_context()
+    names = [
+        name.decode(errors="replace")
+        for key in ("x509_common_name", "x509_subject_alternative_name")
+        for name in auth.get(key, ())
+    ]
+    return CallCredentials(metadata, names)
 
 
-P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _reported(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-    """Turns coordinator errors into their status codes; anything else is logged and stays INTERNAL."""
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: CoordinatorError) -> None:
+    if isinstance(error, ResourceExhausted):
+        context.set_trailing_metadata((("retry-after-ms", str(math.ceil(error.retry_after_s * 1000))),))
+    await context.abort(_STATUS_CODES[type(error)], str(error))
+
+
+def _reported(
+    method: Callable[[CoordinatorServicer, Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[R]],
+) -> Callable[[CoordinatorServicer, Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[R]]:
+    """Bounds the call's time, and turns coordinator errors into their status codes; anything else is
+    logged by gRPC and stays INTERNAL/UNKNOWN (a bug to fix, never an expected answer)."""
 
     @functools.wraps(method)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        context: grpc.aio.ServicerContext[Any, Any] = args[2]  # type: ignore[assignment]
+    async def wrapper(self: CoordinatorServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> R:
+        deadline = self.quotas.call_deadline_s
         try:
-            return await method(*args, **kwargs)
+            async with asyncio.timeout(deadline):
+                return await method(self, request, context)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the call ran past the server's limit of {deadline:g} s; retry it with the same request id",
+            )
+            raise
         except CoordinatorError as error:
-            await context.abort(_STATUS_CODES[type(error)], str(error))
+            await _abort(context, error)
             raise  # abort() raises; this line only satisfies the type checker
 
     return wrapper
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, engine: Engine, authenticate: Callable[[Any], Caller] = caller_from_metadata) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        authenticator: Authenticator | None = None,
+        quotas: QuotaSettings | None = None,
+    ) -> None:
         self._engine = engine
-        self._authenticate = authenticate
+        self.authenticator = authenticator or DevelopmentAuthenticator()
+        self.quotas = quotas or QuotaSettings()
+        self._rates = RateLimiter(self.quotas.calls_per_second, self.quotas.burst)
+        self._watches = WatchSlots(self.quotas.max_watches)
+
+    def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
+        caller = self.authenticator.authenticate(credentials_of(context))
+        wait = self._rates.acquire(caller.principal)
+        if wait > 0:
+            raise ResourceExhausted(
+                f"principal {caller.principal!r} is over its limit of {self.quotas.calls_per_second:g} calls/s; "
+                f"retry in {math.ceil(wait * 1000)} ms",
+                wait,
+            )
+        return caller
 
     @_reported
     async def RecordDelivery(
@@ -310,21 +342,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def GetStatus(
         self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetStatusResponse:
-        self._authenticate(context)
+        caller = self._authenticate(context)
         subject = subject_in(request.subject)
-        return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(subject)))
+        return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(caller, subject)))
 
     @_reported
     async def ListClaims(
         self, request: pb.ListClaimsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListClaimsResponse:
-        self._authenticate(context)
+        caller = self._authenticate(context)
         states = set()
         for state in request.states:
             if state not in _STATES_IN:
                 raise InvalidArgument("states", f"{state} is not a SubjectState")
             states.add(_STATES_IN[state])
         page = await self._engine.list_claims(
+            caller,
             mailbox=request.mailbox,
             states=frozenset(states),
             page_size=request.page_size,
@@ -340,19 +373,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.WatchResponse]:
         try:
-            self._authenticate(context)
-            async for item in self._engine.watch(request.mailbox):
-                if isinstance(item, Snapshot):
-                    yield pb.WatchResponse(
-                        snapshot=pb.WatchSnapshot(
-                            subjects=[status_out(subject, stored) for subject, stored in item.subjects],
-                            revision=item.revision,
+            caller = self._authenticate(context)
+            if not self._watches.acquire(caller.principal):
+                raise ResourceExhausted(
+                    f"principal {caller.principal!r} already has {self.quotas.max_watches} watches open, the limit; "
+                    "close one first",
+                    1.0,
+                )
+            try:
+                async for item in self._engine.watch(caller, request.mailbox):
+                    if isinstance(item, Snapshot):
+                        yield pb.WatchResponse(
+                            snapshot=pb.WatchSnapshot(
+                                subjects=[status_out(subject, stored) for subject, stored in item.subjects],
+                                revision=item.revision,
+                            )
                         )
-                    )
-                else:
-                    yield pb.WatchResponse(event=event_out(item))
+                    else:
+                        yield pb.WatchResponse(event=event_out(item))
+            finally:
+                self._watches.release(caller.principal)
         except CoordinatorError as error:
-            await context.abort(_STATUS_CODES[type(error)], str(error))
+            await _abort(context, error)
 
     @_reported
     async def Takeover(

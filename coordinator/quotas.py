@@ -1,0 +1,60 @@
+"""Abuse limits per principal: a call rate (token bucket) and a number of concurrent watches."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QuotaSettings:
+    # Sustained calls per second per principal (0 turns the limit off) and the burst above it.
+    calls_per_second: float = 500.0
+    burst: int = 1000
+    # Concurrent Watch streams per principal.
+    max_watches: int = 64
+    # Every unary call is cut off after this long, whatever deadline the client set (or none).
+    call_deadline_s: float = 30.0
+
+
+class RateLimiter:
+    """One token bucket per principal; ``acquire`` answers 0 when the call may go, else seconds to wait."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = rate
+        self._burst = float(burst)
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def acquire(self, key: str) -> float:
+        if self._rate <= 0:
+            return 0.0
+        now = self._clock()
+        tokens, stamp = self._buckets.get(key, (self._burst, now))
+        tokens = min(self._burst, tokens + (now - stamp) * self._rate)
+        if tokens >= 1.0:
+            self._buckets[key] = (tokens - 1.0, now)
+            return 0.0
+        self._buckets[key] = (tokens, now)
+        return (1.0 - tokens) / self._rate
+
+
+class WatchSlots:
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used: dict[str, int] = {}
+
+    def acquire(self, key: str) -> bool:
+        used = self._used.get(key, 0)
+        if used >= self._limit:
+            return False
+        self._used[key] = used + 1
+        return True
+
+    def release(self, key: str) -> None:
+        left = self._used.get(key, 0) - 1
+        if left > 0:
+            self._used[key] = left
+        else:
+            self._used.pop(key, None)
