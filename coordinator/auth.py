@@ -254,3 +254,29 @@ class TokenAuthenticator(Authenticator):
             return None
         match = any(hmac.compare_digest(presented, known) for known in principal.token_hashes)
         return principal if match else None
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """The gRPC port's TLS: a certificate and key, and for mTLS the CA that signs client certificates."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None
+    require_client_cert: bool = False
+
+
+def server_credentials(tls: TlsSettings) -> Any:
+    import grpc
+
+    def read(path: Path, what: str) -> bytes:
+        try:
+            return path.read_bytes()
+        except OSError as error:
+            raise ValueError(f"{what} {path}: cannot read: {error.strerror}") from None
+
+    pair = (read(tls.key_file, "TLS key"), read(tls.cert_file, "TLS certificate"))
+    client_ca = read(tls.client_ca_file, "client CA") if tls.client_ca_file is not None else None
+    if tls.require_client_cert and client_ca is None:
+        raise ValueError("requiring client certificates needs a client CA file")
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=tls.require_client_cert)

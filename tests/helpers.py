@@ -30,10 +30,17 @@ def new_request_id() -> str:
 class Actor:
     """One principal (agent or human) talking to a coordinator."""
 
-    def __init__(self, channel: grpc.aio.Channel, principal: str, kind: str = "agent") -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, principal: str, kind: str = "agent", *, token: str | None = None
+    ) -> None:
         self.stub = pb_grpc.CoordinatorStub(channel)
         self.name = principal
-        self.metadata = ((PRINCIPAL_METADATA, principal), (PRINCIPAL_KIND_METADATA, kind))
+        # With a token the server takes the principal from it; without, from the development-mode metadata.
+        self.metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),)
+            if token is not None
+            else ((PRINCIPAL_METADATA, principal), (PRINCIPAL_KIND_METADATA, kind))
+        )
 
     async def claim(
         self,
