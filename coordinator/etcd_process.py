@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -202,14 +204,19 @@ def _child_env() -> dict[str, str]:
 # HTTP helpers
 
 
-def _http_json(url: str, body: dict[str, Any] | None = None, timeout: float = _PROBE_TIMEOUT) -> Any:
+def _http_json(
+    url: str,
+    body: dict[str, Any] | None = None,
+    timeout: float = _PROBE_TIMEOUT,
+    opener: urllib.request.OpenerDirector | None = None,
+) -> Any:
     """GET (body None) or POST JSON; returns the decoded JSON, also for HTTP error statuses."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
     if data is not None:
         request.add_header("Content-Type", "application/json")
     try:
-        with _HTTP.open(request, timeout=timeout) as response:
+        with (opener or _HTTP).open(request, timeout=timeout) as response:
             payload = response.read()
     except urllib.error.HTTPError as exc:
         # /health answers 503 with a JSON body while there is no leader; the body is
@@ -275,10 +282,11 @@ class EtcdMemberSpec:
     client_port: int
     peer_port: int
     host: str = "127.0.0.1"
+    client_scheme: str = "http"
 
     @property
     def client_url(self) -> str:
-        return f"http://{_host_for_url(self.host)}:{self.client_port}"
+        return f"{self.client_scheme}://{_host_for_url(self.host)}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -317,6 +325,36 @@ def _read_tail(path: Path, lines: int, start: int = 0) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+@dataclass(frozen=True)
+class EtcdClientTls:
+    """TLS on etcd's client port; with ``client_ca_file``, client certificates are required too.
+
+    The harness's own health probes trust ``ca_file`` and present ``probe_cert_file``/``probe_key_file``
+    (needed when client certificates are required).
+    """
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+    client_ca_file: Path | None = None
+    probe_cert_file: Path | None = None
+    probe_key_file: Path | None = None
+
+    def args(self) -> list[str]:
+        args = [f"--cert-file={self.cert_file}", f"--key-file={self.key_file}"]
+        if self.client_ca_file is not None:
+            args += [f"--trusted-ca-file={self.client_ca_file}", "--client-cert-auth"]
+        return args
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        if self.probe_cert_file is not None and self.probe_key_file is not None:
+            context.load_cert_chain(str(self.probe_cert_file), str(self.probe_key_file))
+        return urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
+        )
+
+
 class EtcdServer:
     """One etcd member process."""
 
@@ -330,10 +368,16 @@ class EtcdServer:
         initial_cluster: str | None = None,
         cluster_token: str = "inbox-coordinator",
         extra_args: Sequence[str] = (),
+        client_tls: EtcdClientTls | None = None,
     ) -> None:
         self._data_dir = Path(data_dir)
         self._auto_ports = spec is None
         self._spec = spec if spec is not None else _auto_spec("default")
+        self._client_tls = client_tls
+        self._opener: urllib.request.OpenerDirector | None = None
+        if client_tls is not None:
+            self._spec = dataclasses.replace(self._spec, client_scheme="https")
+            self._opener = client_tls.opener()
         self._binary = binary if binary is not None else find_etcd_binary()
         self._log_path = log_path if log_path is not None else self._data_dir.parent / f"{self._spec.name}.log"
         self._initial_cluster = initial_cluster
@@ -406,6 +450,8 @@ class EtcdServer:
             if _version_tuple(etcd_version(self._binary)) >= (3, 4):
                 # Explicit so the log format does not depend on the version's defaults.
                 args += ["--logger=zap", "--log-outputs=stderr"]
+        if self._client_tls is not None:
+            args += self._client_tls.args()
         args += self._extra_args
         return args
 
@@ -454,7 +500,9 @@ class EtcdServer:
             self.kill()
             if not (may_move and self._lost_port_race() and not self._has_member_data()):
                 raise
-            self._spec = _auto_spec(self._spec.name, self._spec.host)
+            self._spec = dataclasses.replace(
+                _auto_spec(self._spec.name, self._spec.host), client_scheme=self._spec.client_scheme
+            )
             self._spawn()
             try:
                 self.wait_healthy(timeout)
@@ -496,7 +544,7 @@ class EtcdServer:
                 last_problem = "the process is paused (SIGSTOP)"
             else:
                 try:
-                    health = _http_json(f"{self.client_url}/health")
+                    health = _http_json(f"{self.client_url}/health", opener=self._opener)
                     if isinstance(health, dict) and health.get("health") == "true":
                         self._check_identity()
                         return
@@ -513,7 +561,7 @@ class EtcdServer:
         # tried to bind. Only our member has our name *and* our peer URL.
         spec = self._spec
         try:
-            listing = _http_json(f"{self.client_url}/v3/cluster/member/list", {})
+            listing = _http_json(f"{self.client_url}/v3/cluster/member/list", {}, opener=self._opener)
             me = str(listing["header"]["member_id"])
             member = next(m for m in listing["members"] if str(m.get("ID")) == me)
         except (OSError, ValueError, KeyError, TypeError, StopIteration) as exc:

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -49,6 +50,20 @@ class EtcdSettings:
     max_batch: int = 64
     # How many batches may be in flight at once; more keeps etcd's pipeline full under load.
     max_batches_in_flight: int = 2
+    # TLS to etcd: the CA that signed etcd's certificate, and a client certificate for --client-cert-auth.
+    # Endpoints written https://... use TLS with the system's CAs when no CA file is given.
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    # etcd's own authentication (etcdctl user add; auth enable).
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @property
+    def uses_tls(self) -> bool:
+        return any((self.ca_file, self.cert_file, self.key_file)) or any(
+            e.startswith("https://") for e in self.endpoints
+        )
 
 
 @dataclass(frozen=True)
@@ -97,11 +112,49 @@ def channel_target(endpoints: Sequence[str]) -> str:
     return "ipv4:" + ",".join(hosts) if all("[" not in h for h in hosts) else "ipv6:" + ",".join(hosts)
 
 
+def _read_file(path: Path | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise ValueError(f"etcd {what} {path}: cannot read: {error.strerror}") from None
+
+
+def open_channel(settings: EtcdSettings) -> grpc.aio.Channel:
+    options = [
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.lb_policy_name", "pick_first"),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
+    target = channel_target(settings.endpoints)
+    if not settings.uses_tls:
+        return grpc.aio.insecure_channel(target, options=options)
+    if (settings.cert_file is None) != (settings.key_file is None):
+        raise ValueError("etcd client certificate and key go together: give both or neither")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read_file(settings.ca_file, "CA file"),
+        private_key=_read_file(settings.key_file, "client key"),
+        certificate_chain=_read_file(settings.cert_file, "client certificate"),
+    )
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+def _is_bad_auth_token(error: grpc.aio.AioRpcError) -> bool:
+    # etcd's simple tokens lapse after 5 idle minutes and JWTs at their TTL; a new one fixes it.
+    return error.code() is grpc.StatusCode.UNAUTHENTICATED and "token" in (error.details() or "")
+
+
 def _translate(error: grpc.aio.AioRpcError) -> StoreUnavailable:
     code = error.code()
     detail = error.details() or ""
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return StoreUnavailable(f"etcd refused the write: {detail} (is its storage quota alarm raised?)")
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return StoreUnavailable(f"etcd refused our credentials ({code.name}: {detail}); check the etcd user and role")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return StoreUnavailable(f"etcd is unavailable ({code.name}: {detail}); retry with the same request id")
     return StoreUnavailable(f"etcd failed the request ({code.name}: {detail})")
@@ -118,10 +171,9 @@ class _LeaseBuckets:
     with the lease of their (rounded-up) expiry, so the hot path grants at most once per bucket.
     """
 
-    def __init__(self, stub: Any, clock: Callable[[], int], timeout: float) -> None:
-        self._stub = stub
+    def __init__(self, grant: Callable[[int], Awaitable[int]], clock: Callable[[], int]) -> None:
+        self._grant = grant
         self._clock = clock
-        self._timeout = timeout
         self._leases: dict[int, asyncio.Future[int]] = {}
 
     async def lease_for(self, expires_ms: int) -> int:
@@ -132,8 +184,7 @@ class _LeaseBuckets:
             self._forget_past()
             try:
                 ttl = max(1, math.ceil((expires_ms - self._clock()) / 1000))
-                response = await self._stub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self._timeout)
-                future.set_result(response.ID)
+                future.set_result(await self._grant(ttl))
             except BaseException as exc:
                 del self._leases[expires_ms]
                 future.set_exception(exc)
@@ -200,21 +251,15 @@ class EtcdStore:
         self.keys = Keys(settings.prefix)
         self._clock = clock
         self._timeout = settings.call_timeout_s
-        self._channel = grpc.aio.insecure_channel(
-            channel_target(settings.endpoints),
-            options=[
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.keepalive_timeout_ms", 5_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.lb_policy_name", "pick_first"),
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2_000),
-            ],
-        )
+        self._channel = open_channel(settings)
+        self._auth = rpc.AuthStub(self._channel)
+        self._auth_metadata: tuple[tuple[str, str], ...] = ()
+        self._auth_lock = asyncio.Lock()
         self._kv = rpc.KVStub(self._channel)
         self._watch = rpc.WatchStub(self._channel)
         self._maintenance = rpc.MaintenanceStub(self._channel)
-        self._leases = _LeaseBuckets(rpc.LeaseStub(self._channel), clock, self._timeout)
+        self._lease_stub = rpc.LeaseStub(self._channel)
+        self._leases = _LeaseBuckets(self._grant_lease, clock)
         self.feeds = _FeedHub(self)
         self._batcher = _TxnBatcher(self, settings.max_batch, settings.max_batches_in_flight)
 
@@ -228,14 +273,44 @@ class EtcdStore:
         await self._channel.close()
 
     async def _call(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
-        started = time.perf_counter()
-        try:
-            response = await method(request, timeout=self._timeout)
-        except grpc.aio.AioRpcError as error:
-            self.observer.etcd_call(type(request).__name__, time.perf_counter() - started, error.code().name)
-            raise _translate(error) from error
-        self.observer.etcd_call(type(request).__name__, time.perf_counter() - started, None)
-        return response
+        if self.settings.username and not self._auth_metadata:
+            await self._authenticate(stale=())
+        for attempt in range(2):
+            started = time.perf_counter()
+            metadata = self._auth_metadata
+            try:
+                response = await method(request, timeout=self._timeout, metadata=metadata)
+            except grpc.aio.AioRpcError as error:
+                self.observer.etcd_call(type(request).__name__, time.perf_counter() - started, error.code().name)
+                if attempt == 0 and self.settings.username and _is_bad_auth_token(error):
+                    await self._authenticate(stale=metadata)
+                    continue
+                raise _translate(error) from error
+            self.observer.etcd_call(type(request).__name__, time.perf_counter() - started, None)
+            return response
+        raise AssertionError("unreachable")
+
+    async def _authenticate(self, stale: tuple[tuple[str, str], ...]) -> None:
+        async with self._auth_lock:
+            if self._auth_metadata != stale:
+                return  # another call already fetched a fresh token
+            try:
+                answer = await self._auth.Authenticate(
+                    rpc.AuthenticateRequest(name=self.settings.username, password=self.settings.password or ""),
+                    timeout=self._timeout,
+                )
+            except grpc.aio.AioRpcError as error:
+                if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise _translate(error) from error
+                raise StoreUnavailable(
+                    f"etcd refused our credentials for user {self.settings.username!r} ({error.details()}); "
+                    "check the etcd user name and password"
+                ) from error
+            self._auth_metadata = (("token", answer.token),)
+
+    async def _grant_lease(self, ttl: int) -> int:
+        response = await self._call(self._lease_stub.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
+        return int(response.ID)
 
     async def _txn(self, compare: list[Any], success: list[Any], failure: list[Any]) -> Any:
         request = rpc.TxnRequest(compare=compare, success=success, failure=failure)
@@ -251,17 +326,14 @@ class EtcdStore:
             cause = error.__cause__
             if isinstance(cause, grpc.aio.AioRpcError) and _is_lease_not_found(cause):
                 # The cache outlived a lease (etcd restored from a backup, or a clock jump): grant anew.
-                self._leases = _LeaseBuckets(self._leases._stub, self._clock, self._timeout)
+                self._leases = _LeaseBuckets(self._grant_lease, self._clock)
                 return await build()
             raise
 
     async def _lease(self, expires_ms: int | None) -> int:
         if expires_ms is None:
             return 0
-        try:
-            return await self._leases.lease_for(expires_ms)
-        except grpc.aio.AioRpcError as error:
-            raise _translate(error) from error
+        return await self._leases.lease_for(expires_ms)
 
     # --- health --------------------------------------------------------------------------------------------
 
@@ -440,7 +512,9 @@ class EtcdStore:
             while True:
                 yield await requests.get()
 
-        call = self._watch.Watch(outgoing())
+        if self.settings.username and not self._auth_metadata:
+            await self._authenticate(stale=())
+        call = self._watch.Watch(outgoing(), metadata=self._auth_metadata)
         try:
             async for response in call:
                 if response.canceled:
@@ -451,6 +525,8 @@ class EtcdStore:
                 if response.events:
                     yield self._changes(mailbox, response.events)
         except grpc.aio.AioRpcError as error:
+            if self.settings.username and _is_bad_auth_token(error):
+                await self._authenticate(stale=self._auth_metadata)
             raise _translate(error) from error
         finally:
             call.cancel()

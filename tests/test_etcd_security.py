@@ -1,0 +1,118 @@
+"""The coordinator on an etcd that demands TLS, client certificates, and a user and password."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+from aetcd import rpc
+
+from coordinator.domain import Subject, SubjectKind
+from coordinator.errors import StoreUnavailable
+from coordinator.etcd_process import EtcdClientTls, EtcdServer
+from coordinator.server import wall_clock_ms
+from coordinator.store import EtcdSettings, EtcdStore, open_channel
+
+from .conftest import StartCoordinator
+from .helpers import Actor, message
+
+
+def _write(path: Path, blob: trustme.Blob) -> Path:
+    path.write_bytes(blob.bytes())
+    return path
+
+
+@pytest.fixture
+def tls_etcd(tmp_path: Path) -> Iterator[tuple[EtcdServer, Path, Path, Path]]:
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("inbox-coordinator")
+    files = {
+        "ca": _write(tmp_path / "ca.pem", ca.cert_pem),
+        "server": tmp_path / "server.pem",
+        "server_key": _write(tmp_path / "server.key", server.private_key_pem),
+        "client": _write(tmp_path / "client.pem", client.cert_chain_pems[0]),
+        "client_key": _write(tmp_path / "client.key", client.private_key_pem),
+    }
+    files["server"].write_bytes(b"".join(b.bytes() for b in server.cert_chain_pems))
+    tls = EtcdClientTls(
+        cert_file=files["server"],
+        key_file=files["server_key"],
+        ca_file=files["ca"],
+        client_ca_file=files["ca"],
+        probe_cert_file=files["client"],
+        probe_key_file=files["client_key"],
+    )
+    etcd = EtcdServer(tmp_path / "etcd", client_tls=tls)
+    etcd.start()
+    yield etcd, files["ca"], files["client"], files["client_key"]
+    etcd.stop()
+
+
+async def test_claims_over_tls_with_a_client_certificate(
+    tls_etcd: tuple[EtcdServer, Path, Path, Path], start_coordinator: StartCoordinator, mailbox: str
+) -> None:
+    etcd, ca, cert, key = tls_etcd
+    assert etcd.client_url.startswith("https://")
+    server = await start_coordinator(
+        endpoint=etcd.endpoint, etcd_options={"ca_file": ca, "cert_file": cert, "key_file": key}
+    )
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agent = Actor(channel, "agent-a")
+        granted = await agent.claim(message(mailbox, "m"))
+        assert granted.status.fencing_token > 0
+        stream = agent.watch(mailbox)
+        assert [s.subject.id for s in (await anext(stream)).snapshot.subjects] == ["m"]
+
+
+async def test_without_the_client_certificate_etcd_refuses(tls_etcd: tuple[EtcdServer, Path, Path, Path]) -> None:
+    etcd, ca, _cert, _key = tls_etcd
+    store = EtcdStore(EtcdSettings([etcd.endpoint], ca_file=ca, call_timeout_s=2.0), wall_clock_ms)
+    try:
+        with pytest.raises(StoreUnavailable, match="etcd"):
+            await store.ping()
+    finally:
+        await store.close()
+
+
+async def _enable_auth(etcd: EtcdServer, password: str) -> None:
+    channel = open_channel(EtcdSettings([etcd.endpoint]))
+    try:
+        auth = rpc.AuthStub(channel)
+        await auth.UserAdd(rpc.AuthUserAddRequest(name="root", password=password))
+        await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"))
+        await auth.AuthEnable(rpc.AuthEnableRequest())
+    finally:
+        await channel.close()
+
+
+async def test_claims_with_an_etcd_user_and_password(
+    private_etcd: EtcdServer, start_coordinator: StartCoordinator, mailbox: str
+) -> None:
+    await _enable_auth(private_etcd, "s3cret")
+    anonymous = EtcdStore(EtcdSettings([private_etcd.endpoint], call_timeout_s=2.0), wall_clock_ms)
+    try:
+        with pytest.raises(StoreUnavailable, match=r"credentials|user"):
+            await anonymous.status(Subject(mailbox, SubjectKind.MESSAGE, "m"))
+    finally:
+        await anonymous.close()
+    wrong = EtcdStore(
+        EtcdSettings([private_etcd.endpoint], username="root", password="nope", call_timeout_s=2.0), wall_clock_ms
+    )
+    try:
+        with pytest.raises(StoreUnavailable, match="credentials"):
+            await wrong.ping()
+    finally:
+        await wrong.close()
+    server = await start_coordinator(
+        endpoint=private_etcd.endpoint, etcd_options={"username": "root", "password": "s3cret"}
+    )
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agent = Actor(channel, "agent-a")
+        token = (await agent.claim(message(mailbox, "m"), ttl=30)).status.fencing_token
+        assert (await agent.renew(message(mailbox, "m"), token, ttl=30)).result == 1
+        stream = agent.watch(mailbox)
+        await anext(stream)
