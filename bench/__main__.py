@@ -1,22 +1,46 @@
-"""python -m bench claims [--clients 64] [--seconds 10] [--rounds 3]"""
+"""python -m bench {claims,contended,dedup,cycle,watch,memory,profile,all} [options]; each --help says more.
+
+Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
+temporary directory, measures a baseline in the same run, and prints ratios against it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 
 from . import claims
+from ._common import Environment, SetupError, environment
+
+Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
+
+BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runner]] = {
+    "claims": (
+        "uncontended ClaimReply vs raw etcd, the empty gRPC ceiling, Redis, PostgreSQL; batched vs unbatched",
+        claims.add_arguments,
+        claims.run,
+    ),
+}
+
+
+async def _main(options: argparse.Namespace) -> int:
+    async with environment() as env:
+        return await BENCHMARKS[options.command][2](options, env)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    claims.add_arguments(commands.add_parser("claims", help="ClaimReply through the coordinator vs raw etcd txns"))
+    for name, (help_text, add_arguments, _) in BENCHMARKS.items():
+        add_arguments(commands.add_parser(name, help=help_text, description=help_text))
     options = parser.parse_args()
-    if options.command == "claims":
-        return asyncio.run(claims.run(options))
-    raise AssertionError(options.command)
+    try:
+        return asyncio.run(_main(options))
+    except SetupError as error:
+        print(f"bench: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,109 +1,202 @@
-"""ClaimReply through the coordinator against the floor: a raw etcd put-if-absent transaction per claim.
+"""Uncontended ClaimReply through the coordinator, against baselines measured in the same run:
 
-Both loops run from this process with the same number of concurrent clients, alternating, against one
-etcd; each claim is on a fresh subject (uncontended). The coordinator runs in its own process.
+- raw etcd: one put-if-absent transaction per claim from this process (the floor the coordinator sits on; the
+  baseline every ratio is against);
+- the ceiling of a Python gRPC server here: an empty health-check handler in its own process;
+- Redis ``SET key 1 NX EX ttl`` (AOF off, and optionally AOF with appendfsync everysec / always);
+- PostgreSQL ``INSERT ... ON CONFLICT DO NOTHING`` with a row-count check (fsync and synchronous_commit on);
+- the coordinator with group commit (default settings) and unbatched (max_batch=1), each in its own process.
+
+Every claim is on a fresh subject. Every client library runs in this one process, with the same number of
+concurrent clients, one connection per server for gRPC (HTTP/2 multiplexes) and one per client for Redis and
+PostgreSQL (their protocols answer one request at a time per connection).
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
-import uuid
-from pathlib import Path
+import contextlib
+from typing import Any
 
-import grpc
-from aetcd import rpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.etcd_process import EtcdServer, etcd_version
 from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
-from ._common import HEADER, CoordinatorProcess, Result, closed_loop
+from ._common import (
+    CoordinatorProcess,
+    CpuMeter,
+    Environment,
+    PostgresProcess,
+    RedisProcess,
+    Result,
+    SetupError,
+    Workload,
+    add_common_arguments,
+    alternate,
+    closed_loop,
+    run_id,
+)
+from ._load import (
+    NO_DURABILITY,
+    Coordinators,
+    channel,
+    coordinator_stub,
+    coordinator_workload,
+    etcd_workload,
+    metadata,
+    parse_coordinators,
+    put_if_absent,
+    subject,
+)
+
+BASELINES = ("grpc", "redis", "redis-everysec", "redis-always", "postgres")
+TTL_SECONDS = 60
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=10.0, help="per round and workload")
-    parser.add_argument("--rounds", type=int, default=3)
+    add_common_arguments(parser, seconds=3.0)
+    parser.add_argument(
+        "--baselines",
+        default=",".join(BASELINES),
+        help="comma-separated, besides raw etcd (always run): %(default)s; empty for none",
+    )
+    parser.add_argument(
+        "--coordinators",
+        default="64x2,1",
+        help="group-commit variants, max_batch x batches in flight (1 = unbatched); default %(default)s",
+    )
+    parser.add_argument("--uvloop", action="store_true", help="run the coordinators on uvloop")
 
 
-async def raw_etcd_round(endpoint: str, clients: int, seconds: float) -> Result:
-    async with grpc.aio.insecure_channel(endpoint) as channel:
-        kv = rpc.KVStub(channel)
-        run = uuid.uuid4().hex
+def _redis_workload(server: RedisProcess, name: str, clients: int) -> tuple[Workload, Any]:
+    try:
+        import redis.asyncio
+    except ImportError:
+        raise SetupError("the redis baseline needs the Python package redis (pip install redis)") from None
+    client = redis.asyncio.Redis(host="127.0.0.1", port=server.port, max_connections=clients)
+    run = run_id()
 
-        async def claim(client: int, n: int) -> None:
-            key = f"bench-raw/{run}/{client}/{n}".encode()
-            response = await kv.Txn(
-                rpc.TxnRequest(
-                    compare=[rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.VERSION, version=0)],
-                    success=[rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=b"holder"))],
-                    failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key))],
-                )
-            )
+    async def claim(index: int, n: int) -> None:
+        created = await client.set(f"bench:{run}:{index}:{n}", "1", nx=True, ex=TTL_SECONDS)
+        assert created, "SET NX found the key already there"
+
+    async def measure(seconds: float) -> Result:
+        meter = CpuMeter(server.cpu_seconds, None)
+        return meter.stamp(await closed_loop(name, clients, seconds, claim))
+
+    return Workload(name, measure, RedisProcess.DURABILITY[name.rsplit(" ", 1)[-1]]), client
+
+
+async def _postgres_workload(server: PostgresProcess, clients: int, stack: contextlib.AsyncExitStack) -> Workload:
+    try:
+        import asyncpg  # type: ignore[import-untyped]
+    except ImportError:
+        raise SetupError("the postgres baseline needs the Python package asyncpg (pip install asyncpg)") from None
+    setup = await asyncpg.connect(server.dsn)
+    await setup.execute(
+        "CREATE TABLE claims (subject text PRIMARY KEY, holder text NOT NULL, expires_at timestamptz NOT NULL)"
+    )
+    await setup.close()
+    connections = [await asyncpg.connect(server.dsn) for _ in range(clients)]
+    for connection in connections:
+        stack.push_async_callback(connection.close)
+    run = run_id()
+    insert = (
+        "INSERT INTO claims (subject, holder, expires_at) VALUES ($1, $2, now() + interval '60 seconds') "
+        "ON CONFLICT DO NOTHING"
+    )
+    name = "postgres INSERT ON CONFLICT"
+
+    async def claim(index: int, n: int) -> None:
+        status = await connections[index].execute(insert, f"{run}/{index}/{n}", "bench")
+        assert status == "INSERT 0 1", f"the claim did not insert a row: {status}"
+
+    async def measure(seconds: float) -> Result:
+        meter = CpuMeter(server.cpu_seconds, None)
+        return meter.stamp(await closed_loop(name, clients, seconds, claim))
+
+    return Workload(name, measure, "WAL fsync on commit (synchronous_commit on)")
+
+
+def claim_operation(stub: Any, mailbox: str) -> Any:
+    async def claim(index: int, n: int) -> None:
+        response = await stub.ClaimReply(
+            pb.ClaimReplyRequest(
+                request_id=f"{index}-{n}", subject=subject(mailbox, f"{index}-{n}"), ttl_seconds=TTL_SECONDS
+            ),
+            metadata=metadata(index),
+        )
+        assert response.result == pb.ClaimReplyResponse.GRANTED, response
+
+    return claim
+
+
+async def run(options: argparse.Namespace, env: Environment) -> int:
+    baselines = [b.strip() for b in options.baselines.split(",") if b.strip()]
+    unknown = set(baselines) - set(BASELINES)
+    if unknown:
+        raise SetupError(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose from {', '.join(BASELINES)}")
+    clients = options.clients
+    print(f"== claims: uncontended ClaimReply, {clients} concurrent clients, {options.seconds:g} s rounds")
+    print(env.describe())
+    async with contextlib.AsyncExitStack() as stack:
+        run = run_id()
+        etcd_channel = await stack.enter_async_context(channel(env.etcd.endpoint))
+        from aetcd import rpc
+
+        kv = rpc.KVStub(etcd_channel)
+
+        async def raw_claim(index: int, n: int) -> None:
+            response = await kv.Txn(put_if_absent(f"bench-raw/{run}/{index}/{n}".encode()))
             assert response.succeeded
 
-        return await closed_loop("raw etcd txn (put-if-absent)", clients, seconds, claim)
+        workloads = [etcd_workload(env, "raw etcd txn (put-if-absent)", clients, raw_claim)]
 
-
-async def coordinator_round(coordinator: CoordinatorProcess, clients: int, seconds: float) -> Result:
-    async with grpc.aio.insecure_channel(coordinator.address) as channel:
-        stub = pb_grpc.CoordinatorStub(channel)
-        run = uuid.uuid4().hex
-        metadata = (("x-inbox-principal", "bench"),)
-
-        async def claim(client: int, n: int) -> None:
-            response = await stub.ClaimReply(
-                pb.ClaimReplyRequest(
-                    request_id=f"{client}-{n}",
-                    subject=pb.Subject(mailbox=f"bench-{run}", kind=pb.SUBJECT_KIND_MESSAGE, id=f"{client}-{n}"),
-                    ttl_seconds=60,
-                ),
-                metadata=metadata,
-            )
-            assert response.result == pb.ClaimReplyResponse.GRANTED
-
-        cpu_before = coordinator.cpu_seconds()
-        result = await closed_loop("coordinator ClaimReply", clients, seconds, claim)
-        return Result(
-            result.name, result.ops, result.seconds, result.latencies_ms, coordinator.cpu_seconds() - cpu_before
+        coordinators = stack.enter_context(
+            Coordinators(env, parse_coordinators(options.coordinators), run, uvloop=options.uvloop)
         )
+        for label, process in coordinators.processes:
+            stub = coordinator_stub(await stack.enter_async_context(channel(process.address)))
+            workloads.append(
+                coordinator_workload(
+                    env, process, f"coordinator ClaimReply, {label}", clients, claim_operation(stub, f"bench-{run}")
+                )
+            )
 
+        if "grpc" in baselines:
+            empty = CoordinatorProcess(env.tmp, empty=True)
+            stack.callback(empty.stop)
+            health = health_pb2_grpc.HealthStub(await stack.enter_async_context(channel(empty.address)))
 
-async def run(options: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        etcd = EtcdServer(Path(tmp) / "etcd", extra_args=["--quota-backend-bytes", str(8 << 30)])
-        etcd.start()
-        coordinator = CoordinatorProcess(etcd.endpoint, f"bench/{uuid.uuid4().hex}/")
-        try:
+            async def check(index: int, n: int) -> None:
+                await health.Check(health_pb2.HealthCheckRequest())
+
+            async def measure_empty(seconds: float) -> Result:
+                meter = CpuMeter(empty.cpu_seconds, None)
+                return meter.stamp(await closed_loop("empty Python gRPC handler", clients, seconds, check))
+
+            workloads.append(Workload("empty Python gRPC handler", measure_empty, NO_DURABILITY))
+
+        for mode in ("off", "everysec", "always"):
+            key = "redis" if mode == "off" else f"redis-{mode}"
+            if key in baselines:
+                server = RedisProcess(env.tmp, mode)
+                stack.callback(server.stop)
+                workload, client = _redis_workload(server, f"redis SET NX EX, AOF {mode}", clients)
+                stack.push_async_callback(client.aclose)
+                workloads.append(workload)
+
+        if "postgres" in baselines:
+            postgres = PostgresProcess(env.tmp)
+            stack.callback(postgres.stop)
+            workloads.append(await _postgres_workload(postgres, clients, stack))
+
+        await alternate(workloads, options.rounds, options.seconds)
+        coordinator_rows = workloads[1 : 1 + len(coordinators.processes)]
+        for workload in coordinator_rows:
+            base = workloads[0]
             print(
-                f"etcd {etcd_version(etcd.binary)}, {options.clients} concurrent clients, "
-                f"{options.seconds:.0f} s rounds"
+                f"{workload.name}: {workload.rate() / base.rate():.2f}x the raw etcd loop's throughput "
+                f"(target >= 1.0x), p99 {workload.p99() / base.p99():.2f}x (target <= 1.5x)"
             )
-            # Warm both paths (connections, lease buckets) before measuring.
-            await raw_etcd_round(etcd.endpoint, options.clients, 1.0)
-            await coordinator_round(coordinator, options.clients, 1.0)
-            raw: list[Result] = []
-            coord: list[Result] = []
-            print(HEADER)
-            for _ in range(options.rounds):
-                raw.append(await raw_etcd_round(etcd.endpoint, options.clients, options.seconds))
-                print(raw[-1].row())
-                coord.append(await coordinator_round(coordinator, options.clients, options.seconds))
-                print(coord[-1].row())
-            raw_rate = sum(r.ops for r in raw) / sum(r.seconds for r in raw)
-            coord_rate = sum(r.ops for r in coord) / sum(r.seconds for r in coord)
-            raw_p99 = sorted(r.percentile(99) for r in raw)[len(raw) // 2]
-            coord_p99 = sorted(r.percentile(99) for r in coord)[len(coord) // 2]
-            print(
-                f"throughput ratio coordinator/raw: {coord_rate / raw_rate:.2f}x "
-                f"({coord_rate:.0f} vs {raw_rate:.0f} ops/s)"
-            )
-            print(
-                f"p99 ratio coordinator/raw (median round): {coord_p99 / raw_p99:.2f}x "
-                f"({coord_p99:.2f} vs {raw_p99:.2f} ms)"
-            )
-        finally:
-            coordinator.stop()
-            etcd.stop()
     return 0

@@ -1,0 +1,128 @@
+"""Client side of the benchmarks: channels, request builders and the workloads that several benchmarks share."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aetcd import rpc
+
+from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+
+from ._common import CoordinatorProcess, CpuMeter, Environment, Result, Workload, closed_loop
+
+# Each simulated agent is a principal of its own, as in production: the coordinator's per-principal rate
+# limit (500 calls/s by default) and watch slots (64) then apply per client, not to the whole benchmark.
+_METADATA: dict[int, tuple[tuple[str, str], ...]] = {}
+
+
+def metadata(client: int) -> tuple[tuple[str, str], ...]:
+    found = _METADATA.get(client)
+    if found is None:
+        found = _METADATA[client] = (("x-inbox-principal", f"bench-agent-{client}"),)
+    return found
+
+
+ETCD_DURABILITY = "etcd: raft log + WAL fsync per batch"
+NO_DURABILITY = "n/a (no state)"
+
+Operation = Callable[[int, int], Awaitable[None]]
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    # One HTTP/2 connection per target, as the coordinator's own etcd client has; 64 clients share it.
+    return grpc.aio.insecure_channel(address)
+
+
+def subject(mailbox: str, subject_id: str) -> pb.Subject:
+    return pb.Subject(mailbox=mailbox, kind=pb.SUBJECT_KIND_MESSAGE, id=subject_id)
+
+
+def put_if_absent(key: bytes, value: bytes = b"holder", *more: bytes) -> Any:
+    """The raw claim: one transaction, create-if-absent on ``key`` (and on each of ``more``), reading the
+    keys in its failure branch, the way the coordinator's claim does."""
+    keys = (key, *more)
+    return rpc.TxnRequest(
+        compare=[rpc.Compare(key=k, result=rpc.Compare.EQUAL, target=rpc.Compare.VERSION, version=0) for k in keys],
+        success=[rpc.RequestOp(request_put=rpc.PutRequest(key=k, value=value)) for k in keys],
+        failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=k)) for k in keys],
+    )
+
+
+def etcd_workload(env: Environment, name: str, clients: int, operation: Operation) -> Workload:
+    async def run(seconds: float) -> Result:
+        meter = CpuMeter(None, env.etcd)
+        return meter.stamp(await closed_loop(name, clients, seconds, operation))
+
+    return Workload(name, run, ETCD_DURABILITY)
+
+
+def coordinator_workload(
+    env: Environment, coordinator: CoordinatorProcess, name: str, clients: int, operation: Operation
+) -> Workload:
+    """Measures ``operation`` against ``coordinator``: its CPU, etcd's, and how many transactions each etcd
+    request of the group commit carried."""
+
+    async def run(seconds: float) -> Result:
+        before = coordinator.stats()
+        meter = CpuMeter(coordinator.cpu_seconds, env.etcd)
+        result = meter.stamp(await closed_loop(name, clients, seconds, operation))
+        after = coordinator.stats()
+        requests = after["batch_requests"] - before["batch_requests"]
+        transactions = after["batch_transactions"] - before["batch_transactions"]
+        note = f"{transactions / requests:.1f} txn per etcd request" if requests else "unbatched"
+        return Result(
+            result.name,
+            result.ops,
+            result.seconds,
+            result.latencies_ms,
+            result.cpu_seconds,
+            result.etcd_cpu_seconds,
+            result.load_cpu_seconds,
+            note,
+        )
+
+    return Workload(name, run, ETCD_DURABILITY)
+
+
+def parse_coordinators(text: str) -> list[tuple[int, int]]:
+    """'64x2,1' -> [(64, 2), (1, 1)]: group-commit max_batch x max_batches_in_flight per coordinator."""
+    variants = []
+    for part in text.split(","):
+        batch, _, in_flight = part.strip().partition("x")
+        variants.append((int(batch), int(in_flight or 1)))
+    return variants
+
+
+def coordinator_label(max_batch: int, in_flight: int) -> str:
+    return "unbatched" if max_batch <= 1 else f"group commit {max_batch}x{in_flight}"
+
+
+class Coordinators(contextlib.ExitStack):
+    """One coordinator process per group-commit variant, all on one etcd, each with its own key prefix."""
+
+    def __init__(self, env: Environment, variants: list[tuple[int, int]], run: str, uvloop: bool = False) -> None:
+        super().__init__()
+        self.processes: list[tuple[str, CoordinatorProcess]] = []
+        try:
+            for max_batch, in_flight in variants:
+                process = CoordinatorProcess(
+                    env.tmp,
+                    env.etcd.endpoint,
+                    f"bench/{run}/{max_batch}x{in_flight}/",
+                    max_batch=max_batch,
+                    in_flight=in_flight,
+                    uvloop=uvloop,
+                )
+                self.callback(process.stop)
+                self.processes.append((coordinator_label(max_batch, in_flight), process))
+        except BaseException:
+            self.close()
+            raise
+
+
+def coordinator_stub(ch: grpc.aio.Channel) -> pb_grpc.CoordinatorStub:
+    return pb_grpc.CoordinatorStub(ch)

@@ -1,0 +1,118 @@
+"""The servers the benchmarks measure, each in a process of its own (started by ``bench._common``).
+
+    python -m bench._serve --status-file F --etcd-endpoints E --prefix P [--max-batch N] [--in-flight N]
+    python -m bench._serve --status-file F --empty
+
+The first builds the same ``CoordinatorServer`` as ``inbox-coordinator serve``, with the group-commit settings
+that the CLI does not expose; the second is a grpc.aio server with nothing but the standard health service
+(an empty handler: the ceiling of any Python gRPC server on this machine). Both write JSON lines to the status
+file: ``{"event": "serving", ...}`` once ready, and a ``stats`` line (batch counters, watch feeds, RSS) each
+time they get SIGUSR1. They stop on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from coordinator.server import CoordinatorServer, ServerSettings
+from coordinator.store import EtcdSettings
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class _StatusFile:
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def write(self, **fields: Any) -> None:
+        with self._path.open("a") as out:
+            out.write(json.dumps(fields) + "\n")
+
+
+async def _until_stopped(status: _StatusFile, stats: Any) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: status.write(event="stats", rss=_rss_bytes(), **stats()))
+    await stop.wait()
+
+
+async def _serve_coordinator(options: argparse.Namespace, status: _StatusFile) -> None:
+    etcd = EtcdSettings(
+        [options.etcd_endpoints],
+        prefix=options.prefix,
+        max_batch=options.max_batch,
+        max_batches_in_flight=options.in_flight,
+    )
+    server = CoordinatorServer(ServerSettings(etcd, listen=options.listen))
+    await server.start()
+    status.write(event="serving", address=server.address, pid=os.getpid())
+
+    def stats() -> dict[str, Any]:
+        requests, transactions = server.store.batch_stats
+        return {
+            "batch_requests": requests,
+            "batch_transactions": transactions,
+            "feeds": server.store.feeds.mailboxes,
+            "subscribers": server.store.feeds.subscribers,
+        }
+
+    await _until_stopped(status, stats)
+    await server.stop(grace=1.0)
+
+
+async def _serve_empty(options: argparse.Namespace, status: _StatusFile) -> None:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port(options.listen)
+    await server.start()
+    status.write(event="serving", address=f"{options.listen.rpartition(':')[0]}:{port}", pid=os.getpid())
+    await _until_stopped(status, dict)
+    await server.stop(1.0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench._serve", description=__doc__)
+    parser.add_argument("--status-file", type=Path, required=True)
+    parser.add_argument("--listen", default="127.0.0.1:0")
+    parser.add_argument("--empty", action="store_true", help="only the health service (the gRPC ceiling)")
+    parser.add_argument("--etcd-endpoints", default="")
+    parser.add_argument("--prefix", default="bench/")
+    parser.add_argument("--max-batch", type=int, default=EtcdSettings.max_batch)
+    parser.add_argument("--in-flight", type=int, default=EtcdSettings.max_batches_in_flight)
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's own loop")
+    parser.add_argument("--log-level", default="WARNING")
+    options = parser.parse_args()
+    logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    status = _StatusFile(options.status_file)
+    serve = _serve_empty(options, status) if options.empty else _serve_coordinator(options, status)
+    if options.uvloop:
+        import uvloop
+
+        uvloop.run(serve)
+    else:
+        asyncio.run(serve)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
