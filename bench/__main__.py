@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import claims
+from . import calls, claims
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -21,6 +22,21 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         "uncontended ClaimReply vs raw etcd, the empty gRPC ceiling, Redis, PostgreSQL; batched vs unbatched",
         claims.add_arguments,
         claims.run,
+    ),
+    "contended": (
+        "ClaimReply on a few hot subjects vs the same raw etcd transactions",
+        functools.partial(calls.add_arguments, command="contended"),
+        calls.runner("contended"),
+    ),
+    "dedup": (
+        "ClaimReply with notification_id (delivery dedup), some redelivered, vs a raw 2-key etcd transaction",
+        functools.partial(calls.add_arguments, command="dedup"),
+        calls.runner("dedup"),
+    ),
+    "cycle": (
+        "the full reply cycle (ClaimReply, BeginSend, ConfirmSent) vs the 3 raw etcd transactions it needs",
+        functools.partial(calls.add_arguments, command="cycle"),
+        calls.runner("cycle"),
     ),
 }
 
