@@ -12,7 +12,7 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims
+from . import calls, claims, watch
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -37,6 +37,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         "the full reply cycle (ClaimReply, BeginSend, ConfirmSent) vs the 3 raw etcd transactions it needs",
         functools.partial(calls.add_arguments, command="cycle"),
         calls.runner("cycle"),
+    ),
+    "watch": (
+        "Watch fan-out: delay from a claim to each of 1,000 watchers of its mailbox, vs raw etcd watches",
+        watch.add_arguments,
+        watch.run,
     ),
 }
 

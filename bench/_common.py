@@ -167,9 +167,18 @@ class CpuMeter:
             time.process_time(),
         )
 
-    def stamp(self, result: Result) -> Result:
+    @classmethod
+    def factory(cls, server: Callable[[], float] | None, etcd: EtcdServer | None) -> Callable[[], CpuMeter]:
+        return lambda: cls(server, etcd)
+
+    def stamp_values(self) -> tuple[float | None, float | None, float | None]:
+        """CPU seconds since the start: (server, etcd, this process)."""
         end = self._read()
         server, etcd, load = (None if b is None or a is None else b - a for a, b in zip(self._start, end, strict=True))
+        return server, etcd, load
+
+    def stamp(self, result: Result) -> Result:
+        server, etcd, load = self.stamp_values()
         return replace(result, cpu_seconds=server, etcd_cpu_seconds=etcd, load_cpu_seconds=load)
 
 
