@@ -12,7 +12,7 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims, watch
+from . import calls, claims, memory, watch
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -42,6 +42,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         "Watch fan-out: delay from a claim to each of 1,000 watchers of its mailbox, vs raw etcd watches",
         watch.add_arguments,
         watch.run,
+    ),
+    "memory": (
+        "coordinator RSS with 100,000 live claims and 1,000 watchers; claim cost as claims pile up",
+        memory.add_arguments,
+        memory.run,
     ),
 }
 

@@ -120,7 +120,7 @@ class _Side:
                 await task
 
 
-def _channels(address: str, watchers: int, stack: contextlib.AsyncExitStack) -> list[grpc.aio.Channel]:
+def watch_channels(address: str, watchers: int, stack: contextlib.AsyncExitStack) -> list[grpc.aio.Channel]:
     """One connection per STREAMS_PER_CONNECTION watchers, as separate clients would have."""
     channels = []
     for _ in range(max(1, math.ceil(watchers / STREAMS_PER_CONNECTION))):
@@ -135,7 +135,7 @@ async def _coordinator_side(
     address: str, watchers: int, mailboxes: int, run: str, stack: contextlib.AsyncExitStack
 ) -> tuple[_Side, Callable[[int, str], Awaitable[None]]]:
     side = _Side("coordinator Watch", watchers, mailboxes)
-    stubs = [pb_grpc.CoordinatorStub(ch) for ch in _channels(address, watchers, stack)]
+    stubs = [pb_grpc.CoordinatorStub(ch) for ch in watch_channels(address, watchers, stack)]
 
     async def watch(index: int) -> None:
         fanout = side.fanouts[index % mailboxes]
@@ -172,7 +172,7 @@ async def _raw_side(
     endpoint: str, watchers: int, mailboxes: int, run: str, stack: contextlib.AsyncExitStack
 ) -> tuple[_Side, Callable[[int, str], Awaitable[None]]]:
     side = _Side("raw etcd watch", watchers, mailboxes)
-    stubs = [rpc.WatchStub(ch) for ch in _channels(endpoint, watchers, stack)]
+    stubs = [rpc.WatchStub(ch) for ch in watch_channels(endpoint, watchers, stack)]
 
     def prefix(mailbox: int) -> bytes:
         return f"bench-raw/{run}/watch/{mailbox}/".encode()
