@@ -206,6 +206,10 @@ class Rules:
     def delivery_expiry(self, now_ms: int) -> int:
         return _round_up(now_ms + self.delivery_retention_ms, self.record_bucket_ms)
 
+    def end_mark_expiry(self, now_ms: int) -> int:
+        # As long as a delivery record: whether its claim ended deliberately must be known while it lives.
+        return self.delivery_expiry(now_ms)
+
 
 def _round_up(value: int, step: int) -> int:
     return math.ceil(value / step) * step
@@ -255,6 +259,29 @@ def new_delivery(
 def is_own_delivery(delivery: DeliveryRecord, caller: Caller, request_id: str) -> bool:
     """A delivery recorded by this very request (a retry whose first answer was lost)."""
     return delivery.recorded_by == caller.principal and delivery.request_id == request_id
+
+
+def is_duplicate_delivery(
+    delivery: DeliveryRecord,
+    subject: Subject,
+    current: Stored | None,
+    end: EndMark | None,
+    caller: Caller,
+    request_id: str,
+) -> bool:
+    """Whether a notification recorded earlier must be dropped now.
+
+    Not when it is this very request's retry. Otherwise yes while its subject is held or replied, and when
+    the claim it led to was ended by a call (released, aborted, taken over, resolved) since it was recorded.
+    When that claim lapsed instead (its holder crashed mid-draft), the notification has had no effect: its
+    redelivery may claim again, which is how a crash is recovered. A notification recorded for another
+    subject, or by RecordDelivery alone, is always a duplicate.
+    """
+    if is_own_delivery(delivery, caller, request_id):
+        return False
+    if current is not None or delivery.subject != subject:
+        return True
+    return end is not None and end.at_ms >= delivery.recorded_ms
 
 
 def claim_conflict(current: Stored, caller: Caller, request_id: str) -> ClaimResult:

@@ -147,11 +147,13 @@ class Engine:
         attempt = await self.store.claim(subject, record, delivery, self.rules.delivery_expiry(now))
         if attempt.created is not None:
             return ClaimOutcome(ClaimResult.GRANTED, attempt.created)
-        if attempt.delivery is not None and not domain.is_own_delivery(attempt.delivery, caller, request_id):
+        if attempt.delivery is not None and domain.is_duplicate_delivery(
+            attempt.delivery, subject, attempt.current, attempt.end, caller, request_id
+        ):
             return ClaimOutcome(ClaimResult.DUPLICATE_DELIVERY, None, attempt.delivery)
         if attempt.current is None:
-            # Our own delivery record stands but the subject is free: a retry whose first answer was lost
-            # after the claim ended. The notification's one effect is still this request's claim.
+            # The delivery is recorded but the subject is free: either our own retry whose first answer was
+            # lost, or a redelivery after the claim it led to lapsed (its holder crashed). Claim again.
             retry = await self.store.claim(subject, record, None, 0)
             if retry.created is not None:
                 return ClaimOutcome(ClaimResult.GRANTED, retry.created)
@@ -235,8 +237,11 @@ class Engine:
     async def _apply(
         self, subject: Subject, decide: Callable[[Stored | None, EndMark | None], Transition]
     ) -> tuple[FenceResult, Stored | None]:
-        transition, after = await self.store.apply(subject, decide)
+        transition, after = await self.store.apply(subject, decide, self._end_mark_expiry())
         return transition.result, after
+
+    def _end_mark_expiry(self) -> int:
+        return self.rules.end_mark_expiry(self._clock())
 
     # --- reads ---------------------------------------------------------------------------------------------
 
@@ -281,6 +286,7 @@ class Engine:
         transition, current = await self.store.apply(
             subject,
             lambda current, _end: domain.takeover_release(current, caller, request_id=request_id, now_ms=self._clock()),
+            self._end_mark_expiry(),
         )
         previous = transition.end
         if previous is None and current is not None:
@@ -327,6 +333,7 @@ class Engine:
                 request_id=request_id,
                 now_ms=self._clock(),
             ),
+            self._end_mark_expiry(),
         )
         return after
 
@@ -354,7 +361,7 @@ class Engine:
         moved = 0
         for subject in await self.store.due_sends(now):
             transition, _ = await self.store.apply(
-                subject, lambda current, _end: domain.mark_in_doubt(current, now_ms=now)
+                subject, lambda current, _end: domain.mark_in_doubt(current, now_ms=now), self._end_mark_expiry()
             )
             moved += transition.result is FenceResult.OK
         return moved

@@ -34,9 +34,6 @@ T = TypeVar("T")
 # A compare-and-swap that loses this many times in a row is reported instead of spinning.
 _CAS_ATTEMPTS = 32
 _RANGE_PAGE = 1000
-# How long the reason for a deletion is kept: the window in which a retried release or abort is
-# recognised as the same call, and in which a watcher that resumes can still name the transition.
-END_MARK_RETENTION_MS = 300_000
 
 
 @dataclass(frozen=True)
@@ -73,6 +70,8 @@ class ClaimAttempt:
     created: Stored | None
     current: Stored | None
     delivery: DeliveryRecord | None
+    # Why the subject was last freed by a call, when it is free (read only when a delivery was given).
+    end: EndMark | None = None
 
 
 @dataclass(frozen=True)
@@ -368,6 +367,7 @@ class EtcdStore:
                 lease = await self._lease(delivery_expires_ms)
                 success.append(_op_put(delivery_key, _codec.encode_delivery(delivery), lease))
                 failure.append(_op_get(delivery_key))
+                failure.append(_op_get(self.keys.end_mark(subject)))
             return await self._txn(compare, success, failure)
 
         response = await self._with_leases(attempt)
@@ -376,10 +376,12 @@ class EtcdStore:
             return ClaimAttempt(Stored(record, token=revision, revision=revision), None, None)
         subject_kv = _first_kv(response.responses[0])
         delivery_kv = _first_kv(response.responses[1]) if delivery is not None else None
+        end_kv = _first_kv(response.responses[2]) if delivery is not None else None
         return ClaimAttempt(
             None,
             _stored(subject_kv) if subject_kv is not None else None,
             _codec.decode_delivery(delivery_kv.value) if delivery_kv is not None else None,
+            _codec.decode_end_mark(end_kv.value) if end_kv is not None else None,
         )
 
     async def record_delivery(self, delivery: DeliveryRecord, expires_ms: int) -> DeliveryRecord | None:
@@ -410,9 +412,13 @@ class EtcdStore:
         )
 
     async def apply(
-        self, subject: Subject, decide: Callable[[Stored | None, EndMark | None], Transition]
+        self,
+        subject: Subject,
+        decide: Callable[[Stored | None, EndMark | None], Transition],
+        end_mark_expires_ms: int,
     ) -> tuple[Transition, Stored | None]:
-        """Reads, decides, and writes only if nothing changed in between; decides again if something did."""
+        """Reads, decides, and writes only if nothing changed in between; decides again if something did.
+        A deletion leaves an EndMark that lives until ``end_mark_expires_ms``."""
         subject_key = self.keys.subject(subject)
         for _ in range(_CAS_ATTEMPTS):
             current, last_end = await self.read(subject)
@@ -420,7 +426,9 @@ class EtcdStore:
             if transition.write is None and transition.end is None:
                 return transition, current
             assert current is not None, "a transition always starts from a stored subject"
-            response = await self._with_leases(functools.partial(self._commit, subject, current, transition))
+            response = await self._with_leases(
+                functools.partial(self._commit, subject, current, transition, end_mark_expires_ms)
+            )
             if response.succeeded:
                 if transition.write is None:
                     return transition, None
@@ -429,7 +437,7 @@ class EtcdStore:
             log.debug("compare-and-swap on %r lost a race; deciding again", subject_key)
         raise StoreConflict(f"the subject changed {_CAS_ATTEMPTS} times while this call ran; retry it")
 
-    async def _commit(self, subject: Subject, current: Stored, transition: Transition) -> Any:
+    async def _commit(self, subject: Subject, current: Stored, transition: Transition, end_mark_expires_ms: int) -> Any:
         subject_key = self.keys.subject(subject)
         ops: list[Any] = []
         was_sending = current.record.state is State.SENDING and current.record.send_deadline_ms is not None
@@ -445,7 +453,7 @@ class EtcdStore:
                 assert record.send_deadline_ms is not None
                 ops.append(_op_put(self.keys.sending(record.send_deadline_ms, subject), subject_key))
         if transition.end is not None:
-            lease = await self._lease(_round_up(transition.end.at_ms + END_MARK_RETENTION_MS, 10_000))
+            lease = await self._lease(end_mark_expires_ms)
             ops.append(_op_delete(subject_key))
             ops.append(_op_put(self.keys.end_mark(subject), _codec.encode_end_mark(transition.end), lease))
         return await self._txn([_unchanged_since(subject_key, current.revision)], ops, [])

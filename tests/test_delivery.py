@@ -9,7 +9,7 @@ import grpc
 
 from inbox_claims._proto import coordinator_pb2 as pb
 
-from .helpers import Actor, message, new_request_id
+from .helpers import Actor, eventually, message, new_request_id
 
 GRANTED = pb.ClaimReplyResponse.GRANTED
 DUPLICATE = pb.ClaimReplyResponse.DUPLICATE_DELIVERY
@@ -66,3 +66,37 @@ async def test_retried_claim_with_notification_returns_the_same_grant(agent: Act
 async def test_delivery_records_are_per_mailbox(agent: Actor, mailbox: str) -> None:
     assert (await agent.record_delivery(mailbox, "same-id")).result == pb.RecordDeliveryResponse.NEW
     assert (await agent.record_delivery(mailbox + "-other", "same-id")).result == pb.RecordDeliveryResponse.NEW
+
+
+async def test_redelivery_after_the_holder_crashed_claims_again(channel: grpc.aio.Channel, mailbox: str) -> None:
+    """The first worker claims, then dies mid-draft: its claim lapses. The notification had no effect, so
+    its redelivery (Nylas retries; an operator's replay) is not dropped: another worker claims and replies."""
+    subject = message(mailbox, "msg-1")
+    crashed, rescuer = Actor(channel, "crashed"), Actor(channel, "rescuer")
+    first = await crashed.claim(subject, notification_id="notif-1", ttl=2)
+    assert first.result == GRANTED
+    early = await rescuer.claim(subject, notification_id="notif-1")
+    assert early.result == DUPLICATE, "while the claim lives, a redelivery is a duplicate"
+
+    async def claimed_again() -> pb.ClaimReplyResponse | None:
+        response = await rescuer.claim(subject, notification_id="notif-1")
+        return response if response.result == GRANTED else None
+
+    rescued = await eventually(claimed_again, within=10)
+    assert rescued.status.fencing_token > first.status.fencing_token
+    await rescuer.begin(subject, rescued.status.fencing_token)
+    await rescuer.confirm(subject, rescued.status.fencing_token)
+    late = await Actor(channel, "third").claim(subject, notification_id="notif-1")
+    assert late.result == DUPLICATE
+
+
+async def test_redelivery_after_a_deliberate_release_stays_a_duplicate(
+    agent: Actor, other_agent: Actor, mailbox: str
+) -> None:
+    """An agent that looked and decided not to reply releases: redeliveries must not make others try again."""
+    subject = message(mailbox, "spam")
+    token = (await agent.claim(subject, notification_id="notif-spam")).status.fencing_token
+    await agent.release(subject, token)
+    assert (await other_agent.claim(subject, notification_id="notif-spam")).result == DUPLICATE
+    # A different notification about the same message (message.updated) is not a duplicate.
+    assert (await other_agent.claim(subject, notification_id="notif-spam-updated")).result == GRANTED

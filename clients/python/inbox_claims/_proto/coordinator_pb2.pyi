@@ -473,7 +473,10 @@ class ClaimReplyResponse(_message.Message):
         ALREADY_REPLIED: ClaimReplyResponse._Result.ValueType  # 3
         """A reply was sent, is being sent, or is in doubt: `status` is that reply record."""
         DUPLICATE_DELIVERY: ClaimReplyResponse._Result.ValueType  # 4
-        """The notification id was seen before: `delivery` is its first sighting; nothing was claimed."""
+        """The notification id was seen before: `delivery` is its first sighting; nothing was claimed. A
+        notification whose claim lapsed without a decision (its holder crashed mid-draft) is not a duplicate:
+        its redelivery claims again. One whose claim was released, aborted, taken over or replied to is.
+        """
 
     class Result(_Result, metaclass=_ResultEnumTypeWrapper): ...
     RESULT_UNSPECIFIED: ClaimReplyResponse.Result.ValueType  # 0
@@ -484,7 +487,10 @@ class ClaimReplyResponse(_message.Message):
     ALREADY_REPLIED: ClaimReplyResponse.Result.ValueType  # 3
     """A reply was sent, is being sent, or is in doubt: `status` is that reply record."""
     DUPLICATE_DELIVERY: ClaimReplyResponse.Result.ValueType  # 4
-    """The notification id was seen before: `delivery` is its first sighting; nothing was claimed."""
+    """The notification id was seen before: `delivery` is its first sighting; nothing was claimed. A
+    notification whose claim lapsed without a decision (its holder crashed mid-draft) is not a duplicate:
+    its redelivery claims again. One whose claim was released, aborted, taken over or replied to is.
+    """
 
     RESULT_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
