@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -88,37 +89,56 @@ def coordinator_workload(
     return Workload(name, run, ETCD_DURABILITY)
 
 
-def parse_coordinators(text: str) -> list[tuple[int, int]]:
-    """'64x2,1' -> [(64, 2), (1, 1)]: group-commit max_batch x max_batches_in_flight per coordinator."""
+@dataclass(frozen=True)
+class Variant:
+    """How a coordinator under test is run: group-commit settings, and which event loop."""
+
+    max_batch: int
+    in_flight: int
+    uvloop: bool = False
+
+    @property
+    def label(self) -> str:
+        batching = "unbatched" if self.max_batch <= 1 else f"group commit {self.max_batch}x{self.in_flight}"
+        return batching + (", uvloop" if self.uvloop else "")
+
+
+def parse_coordinators(text: str) -> list[Variant]:
+    """'64x2,1,64x2u' -> group commit max_batch x batches in flight (1 = unbatched); a trailing u runs that
+    coordinator on uvloop."""
     variants = []
     for part in text.split(","):
-        batch, _, in_flight = part.strip().partition("x")
-        variants.append((int(batch), int(in_flight or 1)))
+        spec = part.strip()
+        uvloop = spec.endswith("u")
+        batch, _, in_flight = spec.removesuffix("u").partition("x")
+        variants.append(Variant(int(batch), int(in_flight or 1), uvloop))
     return variants
 
 
-def coordinator_label(max_batch: int, in_flight: int) -> str:
-    return "unbatched" if max_batch <= 1 else f"group commit {max_batch}x{in_flight}"
+COORDINATORS_HELP = (
+    "coordinators to compare: max_batch x batches in flight (1 = unbatched), a trailing u for uvloop; "
+    "default %(default)s"
+)
 
 
 class Coordinators(contextlib.ExitStack):
-    """One coordinator process per group-commit variant, all on one etcd, each with its own key prefix."""
+    """One coordinator process per variant, all on one etcd, each with its own key prefix."""
 
-    def __init__(self, env: Environment, variants: list[tuple[int, int]], run: str, uvloop: bool = False) -> None:
+    def __init__(self, env: Environment, variants: list[Variant], run: str) -> None:
         super().__init__()
         self.processes: list[tuple[str, CoordinatorProcess]] = []
         try:
-            for max_batch, in_flight in variants:
+            for index, variant in enumerate(variants):
                 process = CoordinatorProcess(
                     env.tmp,
                     env.etcd.endpoint,
-                    f"bench/{run}/{max_batch}x{in_flight}/",
-                    max_batch=max_batch,
-                    in_flight=in_flight,
-                    uvloop=uvloop,
+                    f"bench/{run}/{index}/",
+                    max_batch=variant.max_batch,
+                    in_flight=variant.in_flight,
+                    uvloop=variant.uvloop,
                 )
                 self.callback(process.stop)
-                self.processes.append((coordinator_label(max_batch, in_flight), process))
+                self.processes.append((variant.label, process))
         except BaseException:
             self.close()
             raise

@@ -25,6 +25,7 @@ from inbox_claims._proto import coordinator_pb2 as pb
 
 from ._common import Environment, SetupError, Workload, add_common_arguments, alternate, run_id
 from ._load import (
+    COORDINATORS_HELP,
     Coordinators,
     Operation,
     channel,
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument(
         "--coordinators",
         default="64x2,1",
-        help="group-commit variants, max_batch x batches in flight (1 = unbatched); default %(default)s",
+        help=COORDINATORS_HELP,
     )
     if command == "contended":
         parser.add_argument("--hot", type=int, default=4, help="hot subjects all clients claim (default %(default)s)")

@@ -37,6 +37,7 @@ from ._common import (
     run_id,
 )
 from ._load import (
+    COORDINATORS_HELP,
     NO_DURABILITY,
     Coordinators,
     channel,
@@ -63,9 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--coordinators",
         default="64x2,1",
-        help="group-commit variants, max_batch x batches in flight (1 = unbatched); default %(default)s",
+        help=COORDINATORS_HELP,
     )
-    parser.add_argument("--uvloop", action="store_true", help="run the coordinators on uvloop")
 
 
 def _redis_workload(server: RedisProcess, name: str, clients: int) -> tuple[Workload, Any]:
@@ -152,9 +152,7 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
 
         workloads = [etcd_workload(env, "raw etcd txn (put-if-absent)", clients, raw_claim)]
 
-        coordinators = stack.enter_context(
-            Coordinators(env, parse_coordinators(options.coordinators), run, uvloop=options.uvloop)
-        )
+        coordinators = stack.enter_context(Coordinators(env, parse_coordinators(options.coordinators), run))
         for label, process in coordinators.processes:
             stub = coordinator_stub(await stack.enter_async_context(channel(process.address)))
             workloads.append(
