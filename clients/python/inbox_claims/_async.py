@@ -1,0 +1,293 @@
+"""The asyncio client: performs the core's effects with ``grpc.aio`` and a task per guarded claim."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from types import TracebackType
+from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
+
+import grpc
+
+from ._core import (
+    ClientBase,
+    Effect,
+    Emit,
+    Flow,
+    Invoke,
+    OpenStream,
+    ReadStream,
+    Rpc,
+    RpcFailure,
+    Sleep,
+)
+from ._envelope import Notification
+from ._errors import ClaimLost
+from ._guard import ClaimBase, GuardState, Scope, resolve_subject
+from ._proto import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncClaim", "AsyncCoordinator"]
+
+log = logging.getLogger("inbox_claims")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class AsyncCoordinator(ClientBase):
+    """An asyncio client of the Inbox Coordinator.
+
+    ``async with AsyncCoordinator(principal="agent-1") as coord:`` ... or ``await coord.close()`` when done.
+    The channel opens on first use, in the running event loop; use one client per event loop.
+    """
+
+    _channel: grpc.aio.Channel | None = None
+    _stub: pb_grpc.CoordinatorStub | None = None
+
+    # -- I/O ---------------------------------------------------------------------------------------------
+
+    def _get_stub(self) -> pb_grpc.CoordinatorStub:
+        if self._stub is None:
+            options = self._core.options
+            if options.credentials is None:
+                self._channel = grpc.aio.insecure_channel(options.target, options.channel_options)
+            else:
+                self._channel = grpc.aio.secure_channel(options.target, options.credentials, options.channel_options)
+            self._stub = pb_grpc.CoordinatorStub(self._channel)
+        return self._stub
+
+    async def _perform(self, effect: Effect) -> Any:
+        metadata = self._core.options.metadata
+        try:
+            if isinstance(effect, Rpc):
+                method = getattr(self._get_stub(), effect.method)
+                return await method(effect.request, timeout=effect.timeout, metadata=metadata)
+            if isinstance(effect, ReadStream):
+                message = await effect.handle.read()
+                return None if message is grpc.aio.EOF else message
+        except grpc.RpcError as error:
+            raise RpcFailure.from_grpc(error) from None
+        if isinstance(effect, Sleep):
+            return await asyncio.sleep(effect.seconds)
+        if isinstance(effect, Invoke):
+            result = effect.fn(*effect.args, **effect.kwargs)
+            return await result if inspect.isawaitable(result) else result
+        if isinstance(effect, OpenStream):
+            return getattr(self._get_stub(), effect.method)(effect.request, metadata=metadata)
+        raise TypeError(f"unknown effect {effect!r}")
+
+    async def _run(self, flow: Flow[Any], result: list[Any]) -> AsyncGenerator[Any, None]:
+        """Runs a flow: yields what it emits, appends what it returns to ``result``."""
+        streams: list[Any] = []
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    effect = flow.throw(error) if error is not None else flow.send(value)
+                except StopIteration as stop:
+                    result.append(stop.value)
+                    return
+                if isinstance(effect, Emit):
+                    value, error = None, None
+                    yield effect.item
+                    continue
+                try:
+                    value, error = await self._perform(effect), None
+                except BaseException as exc:
+                    value, error = None, exc
+                if isinstance(effect, OpenStream):
+                    streams.append(value)
+        finally:
+            for stream in streams:
+                stream.cancel()
+            flow.close()
+
+    def _iterate(self, flow: Flow[None]) -> AsyncGenerator[Any, None]:
+        return self._run(flow, [])
+
+    async def _drive(self, flow: Flow[R]) -> R:
+        result: list[R] = []
+        async for item in self._run(flow, result):
+            raise AssertionError(f"a unary flow emitted {item!r}")
+        return result[0]
+
+    async def close(self) -> None:
+        """Closes the channel. Claims still open stop renewing (their renewal fails) and expire by TTL."""
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- the guard -------------------------------------------------------------------------------------------
+
+    def reply_to(
+        self,
+        notification: Notification | None = None,
+        *,
+        mailbox: str | None = None,
+        message_id: str | None = None,
+        thread_id: str | None = None,
+        notification_id: str | None = None,
+        scope: Scope = "message",
+        ttl: int = 60,
+        note: str = "",
+        on_lost: Callable[[AsyncClaim], object] | None = None,
+        cancel_on_loss: bool = False,
+    ) -> AsyncClaim:
+        """A guarded claim on the message a notification is about: ``async with coord.reply_to(n) as claim``.
+
+        Entering makes ONE ClaimReply call that records the delivery (``notification_id``) and claims the
+        message (``scope="thread"``: the thread), raising :class:`DuplicateDelivery`, :class:`ReplyHeld` or
+        :class:`AlreadyReplied` when it is not yours. Inside, a task renews the claim every ``ttl / 3``
+        seconds; if the claim is found lost, ``claim.lost`` (an ``asyncio.Event``) is set, ``on_lost(claim)``
+        is called (awaited if it returns an awaitable), and with ``cancel_on_loss=True`` the task running the
+        block is cancelled and :class:`ClaimLost` comes out of the ``async with``. ``await claim.send(fn)``
+        passes the fenced commit point, calls ``fn`` and records the reply. Leaving the block without sending
+        releases the claim.
+
+        Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
+        (or replace it: ``reply_to(mailbox=..., message_id=...)``).
+        """
+        subject, dedup_id = resolve_subject(
+            notification,
+            mailbox=mailbox,
+            message_id=message_id,
+            thread_id=thread_id,
+            notification_id=notification_id,
+            scope=scope,
+        )
+        state = GuardState(self._core, subject, notification_id=dedup_id, ttl=ttl, note=note)
+        return AsyncClaim(self, state, on_lost, cancel_on_loss)
+
+    def guarded(
+        self,
+        *,
+        ttl: int = 60,
+        scope: Scope = "message",
+        note: str = "",
+        on_lost: Callable[[AsyncClaim], object] | None = None,
+        cancel_on_loss: bool = False,
+    ) -> Callable[
+        [Callable[Concatenate[Notification, AsyncClaim, P], Awaitable[R]]],
+        Callable[Concatenate[Notification, P], Coroutine[Any, Any, R]],
+    ]:
+        """Decorator: ``async fn(notification, claim, ...)`` runs inside ``reply_to(notification)``.
+
+        The decorated coroutine function is called as ``await fn(notification, ...)``; it raises what
+        ``reply_to`` raises (catch :class:`ClaimNotGranted` to ignore duplicates and messages not yours).
+        """
+
+        def decorate(
+            fn: Callable[Concatenate[Notification, AsyncClaim, P], Awaitable[R]],
+        ) -> Callable[Concatenate[Notification, P], Coroutine[Any, Any, R]]:
+            @functools.wraps(fn)
+            async def guarded_call(notification: Notification, /, *args: P.args, **kwargs: P.kwargs) -> R:
+                guard = self.reply_to(
+                    notification, ttl=ttl, scope=scope, note=note, on_lost=on_lost, cancel_on_loss=cancel_on_loss
+                )
+                async with guard as claim:
+                    return await fn(notification, claim, *args, **kwargs)
+
+            return guarded_call
+
+        return decorate
+
+
+class AsyncClaim(ClaimBase):
+    """A guarded claim of the asyncio client (from :meth:`AsyncCoordinator.reply_to`); an async context manager."""
+
+    def __init__(
+        self,
+        client: AsyncCoordinator,
+        state: GuardState,
+        on_lost: Callable[[AsyncClaim], object] | None,
+        cancel_on_loss: bool,
+    ) -> None:
+        super().__init__(state)
+        self._client = client
+        self._on_lost = on_lost
+        self._cancel_on_loss = cancel_on_loss
+        self._renewal: asyncio.Task[None] | None = None
+        self._body: asyncio.Task[Any] | None = None
+        self._cancelled_body = False
+        self.lost = asyncio.Event()
+        """Set once the claim is found lost (taken over, expired, or unrenewable past its TTL)."""
+
+    async def __aenter__(self) -> Self:
+        await self._client._drive(self._state.enter())
+        self._body = asyncio.current_task()
+        self._renewal = asyncio.create_task(self._renew(), name=f"inbox-claims renewal {self.token}")
+        return self
+
+    async def _renew(self) -> None:
+        try:
+            loss = await self._client._drive(self._state.renewal())
+        except Exception:
+            log.exception("the renewal of %s stopped on an unexpected error", self.subject)
+            return
+        if loss is not None:
+            await self._notice_loss(cancel=self._cancel_on_loss)
+
+    async def _notice_loss(self, *, cancel: bool) -> None:
+        if self.lost.is_set():
+            return
+        self.lost.set()
+        if self._on_lost is not None:
+            try:
+                result = self._on_lost(self)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("the on_lost callback of %s raised", self.subject)
+        if cancel and self._body is not None:
+            self._cancelled_body = True
+            self._body.cancel(f"inbox-claims: the claim on {self.subject} was lost")
+
+    async def _stop_renewal(self) -> None:
+        renewal, self._renewal = self._renewal, None
+        if renewal is not None and renewal is not asyncio.current_task():
+            renewal.cancel()
+            await asyncio.wait([renewal])  # unlike awaiting it, does not raise its CancelledError here
+
+    async def send(
+        self, fn: Callable[P, Awaitable[str | None] | str | None], /, *args: P.args, **kwargs: P.kwargs
+    ) -> str | None:
+        """Sends the reply through the fenced commit point, once.
+
+        BeginSend (refused: :class:`ClaimLost`, and ``fn`` is never called), then ``await fn(*args, **kwargs)``
+        (a plain function works too), which must return the sent message's id (``str``) or ``None``, then
+        ConfirmSent. If ``fn`` raises :class:`SendRejected`, AbortSend frees the subject and the exception
+        propagates; any other exception leaves the subject SENDING (reported IN_DOUBT later) and raises
+        :class:`SendOutcomeUnknown` from it. Returns what ``fn`` returned.
+        """
+        await self._stop_renewal()
+        try:
+            return await self._client._drive(self._state.send(fn, args, kwargs))
+        except ClaimLost:
+            await self._notice_loss(cancel=False)
+            raise
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
+        body, self._body = self._body, None  # from here on, a loss no longer cancels anything
+        await self._stop_renewal()
+        await self._client._drive(self._state.exit())
+        if (
+            self._cancelled_body
+            and body is not None
+            and body.uncancel() == 0
+            and isinstance(exc, asyncio.CancelledError)
+        ):
+            raise self._state.lost_error() from exc
+        return False

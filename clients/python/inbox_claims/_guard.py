@@ -1,0 +1,384 @@
+"""The send-path guard's logic, shared by ``Claim`` (threads) and ``AsyncClaim`` (asyncio), without I/O.
+
+A guarded claim goes through these phases (:class:`Phase`)::
+
+    CLAIMING --ClaimReply GRANTED--> CLAIMED --renewal finds it gone--> LOST
+    CLAIMED --send()--> BEGINNING --BeginSend OK--> SENDING --fn returned, ConfirmSent--> REPLIED
+                                  --BeginSend STALE--> LOST         --fn raised SendRejected, AbortSend--> ABORTED
+                                                                    --fn raised anything else--> UNKNOWN (left SENDING)
+    CLAIMED (or LOST after failed renewals, or BEGINNING with an unknown answer) --leaving the block--> RELEASED
+
+Renewal only ever runs in CLAIMED: a renewal answer that arrives after ``send()`` started is ignored, so the
+renewal can never declare a loss the commit point has already settled.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+import unicodedata
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Literal
+
+from ._core import Core, Flow, Invoke, Op, Sleep
+from ._envelope import Notification
+from ._errors import (
+    AlreadyReplied,
+    ClaimLost,
+    DuplicateDelivery,
+    FailedPrecondition,
+    InboxClaimsError,
+    ReplyHeld,
+    SendOutcomeUnknown,
+    SendRejected,
+    SentButUnconfirmed,
+)
+from ._types import ClaimOutcome, ClaimResult, FenceResult, HolderKind, LossReason, Subject, SubjectState, SubjectStatus
+
+log = logging.getLogger("inbox_claims")
+
+Scope = Literal["message", "thread"]
+
+REASON_MAX_BYTES = 1024
+# After a failed renewal, try again after a third of the time left, but not more often than this.
+RENEWAL_RETRY_FLOOR_S = 0.2
+
+
+class Phase(enum.Enum):
+    CLAIMING = "claiming"
+    CLAIMED = "claimed"
+    LOST = "lost"
+    BEGINNING = "beginning"
+    SENDING = "sending"
+    REPLIED = "replied"
+    ABORTED = "aborted"
+    UNKNOWN = "unknown"
+    RELEASED = "released"
+
+
+def resolve_subject(
+    notification: Notification | None,
+    *,
+    mailbox: str | None,
+    message_id: str | None,
+    thread_id: str | None,
+    notification_id: str | None,
+    scope: Scope,
+) -> tuple[Subject, str]:
+    """The subject to claim and the notification id to dedup on, from a notification and/or explicit ids.
+
+    Explicit arguments win over the notification's fields (``mailbox=`` lets several grants that see one inbox
+    coordinate on the mailbox address instead of the grant id).
+    """
+    if notification is not None:
+        if not isinstance(notification, Notification):
+            raise TypeError(f"notification must come from parse_notification(), not {type(notification).__name__}")
+        if not notification.is_message_event:
+            raise ValueError(f"a {notification.type} notification is not about a message: there is nothing to reply to")
+        mailbox = mailbox or notification.mailbox
+        message_id = message_id or notification.message_id
+        thread_id = thread_id or notification.thread_id
+        if notification_id is None:
+            notification_id = notification.notification_id
+    if not mailbox:
+        raise ValueError("reply_to needs a mailbox: pass mailbox= (the notification carries no grant_id)")
+    if scope == "message":
+        if not message_id:
+            raise ValueError("reply_to(scope='message') needs a message id: pass message_id=")
+        return Subject.message(mailbox, message_id), notification_id or ""
+    if scope == "thread":
+        if not thread_id:
+            raise ValueError("reply_to(scope='thread') needs a thread id: pass thread_id= (none in the notification)")
+        return Subject.thread(mailbox, thread_id), notification_id or ""
+    raise ValueError(f"scope must be 'message' or 'thread', not {scope!r}")
+
+
+def granted_status(result: ClaimResult, subject: Subject, notification_id: str) -> SubjectStatus:
+    """The granted claim's status, or the refusal as an exception."""
+    if result.outcome is ClaimOutcome.DUPLICATE_DELIVERY:
+        raise DuplicateDelivery(subject, notification_id, result.delivery)
+    assert result.status is not None
+    if result.outcome is ClaimOutcome.HELD:
+        raise ReplyHeld(result.status)
+    if result.outcome is ClaimOutcome.ALREADY_REPLIED:
+        raise AlreadyReplied(result.status)
+    return result.status
+
+
+def clean_text(text: str, max_bytes: int = REASON_MAX_BYTES) -> str:
+    """A free-form text the coordinator accepts: control characters become spaces, cut to ``max_bytes``."""
+    flat = "".join(" " if unicodedata.category(ch) == "Cc" else ch for ch in text)
+    return flat.encode("utf-8", "replace")[:max_bytes].decode("utf-8", "ignore")
+
+
+class GuardState:
+    """One guarded claim: its phase, token and renewal schedule, and the flows of its steps.
+
+    Thread-safe: in the sync client the renewal runs in its own thread while the caller drafts and sends.
+    """
+
+    def __init__(self, core: Core, subject: Subject, *, notification_id: str, ttl: int, note: str) -> None:
+        self.core = core
+        self.subject = subject
+        self.notification_id = notification_id
+        self.ttl = ttl
+        self.phase = Phase.CLAIMING
+        self.status: SubjectStatus | None = None
+        self.loss: ClaimLost | None = None
+        self.sent_message_id: str | None = None
+        self._lock = threading.Lock()
+        # Until this time.monotonic() value the claim certainly holds: the coordinator counts the TTL from
+        # when it handled the last claim or renewal, which is after we sent it.
+        self._valid_until = 0.0
+        self._token = 0
+        self._claim_op = core.claim_op(subject, ttl=ttl, notification_id=notification_id, note=clean_text(note))
+
+    @property
+    def token(self) -> int:
+        """The fencing token granted on entry (0 before); kept when later answers show the subject FREE."""
+        return self._token
+
+    @property
+    def expires_at(self) -> datetime | None:
+        return self.status.expires_at if self.status is not None else None
+
+    def lost_error(self) -> ClaimLost:
+        """A fresh exception for the recorded loss (each raise gets its own traceback)."""
+        assert self.loss is not None
+        return ClaimLost(self.loss.subject, self.loss.token, self.loss.reason, self.loss.status)
+
+    def raise_if_lost(self) -> None:
+        if self.loss is not None:
+            raise self.lost_error()
+
+    # -- claim ------------------------------------------------------------------------------------------
+
+    def enter(self) -> Flow[None]:
+        """ClaimReply with the notification id: dedup and claim in one call; a refusal is raised."""
+        if self.phase is not Phase.CLAIMING:
+            raise RuntimeError("a claim can be entered only once; call reply_to() again for a new one")
+        started = time.monotonic()
+        result = yield from self.core.call(self._claim_op)
+        status = granted_status(result, self.subject, self.notification_id)
+        self.status = status
+        self._token = status.fencing_token
+        self.ttl = status.ttl_seconds or self.ttl
+        self._valid_until = started + self.ttl
+        self.phase = Phase.CLAIMED
+
+    # -- renewal -----------------------------------------------------------------------------------------
+
+    def renewal(self) -> Flow[ClaimLost | None]:
+        """Renews at a third of the TTL until the phase leaves CLAIMED. Returns the loss when it finds one.
+
+        A ``Sleep`` that answers True means "stop" (the sync client's wake-up); the async client cancels.
+        """
+        interval = self.ttl / 3
+        next_at = self._valid_until - self.ttl + interval
+        while True:
+            stopped = yield Sleep(max(next_at - time.monotonic(), 0.0))
+            if stopped or self.phase is not Phase.CLAIMED:
+                return None
+            started = time.monotonic()
+            op = self.core.renew_op(self.subject, self.token, ttl=self.ttl)
+            try:
+                result: FenceResult = yield from self.core.call(op, deadline=self._valid_until)
+            except Exception as error:  # the coordinator is unreachable, or the client was closed
+                now = time.monotonic()
+                if now >= self._valid_until:
+                    return self._lose(LossReason.RENEWAL_FAILED, None, Phase.CLAIMED)
+                log.warning("renewing claim %d on %s failed: %s; trying again", self.token, self.subject, error)
+                next_at = now + max(RENEWAL_RETRY_FLOOR_S, min(interval, (self._valid_until - now) / 3))
+                continue
+            if result.stale:
+                return self._lose(self._stale_reason(result.status), result.status, Phase.CLAIMED)
+            with self._lock:
+                if self.phase is Phase.CLAIMED:
+                    self.status = result.status
+                    self._valid_until = started + self.ttl
+            next_at = started + interval
+
+    def _stale_reason(self, status: SubjectStatus) -> LossReason:
+        if status.state is SubjectState.CLAIMED and status.holder_kind is HolderKind.HUMAN:
+            return LossReason.TAKEN_OVER
+        if time.monotonic() >= self._valid_until:
+            return LossReason.EXPIRED  # we were paused past the TTL
+        return LossReason.STALE_TOKEN  # renewed in time, yet gone: released or taken over meanwhile
+
+    def _lose(self, reason: LossReason, status: SubjectStatus | None, expected: Phase) -> ClaimLost | None:
+        with self._lock:
+            if self.phase is not expected:
+                return None  # the send (or the exit) got there first: this answer no longer matters
+            self.phase = Phase.LOST
+            self.loss = ClaimLost(self.subject, self.token, reason, status)
+            return self.loss
+
+    # -- send --------------------------------------------------------------------------------------------
+
+    def send(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Flow[Any]:
+        """BeginSend (fenced), then ``fn``, then ConfirmSent with the id it returned (or AbortSend)."""
+        with self._lock:
+            if self.phase is Phase.LOST:
+                raise self.lost_error()
+            if self.phase is not Phase.CLAIMED:
+                raise RuntimeError(
+                    f"claim.send() runs once, inside the claim's block (this claim is {self.phase.value})"
+                )
+            self.phase = Phase.BEGINNING  # renewal stops; until BeginSend answers, the exit aborts
+        begin = yield from self.core.call(self.core.begin_send_op(self.subject, self.token))
+        if begin.stale:
+            loss = self._lose(self._stale_reason(begin.status), begin.status, Phase.BEGINNING)
+            assert loss is not None
+            raise self.lost_error()
+        self.status = begin.status
+        self.phase = Phase.SENDING
+        try:
+            sent = yield Invoke(fn, args, kwargs)
+        except SendRejected as rejected:
+            yield from self._abort(rejected)
+            raise
+        except Exception as error:
+            self.phase = Phase.UNKNOWN
+            raise SendOutcomeUnknown(self.subject, self.token) from error
+        except BaseException:  # cancelled or interrupted while sending: the outcome is unknown too
+            self.phase = Phase.UNKNOWN
+            raise
+        yield from self._confirm(sent)
+        return sent
+
+    def _abort(self, rejected: SendRejected) -> Flow[None]:
+        op = self.core.abort_send_op(self.subject, self.token, clean_text(rejected.reason))
+        try:
+            result = yield from self.core.call(op)
+        except InboxClaimsError as error:
+            self.phase = Phase.UNKNOWN
+            log.warning(
+                "AbortSend for %s failed (%s): it stays SENDING and will be reported IN_DOUBT", self.subject, error
+            )
+            return
+        self.status = result.status
+        self.phase = Phase.ABORTED if result.ok else Phase.UNKNOWN
+
+    def _confirm(self, sent: Any) -> Flow[None]:
+        wrong_type = sent is not None and not isinstance(sent, str)
+        op = self.core.confirm_sent_op(self.subject, self.token, "" if wrong_type else (sent or ""))
+        try:
+            result = yield from self.core.call(op)
+        except InboxClaimsError as error:
+            self.phase = Phase.UNKNOWN
+            raise SentButUnconfirmed(self.subject, self.token, sent, f"ConfirmSent failed: {error}") from error
+        if result.stale:
+            self.phase = Phase.UNKNOWN
+            raise SentButUnconfirmed(
+                self.subject,
+                self.token,
+                sent,
+                f"the coordinator no longer knows this send ({result.status.state.name})",
+            )
+        self.status = result.status
+        self.sent_message_id = sent
+        self.phase = Phase.REPLIED
+        if wrong_type:
+            raise TypeError(
+                f"the send function returned {type(sent).__name__}; return the sent message id (str) or None. "
+                "The reply was sent and is recorded as REPLIED without an id."
+            )
+
+    # -- leaving the block -------------------------------------------------------------------------------
+
+    def exit(self) -> Flow[None]:
+        """Best effort, never raises a coordinator error: release an unsent claim; abort a BeginSend whose
+        answer was lost (the send function was never called, so nothing went out)."""
+        with self._lock:
+            phase = self.phase
+            unsure = phase is Phase.LOST and self.loss is not None and self.loss.reason is LossReason.RENEWAL_FAILED
+            if phase in (Phase.CLAIMED, Phase.BEGINNING) or unsure:
+                self.phase = Phase.RELEASED
+        try:
+            if phase is Phase.CLAIMED or unsure:
+                yield from self._release()
+            elif phase is Phase.BEGINNING:
+                reason = "BeginSend's answer was lost; the send function was never called"
+                try:
+                    yield from self.core.call(self.core.abort_send_op(self.subject, self.token, reason))
+                except FailedPrecondition:  # BeginSend never committed: the subject is still CLAIMED
+                    yield from self._release()
+        except InboxClaimsError as error:
+            log.warning("could not release %s (%s); it frees when its TTL runs out", self.subject, error)
+
+    def _release(self) -> Flow[None]:
+        op: Op[FenceResult] = self.core.release_op(self.subject, self.token)
+        result = yield from self.core.call(op)
+        self.status = result.status
+
+
+class ClaimBase:
+    """What ``Claim`` and ``AsyncClaim`` share: the read-only view of one guarded claim."""
+
+    def __init__(self, state: GuardState) -> None:
+        self._state = state
+
+    @property
+    def subject(self) -> Subject:
+        """The message (or thread, with ``scope="thread"``) this claim is on."""
+        return self._state.subject
+
+    @property
+    def notification_id(self) -> str:
+        """The notification this claim recorded as delivered (empty when none was given)."""
+        return self._state.notification_id
+
+    @property
+    def token(self) -> int:
+        """The fencing token (0 until the claim is granted)."""
+        return self._state.token
+
+    @property
+    def ttl(self) -> int:
+        """The claim's TTL in seconds; it is renewed every third of it."""
+        return self._state.ttl
+
+    @property
+    def expires_at(self) -> datetime | None:
+        """When the claim frees unless renewed, as of the last grant or renewal (the coordinator's clock)."""
+        return self._state.expires_at
+
+    @property
+    def status(self) -> SubjectStatus | None:
+        """The subject's status as last answered by the coordinator."""
+        return self._state.status
+
+    @property
+    def idempotency_key(self) -> str:
+        """``"ic1-"`` + 64 hex digits, derived only from (mailbox, subject kind, subject id).
+
+        Send it as the mail API's ``Idempotency-Key`` header (Nylas: at most 256 characters, cached one hour per
+        grant, a second request with the same key and another payload gets 409): every agent computes the same
+        key for the same subject, so even if everything else failed, the provider refuses a second reply.
+        """
+        return self._state.subject.idempotency_key
+
+    @property
+    def loss(self) -> ClaimLost | None:
+        """Why the claim was lost, once it was (see ``lost``)."""
+        return self._state.loss
+
+    @property
+    def sent_message_id(self) -> str | None:
+        """What the send function returned, once the reply is recorded."""
+        return self._state.sent_message_id
+
+    @property
+    def replied(self) -> bool:
+        """True once ``send`` went through and the coordinator recorded the reply (REPLIED)."""
+        return self._state.phase is Phase.REPLIED
+
+    def raise_if_lost(self) -> None:
+        """Raises :class:`ClaimLost` if the claim was lost: call it between long steps of drafting."""
+        self._state.raise_if_lost()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.subject} token={self.token} {self._state.phase.value}>"

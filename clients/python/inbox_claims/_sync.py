@@ -1,0 +1,265 @@
+"""The blocking client: performs the core's effects with ``grpc`` (sync) and a thread per guarded claim."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator
+from types import TracebackType
+from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
+
+import grpc
+
+from ._core import (
+    ClientBase,
+    Effect,
+    Emit,
+    Flow,
+    Invoke,
+    OpenStream,
+    ReadStream,
+    Rpc,
+    RpcFailure,
+    Sleep,
+)
+from ._envelope import Notification
+from ._errors import ClaimLost, SendRejected
+from ._guard import ClaimBase, GuardState, Scope, resolve_subject
+from ._proto import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["Claim", "Coordinator"]
+
+log = logging.getLogger("inbox_claims")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class _AwaitableNotSent(SendRejected, TypeError):
+    """A sync claim's send function returned an awaitable: it never ran, so nothing was sent."""
+
+
+class Coordinator(ClientBase):
+    """A blocking client of the Inbox Coordinator; safe to share between threads.
+
+    ``with Coordinator(principal="agent-1") as coord:`` ... or call :meth:`close` when done. See
+    :class:`~inbox_claims.AsyncCoordinator` for the asyncio client (same methods, awaited).
+    """
+
+    _channel: grpc.Channel | None = None
+    _stub: pb_grpc.CoordinatorStub | None = None
+    _opening = threading.Lock()
+
+    # -- I/O ---------------------------------------------------------------------------------------------
+
+    def _get_stub(self) -> pb_grpc.CoordinatorStub:
+        with self._opening:
+            if self._stub is None:
+                options = self._core.options
+                if options.credentials is None:
+                    self._channel = grpc.insecure_channel(options.target, options.channel_options)
+                else:
+                    self._channel = grpc.secure_channel(options.target, options.credentials, options.channel_options)
+                self._stub = pb_grpc.CoordinatorStub(self._channel)
+            return self._stub
+
+    def _perform(self, effect: Effect, sleep: Callable[[float], Any]) -> Any:
+        metadata = self._core.options.metadata
+        try:
+            if isinstance(effect, Rpc):
+                method = getattr(self._get_stub(), effect.method)
+                return method(effect.request, timeout=effect.timeout, metadata=metadata)
+            if isinstance(effect, ReadStream):
+                return next(effect.handle, None)
+        except grpc.RpcError as error:
+            raise RpcFailure.from_grpc(error) from None
+        if isinstance(effect, Sleep):
+            return sleep(effect.seconds)
+        if isinstance(effect, Invoke):
+            result = effect.fn(*effect.args, **effect.kwargs)
+            if inspect.isawaitable(result):
+                getattr(result, "close", lambda: None)()
+                raise _AwaitableNotSent(
+                    "the send function returned an awaitable, which Coordinator (sync) cannot run: nothing was "
+                    "sent. Use AsyncCoordinator, or a plain function."
+                )
+            return result
+        if isinstance(effect, OpenStream):
+            return getattr(self._get_stub(), effect.method)(effect.request, metadata=metadata)
+        raise TypeError(f"unknown effect {effect!r}")
+
+    def _run(
+        self, flow: Flow[Any], result: list[Any], sleep: Callable[[float], Any] = time.sleep
+    ) -> Generator[Any, None, None]:
+        """Runs a flow: yields what it emits, appends what it returns to ``result``."""
+        streams: list[Any] = []
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    effect = flow.throw(error) if error is not None else flow.send(value)
+                except StopIteration as stop:
+                    result.append(stop.value)
+                    return
+                if isinstance(effect, Emit):
+                    value, error = None, None
+                    yield effect.item
+                    continue
+                try:
+                    value, error = self._perform(effect, sleep), None
+                except BaseException as exc:
+                    value, error = None, exc
+                if isinstance(effect, OpenStream):
+                    streams.append(value)
+        finally:
+            for stream in streams:
+                stream.cancel()
+            flow.close()
+
+    def _iterate(self, flow: Flow[None]) -> Generator[Any, None, None]:
+        return self._run(flow, [])
+
+    def _drive(self, flow: Flow[R], sleep: Callable[[float], Any] = time.sleep) -> R:
+        result: list[R] = []
+        for item in self._run(flow, result, sleep):
+            raise AssertionError(f"a unary flow emitted {item!r}")
+        return result[0]
+
+    def close(self) -> None:
+        """Closes the channel. Claims still open stop renewing (their renewal fails) and expire by TTL."""
+        with self._opening:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = self._stub = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- the guard -------------------------------------------------------------------------------------------
+
+    def reply_to(
+        self,
+        notification: Notification | None = None,
+        *,
+        mailbox: str | None = None,
+        message_id: str | None = None,
+        thread_id: str | None = None,
+        notification_id: str | None = None,
+        scope: Scope = "message",
+        ttl: int = 60,
+        note: str = "",
+        on_lost: Callable[[Claim], object] | None = None,
+    ) -> Claim:
+        """A guarded claim on the message a notification is about; use it as ``with coord.reply_to(n) as claim``.
+
+        Entering makes ONE ClaimReply call that records the delivery (``notification_id``) and claims the
+        message (``scope="thread"``: the thread), raising :class:`DuplicateDelivery`, :class:`ReplyHeld` or
+        :class:`AlreadyReplied` when it is not yours. Inside, a thread renews the claim every ``ttl / 3``
+        seconds; ``claim.lost`` (a ``threading.Event``) is set and ``on_lost(claim)`` is called (in that
+        thread) if the claim is found lost. ``claim.send(fn)`` passes the fenced commit point, calls ``fn``
+        and records the reply. Leaving the block without sending releases the claim.
+
+        Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
+        (or replace it: ``reply_to(mailbox=..., message_id=...)``).
+        """
+        subject, dedup_id = resolve_subject(
+            notification,
+            mailbox=mailbox,
+            message_id=message_id,
+            thread_id=thread_id,
+            notification_id=notification_id,
+            scope=scope,
+        )
+        state = GuardState(self._core, subject, notification_id=dedup_id, ttl=ttl, note=note)
+        return Claim(self, state, on_lost)
+
+    def guarded(
+        self,
+        *,
+        ttl: int = 60,
+        scope: Scope = "message",
+        note: str = "",
+        on_lost: Callable[[Claim], object] | None = None,
+    ) -> Callable[[Callable[Concatenate[Notification, Claim, P], R]], Callable[Concatenate[Notification, P], R]]:
+        """Decorator: ``fn(notification, claim, ...)`` runs inside ``reply_to(notification)``.
+
+        The decorated function is called as ``fn(notification, ...)``; it raises what ``reply_to`` raises.
+        """
+
+        def decorate(fn: Callable[Concatenate[Notification, Claim, P], R]) -> Callable[Concatenate[Notification, P], R]:
+            @functools.wraps(fn)
+            def guarded_call(notification: Notification, /, *args: P.args, **kwargs: P.kwargs) -> R:
+                with self.reply_to(notification, ttl=ttl, scope=scope, note=note, on_lost=on_lost) as claim:
+                    return fn(notification, claim, *args, **kwargs)
+
+            return guarded_call
+
+        return decorate
+
+
+class Claim(ClaimBase):
+    """A guarded claim of the blocking client (from :meth:`Coordinator.reply_to`); a context manager."""
+
+    def __init__(self, client: Coordinator, state: GuardState, on_lost: Callable[[Claim], object] | None) -> None:
+        super().__init__(state)
+        self._client = client
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self.lost = threading.Event()
+        """Set once the claim is found lost (taken over, expired, or unrenewable past its TTL)."""
+
+    def __enter__(self) -> Self:
+        self._client._drive(self._state.enter())
+        thread = threading.Thread(target=self._renew, name=f"inbox-claims renewal {self.token}", daemon=True)
+        thread.start()
+        return self
+
+    def _renew(self) -> None:
+        try:
+            loss = self._client._drive(self._state.renewal(), sleep=self._stop.wait)
+        except Exception:
+            log.exception("the renewal of %s stopped on an unexpected error", self.subject)
+            return
+        if loss is not None:
+            self._notice_loss()
+
+    def _notice_loss(self) -> None:
+        if self.lost.is_set():
+            return
+        self.lost.set()
+        if self._on_lost is not None:
+            try:
+                self._on_lost(self)
+            except Exception:
+                log.exception("the on_lost callback of %s raised", self.subject)
+
+    def send(self, fn: Callable[P, str | None], /, *args: P.args, **kwargs: P.kwargs) -> str | None:
+        """Sends the reply through the fenced commit point, once.
+
+        BeginSend (refused: :class:`ClaimLost`, and ``fn`` is never called), then ``fn(*args, **kwargs)``,
+        which must return the sent message's id (``str``) or ``None``, then ConfirmSent. If ``fn`` raises
+        :class:`SendRejected`, AbortSend frees the subject and the exception propagates; any other exception
+        leaves the subject SENDING (reported IN_DOUBT later) and raises :class:`SendOutcomeUnknown` from it.
+        Returns what ``fn`` returned.
+        """
+        self._stop.set()
+        try:
+            return self._client._drive(self._state.send(fn, args, kwargs))  # type: ignore[no-any-return]
+        except ClaimLost:
+            self._notice_loss()
+            raise
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
+        self._stop.set()
+        self._client._drive(self._state.exit())
+        return False
