@@ -12,7 +12,7 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims, memory, watch
+from . import calls, claims, memory, profile, watch
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -47,6 +47,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         "coordinator RSS with 100,000 live claims and 1,000 watchers; claim cost as claims pile up",
         memory.add_arguments,
         memory.run,
+    ),
+    "profile": (
+        "py-spy profile of the coordinator under ClaimReply load: where its CPU goes",
+        profile.add_arguments,
+        profile.run,
     ),
 }
 
