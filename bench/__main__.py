@@ -56,19 +56,49 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
 }
 
 
-async def _main(options: argparse.Namespace) -> int:
+# `all --quick`: every benchmark for about a second, small sizes (the smoke test runs this).
+QUICK: dict[str, list[str]] = {
+    "claims": ["--seconds", "0.25", "--rounds", "1"],
+    "contended": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
+    "dedup": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
+    "cycle": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
+    "watch": ["--watchers", "50", "--events", "5", "--rounds", "1"],
+    "memory": ["--claims", "1000", "--mailboxes", "20", "--watchers", "50"],
+    "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
+}
+
+
+async def _main(options: argparse.Namespace, parsers: dict[str, argparse.ArgumentParser]) -> int:
     async with environment() as env:
-        return await BENCHMARKS[options.command][2](options, env)
+        if options.command != "all":
+            return await BENCHMARKS[options.command][2](options, env)
+        for name, (_, _, run) in BENCHMARKS.items():
+            arguments = QUICK[name] if options.quick else []
+            if name == "claims" and options.quick:
+                found, missing = claims.available_baselines()
+                # One Redis mode is enough to show the baseline works.
+                arguments += ["--baselines", ",".join(b for b in found if b not in ("redis-everysec", "redis-always"))]
+                for reason in missing:
+                    print(f"bench all: skipping the {reason}")
+            status = await run(parsers[name].parse_args(arguments), env)
+            if status:
+                return status
+            print(flush=True)
+        return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    parsers = {}
     for name, (help_text, add_arguments, _) in BENCHMARKS.items():
-        add_arguments(commands.add_parser(name, help=help_text, description=help_text))
+        parsers[name] = commands.add_parser(name, help=help_text, description=help_text)
+        add_arguments(parsers[name])
+    every = commands.add_parser("all", help="every benchmark in turn, with its defaults, on one etcd")
+    every.add_argument("--quick", action="store_true", help="about a second each, small sizes (the smoke test)")
     options = parser.parse_args()
     try:
-        return asyncio.run(_main(options))
+        return asyncio.run(_main(options, parsers))
     except SetupError as error:
         print(f"bench: {error}", file=sys.stderr)
         return 2

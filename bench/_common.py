@@ -224,6 +224,10 @@ async def alternate(workloads: Sequence[Workload], rounds: int, seconds: float, 
     summarize(workloads)
 
 
+def _cpu(value: float | None) -> str:
+    return f"{value:>9.2f}" if value is not None else f"{'-':>9}"
+
+
 def summarize(workloads: Sequence[Workload]) -> None:
     baseline = workloads[0]
     rounds = len(baseline.results)
@@ -241,7 +245,7 @@ def summarize(workloads: Sequence[Workload]) -> None:
         print(
             f"{workload.name:<44} {workload.rate():>8.0f} {workload.rate() / baseline.rate():>6.2f}x "
             f"{workload.p99():>8.2f} {workload.p99() / baseline.p99():>6.2f}x "
-            f"{server if server is not None else float('nan'):>9.2f} {etcd if etcd is not None else float('nan'):>9.2f}"
+            f"{_cpu(server)} {_cpu(etcd)}"
             f"  {workload.durability}"
         )
 
@@ -271,15 +275,21 @@ class Environment:
     def __init__(self, tmp: Path, etcd: EtcdServer) -> None:
         self.tmp = tmp
         self.etcd = etcd
+        self._fsync_us: float | None = None
 
     @property
     def etcd_version(self) -> str:
         return etcd_version(self.etcd.binary)
 
+    def fsync_us(self) -> float:
+        if self._fsync_us is None:
+            self._fsync_us = fsync_latency_us(self.tmp)
+        return self._fsync_us
+
     def describe(self) -> str:
         return (
             f"etcd {self.etcd_version} ({self.etcd.binary}); {os.cpu_count()} CPUs; "
-            f"4 KiB write+fdatasync {fsync_latency_us(self.tmp):.0f} us in {self.tmp}"
+            f"4 KiB write+fdatasync {self.fsync_us():.0f} us in {self.tmp}"
         )
 
 
@@ -448,7 +458,7 @@ class RedisProcess:
             self.process.wait()
 
 
-def _postgres_bindir() -> Path:
+def postgres_bindir() -> Path:
     configured = os.environ.get("INBOX_BENCH_PG_BIN")
     candidates = [Path(configured)] if configured else sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
     on_path = shutil.which("initdb")
@@ -470,7 +480,7 @@ class PostgresProcess:
     runuser, since postgres refuses to run as root."""
 
     def __init__(self, workdir: Path) -> None:
-        bindir = _postgres_bindir()
+        bindir = postgres_bindir()
         self.directory = workdir / "postgres"
         self.directory.mkdir()
         self.data = self.directory / "data"

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
+import shutil
 from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,6 +36,7 @@ from ._common import (
     add_common_arguments,
     alternate,
     closed_loop,
+    postgres_bindir,
     run_id,
 )
 from ._load import (
@@ -66,6 +69,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="64x2,1",
         help=COORDINATORS_HELP,
     )
+
+
+def available_baselines() -> tuple[list[str], list[str]]:
+    """The baselines whose servers and client libraries are installed here, and why the others are not."""
+    found, missing = ["grpc"], []
+    redis_problem = (
+        "redis-server not installed"
+        if shutil.which("redis-server") is None
+        else "Python package redis not installed"
+        if importlib.util.find_spec("redis") is None
+        else None
+    )
+    if redis_problem is None:
+        found += ["redis", "redis-everysec", "redis-always"]
+    else:
+        missing.append(f"redis: {redis_problem}")
+    try:
+        postgres_bindir()
+        postgres_problem = None if importlib.util.find_spec("asyncpg") else "Python package asyncpg not installed"
+    except SetupError:
+        postgres_problem = "PostgreSQL server binaries not found"
+    if postgres_problem is None:
+        found.append("postgres")
+    else:
+        missing.append(f"postgres: {postgres_problem}")
+    return found, missing
 
 
 def _redis_workload(server: RedisProcess, name: str, clients: int) -> tuple[Workload, Any]:

@@ -147,7 +147,7 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
                     flush=True,
                 )
                 await _close(tasks)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.2 + options.watchers / 1000)
                 print(f"{'  ... after they closed':<44} {await state()}", flush=True)
             print(
                 f"\ncoordinator RSS: idle {mib(idle)}; with {options.claims:,} live claims {mib(with_claims)} "

@@ -102,7 +102,7 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
         label, process = coordinators.processes[0]
         async with channel(process.address) as ch:
             operation = claim_operation(coordinator_stub(ch), f"bench-{run_id()}")
-            await closed_loop("warm-up", options.clients, 1.0, operation)
+            await closed_loop("warm-up", options.clients, 0.5, operation)
             sampler = await asyncio.create_subprocess_exec(
                 *(py_spy, "record", "-f", "raw", "-o", str(output), "-r", str(options.rate)),
                 *("--pid", str(process.pid), "--duration", str(int(options.seconds)), "--nonblocking"),
