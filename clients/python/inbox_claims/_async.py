@@ -51,6 +51,7 @@ class AsyncCoordinator(ClientBase):
     # -- I/O ---------------------------------------------------------------------------------------------
 
     def _get_stub(self) -> pb_grpc.CoordinatorStub:
+        self._check_open()
         if self._stub is None:
             options = self._core.options
             if options.credentials is None:
@@ -119,6 +120,7 @@ class AsyncCoordinator(ClientBase):
     async def close(self) -> None:
         """Closes the channel. Claims still open stop renewing (their renewal fails) and expire by TTL."""
         channel, self._channel, self._stub = self._channel, None, None
+        self._closed = True
         if channel is not None:
             await channel.close()
 

@@ -740,6 +740,12 @@ class ClientBase:
             )
         )
 
+    _closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed; make a new one")
+
     @property
     def target(self) -> str:
         return self._core.options.target

@@ -188,6 +188,8 @@ class GuardState:
                 result: FenceResult = yield from self.core.call(op, deadline=self._valid_until)
             except Exception as error:  # the coordinator is unreachable, or the client was closed
                 now = time.monotonic()
+                if self.phase is not Phase.CLAIMED:
+                    return None  # the block was left (or the send began) meanwhile
                 if now >= self._valid_until:
                     return self._lose(LossReason.RENEWAL_FAILED, None, Phase.CLAIMED)
                 log.warning("renewing claim %d on %s failed: %s; trying again", self.token, self.subject, error)

@@ -58,6 +58,7 @@ class Coordinator(ClientBase):
 
     def _get_stub(self) -> pb_grpc.CoordinatorStub:
         with self._opening:
+            self._check_open()
             if self._stub is None:
                 options = self._core.options
                 if options.credentials is None:
@@ -136,6 +137,7 @@ class Coordinator(ClientBase):
             if self._channel is not None:
                 self._channel.close()
             self._channel = self._stub = None
+            self._closed = True
 
     def __enter__(self) -> Self:
         return self
