@@ -22,6 +22,7 @@ from ._core import (
     ReadStream,
     Rpc,
     RpcFailure,
+    Runner,
     Sleep,
 )
 from ._envelope import Notification
@@ -53,11 +54,7 @@ class AsyncCoordinator(ClientBase):
     def _get_stub(self) -> pb_grpc.CoordinatorStub:
         self._check_open()
         if self._stub is None:
-            options = self._core.options
-            if options.credentials is None:
-                self._channel = grpc.aio.insecure_channel(options.target, options.channel_options)
-            else:
-                self._channel = grpc.aio.secure_channel(options.target, options.credentials, options.channel_options)
+            self._channel = self._core.options.open_channel(grpc.aio.insecure_channel, grpc.aio.secure_channel)
             self._stub = pb_grpc.CoordinatorStub(self._channel)
         return self._stub
 
@@ -83,30 +80,14 @@ class AsyncCoordinator(ClientBase):
 
     async def _run(self, flow: Flow[Any], result: list[Any]) -> AsyncGenerator[Any, None]:
         """Runs a flow: yields what it emits, appends what it returns to ``result``."""
-        streams: list[Any] = []
-        value: Any = None
-        error: BaseException | None = None
-        try:
-            while True:
-                try:
-                    effect = flow.throw(error) if error is not None else flow.send(value)
-                except StopIteration as stop:
-                    result.append(stop.value)
-                    return
+        with Runner(flow) as runner:
+            for effect in runner:
                 if isinstance(effect, Emit):
-                    value, error = None, None
                     yield effect.item
                     continue
-                try:
-                    value, error = await self._perform(effect), None
-                except BaseException as exc:
-                    value, error = None, exc
-                if isinstance(effect, OpenStream):
-                    streams.append(value)
-        finally:
-            for stream in streams:
-                stream.cancel()
-            flow.close()
+                with runner.performing(effect):
+                    runner.answer = await self._perform(effect)
+            result.append(runner.returned)
 
     def _iterate(self, flow: Flow[None]) -> AsyncGenerator[Any, None]:
         return self._run(flow, [])

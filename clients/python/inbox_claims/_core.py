@@ -149,6 +149,66 @@ class Stream(Generic[T]):
         self.flow = flow
 
 
+class Runner:
+    """Steps one flow for a client, which only performs the effects::
+
+        with Runner(flow) as runner:
+            for effect in runner:                    # the next effect the flow wants
+                with runner.performing(effect):      # an exception raised here goes back into the flow
+                    runner.answer = perform(effect)  # the effect's result goes back into the flow
+
+    Leaving the ``with`` ends the flow and cancels the streams it opened. ``returned`` is what the flow returned.
+    :class:`Emit` effects are the client's to hand out; they need no answer.
+    """
+
+    def __init__(self, flow: Flow[Any]) -> None:
+        self._flow = flow
+        self._streams: list[Any] = []
+        self._error: BaseException | None = None
+        self.answer: Any = None
+        self.returned: Any = None
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for stream in self._streams:
+            stream.cancel()
+        self._flow.close()
+
+    def __iter__(self) -> Runner:
+        return self
+
+    def __next__(self) -> Effect:
+        answer, error, self.answer, self._error = self.answer, self._error, None, None
+        try:
+            return self._flow.throw(error) if error is not None else self._flow.send(answer)
+        except StopIteration as stop:
+            self.returned = stop.value
+            raise StopIteration from None
+
+    def performing(self, effect: Effect) -> _Performing:
+        return _Performing(self, effect)
+
+
+class _Performing:
+    __slots__ = ("effect", "runner")
+
+    def __init__(self, runner: Runner, effect: Effect) -> None:
+        self.runner = runner
+        self.effect = effect
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, error: BaseException | None, tb: object) -> bool:
+        if error is not None:
+            self.runner._error = error  # thrown into the flow at the next step: the flow decides
+        elif isinstance(self.effect, OpenStream):
+            self.runner._streams.append(self.runner.answer)
+        return True
+
+
 @dataclass(frozen=True, slots=True)
 class Op(Generic[R]):
     """One logical unary call: the request (with its request id, kept by every retry) and its decoder."""
@@ -303,6 +363,12 @@ class ClientOptions:
     retry: RetryPolicy
     metadata: tuple[tuple[str, str], ...]
     channel_options: tuple[tuple[str, Any], ...] = field(default=())
+
+    def open_channel(self, insecure: Callable[..., T], secure: Callable[..., T]) -> T:
+        """A channel from ``grpc`` or ``grpc.aio``: plaintext without credentials, else secure."""
+        if self.credentials is None:
+            return insecure(self.target, self.channel_options)
+        return secure(self.target, self.credentials, self.channel_options)
 
 
 def _ascii_metadata(name: str, value: str) -> str:

@@ -23,6 +23,7 @@ from ._core import (
     ReadStream,
     Rpc,
     RpcFailure,
+    Runner,
     Sleep,
 )
 from ._envelope import Notification
@@ -60,11 +61,7 @@ class Coordinator(ClientBase):
         with self._opening:
             self._check_open()
             if self._stub is None:
-                options = self._core.options
-                if options.credentials is None:
-                    self._channel = grpc.insecure_channel(options.target, options.channel_options)
-                else:
-                    self._channel = grpc.secure_channel(options.target, options.credentials, options.channel_options)
+                self._channel = self._core.options.open_channel(grpc.insecure_channel, grpc.secure_channel)
                 self._stub = pb_grpc.CoordinatorStub(self._channel)
             return self._stub
 
@@ -97,30 +94,14 @@ class Coordinator(ClientBase):
         self, flow: Flow[Any], result: list[Any], sleep: Callable[[float], Any] = time.sleep
     ) -> Generator[Any, None, None]:
         """Runs a flow: yields what it emits, appends what it returns to ``result``."""
-        streams: list[Any] = []
-        value: Any = None
-        error: BaseException | None = None
-        try:
-            while True:
-                try:
-                    effect = flow.throw(error) if error is not None else flow.send(value)
-                except StopIteration as stop:
-                    result.append(stop.value)
-                    return
+        with Runner(flow) as runner:
+            for effect in runner:
                 if isinstance(effect, Emit):
-                    value, error = None, None
                     yield effect.item
                     continue
-                try:
-                    value, error = self._perform(effect, sleep), None
-                except BaseException as exc:
-                    value, error = None, exc
-                if isinstance(effect, OpenStream):
-                    streams.append(value)
-        finally:
-            for stream in streams:
-                stream.cancel()
-            flow.close()
+                with runner.performing(effect):
+                    runner.answer = self._perform(effect, sleep)
+            result.append(runner.returned)
 
     def _iterate(self, flow: Flow[None]) -> Generator[Any, None, None]:
         return self._run(flow, [])
