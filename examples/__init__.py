@@ -1,0 +1,1 @@
+"""Runnable examples of the Inbox Coordinator client (see README.md here)."""
