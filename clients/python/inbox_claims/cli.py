@@ -1,0 +1,703 @@
+"""``inboxctl``: see and steer who is answering which email, from a terminal.
+
+For support staff and operators: who holds a message (since when, expiring in how long), a live view of a
+mailbox, claiming a message for yourself, releasing it, taking it over from an agent, and settling the sends
+whose outcome is unknown (IN_DOUBT). ``inboxctl --help`` and ``inboxctl COMMAND --help`` show examples.
+
+Settings come from flags, then the environment, then a TOML file (``--config``, ``$INBOXCTL_CONFIG``, or
+``~/.config/inboxctl.toml``)::
+
+    target = "coordinator.internal:50051"
+    principal = "ana@example.com"     # development mode only; with a token the coordinator knows who you are
+    token = "..."                      # sent as "authorization: Bearer ..."
+    ca_file = "/etc/inbox/ca.pem"      # TLS; cert_file and key_file for mutual TLS
+
+Exit codes: 0 done; 1 refused (held by someone else, already replied, not yours, not in doubt...);
+2 usage error (bad arguments, configuration, or a value the coordinator rejects); 3 the coordinator cannot be
+reached (or is over its rate limit): try again; 4 not authenticated or not permitted; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import enum
+import getpass
+import json
+import os
+import sys
+import tomllib
+from collections.abc import Callable, Coroutine, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from . import (
+    DEFAULT_TARGET,
+    AsyncCoordinator,
+    ClaimOutcome,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    FailedPrecondition,
+    InvalidRequest,
+    PermissionDenied,
+    QuotaExceeded,
+    RetryPolicy,
+    Subject,
+    SubjectState,
+    SubjectStatus,
+    TakeoverOutcome,
+    Unauthenticated,
+    WatchEvent,
+    WatchItem,
+    WatchSnapshot,
+)
+
+__all__ = ["EXIT_DENIED", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNAVAILABLE", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+EXIT_DENIED = 4
+EXIT_INTERRUPTED = 130
+
+DEFAULT_CLAIM_TTL = 900
+CLI_RETRY = RetryPolicy(attempts=3, initial_backoff=0.1, max_backoff=0.5)
+
+EXIT_CODES = """\
+exit codes:
+  0  done
+  1  refused: held by someone else, already replied, not yours, not in doubt...
+  2  usage error: bad arguments or configuration, or a value the coordinator rejects
+  3  the coordinator cannot be reached (or is over its rate limit): try again
+  4  not authenticated, or not permitted (a role you lack, another principal's claim)
+"""
+
+
+class UsageError(Exception):
+    """A mistake in the command line or the configuration (exit 2)."""
+
+
+# -------------------------------------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    env: str
+    default: Any
+    help: str
+
+
+SETTINGS = (
+    Setting("target", "INBOX_COORDINATOR_TARGET", DEFAULT_TARGET, "the coordinator, HOST:PORT"),
+    Setting("principal", "INBOX_PRINCIPAL", None, "who you are, in development mode (default: your login name)"),
+    Setting("kind", "INBOX_PRINCIPAL_KIND", "human", "agent or human (development mode; default human)"),
+    Setting("token", "INBOX_TOKEN", None, "bearer token, sent as 'authorization: Bearer TOKEN'"),
+    Setting("tls", "INBOX_TLS", False, "use TLS with the system's root certificates"),
+    Setting("ca_file", "INBOX_CA_FILE", None, "TLS: PEM file of the CA that signed the coordinator's certificate"),
+    Setting("cert_file", "INBOX_CERT_FILE", None, "mutual TLS: your client certificate (PEM)"),
+    Setting("key_file", "INBOX_KEY_FILE", None, "mutual TLS: your client key (PEM)"),
+    Setting("call_timeout", "INBOX_CALL_TIMEOUT", 5.0, "seconds per call to the coordinator (default 5)"),
+)
+
+
+def config_path(explicit: str | None) -> tuple[Path, bool]:
+    """The config file to read, and whether it must exist (named by --config or $INBOXCTL_CONFIG)."""
+    if explicit:
+        return Path(explicit).expanduser(), True
+    if os.environ.get("INBOXCTL_CONFIG"):
+        return Path(os.environ["INBOXCTL_CONFIG"]).expanduser(), True
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "inboxctl.toml", False
+
+
+def read_config(path: Path, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise UsageError(f"config file {path} does not exist")
+        return {}
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise UsageError(f"cannot read config file {path}: {error}") from None
+    known = {setting.name for setting in SETTINGS}
+    unknown = sorted(set(document) - known)
+    if unknown:
+        raise UsageError(f"config file {path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return document
+
+
+def resolve_settings(options: argparse.Namespace) -> dict[str, Any]:
+    """Each setting from the flag, else the environment, else the config file, else its default."""
+    file = read_config(*config_path(getattr(options, "config", None)))
+    resolved: dict[str, Any] = {}
+    for setting in SETTINGS:
+        flag = getattr(options, setting.name, None)
+        env = os.environ.get(setting.env)
+        if flag is not None:
+            value = flag
+        elif env is not None and env != "":
+            value = env
+        else:
+            value = file.get(setting.name, setting.default)
+        resolved[setting.name] = value
+    try:
+        resolved["call_timeout"] = float(resolved["call_timeout"])
+    except (TypeError, ValueError):
+        raise UsageError(f"call_timeout must be a number of seconds, not {resolved['call_timeout']!r}") from None
+    if isinstance(resolved["tls"], str):
+        resolved["tls"] = resolved["tls"].lower() in ("1", "true", "yes", "on")
+    if resolved["kind"] not in ("agent", "human"):
+        raise UsageError(f"kind must be 'agent' or 'human', not {resolved['kind']!r}")
+    if resolved["principal"] is None and resolved["token"] is None:
+        resolved["principal"] = getpass.getuser()
+    return resolved
+
+
+def _read_pem(path: str | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as error:
+        raise UsageError(f"cannot read the {what} {path}: {error.strerror}") from None
+
+
+def make_client(settings: dict[str, Any]) -> AsyncCoordinator:
+    try:
+        return AsyncCoordinator(
+            settings["target"],
+            principal=settings["principal"],
+            kind=settings["kind"],
+            token=settings["token"],
+            tls=bool(settings["tls"]),
+            root_certificates=_read_pem(settings["ca_file"], "CA file"),
+            client_certificate=_read_pem(settings["cert_file"], "client certificate"),
+            client_key=_read_pem(settings["key_file"], "client key"),
+            timeout=settings["call_timeout"],
+            retry=CLI_RETRY,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+# -------------------------------------------------------------------------------------------- rendering
+
+
+def ago(moment: datetime | None, now: datetime) -> str:
+    return "" if moment is None else f"{span((now - moment).total_seconds())} ago"
+
+
+def within(moment: datetime | None, now: datetime) -> str:
+    if moment is None:
+        return ""
+    seconds = (moment - now).total_seconds()
+    return f"in {span(seconds)}" if seconds >= 0 else f"{span(-seconds)} ago"
+
+
+def span(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``, ``3d04h``."""
+    whole = max(int(seconds), 0)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def clock(moment: datetime | None) -> str:
+    return "" if moment is None else moment.astimezone().strftime("%H:%M:%S")
+
+
+def describe_subject(subject: Subject) -> str:
+    return f"{subject.kind.value} {subject.id} in {subject.mailbox}"
+
+
+def holder_text(status: SubjectStatus) -> str:
+    kind = f" ({status.holder_kind.value})" if status.holder_kind else ""
+    return f"{status.holder}{kind}"
+
+
+def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
+    """A person-readable account of one subject."""
+    lines = [f"{describe_subject(status.subject)}: {status.state.name}"]
+    state = status.state
+    if state is SubjectState.CLAIMED:
+        lines.append(
+            f"  held by   {holder_text(status)} since {clock(status.acquired_at)} ({ago(status.acquired_at, now)})"
+        )
+        lines.append(f"  expires   {within(status.expires_at, now)} ({clock(status.expires_at)}) unless renewed")
+    elif state is SubjectState.SENDING:
+        lines.append(f"  sending   by {holder_text(status)} since {clock(status.send_started_at)}")
+        lines.append(f"  in doubt  {within(status.send_deadline, now)} unless the send is confirmed")
+    elif state is SubjectState.IN_DOUBT:
+        lines.append(
+            f"  send by   {holder_text(status)} began {ago(status.send_started_at, now)} and was never confirmed"
+        )
+        lines.append("  check the mailbox's sent folder, then: inboxctl resolve MAILBOX ID --sent | --not-sent")
+    elif state is SubjectState.REPLIED:
+        lines.append(f"  replied   by {holder_text(status)} {ago(status.sent_at, now)} ({clock(status.sent_at)})")
+        if status.sent_message_id:
+            lines.append(f"  sent id   {status.sent_message_id}")
+        lines.append(f"  kept      until {clock(status.expires_at)} ({within(status.expires_at, now)})")
+    if status.fencing_token and state is not SubjectState.FREE:
+        lines.append(f"  token     {status.fencing_token}")
+    if status.note:
+        lines.append(f"  note      {status.note}")
+    return lines
+
+
+def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
+    """One row per subject: kind, id, state, holder, since, expires."""
+    header = ("KIND", "ID", "STATE", "HOLDER", "SINCE", "EXPIRES", "NOTE")
+    rows = [header]
+    for status in statuses:
+        since = status.send_started_at if status.state is SubjectState.SENDING else status.acquired_at
+        if status.state is SubjectState.REPLIED:
+            since = status.sent_at
+        expires = status.send_deadline if status.state is SubjectState.SENDING else status.expires_at
+        rows.append(
+            (
+                status.subject.kind.value,
+                _cut(status.subject.id, 40),
+                status.state.name,
+                _cut(holder_text(status), 36),
+                ago(since, now),
+                "never" if status.state is SubjectState.IN_DOUBT else within(expires, now),
+                _cut(status.note, 40),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def event_line(event: WatchEvent, now: datetime) -> str:
+    status = event.status
+    parts = [clock(now), event.type.name, describe_subject(status.subject)]
+    if status.holder:
+        parts.append(f"by {holder_text(status)}")
+    if event.previous_holder and event.previous_holder != status.holder:
+        parts.append(f"(was {event.previous_holder})")
+    if status.state is SubjectState.CLAIMED and status.expires_at:
+        parts.append(f"expires {within(status.expires_at, now)}")
+    if event.reason:
+        parts.append(f"reason: {event.reason}")
+    return " ".join(parts)
+
+
+def jsonable(value: Any) -> Any:
+    """Dataclasses, enums and datetimes as JSON values (times in ISO 8601 UTC)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: jsonable(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat()
+    if isinstance(value, dict):
+        return {str(key): jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(item) for item in value]
+    return value
+
+
+# -------------------------------------------------------------------------------------------- commands
+
+
+@dataclasses.dataclass
+class Context:
+    client: AsyncCoordinator
+    options: argparse.Namespace
+    settings: dict[str, Any]
+    out: TextIO
+
+    @property
+    def json(self) -> bool:
+        return bool(self.options.json)
+
+    def emit(self, document: Any) -> None:
+        print(json.dumps(jsonable(document), ensure_ascii=False), file=self.out, flush=True)
+
+    def say(self, *lines: str) -> None:
+        for line in lines:
+            print(line, file=self.out)
+        self.out.flush()
+
+    def subject(self) -> Subject:
+        options = self.options
+        make = Subject.thread if options.thread else Subject.message
+        return make(options.mailbox, options.id)
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)
+
+
+async def cmd_status(ctx: Context) -> int:
+    status = await ctx.client.status(ctx.subject())
+    if ctx.json:
+        ctx.emit(status)
+    else:
+        ctx.say(*status_lines(status, now_utc()))
+    return EXIT_OK
+
+
+async def _show_list(ctx: Context, states: Sequence[SubjectState], nothing: str) -> list[SubjectStatus]:
+    found: list[SubjectStatus] = []
+    async for status in ctx.client.iter_claims(ctx.options.mailbox, states=states, page_size=500):
+        found.append(status)
+        if ctx.options.limit and len(found) >= ctx.options.limit:
+            break
+    if ctx.json:
+        ctx.emit(found)
+    else:
+        ctx.say(*table(found, now_utc()) if found else [nothing])
+    return found
+
+
+async def cmd_ls(ctx: Context) -> int:
+    states = [SubjectState[name.upper()] for name in ctx.options.state or ()]
+    await _show_list(ctx, states, f"nothing held, sending, replied or in doubt in {ctx.options.mailbox}")
+    return EXIT_OK
+
+
+async def cmd_in_doubt(ctx: Context) -> int:
+    mailbox = ctx.options.mailbox
+    found = await _show_list(ctx, [SubjectState.IN_DOUBT], f"no send in doubt in {mailbox}")
+    if found and not ctx.json:
+        ctx.say(
+            "",
+            f"{len(found)} send(s) began and were never confirmed. Check the mailbox's sent folder for each, then:",
+            f"  inboxctl resolve {mailbox} ID --sent [--sent-message-id ID]   (it went out)",
+            f"  inboxctl resolve {mailbox} ID --not-sent                      (it did not: frees it)",
+        )
+    return EXIT_OK
+
+
+async def cmd_claim(ctx: Context) -> int:
+    subject = ctx.subject()
+    result = await ctx.client.claim(subject, ttl=ctx.options.ttl, note=ctx.options.note)
+    if ctx.json:
+        ctx.emit({"outcome": result.outcome, "status": result.status})
+    status = result.status
+    assert status is not None  # no notification id: never DUPLICATE_DELIVERY
+    now = now_utc()
+    if result.outcome is ClaimOutcome.GRANTED:
+        if not ctx.json:
+            ctx.say(
+                f"claimed {describe_subject(subject)} (token {status.fencing_token}); "
+                f"it frees {within(status.expires_at, now)} ({clock(status.expires_at)})",
+                f"release it with: inboxctl release {subject.mailbox} {_quote(subject.id)}"
+                + (" --thread" if ctx.options.thread else ""),
+            )
+        return EXIT_OK
+    if not ctx.json:
+        why = "held by someone else" if result.outcome is ClaimOutcome.HELD else "already replied to"
+        ctx.say(f"not claimed: {why}", *status_lines(status, now))
+    return EXIT_REFUSED
+
+
+async def cmd_release(ctx: Context) -> int:
+    subject = ctx.subject()
+    token = ctx.options.fencing_token
+    if token is None:
+        status = await ctx.client.status(subject)
+        mine = ctx.settings["principal"] is None or status.holder == ctx.settings["principal"]
+        if status.state is not SubjectState.CLAIMED or not mine:
+            if ctx.json:
+                ctx.emit({"ok": False, "status": status})
+            else:
+                ctx.say("not released: you do not hold it", *status_lines(status, now_utc()))
+            return EXIT_REFUSED
+        token = status.fencing_token
+    result = await ctx.client.release(subject, token)
+    if ctx.json:
+        ctx.emit({"ok": result.ok, "status": result.status})
+    elif result.ok:
+        ctx.say(f"released {describe_subject(subject)}: it is {result.status.state.name} now")
+    else:
+        ctx.say(f"not released: token {token} is stale", *status_lines(result.status, now_utc()))
+    return EXIT_OK if result.ok else EXIT_REFUSED
+
+
+async def cmd_takeover(ctx: Context) -> int:
+    subject = ctx.subject()
+    result = await ctx.client.takeover(subject, ttl=ctx.options.ttl, note=ctx.options.note)
+    if ctx.json:
+        ctx.emit(result)
+    elif result.outcome is TakeoverOutcome.TAKEN_OVER:
+        ctx.say(
+            f"took {describe_subject(subject)} over from {result.previous_holder} "
+            f"(its token {result.previous_token} is stale now: it cannot send)",
+            f"you hold it (token {result.status.fencing_token}) until {clock(result.status.expires_at)}",
+        )
+    elif result.outcome is TakeoverOutcome.GRANTED:
+        ctx.say(f"nobody held {describe_subject(subject)}: you hold it now (token {result.status.fencing_token})")
+    else:
+        why = "a human holds it" if result.outcome is TakeoverOutcome.HELD else "the reply already began or went out"
+        ctx.say(f"not taken over: {why}", *status_lines(result.status, now_utc()))
+    return EXIT_OK if result.holds else EXIT_REFUSED
+
+
+async def cmd_resolve(ctx: Context) -> int:
+    options = ctx.options
+    status = await ctx.client.resolve_in_doubt(
+        ctx.subject(), sent=options.sent, sent_message_id=options.sent_message_id or "", note=options.note
+    )
+    if ctx.json:
+        ctx.emit(status)
+    else:
+        ctx.say(f"resolved as {'sent' if options.sent else 'not sent'}", *status_lines(status, now_utc()))
+    return EXIT_OK
+
+
+class WatchView:
+    """The watched mailbox as a table (redrawn in place on a terminal) or as one line per event."""
+
+    def __init__(self, ctx: Context, live: bool) -> None:
+        self.ctx = ctx
+        self.live = live
+        self.subjects: dict[Subject, SubjectStatus] = {}
+        self.last = ""
+        self.events = 0
+
+    def take(self, item: WatchItem) -> None:
+        ctx, now = self.ctx, now_utc()
+        if isinstance(item, WatchSnapshot):
+            self.subjects = {status.subject: status for status in item.subjects}
+            if ctx.json:
+                ctx.emit({"snapshot": item})
+            elif not self.live:
+                ctx.say(f"{clock(now)} watching {ctx.options.mailbox}: {len(item.subjects)} subject(s) not free")
+                for status in item.subjects:
+                    ctx.say(
+                        f"{clock(now)} {status.state.name} {describe_subject(status.subject)} by {holder_text(status)}"
+                    )
+        else:
+            self.events += 1
+            if item.status.state is SubjectState.FREE:
+                self.subjects.pop(item.status.subject, None)
+            else:
+                self.subjects[item.status.subject] = item.status
+            self.last = event_line(item, now)
+            if ctx.json:
+                ctx.emit({"event": item})
+            elif not self.live:
+                ctx.say(self.last)
+        if self.live and not ctx.json:
+            self.draw()
+
+    def draw(self) -> None:
+        now = now_utc()
+        rows = sorted(self.subjects.values(), key=lambda s: (s.subject.kind.value, s.subject.id))
+        lines = [f"inboxctl watch {self.ctx.options.mailbox}   {clock(now)}   {len(rows)} subject(s) not free", ""]
+        lines += table(rows, now) if rows else ["(nothing held)"]
+        lines += ["", f"last event: {self.last or '-'}", "Ctrl-C to stop"]
+        self.ctx.out.write("\x1b[H\x1b[J" + "\n".join(lines) + "\n")
+        self.ctx.out.flush()
+
+
+async def cmd_watch(ctx: Context) -> int:
+    options = ctx.options
+    live = ctx.out.isatty() and not ctx.json
+    view = WatchView(ctx, live)
+
+    async def follow() -> None:
+        async for item in ctx.client.watch(options.mailbox):
+            view.take(item)
+            if options.count is not None and view.events >= options.count:
+                return
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(1)
+            view.draw()
+
+    ticker = asyncio.create_task(tick()) if live else None
+    try:
+        await asyncio.wait_for(follow(), options.timeout)
+    except TimeoutError:
+        pass
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------------------------------- the parser
+
+Command = Callable[[Context], Coroutine[Any, Any, int]]
+
+
+def _quote(text: str) -> str:
+    return text if text and all(c.isalnum() or c in "-_.@:+=" for c in text) else json.dumps(text)
+
+
+def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """The connection options, accepted before and after the command (``argparse.SUPPRESS`` keeps a value
+    given before the command from being reset by the subcommand's default)."""
+    default = None if top else argparse.SUPPRESS
+    group = parser.add_argument_group("connection (flags > environment > config file)")
+    for setting in SETTINGS:
+        flag = "--" + setting.name.replace("_", "-")
+        help_text = f"{setting.help} [${setting.env}]"
+        if setting.name == "tls":
+            group.add_argument(flag, action="store_const", const=True, default=default, help=help_text)
+        elif setting.name == "kind":
+            group.add_argument(flag, choices=("agent", "human"), default=default, help=help_text)
+        else:
+            group.add_argument(flag, metavar=setting.name.upper(), default=default, help=help_text)
+    group.add_argument("--config", metavar="FILE", default=default, help="TOML config file [$INBOXCTL_CONFIG]")
+    parser.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS, help="JSON output")
+
+
+def _subject_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("mailbox", help="the mailbox (a Nylas grant id, or the shared address)")
+    parser.add_argument("id", help="the message id (or thread id with --thread)")
+    parser.add_argument("--thread", action="store_true", help="ID is a thread id: the claim covers the conversation")
+
+
+COMMANDS: dict[str, tuple[Command, str, str]] = {
+    "status": (
+        cmd_status,
+        "who holds a message, since when, expiring in how long",
+        "  inboxctl status grant-7f3a msg-123\n  inboxctl status grant-7f3a thr-9 --thread --json",
+    ),
+    "ls": (
+        cmd_ls,
+        "list a mailbox's messages that are held, sending, replied or in doubt",
+        "  inboxctl ls grant-7f3a\n  inboxctl ls grant-7f3a --state claimed --state sending\n"
+        "  inboxctl ls grant-7f3a --json | jq '.[].holder'",
+    ),
+    "watch": (
+        cmd_watch,
+        "follow a mailbox live: a table on a terminal, one line per event otherwise",
+        "  inboxctl watch grant-7f3a\n  inboxctl watch grant-7f3a --count 10 > events.log\n"
+        "  inboxctl watch grant-7f3a --json --timeout 60",
+    ),
+    "claim": (
+        cmd_claim,
+        'claim a message for yourself ("I\'m answering this"): agents leave it alone',
+        "  inboxctl claim grant-7f3a msg-123 --note 'calling the customer back'\n"
+        "  inboxctl claim grant-7f3a msg-123 --ttl 1800",
+    ),
+    "release": (
+        cmd_release,
+        "give up your claim on a message without replying",
+        "  inboxctl release grant-7f3a msg-123\n  inboxctl release grant-7f3a msg-123 --fencing-token 8841",
+    ),
+    "takeover": (
+        cmd_takeover,
+        "take a message over from an agent (humans with the takeover role): the agent cannot send any more",
+        "  inboxctl takeover grant-7f3a msg-123 --note 'VIP customer, I will answer'",
+    ),
+    "in-doubt": (
+        cmd_in_doubt,
+        "list the sends whose outcome is unknown (IN_DOUBT): each needs a person to check the sent folder",
+        "  inboxctl in-doubt grant-7f3a\n  inboxctl in-doubt grant-7f3a --json",
+    ),
+    "resolve": (
+        cmd_resolve,
+        "settle an IN_DOUBT send after checking the sent folder",
+        "  inboxctl resolve grant-7f3a msg-123 --sent --sent-message-id 18c2f0a9e\n"
+        "  inboxctl resolve grant-7f3a msg-123 --not-sent --note 'not in Sent; the agent may answer again'",
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    overview = "\n".join(f"  {name:<9} {summary}" for name, (_, summary, _) in COMMANDS.items())
+    examples = "\n".join(f"{examples.splitlines()[0]}" for _, _, examples in COMMANDS.values())
+    parser = argparse.ArgumentParser(
+        prog="inboxctl",
+        description="See and steer who is answering which email (the Inbox Coordinator's claims).",
+        epilog=f"commands:\n{overview}\n\nexamples:\n{examples}\n\n{EXIT_CODES}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _common(parser, top=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (handler, summary, examples) in COMMANDS.items():
+        sub = commands.add_parser(
+            name,
+            help=summary,
+            description=summary,
+            epilog=f"examples:\n{examples}\n\n{EXIT_CODES}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        sub.set_defaults(handler=handler)
+        if name in ("ls", "watch", "in-doubt"):
+            sub.add_argument("mailbox", help="the mailbox (a Nylas grant id, or the shared address)")
+        else:
+            _subject_arguments(sub)
+        if name in ("ls", "in-doubt"):
+            sub.add_argument("--limit", type=int, default=0, help="show at most this many (default: all)")
+        if name == "ls":
+            states = [state.name.lower() for state in SubjectState if state is not SubjectState.FREE]
+            sub.add_argument("--state", action="append", choices=states, help="only this state (repeatable)")
+        if name == "watch":
+            sub.add_argument("--count", type=int, default=None, help="stop after this many events")
+            sub.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+        if name in ("claim", "takeover"):
+            sub.add_argument("--ttl", type=int, default=DEFAULT_CLAIM_TTL, help="seconds the claim lasts (default 900)")
+            sub.add_argument("--note", default="", help="shown to everyone watching the mailbox")
+        if name == "release":
+            sub.add_argument("--fencing-token", type=int, default=None, help="the claim's token (default: yours)")
+        if name == "resolve":
+            outcome = sub.add_mutually_exclusive_group(required=True)
+            outcome.add_argument("--sent", dest="sent", action="store_true", help="the reply is in the sent folder")
+            outcome.add_argument("--not-sent", dest="sent", action="store_false", help="it is not: free the message")
+            sub.add_argument("--sent-message-id", default=None, help="with --sent: the sent message's id")
+            sub.add_argument("--note", default="", help="who checked what")
+        _common(sub, top=False)
+    return parser
+
+
+async def run(options: argparse.Namespace, settings: dict[str, Any], out: TextIO) -> int:
+    client = make_client(settings)
+    try:
+        handler: Command = options.handler
+        return await handler(Context(client, options, settings, out))
+    finally:
+        await client.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``inboxctl`` command; answers the exit code (see the module's docstring)."""
+    parser = build_parser()
+    options = parser.parse_args(argv)
+    try:
+        settings = resolve_settings(options)
+        return asyncio.run(run(options, settings, sys.stdout))
+    except UsageError as error:
+        parser.exit(EXIT_USAGE, f"inboxctl: error: {error}\n")
+    except InvalidRequest as error:
+        return _fail(EXIT_USAGE, f"the coordinator rejected a value: {error.details}")
+    except (CoordinatorUnavailable, QuotaExceeded) as error:
+        return _fail(EXIT_UNAVAILABLE, f"cannot reach the coordinator at {settings['target']}: {error}")
+    except PermissionDenied as error:
+        return _fail(EXIT_DENIED, f"not permitted: {error.details}")
+    except Unauthenticated as error:
+        return _fail(EXIT_DENIED, f"not authenticated: {error.details}")
+    except FailedPrecondition as error:
+        return _fail(EXIT_REFUSED, f"refused: {error.details}")
+    except CoordinatorError as error:
+        return _fail(EXIT_REFUSED, f"the coordinator answered {error.code.name}: {error.details}")
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"inboxctl: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
