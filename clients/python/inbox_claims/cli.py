@@ -211,7 +211,11 @@ def span(seconds: float) -> str:
 
 
 def clock(moment: datetime | None) -> str:
-    return "" if moment is None else moment.astimezone().strftime("%H:%M:%S")
+    """Local wall-clock time: ``14:03:07`` today, ``2026-12-02 14:03`` another day."""
+    if moment is None:
+        return ""
+    local = moment.astimezone()
+    return local.strftime("%H:%M:%S" if local.date() == datetime.now().astimezone().date() else "%Y-%m-%d %H:%M")
 
 
 def describe_subject(subject: Subject) -> str:
@@ -257,7 +261,8 @@ def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
     header = ("KIND", "ID", "STATE", "HOLDER", "SINCE", "EXPIRES", "NOTE")
     rows = [header]
     for status in statuses:
-        since = status.send_started_at if status.state is SubjectState.SENDING else status.acquired_at
+        sending = status.state in (SubjectState.SENDING, SubjectState.IN_DOUBT)
+        since = status.send_started_at if sending else status.acquired_at
         if status.state is SubjectState.REPLIED:
             since = status.sent_at
         expires = status.send_deadline if status.state is SubjectState.SENDING else status.expires_at
