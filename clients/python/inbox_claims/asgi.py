@@ -4,18 +4,20 @@
 
     from inbox_claims import AsyncCoordinator
     from inbox_claims.asgi import nylas_webhook_app
+    from inbox_claims.nylas import AsyncNylas, NylasReply
 
     coord = AsyncCoordinator(principal="support-agent-1")
+    nylas = AsyncNylas(NYLAS_API_KEY)
 
     async def answer(notification, claim):  # runs inside coord.reply_to(notification): dedup + claim, renewed
-        draft = await write_reply(notification)
-        await claim.send(nylas.send_reply, notification.grant_id, draft, idempotency_key=claim.idempotency_key)
+        reply = NylasReply.answering(notification, body=await write_reply(notification))
+        await claim.send(nylas.send, notification.grant_id, reply, idempotency_key=claim.idempotency_key)
 
     webhook = nylas_webhook_app(NYLAS_WEBHOOK_SECRET, answer, coordinator=coord)
 
     # Starlette / FastAPI: the app is an ASGI endpoint, so it can be a route (or app.mount() it)
     app = Starlette(routes=[Route("/webhooks/nylas", webhook, methods=["GET", "POST"])],
-                    lifespan=lambda app: webhook.lifespan())   # let running work finish on shutdown
+                    lifespan=webhook.lifespan)   # on shutdown, let running work finish
 
     # or serve it alone: uvicorn mymodule:webhook  (it answers the lifespan protocol itself)
 

@@ -4,13 +4,14 @@
 
     from flask import Flask
     from inbox_claims import Coordinator
+    from inbox_claims.nylas import Nylas, NylasReply
     from inbox_claims.wsgi import nylas_webhook_wsgi
 
-    coord = Coordinator(principal="support-agent-1")
+    coord, nylas = Coordinator(principal="support-agent-1"), Nylas(NYLAS_API_KEY)
 
     def answer(notification, claim):  # runs inside coord.reply_to(notification), in a worker thread
-        draft = write_reply(notification)
-        claim.send(nylas.send_reply, notification.grant_id, draft, idempotency_key=claim.idempotency_key)
+        reply = NylasReply.answering(notification, body=write_reply(notification))
+        claim.send(nylas.send, notification.grant_id, reply, idempotency_key=claim.idempotency_key)
 
     webhook = nylas_webhook_wsgi(NYLAS_WEBHOOK_SECRET, answer, coordinator=coord, workers=8)
 
