@@ -1,0 +1,299 @@
+"""An agent process: a webhook endpoint that answers emails through the real client shim.
+
+It does what DESIGN.md section 1 asks of an agent: verify the Nylas signature on the raw body, ack 200 at once,
+then (in the background) ``reply_to(notification)`` (delivery dedup and claim in one call), draft for a long-
+tailed time while the shim renews the claim, and ``claim.send(fn)`` through the fenced commit point, where ``fn``
+posts the reply to the sink with the claim's idempotency key and fencing token.
+
+``--unfenced`` is the negative control, a lease-only lock: the agent still claims (and the claim is still
+renewed), but after drafting it posts straight to the sink without passing BeginSend and without looking at
+whether it still holds the claim; only afterwards does it record the reply through ``claim.send``. A paused or
+taken-over agent then sends a second reply, which the checker must catch. There is no such switch in the
+coordinator.
+
+Every step is a line in the agent's JSON-lines log (``--log``), which the harness reads to know which claims a
+process holds when it kills or pauses it, and which the checker reads at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from inbox_claims import (
+    AlreadyReplied,
+    AsyncClaim,
+    AsyncCoordinator,
+    ClaimLost,
+    CoordinatorUnavailable,
+    DuplicateDelivery,
+    InboxClaimsError,
+    LossReason,
+    ReplyHeld,
+    RetryPolicy,
+    SendOutcomeUnknown,
+    SendRejected,
+    SentButUnconfirmed,
+    Subject,
+    WebhookVerificationError,
+    parse_notification,
+    verify_nylas_signature,
+)
+from inbox_claims import Notification as Envelope
+
+from .common import JsonlLog, Request, Response, announce, exit_at, http_request, serve_http
+from .workload import SCOPE_FIELD, Scope
+
+# Generous retries: a leader election or a killed coordinator must not make an agent give up a claim.
+AGENT_RETRY = RetryPolicy(attempts=10, initial_backoff=0.1, max_backoff=2.0)
+APP_RETRIES = 3
+"""How often the agent itself tries a notification again after the coordinator could not be reached."""
+
+
+def coordinator_client(targets: str, principal: str, kind: str = "agent") -> AsyncCoordinator:
+    """A client of both coordinators: gRPC round-robins over them and skips one that is down."""
+    return AsyncCoordinator(
+        "ipv4:" + targets,
+        principal=principal,
+        kind="human" if kind == "human" else "agent",
+        timeout=5.0,
+        retry=AGENT_RETRY,
+        channel_options=[("grpc.lb_policy_name", "round_robin")],
+    )
+
+
+async def post_reply(
+    sink: str,
+    subject: Subject,
+    token: int,
+    sender: str,
+    *,
+    mode: str,
+    notification_id: str = "",
+    idempotency_key: str = "",
+) -> str:
+    """Sends one reply through the sink (``idempotency_key`` defaults to the subject's). Returns the sent message
+    id; raises :class:`SendRejected` on a 4xx (it certainly did not go out), anything else when the outcome is
+    unknown. ``mode`` is ``fenced``, ``unfenced`` or ``human``: the sender's kind is derived from it."""
+    reply_to = subject.id
+    headers = {
+        "Content-Type": "application/json",
+        "Idempotency-Key": idempotency_key or subject.idempotency_key,
+        "X-Chaos-Token": str(token),
+        "X-Chaos-Sender": sender,
+        "X-Chaos-Sender-Kind": "human" if mode == "human" else "agent",
+        "X-Chaos-Notification": notification_id,
+        "X-Chaos-Subject-Kind": subject.kind.value,
+        "X-Chaos-Subject-Id": subject.id,
+        "X-Chaos-Mode": mode,
+    }
+    body = json.dumps({"subject": f"Re: {reply_to}", "body": "Thanks!", "reply_to_message_id": reply_to}).encode()
+    path = f"/v3/grants/{subject.mailbox}/messages/send"
+    status, answer = await http_request(sink, "POST", path, body=body, headers=headers, within=5.0)
+    if status == 200:
+        return str(json.loads(answer)["data"]["id"])
+    if 400 <= status < 500:
+        raise SendRejected(f"the mail API answered {status}")
+    raise RuntimeError(f"the mail API answered {status}")
+
+
+class Agent:
+    def __init__(self, options: argparse.Namespace) -> None:
+        self.name: str = options.name
+        self.sink: str = options.sink
+        self.secret: str = options.secret
+        self.ttl: int = options.ttl
+        self.unfenced: bool = options.unfenced
+        self.retry: bool = not options.no_retry
+        self.mode = "unfenced" if options.unfenced else "fenced"
+        self.log = JsonlLog(options.log, agent=self.name, inc=options.incarnation)
+        self.coord = coordinator_client(options.coordinators, self.name)
+        self.rng = random.Random(f"agent/{options.seed}/{self.name}/{options.incarnation}")
+        self.draft_mu = math.log(options.draft_median)
+        self.draft_sigma: float = options.draft_sigma
+        self.draft_cap: float = options.draft_cap
+        self.inflight = 0
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def draft_seconds(self) -> float:
+        """An LLM call: lognormal, so most drafts are quick and a few outlast the TTL (renewal matters)."""
+        return min(self.rng.lognormvariate(self.draft_mu, self.draft_sigma), self.draft_cap)
+
+    async def handle(self, request: Request) -> Response:
+        if request.method == "GET" and request.path == "/idle":
+            return Response(200, json.dumps({"inflight": self.inflight}).encode())
+        if request.method != "POST" or request.path != "/webhook":
+            return Response(404)
+        try:
+            verify_nylas_signature(request.body, request.headers.get("x-nylas-signature"), self.secret)
+            notification = parse_notification(request.body)
+        except (WebhookVerificationError, ValueError) as error:
+            self.log.write("bad_webhook", error=str(error))
+            return Response(400, b'{"error":"bad webhook"}')
+        self.log.write("delivery", nid=notification.notification_id, attempt=notification.delivery_attempt or 0)
+        task = asyncio.create_task(self.process(notification))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return Response(200, b"{}")  # ack at once; the work happens after
+
+    async def process(self, notification: Envelope) -> None:
+        """Answers one notification; retries (bounded) when the coordinator could not be reached."""
+        self.inflight += 1
+        nid = notification.notification_id
+        try:
+            for attempt in range(1 + (APP_RETRIES if self.retry else 0)):
+                if attempt:
+                    await asyncio.sleep(self.ttl + 2.0)  # any claim of ours from the last attempt has lapsed
+                    self.log.write("retry", nid=nid, attempt=attempt)
+                if not await self.attempt(notification, dedup=attempt == 0):
+                    return
+            self.log.write("gave_up", nid=nid)
+        except Exception as error:  # a bug in the harness or the shim: recorded, never silent
+            self.log.write("crash", nid=nid, error=f"{type(error).__name__}: {error}")
+        finally:
+            self.inflight -= 1
+
+    async def attempt(self, notification: Envelope, *, dedup: bool) -> bool:
+        """One claim and, if granted, one answer. True: try again later (the coordinator was unreachable).
+
+        The first attempt dedups on the notification id. A retry claims the message without it: the shim released
+        the lost claim on leaving the block, and the coordinator counts a released claim's notification as
+        handled, so the same id would now be refused as a duplicate (see docs/reliability.md, findings).
+        """
+        nid = notification.notification_id
+        scope: Scope = "thread" if notification.object.get(SCOPE_FIELD) == "thread" else "message"
+        guard = self.coord.reply_to(
+            notification,
+            scope=scope,
+            ttl=self.ttl,
+            note=f"{self.name} drafting",
+            notification_id=None if dedup else "",
+            on_lost=lambda claim: self.on_lost(claim, nid),
+        )
+        try:
+            async with guard as claim:
+                return await self.answer(claim, nid)
+        except DuplicateDelivery:
+            self.log.write("refused", nid=nid, why="duplicate")
+        except ReplyHeld as held:
+            self.log.write("refused", nid=nid, why="held", holder=held.holder)
+            return not dedup and held.holder == self.name  # our own claim from the last attempt, lapsing
+        except AlreadyReplied as replied:
+            self.log.write("refused", nid=nid, why="replied", state=replied.state.value)
+        except CoordinatorUnavailable as error:
+            self.log.write("claim_error", nid=nid, error=f"{type(error).__name__}: {error}")
+            return True
+        except InboxClaimsError as error:
+            self.log.write("claim_error", nid=nid, error=f"{type(error).__name__}: {error}")
+        finally:
+            if guard.token:
+                self.log.write("done", nid=nid, token=guard.token)
+        return False
+
+    def on_lost(self, claim: AsyncClaim, nid: str) -> None:
+        self.log.write("loss_seen", nid=nid, token=claim.token, reason=_reason(claim))
+
+    async def answer(self, claim: AsyncClaim, nid: str) -> bool:
+        """Drafts and sends. True when the claim was lost because the coordinator could not be reached."""
+        subject = claim.subject
+        token = claim.token
+        where = {"mailbox": subject.mailbox, "kind": subject.kind.value, "id": subject.id}
+        expires = claim.expires_at.timestamp() if claim.expires_at else 0.0
+        self.log.write("granted", nid=nid, token=token, expires=expires, dedup=bool(claim.notification_id), **where)
+        await asyncio.sleep(self.draft_seconds())
+
+        async def send() -> str:
+            self.log.write("sending", nid=nid, token=token)
+            sent_id = await post_reply(
+                self.sink, subject, token, self.name, mode=self.mode, notification_id=nid,
+                idempotency_key=claim.idempotency_key,
+            )  # fmt: skip
+            self.log.write("sent", nid=nid, token=token, sent_id=sent_id)
+            return sent_id
+
+        if self.unfenced:
+            return await self.answer_unfenced(claim, nid, send)
+        if claim.lost.is_set():  # the shim saw the loss first (renewal refused or impossible): do not even try
+            self.log.write("lost", nid=nid, token=token, where="renewal", reason=_reason(claim))
+            return _reason(claim) == LossReason.RENEWAL_FAILED.value
+        try:
+            sent_id = await claim.send(send)
+            self.log.write("confirmed", nid=nid, token=token, sent_id=sent_id, **where)
+        except ClaimLost as lost:
+            self.log.write("lost", nid=nid, token=token, where="begin_send", reason=lost.reason.value)
+        except SendRejected as rejected:
+            self.log.write("rejected", nid=nid, token=token, reason=rejected.reason)
+        except SendOutcomeUnknown as unknown:
+            self.log.write("unknown", nid=nid, token=token, error=repr(unknown.__cause__))
+        except SentButUnconfirmed as unconfirmed:
+            self.log.write("unconfirmed", nid=nid, token=token, error=str(unconfirmed))
+        return False
+
+    async def answer_unfenced(self, claim: AsyncClaim, nid: str, send: Callable[[], Awaitable[str]]) -> bool:
+        """The lease-only lock: send first, whatever the claim's state, then record."""
+        token = claim.token
+        subject = claim.subject
+        try:
+            sent_id = await send()
+        except Exception as error:
+            self.log.write("unknown", nid=nid, token=token, error=repr(error))
+            return False
+        try:
+            await claim.send(lambda: sent_id)
+            self.log.write(
+                "confirmed",
+                nid=nid,
+                token=token,
+                sent_id=sent_id,
+                mailbox=subject.mailbox,
+                kind=subject.kind.value,
+                id=subject.id,
+            )
+        except ClaimLost as lost:
+            self.log.write("lost", nid=nid, token=token, where="after_unfenced_send", reason=lost.reason.value)
+        except InboxClaimsError as error:
+            self.log.write("unconfirmed", nid=nid, token=token, error=str(error))
+        return False
+
+
+def _reason(claim: AsyncClaim) -> str:
+    return claim.loss.reason.value if claim.loss is not None else "unknown"
+
+
+async def run(options: argparse.Namespace) -> None:
+    agent = Agent(options)
+    host, _, port = options.listen.rpartition(":")
+    await serve_http(host, int(port), agent.handle)
+    agent.log.write("started", mode=agent.mode, ttl=agent.ttl)
+    announce(f"ready {options.listen}")
+    await exit_at(time.time() + options.lifetime)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m chaos agent")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--incarnation", type=int, default=1)
+    parser.add_argument("--listen", required=True, help="HOST:PORT of the webhook endpoint")
+    parser.add_argument("--coordinators", required=True, help="HOST:PORT,HOST:PORT")
+    parser.add_argument("--sink", required=True, help="HOST:PORT of the mail API")
+    parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--secret", required=True, help="the webhook signing secret")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ttl", type=int, default=5)
+    parser.add_argument("--draft-median", type=float, default=1.2)
+    parser.add_argument("--draft-sigma", type=float, default=1.0)
+    parser.add_argument("--draft-cap", type=float, default=20.0)
+    parser.add_argument("--unfenced", action="store_true", help="NEGATIVE CONTROL: send without the commit point")
+    parser.add_argument(
+        "--no-retry", action="store_true", help="never try a notification again after the coordinator was unreachable"
+    )
+    parser.add_argument("--lifetime", type=float, default=3600.0)
+    options = parser.parse_args(argv)
+    asyncio.run(run(options))
+    return 0

@@ -1,0 +1,324 @@
+"""The checker: what really went out (the sink's log) against what the coordinator recorded and acknowledged.
+
+Pure: it reads a :class:`RunRecord` (made by the harness from the logs and the final reads) and returns a
+:class:`Report`. The invariants, after DESIGN.md section 4:
+
+* ``double_send``: at most one send went out per subject (a message; for thread-scoped claims, the thread).
+* ``lost_ack``: every send whose ConfirmSent answered OK has a REPLIED record at the end, with its token.
+* ``notification_multi_effect``: at most one send is attributable to each notification id.
+* ``stale_commit``: every send that went out carries the token of the subject's final REPLIED (or IN_DOUBT)
+  record; ``unrecorded_send``: a send went out and the coordinator ended up knowing of no reply at all.
+* ``slow_free`` / ``early_free``: a killed holder's claim freed no later than its expiry (last renewal + TTL)
+  plus the stated bound (1 s lease bucket + 1 s etcd expiry check), and never before its expiry.
+* ``dropped``: every message ends REPLIED or IN_DOUBT.
+* ``wrong_idempotency_key``: every send carried the subject's deterministic idempotency key.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from inbox_claims import SubjectKind, idempotency_key
+
+from .faults import ALL_KINDS, ETCD_EXPIRY_CHECK_S, LEASE_BUCKET_S
+from .workload import SubjectKey, Workload
+
+FREE_BOUND_S = LEASE_BUCKET_S + ETCD_EXPIRY_CHECK_S
+EARLY_SLACK_S = 0.1
+ENDED_STATES = ("replied", "in_doubt")
+
+
+@dataclass(frozen=True)
+class FinalState:
+    state: str
+    """A ``inbox_claims.SubjectState`` value: free, claimed, sending, replied, in_doubt; ``unknown`` if unread."""
+    token: int
+    holder: str
+
+
+@dataclass
+class RunRecord:
+    config: dict[str, Any]
+    workload: Workload
+    sends: list[dict[str, Any]]
+    """The sink's log records."""
+    events: list[dict[str, Any]]
+    """Every agent's and the human's log records."""
+    final: dict[SubjectKey, FinalState]
+    faults: list[dict[str, Any]]
+    deliveries: list[dict[str, Any]]
+    watch_events: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Violation:
+    kind: str
+    detail: str
+
+
+@dataclass
+class Report:
+    violations: list[Violation]
+    errors: list[str]
+    stats: dict[str, Any]
+    table: str
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and not self.errors
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(v.kind for v in self.violations))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "violations": self.counts(),
+            "violation_details": [{"kind": v.kind, "detail": v.detail} for v in self.violations[:200]],
+            "errors": self.errors,
+            "stats": self.stats,
+        }
+
+
+def _send_key(send: dict[str, Any]) -> SubjectKey:
+    return SubjectKey(str(send["grant"]), str(send["subject_kind"]), str(send["subject_id"]))
+
+
+def check(record: RunRecord) -> Report:
+    violations: list[Violation] = []
+    out = [s for s in record.sends if s.get("ev") == "send" and s.get("sent")]
+
+    # -- at most one send per subject; at most one per notification --------------------------------------------
+    by_subject: dict[SubjectKey, list[dict[str, Any]]] = defaultdict(list)
+    by_notification: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for send in out:
+        by_subject[_send_key(send)].append(send)
+        if send.get("notification_id"):
+            by_notification[str(send["notification_id"])].append(send)
+    for key, sends in sorted(by_subject.items()):
+        if len(sends) > 1:
+            who = ", ".join(f"{s['sender']}(token {s['token']}, {s.get('mode', '')})" for s in sends)
+            violations.append(Violation("double_send", f"{key}: {len(sends)} sends went out: {who}"))
+    for nid, sends in sorted(by_notification.items()):
+        if len(sends) > 1:
+            violations.append(Violation("notification_multi_effect", f"{nid}: {len(sends)} sends"))
+
+    # -- every send carries the final record's token -----------------------------------------------------------
+    for send in out:
+        key = _send_key(send)
+        final = record.final.get(key)
+        expected_key = idempotency_key(key.mailbox, SubjectKind(key.kind), key.id)
+        if send.get("idempotency_key") != expected_key:
+            violations.append(Violation("wrong_idempotency_key", f"{key}: {send.get('idempotency_key')!r}"))
+        if final is None or final.state not in ENDED_STATES:
+            state = final.state if final else "not a workload subject"
+            violations.append(
+                Violation("unrecorded_send", f"{key}: {send['sender']} sent (token {send['token']}), final {state}")
+            )
+        elif final.token != send["token"]:
+            violations.append(
+                Violation(
+                    "stale_commit",
+                    f"{key}: {send['sender']} sent with token {send['token']}, the {final.state} record has "
+                    f"token {final.token} ({final.holder})",
+                )
+            )
+
+    # -- acknowledged replies are never lost ---------------------------------------------------------------------
+    # (Tokens are unique per subject, not across subjects: claims committed together share one revision.)
+    acknowledged = [e for e in record.events if e.get("ev") == "confirmed"]
+    for event in acknowledged:
+        token = int(event["token"])
+        claimed = SubjectKey(event["mailbox"], event["kind"], event["id"])
+        final = record.final.get(claimed)
+        if final is None or final.state != "replied" or final.token != token:
+            state = f"{final.state} token {final.token}" if final else "unknown"
+            violations.append(Violation("lost_ack", f"{claimed}: ConfirmSent OK for token {token}; final {state}"))
+
+    # -- every message ends REPLIED or IN_DOUBT -----------------------------------------------------------------
+    for key in record.workload.subjects():
+        final = record.final.get(key)
+        if final is None or final.state not in ENDED_STATES:
+            state = f"{final.state} ({final.holder})" if final else "never read"
+            violations.append(Violation("dropped", f"{key}: ends {state}"))
+
+    # -- a killed holder's claim frees within TTL + bound, never before its TTL ----------------------------------
+    measures = [m for f in record.faults if f["kind"] == "agent_kill" for m in f["details"].get("measures", [])]
+    free_stats = _free_stats(measures, violations)
+
+    stats = _stats(record, out, acknowledged, free_stats)
+    errors = list(record.errors)
+    crashes = [e for e in record.events if e.get("ev") == "crash"]
+    errors += [f"{e.get('agent')}: {e.get('error')}" for e in crashes[:20]]
+    report = Report(violations, errors, stats, "")
+    report.table = render(record, report)
+    return report
+
+
+def _free_stats(measures: list[dict[str, Any]], violations: list[Violation]) -> dict[str, Any]:
+    latencies: list[float] = []
+    excused = 0
+    skipped: Counter[str] = Counter()
+    for m in measures:
+        if m.get("result") != "measured":
+            skipped[str(m.get("result"))] += 1
+            continue
+        expires = float(m["expires"])
+        last_held = m.get("last_held")
+        end_type = m.get("end_type") or ""
+        if end_type and end_type != "expired":
+            skipped[f"ended by {end_type}"] += 1
+            continue
+        if m.get("leader_changed"):
+            excused += 1  # etcd resets lease TTLs on a leader change (documented; not the coordinator's bound)
+            continue
+        freed_at = m.get("freed_at")
+        if freed_at is not None:
+            latencies.append(float(freed_at) - expires)
+        if last_held is not None and float(last_held) > expires + FREE_BOUND_S:
+            violations.append(
+                Violation(
+                    "slow_free",
+                    f"{m['subject']} token {m['token']}: still held {float(last_held) - expires:.2f} s after its "
+                    f"expiry (bound {FREE_BOUND_S:.1f} s)",
+                )
+            )
+        if freed_at is None:
+            violations.append(Violation("slow_free", f"{m['subject']} token {m['token']}: never freed"))
+        end_seen = m.get("end_seen_at")
+        if end_type == "expired" and end_seen is not None and float(end_seen) < expires - EARLY_SLACK_S:
+            violations.append(
+                Violation(
+                    "early_free",
+                    f"{m['subject']} token {m['token']}: expired {expires - float(end_seen):.2f} s before its TTL",
+                )
+            )
+    return {
+        "measured": len(latencies),
+        "max_latency_s": round(max(latencies), 3) if latencies else None,
+        "mean_latency_s": round(sum(latencies) / len(latencies), 3) if latencies else None,
+        "excused_leader_change": excused,
+        "not_measured": dict(skipped),
+        "bound_s": FREE_BOUND_S,
+    }
+
+
+def _stats(
+    record: RunRecord, out: list[dict[str, Any]], acknowledged: list[dict[str, Any]], free: dict[str, Any]
+) -> dict[str, Any]:
+    workload = record.workload
+    agent_events = Counter(str(e.get("ev")) for e in record.events if str(e.get("agent", "")).startswith("agent"))
+    refusals = Counter(str(e.get("why")) for e in record.events if e.get("ev") == "refused")
+    losses = Counter(f"{e.get('where')}:{e.get('reason')}" for e in record.events if e.get("ev") == "lost")
+    human = Counter(str(e.get("ev")) for e in record.events if not str(e.get("agent", "")).startswith("agent"))
+    takeovers = Counter(str(e.get("outcome")) for e in record.events if e.get("ev") == "takeover")
+    faults: dict[str, int] = {kind: 0 for kind in ALL_KINDS}
+    skipped: dict[str, str] = {}
+    fault_errors = 0
+    for fault in record.faults:
+        if fault["details"].get("skipped"):
+            skipped[fault["kind"]] = str(fault["details"]["skipped"])
+            continue
+        if fault.get("error"):
+            fault_errors += 1
+            continue
+        faults[fault["kind"]] = faults.get(fault["kind"], 0) + 1
+    return {
+        "messages": len(workload.messages),
+        "thread_scoped_messages": sum(1 for m in workload.messages if m.scope == "thread"),
+        "subjects": len(workload.subjects()),
+        "mailboxes": len({m.mailbox for m in workload.messages}),
+        "notifications": len(workload.notifications),
+        "deliveries": len(record.deliveries),
+        "deliveries_failed": sum(1 for d in record.deliveries if not d["ok"]),
+        "deliveries_by_phase": dict(Counter(str(d["phase"]) for d in record.deliveries)),
+        "agent_events": dict(agent_events),
+        "refusals": dict(refusals),
+        "losses": dict(losses),
+        "human_events": dict(human),
+        "takeovers": dict(takeovers),
+        "faults": faults,
+        "faults_skipped": skipped,
+        "fault_errors": fault_errors,
+        "sends_out": len(out),
+        "sends_by_agents": sum(1 for s in out if s.get("sender_kind") == "agent"),
+        "sends_by_humans": sum(1 for s in out if s.get("sender_kind") == "human"),
+        "send_requests": sum(1 for s in record.sends if s.get("ev") == "send"),
+        "send_unknown_outcomes": sum(1 for s in record.sends if s.get("outcome") not in (None, "sent")),
+        "acknowledged_replies": len(acknowledged),
+        "final_states": dict(Counter(f.state for f in record.final.values())),
+        "claim_free_after_kill": free,
+        "watch_events": record.watch_events,
+    }
+
+
+def _row(name: str, value: object) -> str:
+    return f"  {name:<40} {value}"
+
+
+def render(record: RunRecord, report: Report) -> str:
+    s = report.stats
+    c = record.config
+    lines = [
+        f"chaos run: seed {c['seed']}, {c['duration']:g} s, {c['mode']} agents, etcd {c['etcd_version']} "
+        f"({c['etcd_binary']}), network: {c['network']}",
+        "",
+        "workload",
+        _row("messages", f"{s['messages']} ({s['thread_scoped_messages']} in thread-scoped conversations)"),
+        _row("subjects (messages + threads)", s["subjects"]),
+        _row("mailboxes", s["mailboxes"]),
+        _row("notifications", s["notifications"]),
+        _row("deliveries", f"{s['deliveries']} ({s['deliveries_failed']} failed) {s['deliveries_by_phase']}"),
+        _row("claims refused", s["refusals"]),
+        _row("claims lost / fenced", s["losses"]),
+        _row("human takeovers", s["takeovers"]),
+        "",
+        "faults injected",
+    ]
+    for kind in ALL_KINDS:
+        note = f"  (skipped: {s['faults_skipped'][kind]})" if kind in s["faults_skipped"] else ""
+        lines.append(_row(kind, f"{s['faults'].get(kind, 0)}{note}"))
+    if s["fault_errors"]:
+        lines.append(_row("faults that failed", s["fault_errors"]))
+    free = s["claim_free_after_kill"]
+    lines += [
+        "",
+        "outcomes",
+        _row("sends that went out", f"{s['sends_out']} (agents {s['sends_by_agents']}, humans {s['sends_by_humans']})"),
+        _row("send requests (incl. unknown outcome)", f"{s['send_requests']} ({s['send_unknown_outcomes']} unknown)"),
+        _row("acknowledged replies (ConfirmSent OK)", s["acknowledged_replies"]),
+        _row("final states", s["final_states"]),
+        _row(
+            "claim freed after holder SIGKILL",
+            f"{free['measured']} measured, max {free['max_latency_s']} s after expiry (bound {free['bound_s']} s), "
+            f"{free['excused_leader_change']} excused (leader change), not measured {free['not_measured']}",
+        ),
+        "",
+        "violations",
+    ]
+    counts = report.counts()
+    for kind in (
+        "double_send",
+        "notification_multi_effect",
+        "stale_commit",
+        "unrecorded_send",
+        "lost_ack",
+        "slow_free",
+        "early_free",
+        "dropped",
+        "wrong_idempotency_key",
+    ):
+        lines.append(_row(kind, counts.get(kind, 0)))
+    for violation in report.violations[:15]:
+        lines.append(f"    - {violation.kind}: {violation.detail}")
+    if len(report.violations) > 15:
+        lines.append(f"    ... and {len(report.violations) - 15} more (summary.json)")
+    for error in report.errors[:10]:
+        lines.append(f"  HARNESS ERROR: {error}")
+    lines.append("")
+    verdict = "PASS" if report.ok else "FAIL"
+    lines.append(f"{verdict}: seed {c['seed']}; replay with: {c['replay']}")
+    return "\n".join(lines)

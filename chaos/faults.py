@@ -1,0 +1,221 @@
+"""The faults and their seeded schedule.
+
+Two lanes run side by side, each one fault at a time with a random gap between faults:
+
+* lane **cluster**: ``etcd_kill`` (SIGKILL a follower, restart it), ``etcd_leader_kill`` (the same to the
+  leader), ``etcd_slow`` (the proxy adds latency to one member or all), ``etcd_partition`` (cut one member off,
+  the leader half of the time; needs network namespaces), ``agent_kill`` (SIGKILL an agent that holds claims and
+  measure how long each claim takes to free). Sequential, so at most one member is ever down (quorum holds), and
+  no etcd fault overlaps a claim-free measurement.
+* lane **process**: ``coordinator_kill`` (SIGKILL one coordinator, restart it), ``agent_pause`` (SIGSTOP an agent
+  that holds claims for longer than its TTL, redeliver its notifications to other agents meanwhile, SIGCONT:
+  the GC-pause case, whose late sends must be fenced).
+
+Each lane first runs every kind it has once, in a seeded order (so a short run covers them all), then draws
+kinds at random until the fault window closes. Durations and targets come from the lane's seeded generator;
+which member leads is only known at run time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .harness import World
+
+CLUSTER_LANE = ("etcd_kill", "etcd_leader_kill", "etcd_slow", "etcd_partition", "agent_kill")
+PROCESS_LANE = ("coordinator_kill", "agent_pause")
+ALL_KINDS = CLUSTER_LANE + PROCESS_LANE
+
+LEASE_BUCKET_S = 1.0
+"""The coordinator's --claim-lease-bucket (its default)."""
+ETCD_EXPIRY_CHECK_S = 1.0
+"""etcd checks for expired leases about every 0.5 s; the stated bound rounds it up to 1 s."""
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    target: str
+    started: float
+    ended: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "target": self.target,
+            "started": self.started,
+            "ended": self.ended,
+            "details": self.details,
+            "error": self.error,
+        }
+
+
+class Lane:
+    def __init__(self, name: str, kinds: Sequence[str], seed: int, gap: tuple[float, float]) -> None:
+        self.name = name
+        self.kinds = list(kinds)
+        self.rng = random.Random(f"faults/{seed}/{name}")
+        self.gap = gap
+        self.pending = self.kinds[:]
+        self.rng.shuffle(self.pending)
+
+    def next_kind(self) -> str:
+        if self.pending:
+            return self.pending.pop(0)
+        return self.rng.choice(self.kinds)
+
+    def next_gap(self) -> float:
+        return self.rng.uniform(*self.gap)
+
+
+async def run_lane(world: World, lane: Lane, start_at: float, end_at: float) -> None:
+    """Runs faults until ``end_at`` (a fault that started before it is finished and healed)."""
+    await asyncio.sleep(max(start_at - time.time(), 0.0))
+    if not lane.kinds:
+        return
+    while time.time() < end_at:
+        kind = lane.next_kind()
+        record = FaultRecord(kind, "", time.time())
+        world.faults.append(record)
+        try:
+            await INJECT[kind](world, lane.rng, record)
+        except Exception as error:  # a fault that could not be injected or healed is a harness error
+            record.error = f"{type(error).__name__}: {error}"
+            world.error(f"fault {kind} failed: {record.error}")
+        finally:
+            record.ended = time.time()
+        await asyncio.sleep(lane.next_gap())
+
+
+# ---------------------------------------------------------------------------------------------- etcd
+
+
+async def etcd_kill(world: World, rng: random.Random, record: FaultRecord, *, leader: bool = False) -> None:
+    leader_index = await world.leader_index()
+    followers = [i for i in range(len(world.cluster.members)) if i != leader_index]
+    index = leader_index if leader else rng.choice(followers)
+    member = world.cluster.members[index]
+    downtime = rng.uniform(2.0, 5.0)
+    record.target = member.spec.name
+    record.details.update(leader=index == leader_index, downtime_s=round(downtime, 2))
+    member.kill()
+    await asyncio.sleep(downtime)
+    await world.restart_member(index)
+    record.details["new_leader"] = world.cluster.members[await world.leader_index()].spec.name
+
+
+async def etcd_leader_kill(world: World, rng: random.Random, record: FaultRecord) -> None:
+    await etcd_kill(world, rng, record, leader=True)
+
+
+async def etcd_slow(world: World, rng: random.Random, record: FaultRecord) -> None:
+    target = "*" if rng.random() < 0.5 else str(rng.randrange(len(world.cluster.members)))
+    delay_ms = rng.choice((rng.uniform(50, 400), rng.uniform(400, 1500)))
+    duration = rng.uniform(3.0, 7.0)
+    record.target = "all members" if target == "*" else world.cluster.members[int(target)].spec.name
+    record.details.update(delay_ms=round(delay_ms), duration_s=round(duration, 2))
+    await world.proxy_command(f"delay {target} {delay_ms:.0f}")
+    try:
+        await asyncio.sleep(duration)
+    finally:
+        await world.proxy_command(f"delay {target} 0")
+
+
+async def etcd_partition(world: World, rng: random.Random, record: FaultRecord) -> None:
+    if world.spaces is None:
+        record.target = "-"
+        record.details["skipped"] = world.netns_problem
+        return
+    leader_index = await world.leader_index()
+    index = leader_index if rng.random() < 0.5 else rng.randrange(len(world.cluster.members))
+    duration = rng.uniform(3.0, 8.0)
+    record.target = world.cluster.members[index].spec.name
+    record.details.update(leader=index == leader_index, duration_s=round(duration, 2))
+    await world.set_link(index, up=False)
+    try:
+        await asyncio.sleep(duration)
+    finally:
+        await world.set_link(index, up=True)
+    record.details["new_leader"] = world.cluster.members[await world.leader_index()].spec.name
+
+
+# ------------------------------------------------------------------------------------------- processes
+
+
+async def coordinator_kill(world: World, rng: random.Random, record: FaultRecord) -> None:
+    index = rng.randrange(len(world.coordinators))
+    downtime = rng.uniform(1.0, 4.0)
+    record.target = f"coordinator-{index}"
+    record.details["downtime_s"] = round(downtime, 2)
+    await world.kill_coordinator(index)
+    await asyncio.sleep(downtime)
+    await world.start_coordinator(index)
+
+
+async def agent_pause(world: World, rng: random.Random, record: FaultRecord) -> None:
+    """The GC pause: stopped past its TTL while holding claims; its notifications go to others meanwhile."""
+    agent = await world.agent_with_claims(rng)
+    held = world.open_claims(agent)
+    ttl = world.config.ttl
+    pause = ttl + LEASE_BUCKET_S + ETCD_EXPIRY_CHECK_S + rng.uniform(1.0, 4.0)
+    record.target = agent.name
+    record.details.update(pause_s=round(pause, 2), claims_held=len(held))
+    await world.pause_agent(agent)
+    try:
+        await asyncio.sleep(ttl + LEASE_BUCKET_S + ETCD_EXPIRY_CHECK_S + 0.5)
+        # Seen from Nylas, a paused agent is one that did not answer in time: the notification comes again.
+        redelivered = 0
+        for claim in held:
+            others = [a for a in world.live_agents() if a is not agent]
+            if others and claim.notification_id:
+                redelivered += await world.deliver(claim.notification_id, rng.choice(others), reason="pause")
+        record.details["redelivered"] = redelivered
+        await asyncio.sleep(max(record.started + pause - time.time(), 0.0))
+    finally:
+        world.resume_agent(agent)
+    record.details["resumed_at"] = time.time()
+
+
+async def agent_kill(world: World, rng: random.Random, record: FaultRecord) -> None:
+    """SIGKILL a holder; measure when each of its claims frees (TTL + bucket + etcd's expiry check)."""
+    agent = await world.agent_with_claims(rng)
+    record.target = agent.name
+    term_before = await world.raft_term()
+    killed_at = time.time()
+    await world.kill_agent(agent)
+    held = world.open_claims(agent)  # read after the kill: every claim it logged before dying
+    record.details["claims_held"] = len(held)
+    measures = await asyncio.gather(*(world.measure_free(claim, killed_at) for claim in held))
+    term_after = await world.raft_term()
+    for measure in measures:
+        measure["leader_changed"] = term_after != term_before
+    record.details["measures"] = list(measures)
+    await world.restart_agent(agent)
+
+
+INJECT = {
+    "etcd_kill": etcd_kill,
+    "etcd_leader_kill": etcd_leader_kill,
+    "etcd_slow": etcd_slow,
+    "etcd_partition": etcd_partition,
+    "agent_kill": agent_kill,
+    "coordinator_kill": coordinator_kill,
+    "agent_pause": agent_pause,
+}
+
+
+async def cancel_quietly(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task

@@ -1,0 +1,159 @@
+"""The seeded workload: messages in mailboxes, their notifications, and when each is delivered to which agent.
+
+Pure (no I/O, no clock): the same seed and sizes give the same plan. A message belongs to a thread; in a
+fraction of the threads (conversations of 2-3 messages) the agents claim the whole thread (``scope="thread"``:
+one reply per conversation), elsewhere each message on its own. Every message has a ``message.created``
+notification and often a ``message.updated`` one, each with its own notification id (the envelope's top-level
+``id``). During the main phase each notification is delivered once or twice, at jittered times, so updates can
+arrive before creations and redeliveries land on other agents; the final round (planned by the harness once the
+faults have stopped) delivers every notification once more, as Nylas's last attempt 10-20 minutes after the
+first would.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+Scope = Literal["message", "thread"]
+
+SCOPE_FIELD = "x_chaos_scope"
+"""Where the envelope tells the agent how to claim (a harness convention, standing in for an agent's policy)."""
+
+
+@dataclass(frozen=True)
+class Message:
+    mailbox: str
+    message_id: str
+    thread_id: str
+    scope: Scope
+    arrives_at: float
+    """Seconds after the start of the run."""
+
+    @property
+    def subject_key(self) -> SubjectKey:
+        """What is claimed for this message: the message, or its thread."""
+        if self.scope == "thread":
+            return SubjectKey(self.mailbox, "thread", self.thread_id)
+        return SubjectKey(self.mailbox, "message", self.message_id)
+
+
+@dataclass(frozen=True, order=True)
+class SubjectKey:
+    mailbox: str
+    kind: str
+    """``message`` or ``thread`` (the values of ``inbox_claims.SubjectKind``)."""
+    id: str
+
+    def __str__(self) -> str:
+        return f"{self.mailbox}/{self.kind}/{self.id}"
+
+
+@dataclass(frozen=True)
+class Notification:
+    notification_id: str
+    type: str
+    message: Message
+    created_at: float
+
+
+@dataclass(frozen=True)
+class Delivery:
+    at: float
+    notification_id: str
+    attempt: int
+    agent: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    messages: tuple[Message, ...]
+    notifications: tuple[Notification, ...]
+    deliveries: tuple[Delivery, ...]
+    """The main phase, sorted by time."""
+
+    def subjects(self) -> list[SubjectKey]:
+        return sorted({m.subject_key for m in self.messages})
+
+
+def plan(
+    seed: int,
+    *,
+    duration: float,
+    messages: int,
+    mailboxes: int,
+    agents: int,
+    thread_fraction: float = 0.2,
+    update_fraction: float = 0.5,
+) -> Workload:
+    """Messages arrive over the first 70 % of ``duration``; deliveries end before ``duration``."""
+    rng = random.Random(f"workload/{seed}")
+    boxes = [f"grant-{seed}-{n}" for n in range(mailboxes)]
+    arrival_end = max(duration * 0.7, 1.0)
+    result: list[Message] = []
+    count = 0
+    thread_number = 0
+    while count < messages:
+        mailbox = rng.choice(boxes)
+        thread_number += 1
+        thread_id = f"thr-{thread_number:05d}"
+        in_conversation = rng.random() < thread_fraction
+        size = min(rng.choice((2, 3)), messages - count) if in_conversation else 1
+        start = rng.uniform(0.5, arrival_end)
+        for position in range(size):
+            count += 1
+            result.append(
+                Message(
+                    mailbox=mailbox,
+                    message_id=f"msg-{count:05d}",
+                    thread_id=thread_id,
+                    scope="thread" if in_conversation else "message",
+                    arrives_at=min(start + position * rng.uniform(0.0, 3.0), arrival_end),
+                )
+            )
+    notifications: list[Notification] = []
+    for message in result:
+        notifications.append(
+            Notification(f"ntf-{len(notifications) + 1:06d}", "message.created", message, message.arrives_at)
+        )
+        if rng.random() < update_fraction:
+            created = min(message.arrives_at + rng.uniform(0.0, 4.0), arrival_end)
+            notifications.append(Notification(f"ntf-{len(notifications) + 1:06d}", "message.updated", message, created))
+    deliveries: list[Delivery] = []
+    last = max(duration - 1.0, 1.0)
+    for notification in notifications:
+        times = [notification.created_at + rng.expovariate(2.0)]
+        if rng.random() < 0.45:  # a redelivery: Nylas did not see the 200 in time, or the first attempt failed
+            times.append(notification.created_at + rng.uniform(0.2, 15.0))
+        for attempt, at in enumerate(sorted(times), start=1):
+            deliveries.append(Delivery(min(at, last), notification.notification_id, attempt, rng.randrange(agents)))
+    deliveries.sort(key=lambda d: (d.at, d.notification_id, d.attempt))
+    return Workload(tuple(result), tuple(notifications), tuple(deliveries))
+
+
+def envelope(notification: Notification, attempt: int, *, sent_at: int) -> bytes:
+    """The Nylas v3 webhook body for one delivery attempt (the raw bytes that get signed)."""
+    message = notification.message
+    document = {
+        "specversion": "1.0",
+        "type": notification.type,
+        "source": "/google/emails/realtime",
+        "id": notification.notification_id,
+        "time": sent_at,
+        "webhook_delivery_attempt": attempt,
+        "data": {
+            "application_id": "chaos-app",
+            "object": {
+                "id": message.message_id,
+                "grant_id": message.mailbox,
+                "thread_id": message.thread_id,
+                "object": "message",
+                "subject": f"Question {message.message_id}",
+                "from": [{"email": f"customer-{message.thread_id}@example.com"}],
+                SCOPE_FIELD: message.scope,
+            },
+        },
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
