@@ -393,13 +393,19 @@ class CoordinatorProcess:
         return rss_bytes(self.process.pid)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        _stop(self.process, self.process.terminate)
+
+
+def _stop(process: subprocess.Popen[bytes], ask: Callable[[], None], timeout: float = 20.0) -> None:
+    """Asks a server to stop, waits up to ``timeout``, then kills it; always reaps it."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            ask()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _wait_for_port(port: int, process: subprocess.Popen[bytes], log: Path, what: str, timeout: float) -> None:
@@ -449,13 +455,7 @@ class RedisProcess:
         return process_cpu_seconds(self.process.pid)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        _stop(self.process, self.process.terminate)
 
 
 def postgres_bindir() -> Path:
@@ -537,15 +537,16 @@ class PostgresProcess:
         """The postmaster and all its backends (a process per connection)."""
         return tree_cpu_seconds(self.process.pid)
 
-    def stop(self) -> None:
-        pid_file = self.data / "postmaster.pid"
+    def _signal_postmaster(self, signum: int) -> None:
+        # The postmaster runs under runuser as root, so it is signalled by the pid it recorded.
         with contextlib.suppress(OSError, ValueError):
-            os.kill(int(pid_file.read_text().split()[0]), signal.SIGINT)  # fast shutdown
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            os.kill(int((self.data / "postmaster.pid").read_text().split()[0]), signum)
+
+    def stop(self) -> None:
+        # SIGINT: fast shutdown (it removes postmaster.pid); if that hangs, SIGQUIT: immediate shutdown.
+        _stop(self.process, lambda: self._signal_postmaster(signal.SIGINT), 30.0)
+        if self.process.returncode is not None and self.process.returncode < 0:
+            self._signal_postmaster(signal.SIGQUIT)
 
 
 def run_id() -> str:
