@@ -163,6 +163,9 @@ class CallCredentials:
 class Authenticator:
     """Maps a call's credentials to a Caller."""
 
+    # Whether authenticate() looks at client certificates; reading them costs time on every call.
+    uses_certificates = True
+
     def authenticate(self, credentials: CallCredentials) -> Caller:
         raise NotImplementedError
 
@@ -172,6 +175,8 @@ ALL_ACCESS = MailboxGrants(("*",), ROLES)
 
 class DevelopmentAuthenticator(Authenticator):
     """No authentication: the principal is whatever the metadata says, with every right. Loopback only."""
+
+    uses_certificates = False
 
     def authenticate(self, credentials: CallCredentials) -> Caller:
         principal = credentials.metadata.get(PRINCIPAL_METADATA, "")

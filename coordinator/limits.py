@@ -38,6 +38,8 @@ class Limits:
 
 
 def _has_control_character(text: str) -> bool:
+    if text.isprintable():  # the common case, decided in C: printable text has no control character
+        return False
     return any(unicodedata.category(ch) == "Cc" for ch in text)
 
 
@@ -52,7 +54,7 @@ def check_text(field: str, value: str, max_bytes: int, *, required: bool) -> str
         raise InvalidArgument(field, f"is {size} bytes; the limit is {max_bytes} bytes of UTF-8")
     if _has_control_character(value):
         raise InvalidArgument(field, "contains a control character (U+0000..U+001F or U+007F..U+009F)")
-    if any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):
+    if not value.isascii() and any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):
         raise InvalidArgument(field, "contains an unpaired surrogate; send valid UTF-8")
     return value
 

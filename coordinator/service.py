@@ -169,8 +169,10 @@ def event_out(event: Event) -> pb.WatchEvent:
     )
 
 
-def credentials_of(context: grpc.aio.ServicerContext[Any, Any]) -> CallCredentials:
+def credentials_of(context: grpc.aio.ServicerContext[Any, Any], with_certificates: bool = True) -> CallCredentials:
     metadata = {key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
+    if not with_certificates:
+        return CallCredentials(metadata)
     auth = context.auth_context()
     names = [
         name.decode(errors="replace")
@@ -228,7 +230,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._watches = WatchSlots(self.quotas.max_watches)
 
     def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
-        caller = self.authenticator.authenticate(credentials_of(context))
+        caller = self.authenticator.authenticate(credentials_of(context, self.authenticator.uses_certificates))
         wait = self._rates.acquire(caller.principal)
         if wait > 0:
             raise ResourceExhausted(
