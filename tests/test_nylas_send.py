@@ -22,6 +22,7 @@ from inbox_claims import (
     AsyncCoordinator,
     ClaimOutcome,
     Coordinator,
+    EventType,
     SendOutcomeUnknown,
     SendRejected,
     Subject,
@@ -40,6 +41,7 @@ from inbox_claims.nylas import (
 )
 
 from .conftest import StartCoordinator
+from .test_client_support import wait_for_event, watching
 
 API_KEY = "nyk_v0_test_key"
 SEND_TIMEOUT_MS = 300
@@ -97,15 +99,6 @@ async def send_through_claim(
 async def status_of(address: str, subject: Subject) -> SubjectStatus:
     async with AsyncCoordinator(address, principal="observer") as coord:
         return await coord.status(subject)
-
-
-async def wait_for_state(address: str, subject: Subject, state: SubjectState, within: float = 5.0) -> SubjectStatus:
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
-        status = await status_of(address, subject)
-        if status.state is state or asyncio.get_running_loop().time() > deadline:
-            return status
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -169,6 +162,23 @@ async def test_a_wrong_api_key_is_a_refusal(
     assert (await status_of(server.address, subject)).state is SubjectState.FREE
 
 
+async def unknown_outcome(
+    variant: Variant, address: str, subject: Subject, api_base: str, *, wait: float = 5
+) -> BaseException | None:
+    """Sends through the claim while watching the mailbox; asserts that the send's outcome was unknown and that
+    the subject went SENDING and then IN_DOUBT, never FREE; answers the send function's exception."""
+    async with (
+        AsyncCoordinator(address, principal="observer") as observer,
+        watching(observer, subject.mailbox) as events,
+    ):
+        with pytest.raises(SendOutcomeUnknown) as unknown:
+            await send_through_claim(variant, address, subject, api_base, wait=wait)
+        await wait_for_event(events, EventType.IN_DOUBT)
+        assert (await observer.status(subject)).state is SubjectState.IN_DOUBT
+    assert [event.type for event in events] == [EventType.CLAIMED, EventType.SENDING, EventType.IN_DOUBT]
+    return unknown.value.__cause__
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     ("behaviour", "cause"),
@@ -185,14 +195,9 @@ async def test_an_unknown_outcome_stays_sending_then_is_in_doubt(
     subject = Subject.message(mailbox, f"msg-{behaviour}")
     fake.behaviour = behaviour
 
-    with pytest.raises(SendOutcomeUnknown) as unknown:
-        await send_through_claim(variant, server.address, subject, fake.api_base, wait=0.3)
+    error = await unknown_outcome(variant, server.address, subject, fake.api_base, wait=0.3)
 
-    assert type(unknown.value.__cause__) is cause
-    assert not isinstance(unknown.value.__cause__, SendRejected)
-    status = await status_of(server.address, subject)
-    assert status.state is SubjectState.SENDING  # never "not sent": nobody may answer it meanwhile
-    assert (await wait_for_state(server.address, subject, SubjectState.IN_DOUBT)).state is SubjectState.IN_DOUBT
+    assert type(error) is cause  # never a SendRejected: nobody may answer the message meanwhile
     assert fake.problems == []
     assert len(fake.requests) == 1  # never retried
 
@@ -204,12 +209,9 @@ async def test_a_connection_error_is_an_unknown_outcome(
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         api_base = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, not listening: refused
-        subject = Subject.message(mailbox, "msg-refused")
-        with pytest.raises(SendOutcomeUnknown) as unknown:
-            await send_through_claim(variant, server.address, subject, api_base)
-    assert isinstance(unknown.value.__cause__, NylasSendUnknown)
-    assert unknown.value.__cause__.status_code is None
-    assert (await wait_for_state(server.address, subject, SubjectState.IN_DOUBT)).state is SubjectState.IN_DOUBT
+        error = await unknown_outcome(variant, server.address, Subject.message(mailbox, "msg-refused"), api_base)
+    assert isinstance(error, NylasSendUnknown)
+    assert error.status_code is None
 
 
 async def test_the_idempotency_key_stops_a_second_reply_at_nylas(fake: FakeNylas, mailbox: str) -> None:
