@@ -1,4 +1,8 @@
-"""``inbox-coordinator``: run a coordinator, on an embedded etcd by default."""
+"""``inbox-coordinator``: run a coordinator (on an embedded etcd by default), check a configuration, probe health.
+
+Exit codes: 0 done; 1 a runtime failure (etcd unreachable, a port taken, no etcd binary, not SERVING);
+2 a configuration error (the message names the setting and where its value came from).
+"""
 
 from __future__ import annotations
 
@@ -7,27 +11,62 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
+import re
 import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .domain import Rules
-from .etcd_process import EtcdMemberSpec, EtcdNotFound, EtcdServer, EtcdStartError, free_port
-from .limits import Limits
-from .server import CoordinatorServer, ServerSettings
-from .store import EtcdSettings, channel_target
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from . import logs
+from .config import SETTINGS, Config, ConfigError, default_data_dir, describe, load, parse_host_port
+from .errors import StoreUnavailable
+from .etcd_process import (
+    EtcdMemberSpec,
+    EtcdNotFound,
+    EtcdServer,
+    EtcdStartError,
+    etcd_version,
+    find_etcd_binary,
+    free_port,
+)
+from .server import SERVICE_NAME, CoordinatorServer, ServerSettings, wall_clock_ms
+from .store import EtcdStore
 
 log = logging.getLogger("inbox_coordinator")
 
+EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 2
 
-def default_data_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "inbox-coordinator"
+_PRECEDENCE = (
+    "Every setting is also read from the environment (INBOX_COORDINATOR_<SETTING>, e.g. INBOX_COORDINATOR_LISTEN) "
+    "and from the TOML file of --config (top-level keys named like the flags, with underscores: default_ttl = 60). "
+    "Flags win over the environment, which wins over the file. Durations are seconds or take a unit: 250ms, 90s, "
+    "5m, 72h, 1d."
+)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _add_settings(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        default=None,
+        help="a TOML file of settings (default: $INBOX_COORDINATOR_CONFIG, else none)",
+    )
+    for setting in SETTINGS:
+        shown = f" (default {setting.show(setting.default)})" if setting.default not in ((), None) else ""
+        parser.add_argument(
+            setting.flag,
+            *setting.aliases,
+            dest=setting.name,
+            default=None,
+            metavar=setting.metavar or setting.name.upper(),
+            help=f"{setting.help}{shown}",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inbox-coordinator",
         description="Claims on email replies for shared inboxes: a gRPC lease service on etcd.",
@@ -38,32 +77,57 @@ def _parser() -> argparse.ArgumentParser:
         help="run a coordinator",
         description=(
             "Run a coordinator. Without --etcd-endpoints it starts a private single-member etcd on loopback "
-            "(development mode; data kept in --data-dir)."
+            "(development mode; data kept in --data-dir). " + _PRECEDENCE
         ),
         epilog=(
             "examples:\n"
             "  inbox-coordinator serve\n"
-            "  inbox-coordinator serve --listen 0.0.0.0:50051 --etcd-endpoints 10.0.0.5:2379,10.0.0.6:2379"
+            "  inbox-coordinator serve --listen 0.0.0.0:50051 --etcd-endpoints 10.0.0.5:2379,10.0.0.6:2379\n"
+            "  inbox-coordinator serve --config /etc/inbox-coordinator/config.toml"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT for gRPC (default %(default)s)")
-    serve.add_argument(
-        "--etcd-endpoints",
-        default=os.environ.get("INBOX_COORDINATOR_ETCD_ENDPOINTS", ""),
-        help="comma-separated etcd client endpoints HOST:PORT; empty starts the embedded etcd",
+    _add_settings(serve)
+    check = commands.add_parser(
+        "check",
+        help="validate the configuration and reach every etcd endpoint",
+        description=(
+            "Validate the configuration (as serve would read it), connect to each etcd endpoint and print its "
+            "version. Exits 2 for a configuration error, 1 when an etcd endpoint is unreachable. " + _PRECEDENCE
+        ),
     )
-    serve.add_argument(
-        "--data-dir",
-        type=Path,
+    _add_settings(check)
+    health = commands.add_parser(
+        "health",
+        help="ask a running coordinator whether it is SERVING (for container health checks)",
+        description="grpc.health.v1 Check against a coordinator. Exits 0 when SERVING, 1 otherwise.",
+    )
+    health.add_argument("--config", metavar="FILE.toml", default=None, help="read listen from this TOML file")
+    health.add_argument(
+        "--address",
         default=None,
-        help=f"where the embedded etcd keeps its data (default {default_data_dir()})",
+        help="HOST:PORT to ask (default: the listen setting, with 0.0.0.0 or [::] asked on loopback)",
     )
-    serve.add_argument("--prefix", default="inbox-coordinator/v1/", help="etcd key prefix (default %(default)s)")
-    serve.add_argument("--default-ttl", type=int, default=60, help="claim TTL when a call gives none, seconds")
-    serve.add_argument("--send-timeout", type=float, default=120.0, help="seconds from BeginSend to IN_DOUBT")
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    health.add_argument(
+        "--service", default=SERVICE_NAME, help="the health service name (default %(default)s; '' for the server)"
+    )
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
     return parser
+
+
+def _load(options: argparse.Namespace) -> Config | None:
+    flags = {setting.name: getattr(options, setting.name, None) for setting in SETTINGS}
+    try:
+        config = load(flags, config_file=options.config)
+    except ConfigError as error:
+        print(f"inbox-coordinator: configuration error: {error}", file=sys.stderr)
+        return None
+    for warning in config.warnings:
+        print(f"inbox-coordinator: warning: {warning}", file=sys.stderr)
+    return config
+
+
+# --- serve ---------------------------------------------------------------------------------------------------
 
 
 def _embedded_spec(data_dir: Path) -> EtcdMemberSpec:
@@ -88,40 +152,61 @@ def _embedded_etcd(data_dir: Path) -> Iterator[EtcdServer]:
         etcd.stop()
 
 
+def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> ServerSettings:
+    return ServerSettings(
+        config.etcd_settings(endpoints),
+        listen=config.listen,
+        rules=config.rules(),
+        shutdown_grace_s=config.shutdown_grace,
+        metrics_listen=config.metrics_listen,
+        # The default port may be taken by another coordinator on this machine: then there is no /metrics.
+        # A port that was asked for is a start-up error.
+        metrics_optional=config.origin("metrics_listen") == "default",
+        key_count_interval_s=config.key_count_interval,
+    )
+
+
 async def _serve(settings: ServerSettings) -> None:
     server = CoordinatorServer(settings)
     await server.start()
     print(f"inbox-coordinator: serving gRPC on {server.address}; stop with Ctrl-C or SIGTERM", flush=True)
+    if server.metrics_server is not None:
+        print(f"inbox-coordinator: metrics on http://{server.metrics_server.address}/metrics", flush=True)
+    log.info(
+        "serving",
+        extra={
+            "fields": {
+                "event": "start",
+                "listen": server.address,
+                "etcd_endpoints": ",".join(settings.etcd.endpoints),
+                "etcd_prefix": settings.etcd.prefix,
+                "metrics": server.metrics_server.address if server.metrics_server is not None else "",
+            }
+        },
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
-    print("inbox-coordinator: stopping (finishing calls in flight)", flush=True)
+    print(
+        f"inbox-coordinator: stopping (NOT_SERVING; finishing calls in flight, up to {settings.shutdown_grace_s:g} s)",
+        flush=True,
+    )
     await server.stop()
+    log.info("stopped", extra={"fields": {"event": "stop"}})
 
 
 def serve(options: argparse.Namespace) -> int:
-    logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    endpoints = [e.strip() for e in options.etcd_endpoints.split(",") if e.strip()]
+    config = _load(options)
+    if config is None:
+        return EXIT_CONFIG
+    logs.setup(config.log_level, config.log_format)
     try:
-        if endpoints:
-            channel_target(endpoints)
-        limits = Limits(ttl_default_seconds=options.default_ttl)
-        limits.ttl(options.default_ttl)
-    except ValueError as error:
-        print(f"inbox-coordinator: {error}", file=sys.stderr)
-        return 2
-    rules = Rules(limits, send_timeout_ms=int(options.send_timeout * 1000))
-
-    def settings_for(etcd_endpoints: Sequence[str]) -> ServerSettings:
-        return ServerSettings(EtcdSettings(etcd_endpoints, prefix=options.prefix), listen=options.listen, rules=rules)
-
-    try:
-        if endpoints:
-            asyncio.run(_serve(settings_for(endpoints)))
-            return 0
-        data_dir = options.data_dir or default_data_dir()
+        if not config.embedded_etcd:
+            asyncio.run(_serve(server_settings(config)))
+            return EXIT_OK
+        data_dir = config.data_dir or default_data_dir()
         print(
             f"inbox-coordinator: DEVELOPMENT MODE: embedded single-member etcd, data in {data_dir} "
             "(use --etcd-endpoints for a real cluster)",
@@ -129,17 +214,128 @@ def serve(options: argparse.Namespace) -> int:
         )
         with _embedded_etcd(data_dir) as etcd:
             print(f"inbox-coordinator: embedded etcd {etcd.endpoint} (log: {etcd.log_path})", flush=True)
-            asyncio.run(_serve(settings_for([etcd.endpoint])))
-        return 0
+            asyncio.run(_serve(server_settings(config, [etcd.endpoint])))
+        return EXIT_OK
     except (EtcdNotFound, EtcdStartError, OSError) as error:
         print(f"inbox-coordinator: {error}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
+
+
+# --- check ---------------------------------------------------------------------------------------------------
+
+_BROKEN_VERSIONS = ((3, 5, 0), (3, 5, 2))
+
+
+def version_warning(version: str) -> str | None:
+    """Why this etcd version should not run in production, or None."""
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+    if len(parts) < 3:
+        return f"cannot tell which etcd version {version!r} is; run 3.4.23+ or 3.5.3+"
+    if _BROKEN_VERSIONS[0] <= parts <= _BROKEN_VERSIONS[1]:
+        return (
+            f"etcd {version} can lose consistency when a member is killed under load (fixed in 3.5.3): "
+            "NEVER run etcd 3.5.0 to 3.5.2 in production; upgrade to 3.5.3 or later"
+        )
+    if parts < (3, 4, 23):
+        return f"etcd {version} is older than the versions tested (3.4.23+, 3.5.3+); upgrade"
+    return None
+
+
+async def _probe(config: Config) -> int:
+    status = EXIT_OK
+    for endpoint in config.etcd_endpoints:
+        store = EtcdStore(config.etcd_settings([endpoint]), wall_clock_ms)
+        try:
+            version = await store.ping()
+        except StoreUnavailable as error:
+            print(f"etcd {endpoint}: UNREACHABLE: {error}")
+            status = EXIT_FAILURE
+            continue
+        finally:
+            await store.close()
+        print(f"etcd {endpoint}: version {version}")
+        warning = version_warning(version)
+        if warning is not None:
+            print(f"\n!!! WARNING: etcd {endpoint}: {warning} !!!\n", file=sys.stderr)
+    store = EtcdStore(config.etcd_settings(), wall_clock_ms)
+    try:
+        revision = await store.current_revision()
+        print(f"etcd cluster: a linearizable read answered at revision {revision}")
+    except StoreUnavailable as error:
+        print(f"etcd cluster: UNREACHABLE (no quorum answered a linearizable read): {error}")
+        status = EXIT_FAILURE
+    finally:
+        await store.close()
+    return status
+
+
+def check(options: argparse.Namespace) -> int:
+    config = _load(options)
+    if config is None:
+        return EXIT_CONFIG
+    print("configuration OK:")
+    for setting in SETTINGS:
+        print(f"  {describe(config, setting.name)}")
+    if config.embedded_etcd:
+        try:
+            binary = find_etcd_binary()
+            version = etcd_version(binary)
+        except (EtcdNotFound, RuntimeError) as error:
+            print(f"no etcd endpoints, and no etcd for the embedded development mode: {error}", file=sys.stderr)
+            return EXIT_FAILURE
+        print(f"no etcd endpoints: serve would start an embedded DEVELOPMENT etcd ({binary}, version {version})")
+        return EXIT_OK
+    status = asyncio.run(_probe(config))
+    if status != EXIT_OK:
+        print("inbox-coordinator check: etcd is unreachable; serve would report NOT_SERVING", file=sys.stderr)
+    return status
+
+
+# --- health --------------------------------------------------------------------------------------------------
+
+
+def local_address(listen: str) -> str:
+    """Where a process on this machine reaches a server listening on ``listen``."""
+    host, port = parse_host_port(listen)
+    if host in ("0.0.0.0", "", "*"):
+        host = "127.0.0.1"
+    elif host == "[::]":
+        host = "[::1]"
+    return f"{host}:{port}"
+
+
+async def _health(address: str, service: str, deadline_s: float) -> str:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=deadline_s)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+
+def health(options: argparse.Namespace) -> int:
+    address = options.address
+    if address is None:
+        try:
+            address = local_address(load(config_file=options.config).listen)
+        except ConfigError as error:
+            print(f"inbox-coordinator: configuration error: {error}", file=sys.stderr)
+            return EXIT_CONFIG
+    try:
+        status = asyncio.run(_health(address, options.service, options.timeout))
+    except grpc.aio.AioRpcError as error:
+        print(f"{address}: {error.code().name}: {error.details()}")
+        return EXIT_FAILURE
+    print(f"{address} {options.service or '(server)'}: {status}")
+    return EXIT_OK if status == "SERVING" else EXIT_FAILURE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    options = _parser().parse_args(argv)
+    options = build_parser().parse_args(argv)
     if options.command == "serve":
         return serve(options)
+    if options.command == "check":
+        return check(options)
+    if options.command == "health":
+        return health(options)
     raise AssertionError(options.command)
 
 

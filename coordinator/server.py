@@ -1,4 +1,4 @@
-"""Wires store, engine and servicer into a running grpc.aio server, with health and reflection."""
+"""Wires store, engine and servicer into a running grpc.aio server, with health, reflection and metrics."""
 
 from __future__ import annotations
 
@@ -7,23 +7,31 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 from .domain import Rules
 from .engine import Engine
 from .errors import StoreUnavailable
+from .interceptor import RpcObserver
 from .limits import Limits
+from .metrics import Metrics, MetricsServer, refresh_gauges
 from .service import CoordinatorServicer
 from .store import EtcdSettings, EtcdStore
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# A health "service" that is SERVING for as long as the process serves, whatever etcd does: for liveness
+# probes, which must not restart every replica while etcd is down (readiness uses SERVICE_NAME or "").
+LIVENESS_SERVICE = "liveness"
 
 
 def wall_clock_ms() -> int:
@@ -38,36 +46,91 @@ class ServerSettings:
     sweep_interval_s: float = 1.0
     health_interval_s: float = 2.0
     shutdown_grace_s: float = 10.0
+    # HOST:PORT for Prometheus' /metrics; empty serves none. When optional, a taken port is only a warning.
+    metrics_listen: str = ""
+    metrics_optional: bool = False
+    gauge_interval_s: float = 1.0
+    key_count_interval_s: float = 15.0
+
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    """grpc.health.v1, whose Watch streams also end at shutdown (after telling NOT_SERVING), so that they do
+    not hold the drain open for the whole grace period as grpc_health's own servicer would."""
+
+    def __init__(self) -> None:
+        self._status: dict[str, health_pb2.HealthCheckResponse.ServingStatus] = {}
+        self._change = asyncio.Event()
+        self._closing = False
+
+    def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        if not self._closing:
+            self._status[service] = status
+            self._notify()
+
+    def status(self, service: str) -> health_pb2.HealthCheckResponse.ServingStatus | None:
+        return self._status.get(service)
+
+    def shut_down(self) -> None:
+        """NOT_SERVING for every service, for good."""
+        self._closing = True
+        for service in self._status:
+            self._status[service] = _NOT_SERVING
+        self._notify()
+
+    def _notify(self) -> None:
+        self._change.set()
+        self._change = asyncio.Event()
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> health_pb2.HealthCheckResponse:
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no health status for service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        last = None
+        while True:
+            change = self._change
+            status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self._closing:
+                return
+            await change.wait()
 
 
 class CoordinatorServer:
     """One coordinator replica. Stateless: etcd holds everything, so replicas can come and go."""
 
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, metrics: Metrics | None = None) -> None:
         self.settings = settings
-        self.store = EtcdStore(settings.etcd, wall_clock_ms)
+        self.metrics = metrics or Metrics()
+        self.store = EtcdStore(settings.etcd, wall_clock_ms, observer=self.metrics)
         self.engine = Engine(self.store, settings.rules, wall_clock_ms)
         self._server = grpc.aio.server(
+            interceptors=[RpcObserver(self.metrics)],
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", 1 << 20),
-            ]
+            ],
         )
-        self._health = health.aio.HealthServicer()
+        self.health = HealthService()
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.engine), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            self._server,
-        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self.port = self._server.add_insecure_port(settings.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {settings.listen}: the address is taken or not local")
+        self.metrics_server: MetricsServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopped: asyncio.Event | None = None
 
     @property
     def address(self) -> str:
@@ -75,12 +138,29 @@ class CoordinatorServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        await self._set_serving(await self._etcd_reachable())
+        self._start_metrics_server()
+        self.health.set(LIVENESS_SERVICE, _SERVING)
+        self._set_serving(await self._etcd_reachable())
         await self._server.start()
+        settings = self.settings
         self._tasks = [
-            asyncio.create_task(self.engine.run_sweeper(self.settings.sweep_interval_s), name="in-doubt sweeper"),
+            asyncio.create_task(self.engine.run_sweeper(settings.sweep_interval_s), name="in-doubt sweeper"),
             asyncio.create_task(self._watch_health(), name="etcd health"),
+            asyncio.create_task(
+                refresh_gauges(self.metrics, self.store, settings.gauge_interval_s, settings.key_count_interval_s),
+                name="metrics gauges",
+            ),
         ]
+
+    def _start_metrics_server(self) -> None:
+        if not self.settings.metrics_listen:
+            return
+        try:
+            self.metrics_server = MetricsServer(self.metrics, self.settings.metrics_listen)
+        except OSError as error:
+            if not self.settings.metrics_optional:
+                raise
+            log.warning("%s; going on without metrics", error)
 
     async def _etcd_reachable(self) -> bool:
         try:
@@ -90,10 +170,11 @@ class CoordinatorServer:
             log.warning("etcd is not reachable: %s", error)
             return False
 
-    async def _set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self._health.set("", status)
-        await self._health.set(SERVICE_NAME, status)
+    def _set_serving(self, serving: bool) -> None:
+        status = _SERVING if serving else _NOT_SERVING
+        self.health.set("", status)
+        self.health.set(SERVICE_NAME, status)
+        self.metrics.serving.set(1 if serving else 0)
 
     async def _watch_health(self) -> None:
         serving: bool | None = None
@@ -101,22 +182,38 @@ class CoordinatorServer:
             now_serving = await self._etcd_reachable()
             if now_serving != serving:
                 serving = now_serving
-                await self._set_serving(serving)
+                self._set_serving(serving)
                 log.info("health: %s", "SERVING" if serving else "NOT_SERVING (etcd unreachable)")
             await asyncio.sleep(self.settings.health_interval_s)
 
     async def stop(self, grace: float | None = None) -> None:
-        """NOT_SERVING first, then stop taking calls, let in-flight ones finish, then close etcd."""
-        await self._health.enter_graceful_shutdown()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        # Watches would hold the grace period open; they end first, with UNAVAILABLE, and clients re-watch.
-        await self.store.feeds.close()
-        await self._server.stop(self.settings.shutdown_grace_s if grace is None else grace)
-        await self.store.close()
+        """NOT_SERVING first; then refuse new calls, end watches with UNAVAILABLE (clients watch again
+        elsewhere), let the calls in flight finish within ``grace`` seconds (cancel what is left), close etcd."""
+        if self._stopped is not None:
+            await self._stopped.wait()
+            return
+        self._stopped = asyncio.Event()
+        try:
+            self.health.shut_down()
+            self.metrics.serving.set(0)
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            grace = self.settings.shutdown_grace_s if grace is None else grace
+            draining = asyncio.create_task(self._server.stop(grace), name="drain")
+            await asyncio.sleep(0)  # the server refuses new calls before any watcher is told to come back
+            while not draining.done():
+                # Watches would hold the grace period open. Closing again ends those that were subscribing.
+                await self.store.feeds.close()
+                await asyncio.wait({draining}, timeout=0.05)
+            await draining
+            await self.store.close()
+            if self.metrics_server is not None:
+                await asyncio.to_thread(self.metrics_server.close)
+        finally:
+            self._stopped.set()
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()

@@ -1,0 +1,396 @@
+"""A coordinator's settings: from flags, the environment, a TOML file and defaults, in that order of precedence.
+
+Every setting has one name, spelled three ways: ``--default-ttl`` (flag), ``INBOX_COORDINATOR_DEFAULT_TTL``
+(environment) and ``default_ttl`` (a top-level key of the TOML file given with ``--config`` or
+``INBOX_COORDINATOR_CONFIG``). Everything is checked before anything starts; an error names the setting and
+where its value came from, e.g. ``INBOX_COORDINATOR_DEFAULT_TTL=abc: not an integer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .domain import Rules
+from .limits import Limits
+from .store import EtcdSettings, channel_target
+
+ENV_PREFIX = "INBOX_COORDINATOR_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+# Variables with our prefix that are read elsewhere and are not settings.
+OTHER_ENV = frozenset({CONFIG_ENV, ENV_PREFIX + "ETCD_BIN"})
+
+
+class ConfigError(ValueError):
+    """A setting's value is unusable; the message names the setting and its source."""
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "inbox-coordinator"
+
+
+# --- value parsers: a flag's or variable's text, or a TOML value, to a typed value (ValueError: the problem) ---
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError("not a string")
+    return value.strip()
+
+
+def _integer(value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError("not an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        return int(value)
+    raise ValueError("not an integer")
+
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*")
+
+
+def _duration(value: object) -> float:
+    """Seconds: a number, or a number with a unit (250ms, 90s, 5m, 72h, 1d)."""
+    if isinstance(value, bool):
+        raise ValueError("not a duration")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.fullmatch(value)):
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
+    else:
+        raise ValueError("not a duration (seconds, or a number with a unit: 250ms, 90s, 5m, 72h, 1d)")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError("a duration must be a finite number of seconds, 0 or more")
+    return seconds
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) to its parts; ValueError names the problem."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("not HOST:PORT (a port from 0 to 65535; [::1]:PORT for IPv6)")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError("an IPv6 address needs brackets: [::1]:PORT")
+    return host, int(port)
+
+
+def _address(value: object) -> str:
+    text = _text(value)
+    parse_host_port(text)
+    return text
+
+
+def _optional_address(value: object) -> str:
+    text = _text(value)
+    return _address(text) if text else ""
+
+
+def _endpoints(value: object) -> tuple[str, ...]:
+    items = [_text(item) for item in value] if isinstance(value, list) else _text(value).split(",")
+    endpoints = tuple(item.strip() for item in items if item.strip())
+    for endpoint in endpoints:
+        try:
+            parse_host_port(endpoint.removeprefix("http://").removeprefix("https://").rstrip("/"))
+        except ValueError as error:
+            raise ValueError(f"endpoint {endpoint!r}: {error}") from None
+    return endpoints
+
+
+def _choice(*options: str) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        text = _text(value).lower()
+        if text not in options:
+            raise ValueError(f"not one of {', '.join(options)}")
+        return text
+
+    return parse
+
+
+def _optional_path(value: object) -> Path | None:
+    text = _text(value)
+    return Path(text).expanduser() if text else None
+
+
+# --- the settings --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[object], Any]
+    default: Any
+    help: str
+    metavar: str = ""
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def show(self, value: object) -> str:
+        """A value as a person would write it: 72h, a,b,c, (none)."""
+        if self.parse is _duration and isinstance(value, int | float):
+            return format_duration(value)
+        if isinstance(value, tuple):
+            value = ",".join(value)
+        return "(none)" if value is None or value == "" else str(value)
+
+
+def format_duration(seconds: float) -> str:
+    if seconds == 0:
+        return "0"
+    for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("listen", _address, "127.0.0.1:50051", "HOST:PORT for gRPC", "HOST:PORT"),
+    Setting(
+        "etcd_endpoints",
+        _endpoints,
+        (),
+        "etcd client endpoints, comma-separated (several must be IP addresses); empty starts an embedded "
+        "development etcd",
+        "HOST:PORT,...",
+    ),
+    Setting(
+        "etcd_prefix", _text, "inbox-coordinator/v1/", "etcd key prefix of this deployment", "PREFIX", ("--prefix",)
+    ),
+    Setting("etcd_call_timeout", _duration, 5.0, "deadline of one etcd call", "DURATION"),
+    Setting("data_dir", _optional_path, None, "where the embedded development etcd keeps its data", "DIR"),
+    Setting("default_ttl", _integer, 60, "claim TTL in seconds when a call gives none", "SECONDS"),
+    Setting("min_ttl", _integer, 5, "smallest claim TTL a call may ask for, seconds", "SECONDS"),
+    Setting("max_ttl", _integer, 3600, "largest claim TTL a call may ask for, seconds", "SECONDS"),
+    Setting("send_timeout", _duration, 120.0, "time from BeginSend to IN_DOUBT without a confirm", "DURATION"),
+    Setting("reply_retention", _duration, 72 * 3600.0, "how long a reply record is kept", "DURATION"),
+    Setting("delivery_retention", _duration, 24 * 3600.0, "how long a delivery record is kept", "DURATION"),
+    Setting(
+        "claim_lease_bucket",
+        _duration,
+        1.0,
+        "claims expiring within one bucket share an etcd lease; a claim frees up to this much after its TTL",
+        "DURATION",
+    ),
+    Setting("record_lease_bucket", _duration, 10.0, "the same for reply and delivery records (hours long)", "DURATION"),
+    Setting("metrics_listen", _optional_address, "127.0.0.1:9464", "HOST:PORT for Prometheus /metrics; empty disables"),
+    Setting(
+        "key_count_interval",
+        _duration,
+        15.0,
+        "how often to count keys in etcd for the inbox_coordinator_etcd_keys gauge (a count-only read); 0: never",
+        "DURATION",
+    ),
+    Setting("log_level", _choice("debug", "info", "warning", "error"), "info", "debug, info, warning or error"),
+    Setting("log_format", _choice("auto", "json", "text"), "auto", "json, text, or auto (text on a terminal)"),
+    Setting("shutdown_grace", _duration, 10.0, "on SIGTERM, how long calls in flight may take to finish", "DURATION"),
+)
+BY_NAME = {setting.name: setting for setting in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: str
+    etcd_endpoints: tuple[str, ...]
+    etcd_prefix: str
+    etcd_call_timeout: float
+    data_dir: Path | None
+    default_ttl: int
+    min_ttl: int
+    max_ttl: int
+    send_timeout: float
+    reply_retention: float
+    delivery_retention: float
+    claim_lease_bucket: float
+    record_lease_bucket: float
+    metrics_listen: str
+    key_count_interval: float
+    log_level: str
+    log_format: str
+    shutdown_grace: float
+    # Where each value came from: "default", "--listen", "INBOX_COORDINATOR_LISTEN", "/etc/x.toml: listen".
+    origins: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    # Things worth saying that are not errors (an unknown INBOX_COORDINATOR_* variable, say).
+    warnings: tuple[str, ...] = ()
+
+    def origin(self, name: str) -> str:
+        return self.origins.get(name, "default")
+
+    @property
+    def embedded_etcd(self) -> bool:
+        return not self.etcd_endpoints
+
+    def etcd_settings(self, endpoints: Sequence[str] | None = None) -> EtcdSettings:
+        return EtcdSettings(
+            tuple(endpoints if endpoints is not None else self.etcd_endpoints),
+            prefix=self.etcd_prefix,
+            call_timeout_s=self.etcd_call_timeout,
+        )
+
+    def rules(self) -> Rules:
+        return Rules(
+            Limits(ttl_min_seconds=self.min_ttl, ttl_max_seconds=self.max_ttl, ttl_default_seconds=self.default_ttl),
+            claim_bucket_ms=_ms(self.claim_lease_bucket),
+            record_bucket_ms=_ms(self.record_lease_bucket),
+            reply_retention_ms=_ms(self.reply_retention),
+            delivery_retention_ms=_ms(self.delivery_retention),
+            send_timeout_ms=_ms(self.send_timeout),
+        )
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
+
+
+if {f.name for f in dataclasses.fields(Config)} - {"origins", "warnings"} != set(BY_NAME):  # pragma: no cover
+    raise AssertionError("Config's fields and SETTINGS differ")
+
+
+# --- loading -------------------------------------------------------------------------------------------------
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(f"config file {path}: cannot read it: {error.strerror or error}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config file {path}: not valid TOML: {error}") from None
+    unknown = sorted(set(data) - set(BY_NAME))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting {unknown[0]!r} (settings are: {', '.join(BY_NAME)})")
+    return data
+
+
+def _toml_repr(value: object) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+def load(
+    flags: Mapping[str, str | None] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> Config:
+    """Settings from ``flags`` (name to the flag's text, None when not given), ``environ`` and the TOML file
+    (``config_file``, else ``$INBOX_COORDINATOR_CONFIG``). Raises ConfigError for the first bad value."""
+    flags = flags or {}
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {setting.name: setting.default for setting in SETTINGS}
+    origins: dict[str, str] = {}
+    warnings = [
+        f"{key} is not a setting of inbox-coordinator; ignored (settings: {', '.join(s.env for s in SETTINGS)})"
+        for key in sorted(environ)
+        if key.startswith(ENV_PREFIX) and key not in OTHER_ENV and key[len(ENV_PREFIX) :].lower() not in BY_NAME
+    ]
+
+    def take(setting: Setting, raw: object, origin: str, shown: str) -> None:
+        try:
+            values[setting.name] = setting.parse(raw)
+        except ValueError as error:
+            raise ConfigError(f"{shown}: {error}") from None
+        origins[setting.name] = origin
+
+    path_text = config_file if config_file is not None else environ.get(CONFIG_ENV, "")
+    if path_text:
+        path = Path(path_text).expanduser()
+        for key, raw in _read_toml(path).items():
+            take(BY_NAME[key], raw, f"{path}: {key}", f"{path}: {key} = {_toml_repr(raw)}")
+    for setting in SETTINGS:
+        if setting.env in environ:
+            take(setting, environ[setting.env], setting.env, f"{setting.env}={environ[setting.env]}")
+    for setting in SETTINGS:
+        raw_flag = flags.get(setting.name)
+        if raw_flag is not None:
+            take(setting, raw_flag, setting.flag, f"{setting.flag}={raw_flag}")
+    config = Config(**values, origins=origins, warnings=tuple(warnings))
+    _check(config)
+    return config
+
+
+def describe(config: Config, name: str) -> str:
+    """``default_ttl = 3 (INBOX_COORDINATOR_DEFAULT_TTL)``: a value and where it came from, for messages."""
+    return f"{name} = {BY_NAME[name].show(getattr(config, name))} ({config.origin(name)})"
+
+
+def _check(config: Config) -> None:
+    """Checks between settings, and those that need more than one value's syntax."""
+
+    def fail(problem: str, *names: str) -> None:
+        raise ConfigError("; ".join(describe(config, name) for name in names) + f": {problem}")
+
+    if config.etcd_endpoints:
+        try:
+            channel_target(config.etcd_endpoints)
+        except ValueError as error:
+            fail(str(error), "etcd_endpoints")
+    if not config.etcd_prefix:
+        fail("must not be empty", "etcd_prefix")
+    if config.etcd_call_timeout <= 0:
+        fail("must be more than 0", "etcd_call_timeout")
+    if config.min_ttl < 1:
+        fail("must be at least 1 second", "min_ttl")
+    if config.max_ttl < config.min_ttl:
+        fail("max_ttl must not be below min_ttl", "max_ttl", "min_ttl")
+    if not config.min_ttl <= config.default_ttl <= config.max_ttl:
+        fail("default_ttl must lie between min_ttl and max_ttl", "default_ttl", "min_ttl", "max_ttl")
+    for name in ("send_timeout", "reply_retention", "delivery_retention"):
+        if getattr(config, name) < 1:
+            fail("must be at least 1 second", name)
+    if not 0.001 <= config.claim_lease_bucket <= 60:
+        fail("must lie between 1ms and 60s (it adds to how late a claim frees)", "claim_lease_bucket")
+    if not 0.001 <= config.record_lease_bucket <= 3600:
+        fail("must lie between 1ms and 1h", "record_lease_bucket")
+    if config.metrics_listen and parse_host_port(config.metrics_listen) == parse_host_port(config.listen):
+        fail("metrics and gRPC cannot share an address", "metrics_listen", "listen")
+    for name in ("listen", "metrics_listen"):
+        value = getattr(config, name)
+        if value:
+            host = parse_host_port(value)[0].strip("[]")
+            if host and not _is_ip(host) and not re.fullmatch(r"[A-Za-z0-9.-]+", host):
+                fail("the host is neither an IP address nor a host name", name)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+_DOC_DEFAULTS = {"etcd_endpoints": "(none: embedded etcd)", "data_dir": "~/.local/share/inbox-coordinator"}
+
+
+def settings_table() -> str:
+    """The reference table of docs/operations.md (a test keeps the two the same)."""
+    rows = ["| setting (TOML key) | flag | environment | default | meaning |", "| --- | --- | --- | --- | --- |"]
+    for setting in SETTINGS:
+        default = _DOC_DEFAULTS.get(setting.name) or setting.show(setting.default)
+        rows.append(f"| `{setting.name}` | `{setting.flag}` | `{setting.env}` | `{default}` | {setting.help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # pragma: no cover - prints the table for the docs
+    sys.stdout.write(settings_table() + "\n")

@@ -1,0 +1,290 @@
+"""A grpc.aio server interceptor that counts, times and logs every call, knowing nothing of the servicer.
+
+The result label is read from the response message's ``result`` field, whatever the message: an enum value
+name without its type's prefix, lower-cased (``GRANTED`` is ``granted``, ``FENCE_RESULT_STALE_TOKEN`` is
+``stale_token``); a response without one is ``ok``, an error is its status code (``unavailable``). The log
+fields come from the request the same way: ``request_id``, ``subject.mailbox`` or ``mailbox``, ``subject.id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from .metrics import Metrics
+from .service import PRINCIPAL_METADATA
+
+log = logging.getLogger("inbox_coordinator.rpc")
+
+# Services whose calls are logged at DEBUG: probes every few seconds would drown everything else.
+_QUIET_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"})
+_CLIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+_SERVER_TROUBLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
+
+
+_result_labels: dict[str, Callable[[Any], str]] = {}
+
+
+def result_label(response: Any) -> str:
+    """The response's ``result`` as a label value; ``ok`` when it has none."""
+    descriptor = getattr(response, "DESCRIPTOR", None)
+    if descriptor is None:
+        return "ok"
+    label = _result_labels.get(descriptor.full_name)
+    if label is None:
+        label = _result_labels[descriptor.full_name] = _result_reader(descriptor)
+    return label(response)
+
+
+def _result_reader(descriptor: Any) -> Callable[[Any], str]:
+    field = descriptor.fields_by_name.get("result")
+    if field is None or field.enum_type is None:
+        return lambda _response: "ok"
+    prefix = _snake(field.enum_type.name) + "_"
+    names = {value.number: value.name.removeprefix(prefix).lower() for value in field.enum_type.values}
+    return lambda response: names.get(response.result, str(response.result))
+
+
+_field_readers: dict[str, Callable[[Any], dict[str, str]]] = {}
+
+
+def request_fields(request: Any) -> dict[str, str]:
+    """request_id, mailbox and subject id of a request, for whichever of them its message has."""
+    descriptor = getattr(request, "DESCRIPTOR", None)
+    if descriptor is None:
+        return {}
+    reader = _field_readers.get(descriptor.full_name)
+    if reader is None:
+        reader = _field_readers[descriptor.full_name] = _fields_reader(descriptor)
+    return reader(request)
+
+
+def _fields_reader(descriptor: Any) -> Callable[[Any], dict[str, str]]:
+    names = descriptor.fields_by_name
+    has_request_id = "request_id" in names
+    has_mailbox = "mailbox" in names
+    subject = names.get("subject")
+    has_subject = (
+        subject is not None and subject.message_type is not None and "mailbox" in subject.message_type.fields_by_name
+    )
+
+    def read(request: Any) -> dict[str, str]:
+        fields: dict[str, str] = {}
+        if has_request_id:
+            fields["request_id"] = request.request_id
+        if has_subject and request.HasField("subject"):
+            fields["mailbox"] = request.subject.mailbox
+            fields["subject_id"] = request.subject.id
+        elif has_mailbox:
+            fields["mailbox"] = request.mailbox
+        return fields
+
+    return read
+
+
+def _code_of(error: BaseException, context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(error, grpc.aio.AbortError):
+        return _set_code(context) or grpc.StatusCode.UNKNOWN
+    return grpc.StatusCode.UNKNOWN  # what grpc answers for an exception the servicer let through
+
+
+def _set_code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode | None:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int):
+        return next((c for c in grpc.StatusCode if c.value[0] == code), None)
+    return None
+
+
+@dataclass
+class _Method:
+    service: str
+    name: str
+    quiet: bool
+    counted: dict[str, Any]
+    timed: Any
+    in_flight: Any
+
+
+class RpcObserver(grpc.aio.ServerInterceptor):
+    """Metrics and one access-log line per call."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._handlers: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        path = str(handler_call_details.method)
+        cached = self._handlers.get(path)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(path, handler)
+        self._handlers[path] = (handler, wrapped)
+        return wrapped
+
+    def _method(self, path: str) -> _Method:
+        service, _, name = path.lstrip("/").rpartition("/")
+        return _Method(
+            service=service,
+            name=name,
+            quiet=service in _QUIET_SERVICES,
+            counted={},
+            timed=self._metrics.rpc_seconds.labels(service, name),
+            in_flight=self._metrics.rpcs_in_flight.labels(service, name),
+        )
+
+    def _wrap(self, path: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+        method = self._method(path)
+        if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, handler.unary_unary, timed=True),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(method, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
+            return grpc.unary_stream_rpc_method_handler(
+                self._unary(method, handler.unary_stream, timed=False),  # a stream written with context.write
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # client-streaming calls (reflection) pass through untouched
+
+    def _unary(
+        self, method: _Method, inner: Callable[..., Awaitable[Any]], *, timed: bool
+    ) -> Callable[..., Awaitable[Any]]:
+        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            with _Observed(self._metrics, method, request, context, timed=timed) as observed:
+                observed.response = await inner(request, context)
+                return observed.response
+
+        return call
+
+    def _stream(self, method: _Method, inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            with _Observed(self._metrics, method, request, context, timed=False) as observed:
+                observed.sent = 0
+                async for item in inner(request, context):
+                    yield item
+                    observed.sent += 1
+
+        return call
+
+
+class _Observed:
+    """One call: in flight while inside; counted, timed and logged on the way out."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        method: _Method,
+        request: Any,
+        context: grpc.aio.ServicerContext[Any, Any],
+        *,
+        timed: bool,
+    ) -> None:
+        self._metrics = metrics
+        self._method = method
+        self._request = request
+        self._context = context
+        self._timed = timed
+        self.response: Any = None
+        self.sent: int | None = None  # messages written, for a stream
+
+    def __enter__(self) -> _Observed:
+        self._started = time.perf_counter()
+        self._method.in_flight.inc()
+        return self
+
+    def __exit__(self, _type: type[BaseException] | None, error: BaseException | None, _tb: object) -> None:
+        method, context = self._method, self._context
+        method.in_flight.dec()
+        seconds = time.perf_counter() - self._started
+        if self._timed:
+            method.timed.observe(seconds)
+        code = _code_of(error, context) if error is not None else _set_code(context) or grpc.StatusCode.OK
+        ok = code is grpc.StatusCode.OK and self.response is not None
+        result = result_label(self.response) if ok else code.name.lower()
+        counter = method.counted.get(result)
+        if counter is None:
+            counter = method.counted[result] = self._metrics.rpcs.labels(method.service, method.name, result)
+        counter.inc()
+        level = (
+            logging.DEBUG
+            if method.quiet
+            else logging.INFO
+            if code in _CLIENT_CODES
+            else logging.WARNING
+            if code in _SERVER_TROUBLE
+            else logging.ERROR
+        )
+        if log.isEnabledFor(level):
+            self._log(level, code, result, seconds)
+
+    def _log(self, level: int, code: grpc.StatusCode, result: str, seconds: float) -> None:
+        context = self._context
+        fields: dict[str, Any] = {
+            "event": "rpc",
+            "method": self._method.name,
+            "code": code.name,
+            "result": result,
+            "duration_ms": round(seconds * 1000, 2),
+        }
+        if self.sent is not None:
+            fields["messages"] = self.sent
+        fields.update(request_fields(self._request))
+        principal = _principal(context)
+        if principal:
+            fields["principal"] = principal
+        fields["peer"] = context.peer()
+        if code is not grpc.StatusCode.OK:
+            fields["details"] = context.details() or ""
+        log.log(level, "%s %s %s", self._method.name, code.name, result, extra={"fields": fields})
+
+
+def _principal(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == PRINCIPAL_METADATA and isinstance(value, str):
+            return value
+    return ""

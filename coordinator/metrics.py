@@ -1,0 +1,168 @@
+"""Prometheus metrics of one coordinator: its own registry (several coordinators can share a process), the
+etcd observer the store reports every call to, gauges refreshed off the hot path, and the /metrics server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Iterator
+from importlib import metadata
+from typing import Any
+
+from aetcd import rpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from . import logs
+from ._keys import prefix_end
+from .config import parse_host_port
+from .errors import StoreUnavailable
+from .store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "inbox_coordinator"
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("inbox-coordinator")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+        return "unknown"
+
+
+class Metrics:
+    """Every metric of one coordinator; also the store's EtcdObserver."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        counter = functools.partial(Counter, namespace=NAMESPACE, registry=r)
+        gauge = functools.partial(Gauge, namespace=NAMESPACE, registry=r)
+        histogram = functools.partial(Histogram, namespace=NAMESPACE, registry=r, buckets=_LATENCY_BUCKETS)
+        self.rpcs = counter(
+            "rpcs",
+            "Finished calls by method and result: the response's result value (granted, held, ok, stale_token, ...) "
+            "or, for an error, the lower-case gRPC status code (unavailable, invalid_argument, ...)",
+            ["service", "method", "result"],
+        )
+        self.rpc_seconds = histogram(
+            "rpc_duration_seconds",
+            "Time to answer a unary call, by method (streams are not timed)",
+            ["service", "method"],
+        )
+        self.rpcs_in_flight = gauge(
+            "rpcs_in_flight", "Calls being served now (Watch streams included)", ["service", "method"]
+        )
+        self.etcd_seconds = histogram(
+            "etcd_request_duration_seconds",
+            "Time of one etcd call, by etcd method (Txn, Range, LeaseGrant)",
+            ["method"],
+        )
+        self.etcd_errors = counter(
+            "etcd_errors", "etcd calls that failed, by etcd method and gRPC status code", ["method", "code"]
+        )
+        self.watch_subscribers = gauge("watch_subscribers", "Open Watch streams (subscribers of mailbox feeds)")
+        self.watched_mailboxes = gauge("watched_mailboxes", "Mailboxes with an etcd watch open (one per mailbox)")
+        self.lease_buckets = gauge("lease_buckets", "Shared etcd leases (expiry buckets) in this replica's cache")
+        self.etcd_keys = gauge(
+            "etcd_keys",
+            "Keys under the prefix by family, from a periodic count-only read: subjects (claims, sends, reply "
+            "records and the short-lived end marks beside them), deliveries (delivery records), sending (SENDING "
+            "deadlines not yet confirmed, aborted or marked IN_DOUBT)",
+            ["family"],
+        )
+        self.serving = gauge("serving", "1 while the health service says SERVING (etcd reachable), else 0")
+        self.build_info = gauge("build_info", "The version running", ["version"])
+        self.build_info.labels(_version()).set(1)
+        r.register(_LogDrops())
+        self._etcd_children: dict[str, Any] = {}
+
+    # EtcdObserver: called on every etcd call, so it stays a dictionary lookup and an observe.
+    def etcd_call(self, method: str, seconds: float, error: str | None) -> None:
+        name = method.removesuffix("Request")
+        histogram = self._etcd_children.get(name)
+        if histogram is None:
+            histogram = self._etcd_children[name] = self.etcd_seconds.labels(name)
+        histogram.observe(seconds)
+        if error is not None:
+            self.etcd_errors.labels(name, error).inc()
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample's value (for tests and the check command)."""
+        return self.registry.get_sample_value(name, labels or {})
+
+
+class _LogDrops(Collector):
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            f"{NAMESPACE}_log_records_dropped",
+            "Log records dropped because the log sink (stderr) did not keep up",
+            value=logs.dropped(),
+        )
+
+
+_FAMILIES = {"subjects": b"m/", "deliveries": b"d/", "sending": b"x/"}
+
+
+async def count_keys(store: EtcdStore, family: str) -> int:
+    """A count-only, serializable range over one key family: etcd walks its index, reads no value.
+
+    It goes through the store's call wrapper (deadline, observer, auth, error translation) since the store has
+    no public count; see docs/operations.md for what each family holds.
+    """
+    prefix = store.keys.prefix.encode() + _FAMILIES[family]
+    request = rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True, serializable=True)
+    response = await store._call(store._kv.Range, request)
+    return int(response.count)
+
+
+def lease_buckets(store: EtcdStore) -> int:
+    return len(store._leases)
+
+
+async def refresh_gauges(metrics: Metrics, store: EtcdStore, interval_s: float, key_count_interval_s: float) -> None:
+    """Sets the gauges every ``interval_s``, and counts keys in etcd every ``key_count_interval_s`` (0: never)."""
+    loop = asyncio.get_running_loop()
+    next_count = loop.time()
+    while True:
+        metrics.watch_subscribers.set(store.feeds.subscribers)
+        metrics.watched_mailboxes.set(store.feeds.mailboxes)
+        metrics.lease_buckets.set(lease_buckets(store))
+        if key_count_interval_s > 0 and loop.time() >= next_count:
+            next_count = loop.time() + key_count_interval_s
+            try:
+                for family in _FAMILIES:
+                    metrics.etcd_keys.labels(family).set(await count_keys(store, family))
+            except StoreUnavailable as error:
+                log.debug("key count skipped: %s", error)
+        await asyncio.sleep(interval_s)
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP on a thread of its own (prometheus_client's server)."""
+
+    def __init__(self, metrics: Metrics, listen: str) -> None:
+        host, port = parse_host_port(listen)
+        self._host = host.strip("[]")
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=self._host, registry=metrics.registry)
+        except OSError as error:
+            raise OSError(f"cannot serve metrics on {listen}: {error.strerror or error}") from error
+        self.port = int(self._httpd.server_port)
+
+    @property
+    def address(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self.port}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        thread: threading.Thread = self._thread
+        with contextlib.suppress(RuntimeError):
+            thread.join(5)
