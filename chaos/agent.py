@@ -23,8 +23,10 @@ import json
 import math
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from inbox_claims import (
     AlreadyReplied,
@@ -47,13 +49,14 @@ from inbox_claims import (
 )
 from inbox_claims import Notification as Envelope
 
-from .common import JsonlLog, Request, Response, announce, exit_at, http_request, serve_http
+from .common import JsonlLog, Request, Response, announce, exit_at, http_request, read_jsonl, serve_http
 from .workload import SCOPE_FIELD, Scope
 
 # Generous retries: a leader election or a killed coordinator must not make an agent give up a claim.
 AGENT_RETRY = RetryPolicy(attempts=10, initial_backoff=0.1, max_backoff=2.0)
-APP_RETRIES = 3
-"""How often the agent itself tries a notification again after the coordinator could not be reached."""
+APP_RETRIES = 5
+"""How often the agent itself tries a notification again after losing its claim or failing to reach the
+coordinator (``--no-retry``: never, as in the README's example)."""
 
 
 def coordinator_client(targets: str, principal: str, kind: str = "agent") -> AsyncCoordinator:
@@ -136,14 +139,38 @@ class Agent:
         except (WebhookVerificationError, ValueError) as error:
             self.log.write("bad_webhook", error=str(error))
             return Response(400, b'{"error":"bad webhook"}')
-        self.log.write("delivery", nid=notification.notification_id, attempt=notification.delivery_attempt or 0)
-        task = asyncio.create_task(self.process(notification))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        # The work queue is the log: a delivery is written down before the 200, so that a restarted agent can
+        # finish what its previous incarnation accepted (see replay()).
+        work_id = uuid.uuid4().hex[:12]
+        self.log.write(
+            "delivery",
+            nid=notification.notification_id,
+            attempt=notification.delivery_attempt or 0,
+            work=work_id,
+            body=request.body.decode(),
+        )
+        self.spawn(notification, work_id, dedup=True)
         return Response(200, b"{}")  # ack at once; the work happens after
 
-    async def process(self, notification: Envelope) -> None:
-        """Answers one notification; retries (bounded) when the coordinator could not be reached."""
+    def spawn(self, notification: Envelope, work_id: str, *, dedup: bool) -> None:
+        task = asyncio.create_task(self.process(notification, work_id, dedup=dedup))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def replay(self, log_path: Path) -> None:
+        """Takes up the deliveries that an earlier incarnation accepted and never finished (it was killed)."""
+        accepted: dict[str, dict[str, Any]] = {}
+        for event in read_jsonl(log_path):
+            if event.get("ev") == "delivery" and event.get("work"):
+                accepted[str(event["work"])] = event
+            elif event.get("ev") == "finished":
+                accepted.pop(str(event.get("work")), None)
+        for work_id, event in accepted.items():
+            self.log.write("replay", nid=event["nid"], work=work_id)
+            self.spawn(parse_notification(event["body"]), work_id, dedup=False)
+
+    async def process(self, notification: Envelope, work_id: str, *, dedup: bool) -> None:
+        """Answers one notification, trying again (bounded) while nobody is known to be answering it."""
         self.inflight += 1
         nid = notification.notification_id
         try:
@@ -151,20 +178,25 @@ class Agent:
                 if attempt:
                     await asyncio.sleep(self.ttl + 2.0)  # any claim of ours from the last attempt has lapsed
                     self.log.write("retry", nid=nid, attempt=attempt)
-                if not await self.attempt(notification, dedup=attempt == 0):
+                if not await self.attempt(notification, dedup=dedup):
                     return
+                dedup = False
             self.log.write("gave_up", nid=nid)
         except Exception as error:  # a bug in the harness or the shim: recorded, never silent
             self.log.write("crash", nid=nid, error=f"{type(error).__name__}: {error}")
         finally:
+            self.log.write("finished", nid=nid, work=work_id)
             self.inflight -= 1
 
     async def attempt(self, notification: Envelope, *, dedup: bool) -> bool:
-        """One claim and, if granted, one answer. True: try again later (the coordinator was unreachable).
+        """One claim and, if granted, one answer. True: try again later (the claim was lost, not taken over, or
+        the coordinator was unreachable): a notification that was acked is never delivered again, so the agent
+        itself must see the message answered.
 
-        The first attempt dedups on the notification id. A retry claims the message without it: the shim released
-        the lost claim on leaving the block, and the coordinator counts a released claim's notification as
-        handled, so the same id would now be refused as a duplicate (see docs/reliability.md, findings).
+        The first attempt dedups on the notification id. Later ones (and replays) claim the message without it:
+        after a lost claim the shim releases it on leaving the block, and the coordinator then counts the
+        notification as handled, so the same id would be refused as a duplicate (docs/reliability.md, findings).
+        Claiming without it cannot cause a second reply: the claim and the commit point still fence.
         """
         nid = notification.notification_id
         scope: Scope = "thread" if notification.object.get(SCOPE_FIELD) == "thread" else "message"
@@ -221,12 +253,13 @@ class Agent:
             return await self.answer_unfenced(claim, nid, send)
         if claim.lost.is_set():  # the shim saw the loss first (renewal refused or impossible): do not even try
             self.log.write("lost", nid=nid, token=token, where="renewal", reason=_reason(claim))
-            return _reason(claim) == LossReason.RENEWAL_FAILED.value
+            return _reason(claim) != LossReason.TAKEN_OVER.value
         try:
             sent_id = await claim.send(send)
             self.log.write("confirmed", nid=nid, token=token, sent_id=sent_id, **where)
         except ClaimLost as lost:
             self.log.write("lost", nid=nid, token=token, where="begin_send", reason=lost.reason.value)
+            return lost.reason is not LossReason.TAKEN_OVER
         except SendRejected as rejected:
             self.log.write("rejected", nid=nid, token=token, reason=rejected.reason)
         except SendOutcomeUnknown as unknown:
@@ -268,6 +301,8 @@ def _reason(claim: AsyncClaim) -> str:
 
 async def run(options: argparse.Namespace) -> None:
     agent = Agent(options)
+    if agent.retry:
+        agent.replay(options.log)
     host, _, port = options.listen.rpartition(":")
     await serve_http(host, int(port), agent.handle)
     agent.log.write("started", mode=agent.mode, ttl=agent.ttl)

@@ -50,6 +50,8 @@ class RunRecord:
     faults: list[dict[str, Any]]
     deliveries: list[dict[str, Any]]
     watch_events: dict[str, int] = field(default_factory=dict)
+    early_expiries: list[dict[str, Any]] = field(default_factory=list)
+    """Claims whose EXPIRED event the harness's watch saw before the expiry their last grant or renewal stated."""
     errors: list[str] = field(default_factory=list)
 
 
@@ -148,6 +150,14 @@ def check(record: RunRecord) -> Report:
     # -- a killed holder's claim frees within TTL + bound, never before its TTL ----------------------------------
     measures = [m for f in record.faults if f["kind"] == "agent_kill" for m in f["details"].get("measures", [])]
     free_stats = _free_stats(measures, violations)
+    for early in record.early_expiries:
+        violations.append(
+            Violation(
+                "early_free",
+                f"{early['subject']} token {early['token']}: EXPIRED seen {early['expires'] - early['seen_at']:.2f} s "
+                "before the expiry its last renewal stated",
+            )
+        )
 
     stats = _stats(record, out, acknowledged, free_stats)
     errors = list(record.errors)

@@ -43,12 +43,14 @@ from coordinator.etcd_process import (
 )
 from inbox_claims import (
     AsyncCoordinator,
+    EventType,
     InboxClaimsError,
     RetryPolicy,
     Subject,
     SubjectKind,
     SubjectState,
     WatchEvent,
+    WatchSnapshot,
     sign_nylas,
 )
 
@@ -235,6 +237,8 @@ class World:
         self.errors: list[str] = []
         self.ended: dict[tuple[str, int], tuple[str, float]] = {}
         self.watch_counts: dict[str, int] = {}
+        self.expiry: dict[tuple[str, int], float] = {}
+        self.early_expiries: list[dict[str, Any]] = []
         self.etcd_binary, self.etcd_version = choose_etcd(config)
         self.cluster: EtcdCluster = self._make_cluster()
         self.proxy: Child | None = None
@@ -559,17 +563,29 @@ class World:
     # -- watching -------------------------------------------------------------------------------------------
 
     async def watch(self, mailbox: str) -> None:
+        """Follows one mailbox: why and when each claim ended, and whether any lease ended before its expiry."""
         assert self.monitor is not None
         while True:
             try:
                 async for item in self.monitor.watch(mailbox):
-                    if isinstance(item, WatchEvent):
-                        name = item.type.value
-                        self.watch_counts[name] = self.watch_counts.get(name, 0) + 1
-                        if item.previous_token:
-                            subject = item.status.subject
-                            key = SubjectKey(subject.mailbox, subject.kind.value, subject.id)
-                            self.ended.setdefault((str(key), item.previous_token), (name, time.time()))
+                    now = time.time()
+                    statuses = item.subjects if isinstance(item, WatchSnapshot) else (item.status,)
+                    for status in statuses:
+                        if status.state is SubjectState.CLAIMED and status.expires_at is not None:
+                            claim = (str(_key(status.subject)), status.fencing_token)
+                            self.expiry[claim] = max(self.expiry.get(claim, 0.0), status.expires_at.timestamp())
+                    if not isinstance(item, WatchEvent):
+                        continue
+                    name = item.type.value
+                    self.watch_counts[name] = self.watch_counts.get(name, 0) + 1
+                    if item.previous_token:
+                        claim = (str(_key(item.status.subject)), item.previous_token)
+                        self.ended.setdefault(claim, (name, now))
+                        expires = self.expiry.pop(claim, None)
+                        if item.type is EventType.EXPIRED and expires is not None and now < expires - 0.1:
+                            self.early_expiries.append(
+                                {"subject": claim[0], "token": claim[1], "seen_at": now, "expires": expires}
+                            )
             except InboxClaimsError:
                 await asyncio.sleep(0.5)
 
@@ -774,6 +790,7 @@ class World:
             faults=[f.as_dict() for f in self.faults],
             deliveries=self.deliveries,
             watch_events=dict(self.watch_counts),
+            early_expiries=self.early_expiries,
             errors=self.errors,
         )
 
@@ -796,6 +813,10 @@ class World:
             "workdir": str(self.workdir),
             "replay": replay_command(c),
         }
+
+
+def _key(subject: Subject) -> SubjectKey:
+    return SubjectKey(subject.mailbox, subject.kind.value, subject.id)
 
 
 def replay_command(config: Config) -> str:
