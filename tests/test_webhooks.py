@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from inbox_claims._envelope import EnvelopeError, Notification, NotificationVariant, parse_notification
 from inbox_claims._webhooks import (
     WebhookVerificationError,
