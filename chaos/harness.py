@@ -931,6 +931,9 @@ def main(argv: list[str]) -> int:
     options = parser.parse_args(argv)
     config = config_from(options)
     workdir = config.workdir or Path(f"/tmp/chaos-{config.seed}-{int(time.time())}-{secrets.token_hex(2)}")
+    if not options.inner and workdir.exists() and any(workdir.iterdir()):
+        # The logs are append-only and agents replay unfinished work from theirs: never mix two runs.
+        raise SystemExit(f"chaos: --workdir {workdir} is not empty; give a new directory")
     workdir.mkdir(parents=True, exist_ok=True)
     if options.inner:  # inside the world namespace, started by the outer process below
         world_ns, *members = options.inner.split(",")

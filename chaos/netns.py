@@ -13,11 +13,14 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shlex
 import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from .common import child_argv
 
 PREFIX = "chaos-"
 SUBNET = "10.231.0"
@@ -121,17 +124,16 @@ def etcd_wrapper(directory: Path, namespace: str, binary: Path) -> Path:
 
     ``setpriv --pdeathsig KILL`` first, so the member dies with the harness thread that spawned it.
     """
-    directory.mkdir(parents=True, exist_ok=True)
-    script = directory / f"etcd-in-{namespace}.sh"
-    script.write_text(f'#!/bin/sh\nexec setpriv --pdeathsig KILL -- ip netns exec {namespace} {binary} "$@"\n')
-    script.chmod(0o755)
-    return script
+    return _script(directory / f"etcd-in-{namespace}.sh", ["ip", "netns", "exec", namespace, str(binary)])
 
 
 def plain_wrapper(directory: Path, binary: Path) -> Path:
     """The same without a namespace (loopback mode)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    script = directory / "etcd-pdeathsig.sh"
-    script.write_text(f'#!/bin/sh\nexec setpriv --pdeathsig KILL -- {binary} "$@"\n')
-    script.chmod(0o755)
-    return script
+    return _script(directory / "etcd-pdeathsig.sh", [str(binary)])
+
+
+def _script(path: Path, argv: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexec " + " ".join(shlex.quote(a) for a in child_argv(argv)) + ' "$@"\n')
+    path.chmod(0o755)
+    return path
