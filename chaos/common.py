@@ -39,12 +39,15 @@ class JsonlLog:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every complete record of a JSON-lines file (a torn last line, from a SIGKILL, is skipped)."""
-    records: list[dict[str, Any]] = []
     try:
-        text = path.read_text()
+        return _records(path.read_bytes())
     except FileNotFoundError:
-        return records
-    for line in text.splitlines():
+        return []
+
+
+def _records(data: bytes) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for line in data.splitlines():
         with contextlib.suppress(ValueError):
             value = json.loads(line)
             if isinstance(value, dict):
@@ -70,13 +73,7 @@ class JsonlTail:
         self._offset += len(data)
         data = self._partial + data
         complete, _, self._partial = data.rpartition(b"\n")
-        records = []
-        for line in complete.splitlines():
-            with contextlib.suppress(ValueError):
-                value = json.loads(line)
-                if isinstance(value, dict):
-                    records.append(value)
-        return records
+        return _records(complete)
 
 
 # ------------------------------------------------------------------------------------------- processes
