@@ -19,9 +19,11 @@ from typing import Any
 
 import pytest
 
-from chaos import faults
+from chaos import checker, faults
 from chaos.harness import Config, choose_etcd
+from chaos.workload import plan
 from coordinator.etcd_process import ENV_ETCD_BIN
+from inbox_claims import SubjectKind, idempotency_key
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 7
@@ -104,3 +106,64 @@ def test_the_checker_catches_double_replies_when_agents_skip_the_commit_point(ru
     assert code == 1, output[-4000:]
     assert summary["violations"].get("double_send", 0) >= 1, output[-4000:]
     assert "replay with" in output
+
+
+# -- the checker alone, on made-up records: each invariant can fail ------------------------------------------------
+
+
+def _record(final: dict[str, tuple[str, int]], sends: list[dict[str, Any]], **extra: Any) -> checker.RunRecord:
+    workload = plan(1, duration=10, messages=2, mailboxes=1, agents=1, thread_fraction=0.0)
+    keys = workload.subjects()
+    config = {"seed": 1, "duration": 10, "mode": "fenced", "etcd_version": "3.4.23", "etcd_binary": "etcd"}
+    config |= {"network": "loopback", "replay": "python -m chaos run --seed 1"}
+    return checker.RunRecord(
+        config=config,
+        workload=workload,
+        sends=sends,
+        events=extra.pop("events", []),
+        final={k: checker.FinalState(*final.get(k.id, ("replied", 10)), "agent-1") for k in keys},
+        faults=extra.pop("faults", []),
+        deliveries=[],
+        **extra,
+    )
+
+
+def _send(subject: str, token: int, *, nid: str = "ntf-1", key: str | None = None) -> dict[str, Any]:
+    mailbox = "grant-1-0"
+    return {
+        "ev": "send", "sent": True, "outcome": "sent", "grant": mailbox, "subject_kind": "message",
+        "subject_id": subject, "token": token, "sender": "agent-1", "sender_kind": "agent", "notification_id": nid,
+        "idempotency_key": key or idempotency_key(mailbox, SubjectKind.MESSAGE, subject), "mode": "fenced",
+    }  # fmt: skip
+
+
+def test_checker_passes_a_clean_record() -> None:
+    report = checker.check(_record({}, [_send("msg-00001", 10, nid="a"), _send("msg-00002", 10, nid="b")]))
+    assert report.ok, report.table
+    assert "PASS: seed 1" in report.table
+
+
+def test_checker_reports_each_kind_of_violation() -> None:
+    confirmed = {"ev": "confirmed", "token": 7, "mailbox": "grant-1-0", "kind": "message", "id": "msg-00002"}
+    slow = {"result": "measured", "subject": "s", "token": 3, "expires": 100.0, "last_held": 102.5, "freed_at": 103}
+    report = checker.check(
+        _record(
+            {"msg-00002": ("free", 0)},
+            [_send("msg-00001", 10), _send("msg-00001", 9), _send("msg-00002", 7, nid="c", key="ic1-wrong")],
+            events=[confirmed],
+            faults=[{"kind": "agent_kill", "details": {"measures": [slow]}}],
+            early_expiries=[{"subject": "s", "token": 4, "seen_at": 50.0, "expires": 51.0}],
+        )
+    )
+    assert report.counts() == {
+        "double_send": 1,
+        "notification_multi_effect": 1,
+        "stale_commit": 1,
+        "unrecorded_send": 1,
+        "lost_ack": 1,
+        "dropped": 1,
+        "slow_free": 1,
+        "early_free": 1,
+        "wrong_idempotency_key": 1,
+    }, report.table
+    assert "FAIL: seed 1; replay with: python -m chaos run --seed 1" in report.table
