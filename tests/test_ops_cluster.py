@@ -183,6 +183,7 @@ async def test_failover_when_the_member_in_use_dies(cluster: EtcdCluster, prefix
         failover_s = time.monotonic() - killed_at
         assert answer.result == GRANTED
         assert failover_s < 5, f"failover took {failover_s:.1f} s"
+        print(f"\nfailover off a killed member: the next claim answered after {failover_s:.3f} s")
         assert sum(_handled(m, "Txn") for m in cluster.members[1:]) > sum(after[1:])
         # The claims made through the dead member are all there (etcd replicated them before answering).
         for n in range(5):
