@@ -105,6 +105,7 @@ class Ledger:
     replied: dict[str, tuple[int, str]] = field(default_factory=dict)
     retried: collections.Counter[str] = field(default_factory=collections.Counter)
     answered_at: list[float] = field(default_factory=list)
+    granted_at: list[float] = field(default_factory=list)
 
     async def call(self, method: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """Retries the same request (same request id) while the store is unavailable, as a client should."""
@@ -138,6 +139,7 @@ async def _agent(channel: grpc.aio.Channel, name: str, mailbox: str, pool: int, 
             continue
         token = answer.status.fencing_token
         ledger.granted[subject_id].add((name, token))
+        ledger.granted_at.append(time.monotonic())
         began = await ledger.call(actor.begin, subject, token, request_id=begin_id)
         if began.result != OK:
             continue
@@ -195,8 +197,8 @@ async def test_leader_killed_under_load_keeps_every_invariant(cluster: EtcdClust
     async with _coordinator(cluster, prefix) as (_server, channel):
         ledger = Ledger()
         start = time.monotonic()
-        until = start + 4.0
-        agents = [asyncio.create_task(_agent(channel, f"agent-{n}", mailbox, 400, until, ledger)) for n in range(32)]
+        until = start + 5.0
+        agents = [asyncio.create_task(_agent(channel, f"agent-{n}", mailbox, 2000, until, ledger)) for n in range(32)]
         await asyncio.sleep(1.5)
         leader = cluster.leader_index()
         cluster.members[leader].kill()
@@ -205,14 +207,14 @@ async def test_leader_killed_under_load_keeps_every_invariant(cluster: EtcdClust
         new_leader = cluster.leader_index()
         assert new_leader != leader
 
-        answered_after = [t for t in ledger.answered_at if t > killed_at + 0.5]
-        assert len(answered_after) > 50, "claims did not go on after the election"
+        granted_after = [t for t in ledger.granted_at if t > killed_at + 0.5]
+        assert len(granted_after) > 20, "claims were not granted after the election"
         replies_before = sum(1 for t in ledger.answered_at if t < killed_at)
         assert replies_before > 50
         await _check_invariants(channel, mailbox, ledger)
         assert ledger.replied
         print(
-            f"\nleader kill under load: {len(ledger.answered_at)} answers in 4 s, {sum(ledger.retried.values())} "
+            f"\nleader kill under load: {len(ledger.answered_at)} answers in 5 s, {sum(ledger.retried.values())} "
             f"retried ({dict(ledger.retried)}), longest gap after the kill {ledger.longest_gap(killed_at):.2f} s, "
             f"{len(ledger.replied)} replies confirmed"
         )
