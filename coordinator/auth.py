@@ -20,6 +20,7 @@ import secrets
 import threading
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -30,6 +31,8 @@ from .errors import InvalidArgument, PermissionDenied, Unauthenticated
 from .limits import PRINCIPAL_MAX_BYTES, check_text
 
 ROLES = frozenset({"takeover", "resolve", "admin"})
+# The authenticated principal of the call running in this task, for the per-call log line.
+current_principal: ContextVar[str] = ContextVar("inbox_coordinator_principal", default="")
 PRINCIPAL_METADATA = "x-inbox-principal"
 PRINCIPAL_KIND_METADATA = "x-inbox-principal-kind"
 AUTHORIZATION_METADATA = "authorization"

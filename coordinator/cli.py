@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import logs
+from .auth import ROLES, TokenAuthenticator, TokenFileError, new_token
 from .config import SETTINGS, Config, ConfigError, default_data_dir, describe, load, parse_host_port
 from .errors import StoreUnavailable
 from .etcd_process import (
@@ -55,7 +56,19 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         help="a TOML file of settings (default: $INBOX_COORDINATOR_CONFIG, else none)",
     )
     for setting in SETTINGS:
-        shown = f" (default {setting.show(setting.default)})" if setting.default not in ((), None) else ""
+        shown = f" (default {setting.show(setting.default)})" if setting.default not in ((), None, False, "") else ""
+        if isinstance(setting.default, bool):
+            # A switch: given alone it means true; a value (true/false) is accepted too, as in the file.
+            parser.add_argument(
+                setting.flag,
+                dest=setting.name,
+                default=None,
+                nargs="?",
+                const="true",
+                metavar="BOOL",
+                help=setting.help,
+            )
+            continue
         parser.add_argument(
             setting.flag,
             *setting.aliases,
@@ -112,6 +125,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--service", default=SERVICE_NAME, help="the health service name (default %(default)s; '' for the server)"
     )
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    health.add_argument(
+        "--ca-file",
+        type=Path,
+        default=None,
+        help="ask over TLS, trusting this CA (default: over TLS trusting tls_cert when the configuration has one)",
+    )
+    health.add_argument(
+        "--server-name", default=None, help="the name the server's certificate carries, when not the address's host"
+    )
+    token = commands.add_parser(
+        "token",
+        help="make a bearer token for a principal",
+        description=(
+            "Print a new random bearer token (give it to the client, once) and the line that stores its SHA-256 in "
+            "the token file. The coordinator never sees or stores the token itself."
+        ),
+        epilog="example:\n  inbox-coordinator token new --id support-agent-1 --kind agent --mailbox 'acme-*'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    token_commands = token.add_subparsers(dest="token_command", required=True)
+    new = token_commands.add_parser("new", help="a new token and its token-file entry")
+    new.add_argument("--id", required=True, help="the principal's id (the holder name of its claims)")
+    new.add_argument("--kind", choices=("agent", "human"), default="agent")
+    new.add_argument("--mailbox", action="append", default=[], help="a granted mailbox or glob (repeatable)")
+    new.add_argument("--role", action="append", default=[], choices=sorted(ROLES), help="a role (repeatable)")
     return parser
 
 
@@ -153,6 +191,7 @@ def _embedded_etcd(data_dir: Path) -> Iterator[EtcdServer]:
 
 
 def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> ServerSettings:
+    """Raises TokenFileError when the token file cannot be used."""
     return ServerSettings(
         config.etcd_settings(endpoints),
         listen=config.listen,
@@ -163,6 +202,10 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
         # A port that was asked for is a start-up error.
         metrics_optional=config.origin("metrics_listen") == "default",
         key_count_interval_s=config.key_count_interval,
+        authenticator=TokenAuthenticator(config.token_file) if config.token_file is not None else None,
+        tls=config.tls(),
+        quotas=config.quotas(),
+        max_message_bytes=config.max_message_bytes,
     )
 
 
@@ -184,10 +227,19 @@ async def _serve(settings: ServerSettings) -> None:
             }
         },
     )
+    authenticator = settings.authenticator
+    if authenticator is None:
+        print(
+            "inbox-coordinator: DEVELOPMENT MODE: no token file, every caller is who its metadata says "
+            "(set --token-file; see docs/security.md)",
+            flush=True,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    if isinstance(authenticator, TokenAuthenticator):
+        loop.add_signal_handler(signal.SIGHUP, _reload_tokens, authenticator)
     await stop.wait()
     print(
         f"inbox-coordinator: stopping (NOT_SERVING; finishing calls in flight, up to {settings.shutdown_grace_s:g} s)",
@@ -195,6 +247,18 @@ async def _serve(settings: ServerSettings) -> None:
     )
     await server.stop()
     log.info("stopped", extra={"fields": {"event": "stop"}})
+
+
+def _reload_tokens(authenticator: TokenAuthenticator) -> None:
+    """SIGHUP: read the token file again; a broken file keeps the principals in force and says why."""
+    try:
+        count = authenticator.reload()
+    except TokenFileError as error:
+        log.error("token file not reloaded: %s", error, extra={"fields": {"event": "tokens_reload_failed"}})
+        print(f"inbox-coordinator: token file NOT reloaded, the previous one stays in force: {error}", flush=True)
+        return
+    log.info("token file reloaded", extra={"fields": {"event": "tokens_reloaded", "principals": count}})
+    print(f"inbox-coordinator: token file reloaded: {count} principal(s)", flush=True)
 
 
 def serve(options: argparse.Namespace) -> int:
@@ -216,7 +280,10 @@ def serve(options: argparse.Namespace) -> int:
             print(f"inbox-coordinator: embedded etcd {etcd.endpoint} (log: {etcd.log_path})", flush=True)
             asyncio.run(_serve(server_settings(config, [etcd.endpoint])))
         return EXIT_OK
-    except (EtcdNotFound, EtcdStartError, OSError) as error:
+    except TokenFileError as error:
+        print(f"inbox-coordinator: configuration error: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (EtcdNotFound, EtcdStartError, OSError, ValueError) as error:
         print(f"inbox-coordinator: {error}", file=sys.stderr)
         return EXIT_FAILURE
 
@@ -304,8 +371,16 @@ def local_address(listen: str) -> str:
     return f"{host}:{port}"
 
 
-async def _health(address: str, service: str, deadline_s: float) -> str:
-    async with grpc.aio.insecure_channel(address) as channel:
+def _health_channel(address: str, ca_file: Path | None, server_name: str | None) -> grpc.aio.Channel:
+    if ca_file is None:
+        return grpc.aio.insecure_channel(address)
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca_file.read_bytes())
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+async def _health(address: str, service: str, deadline_s: float, ca_file: Path | None, server_name: str | None) -> str:
+    async with _health_channel(address, ca_file, server_name) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=deadline_s)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
@@ -313,14 +388,17 @@ async def _health(address: str, service: str, deadline_s: float) -> str:
 
 def health(options: argparse.Namespace) -> int:
     address = options.address
-    if address is None:
+    ca_file: Path | None = options.ca_file
+    if address is None or ca_file is None:
         try:
-            address = local_address(load(config_file=options.config).listen)
+            config = load(config_file=options.config)
         except ConfigError as error:
             print(f"inbox-coordinator: configuration error: {error}", file=sys.stderr)
             return EXIT_CONFIG
+        address = address or local_address(config.listen)
+        ca_file = ca_file or config.tls_cert
     try:
-        status = asyncio.run(_health(address, options.service, options.timeout))
+        status = asyncio.run(_health(address, options.service, options.timeout, ca_file, options.server_name))
     except grpc.aio.AioRpcError as error:
         print(f"{address}: {error.code().name}: {error.details()}")
         return EXIT_FAILURE
@@ -328,8 +406,26 @@ def health(options: argparse.Namespace) -> int:
     return EXIT_OK if status == "SERVING" else EXIT_FAILURE
 
 
+def token(options: argparse.Namespace) -> int:
+    secret, digest = new_token()
+    entry = (
+        "[[principals]]\n"
+        f"id = {json.dumps(options.id)}\n"
+        f'kind = "{options.kind}"\n'
+        f"mailboxes = {json.dumps(options.mailbox)}\n"
+        f"roles = {json.dumps(options.role)}\n"
+        f'token_sha256 = ["{digest}"]\n'
+    )
+    print(f"# the token, for the client only (it is not stored anywhere):\n# {secret}\n")
+    print("# add to the token file, then send SIGHUP to the coordinators:")
+    print(entry, end="")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
+    if options.command == "token":
+        return token(options)
     if options.command == "serve":
         return serve(options)
     if options.command == "check":

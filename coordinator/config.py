@@ -20,14 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .auth import TlsSettings
 from .domain import Rules
 from .limits import Limits
+from .quotas import QuotaSettings
 from .store import EtcdSettings, channel_target
 
 ENV_PREFIX = "INBOX_COORDINATOR_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
+# The etcd password is read from this variable or from etcd_password_file, never from a flag (ps shows flags).
+ETCD_PASSWORD_ENV = ENV_PREFIX + "ETCD_PASSWORD"
 # Variables with our prefix that are read elsewhere and are not settings.
-OTHER_ENV = frozenset({CONFIG_ENV, ENV_PREFIX + "ETCD_BIN"})
+OTHER_ENV = frozenset({CONFIG_ENV, ENV_PREFIX + "ETCD_BIN", ETCD_PASSWORD_ENV})
 
 
 class ConfigError(ValueError):
@@ -124,6 +128,32 @@ def _optional_path(value: object) -> Path | None:
     return Path(text).expanduser() if text else None
 
 
+def _boolean(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = _text(value).lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0", ""):
+        return False
+    raise ValueError("not a boolean (true or false)")
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError("not a number")
+    if isinstance(value, int | float):
+        number = float(value)
+    else:
+        try:
+            number = float(_text(value))
+        except ValueError:
+            raise ValueError("not a number") from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError("must be a finite number, 0 or more")
+    return number
+
+
 # --- the settings --------------------------------------------------------------------------------------------
 
 
@@ -202,6 +232,40 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_level", _choice("debug", "info", "warning", "error"), "info", "debug, info, warning or error"),
     Setting("log_format", _choice("auto", "json", "text"), "auto", "json, text, or auto (text on a terminal)"),
     Setting("shutdown_grace", _duration, 10.0, "on SIGTERM, how long calls in flight may take to finish", "DURATION"),
+    Setting(
+        "token_file",
+        _optional_path,
+        None,
+        "principals with their token hashes, mailboxes and roles (docs/security.md); reloaded on SIGHUP; none: "
+        "development mode, the caller's metadata names it",
+        "FILE.toml",
+    ),
+    Setting("tls_cert", _optional_path, None, "serve gRPC over TLS with this certificate chain (PEM)", "FILE"),
+    Setting("tls_key", _optional_path, None, "the private key of tls_cert (PEM)", "FILE"),
+    Setting("tls_client_ca", _optional_path, None, "verify client certificates against this CA (PEM)", "FILE"),
+    Setting("require_client_cert", _boolean, False, "mTLS: refuse connections without a valid client certificate"),
+    Setting(
+        "allow_plaintext",
+        _boolean,
+        False,
+        "serve without TLS on a non-loopback address (when a proxy or mesh terminates TLS)",
+    ),
+    Setting("etcd_ca_file", _optional_path, None, "the CA that signed etcd's certificates (turns TLS on)", "FILE"),
+    Setting("etcd_cert_file", _optional_path, None, "client certificate for etcd's --client-cert-auth", "FILE"),
+    Setting("etcd_key_file", _optional_path, None, "the private key of etcd_cert_file", "FILE"),
+    Setting("etcd_username", _text, "", "etcd user (auth enabled); its password from etcd_password_file", "USER"),
+    Setting(
+        "etcd_password_file",
+        _optional_path,
+        None,
+        f"file holding the etcd user's password (or set {ETCD_PASSWORD_ENV})",
+        "FILE",
+    ),
+    Setting("rate_limit", _number, 500.0, "calls per second per principal (0: no limit)", "PER_SECOND"),
+    Setting("rate_burst", _integer, 1000, "calls a principal may make at once above its rate", "CALLS"),
+    Setting("max_watches", _integer, 64, "concurrent Watch streams per principal", "STREAMS"),
+    Setting("call_deadline", _duration, 30.0, "a unary call is cut off after this long, whatever the client asked"),
+    Setting("max_message_bytes", _integer, 1 << 20, "largest request message accepted", "BYTES"),
 )
 BY_NAME = {setting.name: setting for setting in SETTINGS}
 
@@ -226,6 +290,24 @@ class Config:
     log_level: str
     log_format: str
     shutdown_grace: float
+    token_file: Path | None
+    tls_cert: Path | None
+    tls_key: Path | None
+    tls_client_ca: Path | None
+    require_client_cert: bool
+    allow_plaintext: bool
+    etcd_ca_file: Path | None
+    etcd_cert_file: Path | None
+    etcd_key_file: Path | None
+    etcd_username: str
+    etcd_password_file: Path | None
+    rate_limit: float
+    rate_burst: int
+    max_watches: int
+    call_deadline: float
+    max_message_bytes: int
+    # The etcd password (from etcd_password_file or the environment); never printed.
+    etcd_password: str | None = dataclasses.field(default=None, repr=False, compare=False)
     # Where each value came from: "default", "--listen", "INBOX_COORDINATOR_LISTEN", "/etc/x.toml: listen".
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     # Things worth saying that are not errors (an unknown INBOX_COORDINATOR_* variable, say).
@@ -243,6 +325,24 @@ class Config:
             tuple(endpoints if endpoints is not None else self.etcd_endpoints),
             prefix=self.etcd_prefix,
             call_timeout_s=self.etcd_call_timeout,
+            ca_file=self.etcd_ca_file,
+            cert_file=self.etcd_cert_file,
+            key_file=self.etcd_key_file,
+            username=self.etcd_username or None,
+            password=self.etcd_password,
+        )
+
+    def tls(self) -> TlsSettings | None:
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        return TlsSettings(self.tls_cert, self.tls_key, self.tls_client_ca, self.require_client_cert)
+
+    def quotas(self) -> QuotaSettings:
+        return QuotaSettings(
+            calls_per_second=self.rate_limit,
+            burst=self.rate_burst,
+            max_watches=self.max_watches,
+            call_deadline_s=self.call_deadline,
         )
 
     def rules(self) -> Rules:
@@ -260,7 +360,9 @@ def _ms(seconds: float) -> int:
     return round(seconds * 1000)
 
 
-if {f.name for f in dataclasses.fields(Config)} - {"origins", "warnings"} != set(BY_NAME):  # pragma: no cover
+if {f.name for f in dataclasses.fields(Config)} - {"origins", "warnings", "etcd_password"} != set(
+    BY_NAME
+):  # pragma: no cover
     raise AssertionError("Config's fields and SETTINGS differ")
 
 
@@ -324,7 +426,16 @@ def load(
         raw_flag = flags.get(setting.name)
         if raw_flag is not None:
             take(setting, raw_flag, setting.flag, f"{setting.flag}={raw_flag}")
-    config = Config(**values, origins=origins, warnings=tuple(warnings))
+    password = environ.get(ETCD_PASSWORD_ENV)
+    if values["etcd_password_file"] is not None:
+        password_file: Path = values["etcd_password_file"]
+        try:
+            password = password_file.read_text().rstrip("\n")
+        except OSError as error:
+            raise ConfigError(
+                f"{BY_NAME['etcd_password_file'].flag}={password_file}: cannot read: {error.strerror}"
+            ) from None
+    config = Config(**values, etcd_password=password, origins=origins, warnings=tuple(warnings))
     _check(config)
     return config
 
@@ -364,12 +475,58 @@ def _check(config: Config) -> None:
         fail("must lie between 1ms and 1h", "record_lease_bucket")
     if config.metrics_listen and parse_host_port(config.metrics_listen) == parse_host_port(config.listen):
         fail("metrics and gRPC cannot share an address", "metrics_listen", "listen")
+    if (config.tls_cert is None) != (config.tls_key is None):
+        fail("a TLS certificate and its key go together: give both or neither", "tls_cert", "tls_key")
+    if config.tls_client_ca is not None and config.tls_cert is None:
+        fail("verifying client certificates needs TLS: give tls_cert and tls_key too", "tls_client_ca")
+    if config.require_client_cert and config.tls_client_ca is None:
+        fail("requiring client certificates needs tls_client_ca", "require_client_cert")
+    if config.tls_cert is None and not config.allow_plaintext and not _is_loopback(parse_host_port(config.listen)[0]):
+        fail(
+            "serving without TLS on a non-loopback address: give tls_cert and tls_key, or allow_plaintext when a "
+            "proxy or mesh terminates TLS",
+            "listen",
+        )
+    if (config.etcd_cert_file is None) != (config.etcd_key_file is None):
+        fail("an etcd client certificate and its key go together", "etcd_cert_file", "etcd_key_file")
+    if config.etcd_username and config.etcd_password is None:
+        fail(f"an etcd user needs its password: etcd_password_file or {ETCD_PASSWORD_ENV}", "etcd_username")
+    for name in (
+        "token_file",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "etcd_ca_file",
+        "etcd_cert_file",
+        "etcd_key_file",
+    ):
+        path = getattr(config, name)
+        if path is not None and not path.is_file():
+            fail("no such file", name)
+    if config.max_watches < 1:
+        fail("must be at least 1", "max_watches")
+    if config.rate_burst < 1:
+        fail("must be at least 1", "rate_burst")
+    if config.call_deadline <= 0:
+        fail("must be more than 0", "call_deadline")
+    if config.max_message_bytes < 4096:
+        fail("must be at least 4096 bytes", "max_message_bytes")
     for name in ("listen", "metrics_listen"):
         value = getattr(config, name)
         if value:
             host = parse_host_port(value)[0].strip("[]")
             if host and not _is_ip(host) and not re.fullmatch(r"[A-Za-z0-9.-]+", host):
                 fail("the host is neither an IP address nor a host name", name)
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _is_ip(host: str) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from .auth import current_principal
 from .metrics import Metrics
 from .service import PRINCIPAL_METADATA
 
@@ -284,6 +285,10 @@ class _Observed:
 
 
 def _principal(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """Who made the call: as authenticated when the call got that far, else what its metadata claims."""
+    authenticated = current_principal.get()
+    if authenticated:
+        return authenticated
     for key, value in context.invocation_metadata() or ():
         if key == PRINCIPAL_METADATA and isinstance(value, str):
             return value

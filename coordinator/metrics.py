@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
 
-from aetcd import rpc
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -25,7 +24,6 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from . import logs
-from ._keys import prefix_end
 from .config import parse_host_port
 from .errors import StoreUnavailable
 from .store import EtcdStore
@@ -120,19 +118,12 @@ _FAMILIES = {"subjects": b"m/", "deliveries": b"d/", "sending": b"x/"}
 
 
 async def count_keys(store: EtcdStore, family: str) -> int:
-    """A count-only, serializable range over one key family: etcd walks its index, reads no value.
-
-    It goes through the store's call wrapper (deadline, observer, auth, error translation) since the store has
-    no public count; see docs/operations.md for what each family holds.
-    """
-    prefix = store.keys.prefix.encode() + _FAMILIES[family]
-    request = rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True, serializable=True)
-    response = await store._call(store._kv.Range, request)
-    return int(response.count)
+    """Keys of one family (see docs/operations.md for what each holds)."""
+    return await store.count_keys(_FAMILIES[family])
 
 
 def lease_buckets(store: EtcdStore) -> int:
-    return len(store._leases)
+    return store.lease_buckets
 
 
 async def refresh_gauges(metrics: Metrics, store: EtcdStore, interval_s: float, key_count_interval_s: float) -> None:

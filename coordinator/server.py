@@ -16,12 +16,14 @@ from grpc_reflection.v1alpha import reflection
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
+from .auth import Authenticator, TlsSettings, server_credentials
 from .domain import Rules
 from .engine import Engine
 from .errors import StoreUnavailable
 from .interceptor import RpcObserver
 from .limits import Limits
 from .metrics import Metrics, MetricsServer, refresh_gauges
+from .quotas import QuotaSettings
 from .service import CoordinatorServicer
 from .store import EtcdSettings, EtcdStore
 
@@ -51,6 +53,11 @@ class ServerSettings:
     metrics_optional: bool = False
     gauge_interval_s: float = 1.0
     key_count_interval_s: float = 15.0
+    # Who may call: None is development mode (the caller's metadata names it). See docs/security.md.
+    authenticator: Authenticator | None = None
+    tls: TlsSettings | None = None
+    quotas: QuotaSettings = field(default_factory=QuotaSettings)
+    max_message_bytes: int = 1 << 20
 
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -118,14 +125,19 @@ class CoordinatorServer:
             interceptors=[RpcObserver(self.metrics)],
             options=[
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", 1 << 20),
+                ("grpc.max_receive_message_length", settings.max_message_bytes),
             ],
         )
         self.health = HealthService()
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.engine), self._server)
+        self.servicer = CoordinatorServicer(self.engine, settings.authenticator, settings.quotas)
+        pb_grpc.add_CoordinatorServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        self.port = self._server.add_insecure_port(settings.listen)
+        self.port = (
+            self._server.add_secure_port(settings.listen, server_credentials(settings.tls))
+            if settings.tls is not None
+            else self._server.add_insecure_port(settings.listen)
+        )
         if self.port == 0:
             raise OSError(f"cannot listen on {settings.listen}: the address is taken or not local")
         self.metrics_server: MetricsServer | None = None

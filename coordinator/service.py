@@ -17,7 +17,14 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
-from .auth import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA, Authenticator, CallCredentials, DevelopmentAuthenticator
+from .auth import (
+    PRINCIPAL_KIND_METADATA,
+    PRINCIPAL_METADATA,
+    Authenticator,
+    CallCredentials,
+    DevelopmentAuthenticator,
+    current_principal,
+)
 from .domain import (
     Caller,
     ClaimResult,
@@ -231,6 +238,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
         caller = self.authenticator.authenticate(credentials_of(context, self.authenticator.uses_certificates))
+        current_principal.set(caller.principal)
         wait = self._rates.acquire(caller.principal)
         if wait > 0:
             raise ResourceExhausted(

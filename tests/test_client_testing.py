@@ -19,6 +19,7 @@ from inbox_claims import (
     RetryPolicy,
     Subject,
     SubjectState,
+    Unauthenticated,
 )
 from inbox_claims.testing import async_running_coordinator, running_coordinator
 
@@ -127,3 +128,19 @@ def test_importing_the_client_never_imports_the_server() -> None:
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+def test_running_coordinator_can_authenticate_by_token(tmp_path: Path) -> None:
+    from coordinator.auth import hash_token, new_token
+
+    token, digest = new_token()
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        f'[[principals]]\nid = "agent-t"\nkind = "agent"\nmailboxes = ["mb"]\ntoken_sha256 = ["{digest}"]\n'
+    )
+    assert hash_token(token) == digest
+    with running_coordinator(token_file=tokens) as running:
+        with Coordinator(running.target, token=token) as client:
+            assert client.claim(Subject.message("mb", "m")).status.holder == "agent-t"  # type: ignore[union-attr]
+        with Coordinator(running.target, principal="agent-t") as impostor, pytest.raises(Unauthenticated):
+            impostor.status(Subject.message("mb", "m"))

@@ -27,7 +27,7 @@ def test_flags_beat_the_environment_which_beats_the_file(tmp_path: Path) -> None
     path = _toml(
         tmp_path,
         'listen = "0.0.0.0:7000"\ndefault_ttl = 30\netcd_endpoints = ["10.0.0.5:2379", "10.0.0.6:2379"]\n'
-        'reply_retention = "48h"\nlog_format = "json"\n',
+        'reply_retention = "48h"\nlog_format = "json"\nallow_plaintext = true\n',
     )
     environ = {"INBOX_COORDINATOR_DEFAULT_TTL": "45", "INBOX_COORDINATOR_LISTEN": "0.0.0.0:7001"}
     config = load({"listen": "127.0.0.1:7002"}, environ, path)
@@ -187,7 +187,11 @@ async def test_health_command(start_coordinator: StartCoordinator) -> None:
     assert "SERVING" in out
     # The listen setting from the environment, as in the container image (0.0.0.0 asked on loopback).
     port = server.address.rpartition(":")[2]
-    code, out, _ = await _cli("health", "--service=", env={"INBOX_COORDINATOR_LISTEN": f"0.0.0.0:{port}"})
+    code, out, _ = await _cli(
+        "health",
+        "--service=",
+        env={"INBOX_COORDINATOR_LISTEN": f"0.0.0.0:{port}", "INBOX_COORDINATOR_ALLOW_PLAINTEXT": "true"},
+    )
     assert code == 0, out
     code, out, _ = await _cli("health", f"--address=127.0.0.1:{free_port()}", "--timeout=2")
     assert code == 1

@@ -61,6 +61,9 @@ class CoordinatorOptions(TypedDict, total=False):
     """The TTL of claims that ask for none (production: 60)."""
     send_timeout: float
     """Seconds from BeginSend until an unconfirmed send is reported IN_DOUBT (production: 120)."""
+    token_file: str | Path
+    """A token file (docs/security.md): the coordinator then authenticates callers by bearer token, as in
+    production, instead of believing the principal a client names."""
 
 
 @dataclass(frozen=True)
@@ -97,13 +100,13 @@ class RunningCoordinator:
 
 def _server_modules() -> Any:
     try:
-        from coordinator import domain, etcd_process, limits, server, store
+        from coordinator import auth, domain, etcd_process, limits, server, store
     except ImportError as error:
         raise ImportError(
             "inbox_claims.testing starts a real coordinator, which needs the server: "
             "pip install 'inbox-coordinator[server]'"
         ) from error
-    return domain, etcd_process, limits, server, store
+    return auth, domain, etcd_process, limits, server, store
 
 
 @contextlib.contextmanager
@@ -111,7 +114,7 @@ def _etcd(options: CoordinatorOptions) -> Iterator[str]:
     if "etcd_endpoint" in options:
         yield options["etcd_endpoint"]
         return
-    _, etcd_process, _, _, _ = _server_modules()
+    _, _, etcd_process, _, _, _ = _server_modules()
     with contextlib.ExitStack() as stack:
         data_dir = options.get("data_dir") or stack.enter_context(tempfile.TemporaryDirectory(prefix="inbox-etcd-"))
         etcd = etcd_process.EtcdServer(Path(data_dir) / "etcd", log_path=Path(data_dir) / "etcd.log")
@@ -143,7 +146,7 @@ class _ServerThread:
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
-        _, _, _, server_module, _ = _server_modules()
+        _, _, _, _, server_module, _ = _server_modules()
         try:
             server = server_module.CoordinatorServer(self._settings)
             await server.start()
@@ -171,7 +174,7 @@ def running_coordinator(**options: Unpack[CoordinatorOptions]) -> Iterator[Runni
     Options: see :class:`CoordinatorOptions`. Yields a :class:`RunningCoordinator` (``.target``,
     ``.client(principal)``, ``.async_client(principal)``).
     """
-    domain, _, limits, server_module, store = _server_modules()
+    auth, domain, _, limits, server_module, store = _server_modules()
     prefix = options.get("prefix") or f"inbox-claims-test/{uuid.uuid4().hex}/"
     min_ttl = options.get("min_ttl", 5)
     rules = domain.Rules(
@@ -186,6 +189,7 @@ def running_coordinator(**options: Unpack[CoordinatorOptions]) -> Iterator[Runni
             sweep_interval_s=0.2,
             health_interval_s=0.5,
             shutdown_grace_s=1.0,
+            authenticator=auth.TokenAuthenticator(Path(options["token_file"])) if "token_file" in options else None,
         )
         thread = _ServerThread(settings)
         thread.start()

@@ -1,0 +1,151 @@
+"""`inbox-coordinator serve` with a token file and TLS, as an operator runs it: tokens made by `token new`,
+revoked by editing the file and sending SIGHUP, plaintext refused off loopback."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import trustme
+
+from coordinator.etcd_process import EtcdServer, free_port
+from inbox_claims._proto import coordinator_pb2 as pb
+
+from .helpers import Actor, eventually, message, rpc_error
+
+CLI = [sys.executable, "-m", "coordinator.cli"]
+
+
+def _token_new(principal: str, *extra: str) -> tuple[str, str]:
+    out = subprocess.run(
+        [*CLI, "token", "new", "--id", principal, *extra], capture_output=True, text=True, check=True
+    ).stdout
+    token = re.search(r"^# (ict_\S+)$", out, re.MULTILINE)
+    assert token is not None, out
+    entry = out[out.index("[[principals]]") :]
+    return token.group(1), entry
+
+
+def _spawn(command: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _wait_for(process: subprocess.Popen[str], needle: str) -> str:
+    assert process.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen += line
+        if needle in line:
+            return seen
+    process.kill()
+    raise AssertionError(f"{needle!r} never printed:\n{seen}")
+
+
+async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServer, prefix: str) -> None:
+    agent_token, agent_entry = _token_new("agent-1", "--mailbox", "acme-*")
+    human_token, human_entry = _token_new("ana", "--kind", "human", "--mailbox", "acme-*", "--role", "takeover")
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(agent_entry + human_entry)
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    cert.write_bytes(b"".join(blob.bytes() for blob in server_cert.cert_chain_pems))
+    key.write_bytes(server_cert.private_key_pem.bytes())
+    port = free_port()
+    process = _spawn(
+        [
+            *CLI,
+            "serve",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--etcd-endpoints",
+            etcd.endpoint,
+            "--prefix",
+            prefix,
+            "--token-file",
+            str(tokens),
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+            "--metrics-listen",
+            "",
+        ],
+    )
+    try:
+        banner = _wait_for(process, "serving gRPC on")
+        assert "no token file" not in banner
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            agent = Actor(channel, "agent-1", token=agent_token)
+            granted = await agent.claim(message("acme-1", "m"))
+            assert granted.status.holder == "agent-1"
+            human = Actor(channel, "ana", kind="human", token=human_token)
+            assert (await human.takeover(message("acme-1", "m"))).result == pb.TakeoverResponse.TAKEN_OVER
+            denied = await rpc_error(agent.claim(message("globex", "m")))
+            assert denied.code() == grpc.StatusCode.PERMISSION_DENIED
+
+            # Revoke the agent: edit the file, SIGHUP; the human's token goes on working on the same connection.
+            tokens.write_text(human_entry)
+            process.send_signal(signal.SIGHUP)
+            _wait_for(process, "token file reloaded: 1 principal")
+
+            async def refused() -> bool:
+                error = await rpc_error(agent.status(message("acme-1", "m")))
+                return error.code() == grpc.StatusCode.UNAUTHENTICATED
+
+            assert await eventually(refused, within=5)
+            assert (await human.status(message("acme-1", "m"))).holder == "ana"
+
+            # A broken file is refused and the previous principals stay.
+            tokens.write_text("[[principals]]\nid = 3\n")
+            process.send_signal(signal.SIGHUP)
+            _wait_for(process, "NOT reloaded")
+            assert (await human.status(message("acme-1", "m"))).holder == "ana"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+def test_plaintext_off_loopback_is_refused_at_start() -> None:
+    result = subprocess.run(
+        [*CLI, "serve", "--listen", "0.0.0.0:0", "--etcd-endpoints", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "without TLS on a non-loopback address" in result.stderr
+    assert "allow_plaintext" in result.stderr
+
+
+def test_a_bad_token_file_is_a_configuration_error(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[[principals]]\nid = "x"\nkind = "robot"\ntoken_sha256 = []\n')
+    result = subprocess.run(
+        [*CLI, "serve", "--etcd-endpoints", "127.0.0.1:1", "--token-file", str(tokens), "--metrics-listen", ""],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "principals[0].kind" in result.stderr
