@@ -1,4 +1,14 @@
-"""How records are written as etcd values: compact JSON, readable with etcdctl."""
+"""How records are written as etcd values: compact JSON with one-letter keys, readable with etcdctl.
+
+Values are kept small because etcd's quota bounds reply records times their retention (docs/operations.md,
+"Capacity"): what the key already says (a delivery's mailbox and notification id) is not repeated, empty
+fields are left out, and a REPLIED record keeps only what a reply record is for (who sent what, when).
+
+    subject:   {"s": state, "h": holder, "k": kind, "a": acquired ms, "l": ttl s, "x": expires ms, "n": note,
+                "r": request id, "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id}
+    delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id]}
+    end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "t": at ms, "n": detail}
+"""
 
 from __future__ import annotations
 
@@ -16,57 +26,69 @@ from .domain import (
     SubjectRecord,
 )
 
+_STATES = {State.CLAIMED: "c", State.SENDING: "s", State.REPLIED: "r", State.IN_DOUBT: "d"}
+_STATES_IN = {code: state for state, code in _STATES.items()}
+_KINDS = {HolderKind.AGENT: "a", HolderKind.HUMAN: "h"}
+_KINDS_IN = {code: kind for kind, code in _KINDS.items()}
+# What a reply record no longer needs once the reply went out: the claim's bookkeeping.
+_CLAIM_ONLY = ("a", "l", "r", "d")
+
 
 def _dump(data: dict[str, Any]) -> bytes:
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(
+        {k: v for k, v in data.items() if v not in (None, "")}, separators=(",", ":"), ensure_ascii=False
+    ).encode()
 
 
 def encode_record(record: SubjectRecord) -> bytes:
     data: dict[str, Any] = {
-        "state": record.state.value,
-        "holder": record.holder,
-        "holder_kind": record.holder_kind.value,
-        "acquired_ms": record.acquired_ms,
-        "ttl": record.ttl_seconds,
-        "expires_ms": record.expires_ms,
-        "note": record.note,
-        "request_id": record.request_id,
-        "send_started_ms": record.send_started_ms,
-        "send_deadline_ms": record.send_deadline_ms,
-        "sent_ms": record.sent_ms,
-        "sent_message_id": record.sent_message_id,
+        "s": _STATES[record.state],
+        "h": record.holder,
+        "k": _KINDS[record.holder_kind],
+        "a": record.acquired_ms,
+        "l": record.ttl_seconds,
+        "x": record.expires_ms,
+        "n": record.note,
+        "r": record.request_id,
+        "b": record.send_started_ms,
+        "d": record.send_deadline_ms,
+        "t": record.sent_ms,
+        "m": record.sent_message_id,
     }
-    return _dump({k: v for k, v in data.items() if v not in (None, "")})
+    if record.state is State.REPLIED:
+        for key in _CLAIM_ONLY:
+            del data[key]
+    return _dump(data)
 
 
 def decode_record(value: bytes) -> SubjectRecord:
     data = json.loads(value)
     return SubjectRecord(
-        state=State(data["state"]),
-        holder=data["holder"],
-        holder_kind=HolderKind(data["holder_kind"]),
-        acquired_ms=data["acquired_ms"],
-        ttl_seconds=data["ttl"],
-        expires_ms=data.get("expires_ms"),
-        note=data.get("note", ""),
-        request_id=data.get("request_id", ""),
-        send_started_ms=data.get("send_started_ms"),
-        send_deadline_ms=data.get("send_deadline_ms"),
-        sent_ms=data.get("sent_ms"),
-        sent_message_id=data.get("sent_message_id", ""),
+        state=_STATES_IN[data["s"]],
+        holder=data["h"],
+        holder_kind=_KINDS_IN[data["k"]],
+        acquired_ms=data.get("a", 0),
+        ttl_seconds=data.get("l", 0),
+        expires_ms=data.get("x"),
+        note=data.get("n", ""),
+        request_id=data.get("r", ""),
+        send_started_ms=data.get("b"),
+        send_deadline_ms=data.get("d"),
+        sent_ms=data.get("t"),
+        sent_message_id=data.get("m", ""),
     )
 
 
 def encode_end_mark(mark: EndMark) -> bytes:
     return _dump(
         {
-            "reason": mark.reason.value,
-            "by": mark.by,
-            "token": mark.token,
-            "previous_holder": mark.previous_holder,
-            "request_id": mark.request_id,
-            "at_ms": mark.at_ms,
-            "detail": mark.detail,
+            "w": mark.reason.value,
+            "b": mark.by,
+            "o": mark.token,
+            "p": mark.previous_holder,
+            "r": mark.request_id,
+            "t": mark.at_ms,
+            "n": mark.detail,
         }
     )
 
@@ -74,40 +96,33 @@ def encode_end_mark(mark: EndMark) -> bytes:
 def decode_end_mark(value: bytes) -> EndMark:
     data = json.loads(value)
     return EndMark(
-        reason=EndReason(data["reason"]),
-        by=data["by"],
-        token=data["token"],
-        previous_holder=data["previous_holder"],
-        request_id=data["request_id"],
-        at_ms=data["at_ms"],
-        detail=data.get("detail", ""),
+        reason=EndReason(data["w"]),
+        by=data["b"],
+        token=data["o"],
+        previous_holder=data.get("p", ""),
+        request_id=data.get("r", ""),
+        at_ms=data["t"],
+        detail=data.get("n", ""),
     )
 
 
 def encode_delivery(delivery: DeliveryRecord) -> bytes:
-    data: dict[str, Any] = {
-        "mailbox": delivery.mailbox,
-        "notification_id": delivery.notification_id,
-        "recorded_by": delivery.recorded_by,
-        "recorded_ms": delivery.recorded_ms,
-        "request_id": delivery.request_id,
-    }
-    if delivery.subject is not None:
-        data["subject"] = [delivery.subject.kind.value, delivery.subject.id]
-    return _dump(data)
+    subject = [delivery.subject.kind.value, delivery.subject.id] if delivery.subject is not None else None
+    return _dump({"b": delivery.recorded_by, "t": delivery.recorded_ms, "r": delivery.request_id, "s": subject})
 
 
-def decode_delivery(value: bytes) -> DeliveryRecord:
+def decode_delivery(value: bytes, mailbox: str, notification_id: str) -> DeliveryRecord:
+    """``mailbox`` and ``notification_id`` are those of the key the value was read from."""
     data = json.loads(value)
     subject = None
-    if "subject" in data:
-        kind, subject_id = data["subject"]
-        subject = Subject(data["mailbox"], SubjectKind(kind), subject_id)
+    if "s" in data:
+        kind, subject_id = data["s"]
+        subject = Subject(mailbox, SubjectKind(kind), subject_id)
     return DeliveryRecord(
-        mailbox=data["mailbox"],
-        notification_id=data["notification_id"],
-        recorded_by=data["recorded_by"],
-        recorded_ms=data["recorded_ms"],
-        request_id=data["request_id"],
+        mailbox=mailbox,
+        notification_id=notification_id,
+        recorded_by=data["b"],
+        recorded_ms=data["t"],
+        request_id=data.get("r", ""),
         subject=subject,
     )

@@ -110,7 +110,7 @@ _RESOLVE_OUTCOMES = {
 
 
 def _timestamp(ms: int | None) -> Timestamp | None:
-    if ms is None:
+    if not ms:  # None, or 0: not kept (a reply record drops its claim's acquisition time)
         return None
     stamp = Timestamp()
     stamp.FromMilliseconds(ms)

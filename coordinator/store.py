@@ -398,7 +398,9 @@ class EtcdStore:
         return ClaimAttempt(
             None,
             _stored(subject_kv) if subject_kv is not None else None,
-            _codec.decode_delivery(delivery_kv.value) if delivery_kv is not None else None,
+            _codec.decode_delivery(delivery_kv.value, subject.mailbox, delivery.notification_id)
+            if delivery is not None and delivery_kv is not None
+            else None,
             _codec.decode_end_mark(end_kv.value) if end_kv is not None else None,
         )
 
@@ -418,7 +420,7 @@ class EtcdStore:
         kv = _first_kv(response.responses[0])
         # The record can expire between the compare and the read of the same transaction? No: both see one
         # revision. It is absent only if it was deleted by hand; treat that as a fresh sighting.
-        return _codec.decode_delivery(kv.value) if kv is not None else None
+        return _codec.decode_delivery(kv.value, delivery.mailbox, delivery.notification_id) if kv is not None else None
 
     async def read(self, subject: Subject) -> tuple[Stored | None, EndMark | None]:
         response = await self._txn([], [_op_get(self.keys.subject(subject)), _op_get(self.keys.end_mark(subject))], [])
