@@ -33,6 +33,7 @@ from inbox_claims import (
     AsyncClaim,
     AsyncCoordinator,
     ClaimLost,
+    CoordinatorError,
     CoordinatorUnavailable,
     DuplicateDelivery,
     InboxClaimsError,
@@ -266,6 +267,11 @@ class Agent:
             self.log.write("unknown", nid=nid, token=token, error=repr(unknown.__cause__))
         except SentButUnconfirmed as unconfirmed:
             self.log.write("unconfirmed", nid=nid, token=token, error=str(unconfirmed))
+        except CoordinatorError as error:
+            # BeginSend failed: the send function never ran (e.g. FAILED_PRECONDITION for a BeginSend retried after
+            # its own first attempt had committed and the subject had gone IN_DOUBT). Nothing went out: try again.
+            self.log.write("send_error", nid=nid, token=token, error=f"{type(error).__name__}: {error}")
+            return True
         return False
 
     async def answer_unfenced(self, claim: AsyncClaim, nid: str, send: Callable[[], Awaitable[str]]) -> bool:

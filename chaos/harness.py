@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -791,6 +792,7 @@ class World:
             deliveries=self.deliveries,
             watch_events=dict(self.watch_counts),
             early_expiries=self.early_expiries,
+            leader_changes=leader_changes(self.cluster),
             errors=self.errors,
         )
 
@@ -813,6 +815,19 @@ class World:
             "workdir": str(self.workdir),
             "replay": replay_command(c),
         }
+
+
+def leader_changes(cluster: EtcdCluster) -> list[float]:
+    """When a member became leader, from the members' logs (etcd 3.4+ logs JSON lines with an ISO ``ts``)."""
+    times = []
+    for member in cluster.members:
+        with contextlib.suppress(OSError):
+            for line in member.log_path.read_text(errors="replace").splitlines():
+                if "became leader at term" not in line or not line.startswith("{"):
+                    continue
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    times.append(datetime.fromisoformat(json.loads(line)["ts"]).timestamp())
+    return sorted(times)
 
 
 def _key(subject: Subject) -> SubjectKey:
