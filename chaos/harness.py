@@ -82,6 +82,7 @@ class Config:
     send_timeout: float = 8.0
     workdir: Path | None = None
     etcd_bin: Path | None = None
+    etcd_args: tuple[str, ...] = ()
     allow_unsafe_etcd: bool = False
     json_out: Path | None = None
 
@@ -264,7 +265,8 @@ class World:
     def _make_cluster(self) -> EtcdCluster:
         base = self.workdir / "etcd"
         if self.spaces is None:
-            return EtcdCluster(base, 3, binary=netns.plain_wrapper(self.workdir, self.etcd_binary))
+            binary = netns.plain_wrapper(self.workdir, self.etcd_binary)
+            return EtcdCluster(base, 3, binary=binary, extra_args=self.config.etcd_args)
         wrappers = [netns.etcd_wrapper(self.workdir, ns, self.etcd_binary) for ns in self.spaces.members]
         cluster = EtcdCluster(base, 3, binary=wrappers[0])
         # Each member on its namespace's address (EtcdCluster itself lays members out on loopback only).
@@ -282,6 +284,7 @@ class World:
                 log_path=base / f"{spec.name}.log",
                 initial_cluster=initial,
                 cluster_token=token,
+                extra_args=self.config.etcd_args,
             )
             for i, spec in enumerate(specs)
         ]
@@ -808,7 +811,7 @@ class World:
             "faults": list(c.faults),
             "mode": "UNFENCED (negative control)" if c.unfenced else "fenced",
             "etcd_version": self.etcd_version,
-            "etcd_binary": str(self.etcd_binary),
+            "etcd_binary": " ".join((str(self.etcd_binary), *c.etcd_args)),
             "network": f"network namespaces ({self.spaces.tag})"
             if self.spaces
             else f"loopback only: {self.netns_problem}",
@@ -851,6 +854,7 @@ def replay_command(config: Config) -> str:
         parts.append("--unfenced")
     if not config.agent_retry:
         parts.append("--no-agent-retry")
+    parts += [f"--etcd-arg={arg}" for arg in config.etcd_args]
     return " ".join(parts)
 
 
@@ -905,6 +909,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--etcd-bin", type=Path, default=None)
     parser.add_argument("--allow-unsafe-etcd", action="store_true")
+    parser.add_argument(
+        "--etcd-arg", action="append", default=[], help="an extra etcd flag, e.g. --etcd-arg=--pre-vote (repeatable)"
+    )
     parser.add_argument("--json-out", type=Path, default=None, help="also write the summary JSON here")
     parser.add_argument("--inner", default="", help=argparse.SUPPRESS)
 
@@ -936,6 +943,7 @@ def config_from(options: argparse.Namespace) -> Config:
         workdir=options.workdir,
         etcd_bin=options.etcd_bin,
         allow_unsafe_etcd=options.allow_unsafe_etcd,
+        etcd_args=tuple(options.etcd_arg),
         json_out=options.json_out,
     )
 
