@@ -42,6 +42,7 @@ from coordinator.etcd_process import (
     find_etcd_binary,
     free_port,
 )
+from coordinator.server import SERVICE_NAME
 from inbox_claims import (
     AsyncCoordinator,
     EventType,
@@ -60,7 +61,6 @@ from .common import JsonlTail, child_argv, http_json, http_request, python_modul
 from .workload import Notification, SubjectKey, Workload, envelope, plan
 
 CRASH_KINDS = {"etcd_kill", "etcd_leader_kill"}
-SERVICE_NAME = "inbox.coordinator.v1.Coordinator"
 
 
 @dataclass
@@ -148,6 +148,12 @@ class Child:
             self.signal(signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 await self.proc.wait()
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     async def stop(self, grace: float = 5.0) -> None:
         if self.proc is None:
@@ -158,8 +164,7 @@ class Child:
             await asyncio.wait_for(self.proc.wait(), grace)
         except TimeoutError:
             await self.kill()
-        if self._log is not None:
-            self._log.close()
+        self._close_log()
 
     async def read_line(self, within: float = 10.0) -> str:
         assert self.proc is not None
