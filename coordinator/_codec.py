@@ -7,7 +7,8 @@ fields are left out, and a REPLIED record keeps only what a reply record is for 
     subject:   {"s": state, "h": holder, "k": kind, "a": acquired ms, "l": ttl s, "x": expires ms, "n": note,
                 "r": request id, "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id}
     delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id]}
-    end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "t": at ms, "n": detail}
+    end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "t": at ms, "n": detail,
+                "u": 0 when it leaves its notification redeliverable}
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def encode_end_mark(mark: EndMark) -> bytes:
             "r": mark.request_id,
             "t": mark.at_ms,
             "n": mark.detail,
+            "u": None if mark.settles_delivery else 0,
         }
     )
 
@@ -103,6 +105,7 @@ def decode_end_mark(value: bytes) -> EndMark:
         request_id=data.get("r", ""),
         at_ms=data["t"],
         detail=data.get("n", ""),
+        settles_delivery="u" not in data,
     )
 
 

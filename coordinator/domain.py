@@ -161,6 +161,9 @@ class EndMark:
     request_id: str
     at_ms: int
     detail: str = ""
+    # False when the call ended the claim without deciding about the message (ReleaseClaim or AbortSend with
+    # `redeliverable`): the notification that led to it may then claim again.
+    settles_delivery: bool = True
 
 
 @dataclass(frozen=True)
@@ -281,7 +284,7 @@ def is_duplicate_delivery(
         return False
     if current is not None or delivery.subject != subject:
         return True
-    return end is not None and end.at_ms >= delivery.recorded_ms
+    return end is not None and end.settles_delivery and end.at_ms >= delivery.recorded_ms
 
 
 def claim_conflict(current: Stored, caller: Caller, request_id: str) -> ClaimResult:
@@ -330,6 +333,7 @@ def release(
     token: int,
     request_id: str,
     now_ms: int,
+    redeliverable: bool = False,
 ) -> Transition:
     if _repeats(last_end, caller, token, request_id, EndReason.RELEASED):
         return Transition(FenceResult.OK)
@@ -340,7 +344,15 @@ def release(
         raise _wrong_state("ReleaseClaim", token, current.record.state, "CLAIMED (after BeginSend use AbortSend)")
     return Transition(
         FenceResult.OK,
-        end=EndMark(EndReason.RELEASED, caller.principal, token, current.record.holder, request_id, now_ms),
+        end=EndMark(
+            EndReason.RELEASED,
+            caller.principal,
+            token,
+            current.record.holder,
+            request_id,
+            now_ms,
+            settles_delivery=not redeliverable,
+        ),
     )
 
 
@@ -351,6 +363,10 @@ def begin_send(rules: Rules, current: Stored | None, caller: Caller, *, token: i
     record = current.record
     if record.state is State.SENDING:
         return Transition(FenceResult.OK)  # a retry: the commit point was already passed with this token
+    if record.state is State.IN_DOUBT:
+        # A retry whose first attempt committed, answered too late: the send deadline passed meanwhile, so
+        # sending now would race a person resolving it. Do not send; the caller may abort (nothing went out).
+        return Transition(FenceResult.STALE_TOKEN)
     if record.state is not State.CLAIMED:
         raise _wrong_state("BeginSend", token, record.state, "CLAIMED")
     sending = replace(
@@ -386,6 +402,7 @@ def abort_send(
     reason: str,
     request_id: str,
     now_ms: int,
+    redeliverable: bool = False,
 ) -> Transition:
     if _repeats(last_end, caller, token, request_id, EndReason.ABORTED):
         return Transition(FenceResult.OK)
@@ -396,7 +413,16 @@ def abort_send(
         raise _wrong_state("AbortSend", token, current.record.state, "SENDING (before BeginSend use ReleaseClaim)")
     return Transition(
         FenceResult.OK,
-        end=EndMark(EndReason.ABORTED, caller.principal, token, current.record.holder, request_id, now_ms, reason),
+        end=EndMark(
+            EndReason.ABORTED,
+            caller.principal,
+            token,
+            current.record.holder,
+            request_id,
+            now_ms,
+            reason,
+            settles_delivery=not redeliverable,
+        ),
     )
 
 

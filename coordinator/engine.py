@@ -178,7 +178,7 @@ class Engine:
         )
 
     async def release(
-        self, caller: Caller, *, request_id: str, subject: Subject, token: int
+        self, caller: Caller, *, request_id: str, subject: Subject, token: int, redeliverable: bool = False
     ) -> tuple[FenceResult, Stored | None]:
         _check_request_id(request_id)
         _check_subject(caller, subject)
@@ -186,7 +186,13 @@ class Engine:
         return await self._apply(
             subject,
             lambda current, end: domain.release(
-                current, end, caller, token=token, request_id=request_id, now_ms=self._clock()
+                current,
+                end,
+                caller,
+                token=token,
+                request_id=request_id,
+                now_ms=self._clock(),
+                redeliverable=redeliverable,
             ),
         )
 
@@ -221,7 +227,14 @@ class Engine:
         )
 
     async def abort_send(
-        self, caller: Caller, *, request_id: str, subject: Subject, token: int, reason: str
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        token: int,
+        reason: str,
+        redeliverable: bool = False,
     ) -> tuple[FenceResult, Stored | None]:
         _check_request_id(request_id)
         _check_subject(caller, subject)
@@ -230,7 +243,14 @@ class Engine:
         return await self._apply(
             subject,
             lambda current, end: domain.abort_send(
-                current, end, caller, token=token, reason=reason, request_id=request_id, now_ms=self._clock()
+                current,
+                end,
+                caller,
+                token=token,
+                reason=reason,
+                request_id=request_id,
+                now_ms=self._clock(),
+                redeliverable=redeliverable,
             ),
         )
 

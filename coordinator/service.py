@@ -304,6 +304,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             request_id=request.request_id,
             subject=subject,
             token=request.fencing_token,
+            redeliverable=request.redeliverable,
         )
         return pb.ReleaseClaimResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
@@ -345,6 +346,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             subject=subject,
             token=request.fencing_token,
             reason=request.reason,
+            redeliverable=request.redeliverable,
         )
         return pb.AbortSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 

@@ -509,6 +509,28 @@ async def test_leaving_without_sending_releases_the_claim(
         await claim.send(lambda: "too late")
 
 
+async def test_a_failed_block_leaves_its_notification_redeliverable(
+    agent: AsyncCoordinator, other: AsyncCoordinator, mailbox: str
+) -> None:
+    """Leaving the block on purpose settles the notification; leaving it by an exception does not, so that the
+    provider's redelivery (or a replay) can get the message answered by someone."""
+    declined = nylas_notification(mailbox, "declined")
+    async with agent.reply_to(declined):
+        pass  # looked at it, nothing to say
+    with pytest.raises(DuplicateDelivery):
+        async with other.reply_to(declined):
+            pytest.fail("a declined notification was claimed again")
+
+    failed = nylas_notification(mailbox, "failed")
+    with pytest.raises(RuntimeError, match="the LLM failed"):
+        async with agent.reply_to(failed):
+            raise RuntimeError("the LLM failed")
+    sends = SendLog()
+    async with other.reply_to(failed) as claim:
+        await claim.send(sends.send_async)
+    assert len(sends.calls) == 1
+
+
 async def test_thread_scope_claims_the_conversation(
     agent: AsyncCoordinator, other: AsyncCoordinator, mailbox: str
 ) -> None:

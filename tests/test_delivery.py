@@ -100,3 +100,27 @@ async def test_redelivery_after_a_deliberate_release_stays_a_duplicate(
     assert (await other_agent.claim(subject, notification_id="notif-spam")).result == DUPLICATE
     # A different notification about the same message (message.updated) is not a duplicate.
     assert (await other_agent.claim(subject, notification_id="notif-spam-updated")).result == GRANTED
+
+
+async def test_a_redeliverable_release_or_abort_lets_the_notification_claim_again(
+    agent: Actor, other_agent: Actor, mailbox: str
+) -> None:
+    """Giving up because the work failed is not a decision about the message: redeliveries may claim again."""
+    released, aborted = message(mailbox, "released"), message(mailbox, "aborted")
+    token = (await agent.claim(released, notification_id="n-rel")).status.fencing_token
+    response = await agent.stub.ReleaseClaim(
+        pb.ReleaseClaimRequest(request_id=new_request_id(), subject=released, fencing_token=token, redeliverable=True),
+        metadata=agent.metadata,
+    )
+    assert response.result == pb.FENCE_RESULT_OK
+    assert (await other_agent.claim(released, notification_id="n-rel")).result == GRANTED
+
+    token = (await agent.claim(aborted, notification_id="n-abort")).status.fencing_token
+    await agent.begin(aborted, token)
+    await agent.stub.AbortSend(
+        pb.AbortSendRequest(
+            request_id=new_request_id(), subject=aborted, fencing_token=token, reason="lost", redeliverable=True
+        ),
+        metadata=agent.metadata,
+    )
+    assert (await other_agent.claim(aborted, notification_id="n-abort")).result == GRANTED

@@ -267,3 +267,24 @@ async def test_coordinator_serves_health(coordinator: CoordinatorServer) -> None
         for service in ("", "inbox.coordinator.v1.Coordinator"):
             response = await stub.Check(health_pb2.HealthCheckRequest(service=service))
             assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_begin_send_retried_after_the_deadline_is_refused(
+    start_coordinator: StartCoordinator, mailbox: str
+) -> None:
+    """A BeginSend whose answer came too late (the holder was paused past the send deadline) must not send
+    now: the subject is IN_DOUBT and a person may be resolving it."""
+    server = await start_coordinator(send_timeout_ms=300)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agent = Actor(channel, "agent-a")
+        subject = message(mailbox, "m")
+        token = (await agent.claim(subject)).status.fencing_token
+        assert (await agent.begin(subject, token)).result == OK
+
+        async def in_doubt() -> bool:
+            return (await agent.status(subject)).state == pb.SUBJECT_STATE_IN_DOUBT
+
+        await eventually(in_doubt, within=10)
+        retried = await agent.begin(subject, token)
+        assert retried.result == STALE
+        assert retried.status.state == pb.SUBJECT_STATE_IN_DOUBT

@@ -265,7 +265,7 @@ class AsyncClaim(ClaimBase):
     ) -> Literal[False]:
         body, self._body = self._body, None  # from here on, a loss no longer cancels anything
         await self._stop_renewal()
-        await self._client._drive(self._state.exit())
+        await self._client._drive(self._state.exit(failed=exc is not None))
         if (
             self._cancelled_body
             and body is not None

@@ -520,9 +520,12 @@ class Core:
         )
         return Op("RenewClaim", request, _fence)
 
-    def release_op(self, subject: Subject, token: int) -> Op[FenceResult]:
+    def release_op(self, subject: Subject, token: int, *, redeliverable: bool = False) -> Op[FenceResult]:
         request = pb.ReleaseClaimRequest(
-            request_id=new_request_id(), subject=subject_to_pb(subject), fencing_token=_token(token)
+            request_id=new_request_id(),
+            subject=subject_to_pb(subject),
+            fencing_token=_token(token),
+            redeliverable=redeliverable,
         )
         return Op("ReleaseClaim", request, _fence)
 
@@ -541,9 +544,15 @@ class Core:
         )
         return Op("ConfirmSent", request, _fence)
 
-    def abort_send_op(self, subject: Subject, token: int, reason: str = "") -> Op[FenceResult]:
+    def abort_send_op(
+        self, subject: Subject, token: int, reason: str = "", *, redeliverable: bool = False
+    ) -> Op[FenceResult]:
         request = pb.AbortSendRequest(
-            request_id=new_request_id(), subject=subject_to_pb(subject), fencing_token=_token(token), reason=reason
+            request_id=new_request_id(),
+            subject=subject_to_pb(subject),
+            fencing_token=_token(token),
+            reason=reason,
+            redeliverable=redeliverable,
         )
         return Op("AbortSend", request, _fence)
 
@@ -572,9 +581,11 @@ class Core:
         """RenewClaim: pushes the claim's expiry ``ttl`` seconds out (``ok`` False: the token is stale)."""
         return self.call(self.renew_op(subject, token, ttl=ttl))
 
-    def release(self, subject: Subject, token: int) -> Flow[FenceResult]:
-        """ReleaseClaim: gives the claim up without replying; the subject becomes FREE."""
-        return self.call(self.release_op(subject, token))
+    def release(self, subject: Subject, token: int, *, redeliverable: bool = False) -> Flow[FenceResult]:
+        """ReleaseClaim: gives the claim up without replying; the subject becomes FREE. ``redeliverable``: this
+        is not a decision about the message (the work failed), so a redelivery of its notification may claim
+        again; leave it False when you decided not to reply."""
+        return self.call(self.release_op(subject, token, redeliverable=redeliverable))
 
     def begin_send(self, subject: Subject, token: int) -> Flow[FenceResult]:
         """BeginSend, the commit point: CLAIMED to SENDING only if ``token`` is current (else ``ok`` False:
@@ -585,9 +596,12 @@ class Core:
         """ConfirmSent: the reply went out (SENDING or IN_DOUBT to REPLIED), with the mail API's message id."""
         return self.call(self.confirm_sent_op(subject, token, sent_message_id))
 
-    def abort_send(self, subject: Subject, token: int, reason: str = "") -> Flow[FenceResult]:
-        """AbortSend: the send certainly did not go out (SENDING or IN_DOUBT to FREE)."""
-        return self.call(self.abort_send_op(subject, token, reason))
+    def abort_send(
+        self, subject: Subject, token: int, reason: str = "", *, redeliverable: bool = False
+    ) -> Flow[FenceResult]:
+        """AbortSend: the send certainly did not go out (SENDING or IN_DOUBT to FREE); ``redeliverable`` as in
+        ``release``."""
+        return self.call(self.abort_send_op(subject, token, reason, redeliverable=redeliverable))
 
     def status(self, subject: Subject) -> Flow[SubjectStatus]:
         """GetStatus: one subject's state (FREE when nothing is recorded)."""

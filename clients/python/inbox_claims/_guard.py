@@ -291,9 +291,13 @@ class GuardState:
 
     # -- leaving the block -------------------------------------------------------------------------------
 
-    def exit(self) -> Flow[None]:
+    def exit(self, failed: bool = False) -> Flow[None]:
         """Best effort, never raises a coordinator error: release an unsent claim; abort a BeginSend whose
-        answer was lost (the send function was never called, so nothing went out)."""
+        answer was lost (the send function was never called, so nothing went out).
+
+        ``failed``: the block ended with an exception. Then, as after a lost renewal or a lost BeginSend
+        answer, giving the claim up is no decision about the message: it is released as redeliverable, so
+        that a redelivery of its notification may claim again (as after a crash)."""
         with self._lock:
             phase = self.phase
             unsure = phase is Phase.LOST and self.loss is not None and self.loss.reason is LossReason.RENEWAL_FAILED
@@ -301,18 +305,20 @@ class GuardState:
                 self.phase = Phase.RELEASED
         try:
             if phase is Phase.CLAIMED or unsure:
-                yield from self._release()
+                yield from self._release(redeliverable=failed or unsure)
             elif phase is Phase.BEGINNING:
                 reason = "BeginSend's answer was lost; the send function was never called"
                 try:
-                    yield from self.core.call(self.core.abort_send_op(self.subject, self.token, reason))
+                    yield from self.core.call(
+                        self.core.abort_send_op(self.subject, self.token, reason, redeliverable=True)
+                    )
                 except FailedPrecondition:  # BeginSend never committed: the subject is still CLAIMED
-                    yield from self._release()
+                    yield from self._release(redeliverable=True)
         except InboxClaimsError as error:
             log.warning("could not release %s (%s); it frees when its TTL runs out", self.subject, error)
 
-    def _release(self) -> Flow[None]:
-        op: Op[FenceResult] = self.core.release_op(self.subject, self.token)
+    def _release(self, *, redeliverable: bool) -> Flow[None]:
+        op: Op[FenceResult] = self.core.release_op(self.subject, self.token, redeliverable=redeliverable)
         result = yield from self.core.call(op)
         self.status = result.status
 

@@ -244,5 +244,5 @@ class Claim(ClaimBase):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
         self._stop.set()
-        self._client._drive(self._state.exit())
+        self._client._drive(self._state.exit(failed=exc is not None))
         return False

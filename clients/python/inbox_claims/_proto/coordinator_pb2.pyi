@@ -474,8 +474,9 @@ class ClaimReplyResponse(_message.Message):
         """A reply was sent, is being sent, or is in doubt: `status` is that reply record."""
         DUPLICATE_DELIVERY: ClaimReplyResponse._Result.ValueType  # 4
         """The notification id was seen before: `delivery` is its first sighting; nothing was claimed. A
-        notification whose claim lapsed without a decision (its holder crashed mid-draft) is not a duplicate:
-        its redelivery claims again. One whose claim was released, aborted, taken over or replied to is.
+        notification whose claim lapsed without a decision (its holder crashed mid-draft), or was released or
+        aborted as `redeliverable`, is not a duplicate: its redelivery claims again. One whose claim was
+        released, aborted, taken over or replied to is.
         """
 
     class Result(_Result, metaclass=_ResultEnumTypeWrapper): ...
@@ -488,8 +489,9 @@ class ClaimReplyResponse(_message.Message):
     """A reply was sent, is being sent, or is in doubt: `status` is that reply record."""
     DUPLICATE_DELIVERY: ClaimReplyResponse.Result.ValueType  # 4
     """The notification id was seen before: `delivery` is its first sighting; nothing was claimed. A
-    notification whose claim lapsed without a decision (its holder crashed mid-draft) is not a duplicate:
-    its redelivery claims again. One whose claim was released, aborted, taken over or replied to is.
+    notification whose claim lapsed without a decision (its holder crashed mid-draft), or was released or
+    aborted as `redeliverable`, is not a duplicate: its redelivery claims again. One whose claim was
+    released, aborted, taken over or replied to is.
     """
 
     RESULT_FIELD_NUMBER: _builtins.int
@@ -575,8 +577,15 @@ class ReleaseClaimRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SUBJECT_FIELD_NUMBER: _builtins.int
     FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    REDELIVERABLE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     fencing_token: _builtins.int
+    redeliverable: _builtins.bool
+    """Set when giving up is not a decision about the message (the work failed, was cancelled, or lost track of
+    its claim): a redelivery of the notification that led to this claim may then claim again, as after a
+    crash. Leave it false when the caller decided not to reply (spam, nothing to say): redeliveries of that
+    notification stay duplicates.
+    """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     def __init__(
@@ -585,10 +594,11 @@ class ReleaseClaimRequest(_message.Message):
         request_id: _builtins.str = ...,
         subject: Global___Subject | None = ...,
         fencing_token: _builtins.int = ...,
+        redeliverable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "request_id", b"request_id", "subject", b"subject"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "redeliverable", b"redeliverable", "request_id", b"request_id", "subject", b"subject"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -730,10 +740,15 @@ class AbortSendRequest(_message.Message):
     SUBJECT_FIELD_NUMBER: _builtins.int
     FENCING_TOKEN_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    REDELIVERABLE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     fencing_token: _builtins.int
     reason: _builtins.str
     """Why the send certainly failed (for the watchers and the logs). Up to 1024 bytes."""
+    redeliverable: _builtins.bool
+    """As in ReleaseClaimRequest: set when the send never ran for a reason that is not about the message (its
+    BeginSend answer was lost, say), so that a redelivery of the notification may claim again.
+    """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     def __init__(
@@ -743,10 +758,11 @@ class AbortSendRequest(_message.Message):
         subject: Global___Subject | None = ...,
         fencing_token: _builtins.int = ...,
         reason: _builtins.str = ...,
+        redeliverable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "reason", b"reason", "request_id", b"request_id", "subject", b"subject"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "reason", b"reason", "redeliverable", b"redeliverable", "request_id", b"request_id", "subject", b"subject"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
