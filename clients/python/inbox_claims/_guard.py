@@ -184,8 +184,12 @@ class GuardState:
                 return None
             started = time.monotonic()
             op = self.core.renew_op(self.subject, self.token, ttl=self.ttl)
+            # Normally a renewal must land before the claim's expiry as counted from the first ClaimReply attempt.
+            # A grant that arrived after retries longer than the TTL is past that already: ask once anyway, with
+            # a normal deadline. The renewal is fenced, so an OK proves the claim still holds.
+            deadline = self._valid_until if self._valid_until > started else started + interval
             try:
-                result: FenceResult = yield from self.core.call(op, deadline=self._valid_until)
+                result: FenceResult = yield from self.core.call(op, deadline=deadline)
             except Exception as error:  # the coordinator is unreachable, or the client was closed
                 now = time.monotonic()
                 if self.phase is not Phase.CLAIMED:
