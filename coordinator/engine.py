@@ -86,6 +86,10 @@ def _check_token(token: int) -> None:
         raise InvalidArgument("fencing_token", "is required: pass the token ClaimReply granted (a positive number)")
 
 
+# How often a takeover takes over again when an agent claimed between its two steps.
+_TAKEOVER_ROUNDS = 3
+
+
 class Engine:
     def __init__(self, store: EtcdStore, rules: Rules, clock: Callable[[], int]) -> None:
         self.store = store
@@ -303,28 +307,37 @@ class Engine:
         _check_subject(caller, subject)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
         ttl = self.rules.limits.ttl(ttl_seconds)
-        transition, current = await self.store.apply(
-            subject,
-            lambda current, _end: domain.takeover_release(current, caller, request_id=request_id, now_ms=self._clock()),
-            self._end_mark_expiry(),
+        record = domain.new_claim(
+            self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=self._clock()
         )
-        previous = transition.end
-        if previous is None and current is not None:
-            refusal = domain.takeover_refusal(current) or TakeoverResult.HELD
-            return TakeoverOutcome(refusal, current)
-        # Two steps, because etcd refuses to delete and create one key in one transaction, and the new
-        # token must be a new create revision. An agent may claim in between: then the human sees HELD.
-        now = self._clock()
-        record = domain.new_claim(self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=now)
-        attempt = await self.store.claim(subject, record, None, 0)
-        previous_holder = previous.previous_holder if previous else ""
-        previous_token = previous.token if previous else 0
-        if attempt.created is not None:
-            result = TakeoverResult.TAKEN_OVER if previous else TakeoverResult.GRANTED
-            return TakeoverOutcome(result, attempt.created, previous_holder, previous_token)
-        assert attempt.current is not None
-        refusal = domain.takeover_refusal(attempt.current) or TakeoverResult.HELD
-        return TakeoverOutcome(refusal, attempt.current, previous_holder, previous_token)
+        previous: EndMark | None = None
+        outcome: TakeoverOutcome | None = None
+        # Two steps, because etcd refuses to delete and create one key in one transaction, and the new token must
+        # be a new create revision. An agent may claim in between: then its claim is taken over too, a few times
+        # at most; a human who claims in between keeps it (HELD).
+        for _ in range(_TAKEOVER_ROUNDS):
+            transition, current = await self.store.apply(
+                subject,
+                lambda current, _end: domain.takeover_release(
+                    current, caller, request_id=request_id, now_ms=self._clock()
+                ),
+                self._end_mark_expiry(),
+            )
+            previous = previous or transition.end
+            holder, token = (previous.previous_holder, previous.token) if previous else ("", 0)
+            if transition.end is None and current is not None:
+                return TakeoverOutcome(domain.takeover_refusal(current) or TakeoverResult.HELD, current, holder, token)
+            attempt = await self.store.claim(subject, record, None, 0)
+            if attempt.created is not None:
+                result = TakeoverResult.TAKEN_OVER if previous else TakeoverResult.GRANTED
+                return TakeoverOutcome(result, attempt.created, holder, token)
+            assert attempt.current is not None
+            refusal = domain.takeover_refusal(attempt.current)
+            outcome = TakeoverOutcome(refusal or TakeoverResult.HELD, attempt.current, holder, token)
+            if refusal is not None:
+                return outcome
+        assert outcome is not None
+        return outcome
 
     async def resolve_in_doubt(
         self,

@@ -1052,8 +1052,8 @@ class TakeoverResponse(_message.Message):
         GRANTED: TakeoverResponse._Result.ValueType  # 2
         """Nobody held it: you hold it now, as with ClaimReply."""
         HELD: TakeoverResponse._Result.ValueType  # 3
-        """Another human holds it, or an agent claimed it in the instant between the two steps of a takeover;
-        `status` says who. Takeover never takes from a human.
+        """Another human holds it (one may claim in the instant between the two steps of a takeover; an agent that
+        does is taken over too, up to three times); `status` says who. Takeover never takes from a human.
         """
         ALREADY_REPLIED: TakeoverResponse._Result.ValueType  # 4
         """Too late: the send began, or the reply went out. `status` is the reply record."""
@@ -1065,8 +1065,8 @@ class TakeoverResponse(_message.Message):
     GRANTED: TakeoverResponse.Result.ValueType  # 2
     """Nobody held it: you hold it now, as with ClaimReply."""
     HELD: TakeoverResponse.Result.ValueType  # 3
-    """Another human holds it, or an agent claimed it in the instant between the two steps of a takeover;
-    `status` says who. Takeover never takes from a human.
+    """Another human holds it (one may claim in the instant between the two steps of a takeover; an agent that
+    does is taken over too, up to three times); `status` says who. Takeover never takes from a human.
     """
     ALREADY_REPLIED: TakeoverResponse.Result.ValueType  # 4
     """Too late: the send began, or the reply went out. `status` is the reply record."""
