@@ -43,6 +43,8 @@ _CLIENT_CODES = frozenset(
     }
 )
 _SERVER_TROUBLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+_COORDINATOR_SERVICE = "inbox.coordinator.v1.Coordinator"
 
 
 def _snake(name: str) -> str:
@@ -142,6 +144,7 @@ class RpcObserver(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         self._handlers: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
+        self._batched: dict[str, _Method] = {}
 
     async def intercept_service(
         self,
@@ -158,6 +161,23 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         wrapped = self._wrap(path, handler)
         self._handlers[path] = (handler, wrapped)
         return wrapped
+
+    def batch_call(
+        self,
+        method: str,
+        request: Any,
+        response: Any,
+        error: Any,
+        seconds: float,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """One call carried by a Batch: counted, timed and logged under its own method's name."""
+        observed = self._batched.get(method)
+        if observed is None:
+            observed = self._batched[method] = self._method(f"/{_COORDINATOR_SERVICE}/{method}")
+        code = _CODES_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN) if error is not None else grpc.StatusCode.OK
+        details = error.message if error is not None else ""
+        _record(self._metrics, observed, request, context, code, response, details, seconds, timed=True)
 
     def _method(self, path: str) -> _Method:
         service, _, name = path.lstrip("/").rpartition("/")
@@ -239,49 +259,74 @@ class _Observed:
         return self
 
     def __exit__(self, _type: type[BaseException] | None, error: BaseException | None, _tb: object) -> None:
-        method, context = self._method, self._context
-        method.in_flight.dec()
+        self._method.in_flight.dec()
         seconds = time.perf_counter() - self._started
-        if self._timed:
-            method.timed.observe(seconds)
-        code = _code_of(error, context) if error is not None else _set_code(context) or grpc.StatusCode.OK
-        ok = code is grpc.StatusCode.OK and self.response is not None
-        result = result_label(self.response) if ok else code.name.lower()
-        counter = method.counted.get(result)
-        if counter is None:
-            counter = method.counted[result] = self._metrics.rpcs.labels(method.service, method.name, result)
-        counter.inc()
-        level = (
-            logging.DEBUG
-            if method.quiet
-            else logging.INFO
-            if code in _CLIENT_CODES
-            else logging.WARNING
-            if code in _SERVER_TROUBLE
-            else logging.ERROR
+        code = _code_of(error, self._context) if error is not None else _set_code(self._context) or grpc.StatusCode.OK
+        details = "" if code is grpc.StatusCode.OK else self._context.details() or ""
+        response = self.response if code is grpc.StatusCode.OK else None
+        _record(
+            self._metrics,
+            self._method,
+            self._request,
+            self._context,
+            code,
+            response,
+            details,
+            seconds,
+            timed=self._timed,
+            sent=self.sent,
         )
-        if log.isEnabledFor(level):
-            self._log(level, code, result, seconds)
 
-    def _log(self, level: int, code: grpc.StatusCode, result: str, seconds: float) -> None:
-        context = self._context
-        fields: dict[str, Any] = {
-            "event": "rpc",
-            "method": self._method.name,
-            "code": code.name,
-            "result": result,
-            "duration_ms": round(seconds * 1000, 2),
-        }
-        if self.sent is not None:
-            fields["messages"] = self.sent
-        fields.update(request_fields(self._request))
-        principal = _principal(context)
-        if principal:
-            fields["principal"] = principal
-        fields["peer"] = context.peer()
-        if code is not grpc.StatusCode.OK:
-            fields["details"] = context.details() or ""
-        log.log(level, "%s %s %s", self._method.name, code.name, result, extra={"fields": fields})
+
+def _record(
+    metrics: Metrics,
+    method: _Method,
+    request: Any,
+    context: grpc.aio.ServicerContext[Any, Any],
+    code: grpc.StatusCode,
+    response: Any,
+    details: str,
+    seconds: float,
+    *,
+    timed: bool,
+    sent: int | None = None,
+) -> None:
+    """Counts, times and logs one call, whether it came alone or in a Batch."""
+    if timed:
+        method.timed.observe(seconds)
+    result = result_label(response) if code is grpc.StatusCode.OK and response is not None else code.name.lower()
+    counter = method.counted.get(result)
+    if counter is None:
+        counter = method.counted[result] = metrics.rpcs.labels(method.service, method.name, result)
+    counter.inc()
+    level = (
+        logging.DEBUG
+        if method.quiet
+        else logging.INFO
+        if code in _CLIENT_CODES
+        else logging.WARNING
+        if code in _SERVER_TROUBLE
+        else logging.ERROR
+    )
+    if not log.isEnabledFor(level):
+        return
+    fields: dict[str, Any] = {
+        "event": "rpc",
+        "method": method.name,
+        "code": code.name,
+        "result": result,
+        "duration_ms": round(seconds * 1000, 2),
+    }
+    if sent is not None:
+        fields["messages"] = sent
+    fields.update(request_fields(request))
+    principal = _principal(context)
+    if principal:
+        fields["principal"] = principal
+    fields["peer"] = context.peer()
+    if code is not grpc.StatusCode.OK:
+        fields["details"] = details
+    log.log(level, "%s %s %s", method.name, code.name, result, extra={"fields": fields})
 
 
 def _principal(context: grpc.aio.ServicerContext[Any, Any]) -> str:

@@ -19,7 +19,7 @@ class QuotaSettings:
 
 
 class RateLimiter:
-    """One token bucket per principal; ``acquire`` answers 0 when the call may go, else seconds to wait."""
+    """One token bucket per principal; ``acquire`` answers 0 when the calls may go, else seconds to wait."""
 
     def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._rate = rate
@@ -27,17 +27,20 @@ class RateLimiter:
         self._clock = clock
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    def acquire(self, key: str) -> float:
+    def acquire(self, key: str, calls: int = 1) -> float:
+        """Takes ``calls`` tokens. A batch larger than the burst goes once the bucket is full and leaves
+        it in debt, so that it is admitted at all and still pays for every call it carried."""
         if self._rate <= 0:
             return 0.0
         now = self._clock()
         tokens, stamp = self._buckets.get(key, (self._burst, now))
         tokens = min(self._burst, tokens + (now - stamp) * self._rate)
-        if tokens >= 1.0:
-            self._buckets[key] = (tokens - 1.0, now)
+        needed = min(float(calls), self._burst)
+        if tokens >= needed:
+            self._buckets[key] = (tokens - calls, now)
             return 0.0
         self._buckets[key] = (tokens, now)
-        return (1.0 - tokens) / self._rate
+        return (needed - tokens) / self._rate
 
 
 class WatchSlots:

@@ -121,15 +121,18 @@ class CoordinatorServer:
         self.metrics = metrics or Metrics()
         self.store = EtcdStore(settings.etcd, wall_clock_ms, observer=self.metrics)
         self.engine = Engine(self.store, settings.rules, wall_clock_ms)
+        observer = RpcObserver(self.metrics)
         self._server = grpc.aio.server(
-            interceptors=[RpcObserver(self.metrics)],
+            interceptors=[observer],
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
             ],
         )
         self.health = HealthService()
-        self.servicer = CoordinatorServicer(self.engine, settings.authenticator, settings.quotas)
+        self.servicer = CoordinatorServicer(
+            self.engine, settings.authenticator, settings.quotas, batch_observer=observer
+        )
         pb_grpc.add_CoordinatorServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self._server)

@@ -8,8 +8,9 @@ import binascii
 import functools
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -189,38 +190,60 @@ def credentials_of(context: grpc.aio.ServicerContext[Any, Any], with_certificate
     return CallCredentials(metadata, names)
 
 
-R = TypeVar("R")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[["CoordinatorServicer", Caller, Req], Awaitable[Resp]]
+
+BATCH_MAX_CALLS = 256  # a batch is a round trip's worth of concurrent callers, not a bulk import
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: CoordinatorError) -> None:
     if isinstance(error, ResourceExhausted):
-        context.set_trailing_metadata((("retry-after-ms", str(math.ceil(error.retry_after_s * 1000))),))
+        context.set_trailing_metadata((("retry-after-ms", _retry_after_ms(error)),))
     await context.abort(_STATUS_CODES[type(error)], str(error))
 
 
-def _reported(
-    method: Callable[[CoordinatorServicer, Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[R]],
-) -> Callable[[CoordinatorServicer, Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[R]]:
-    """Bounds the call's time, and turns coordinator errors into their status codes; anything else is
-    logged by gRPC and stays INTERNAL/UNKNOWN (a bug to fix, never an expected answer)."""
+def _retry_after_ms(error: ResourceExhausted) -> str:
+    return str(math.ceil(error.retry_after_s * 1000))
 
-    @functools.wraps(method)
-    async def wrapper(self: CoordinatorServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> R:
+
+def _deadline_message(deadline: float) -> str:
+    return f"the call ran past the server's limit of {deadline:g} s; retry it with the same request id"
+
+
+def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generated base's loosely typed method
+    """A unary RPC: authenticates, bounds the call's time, and turns coordinator errors into their status
+    codes; anything else is logged by gRPC and stays UNKNOWN (a bug to fix, never an expected answer)."""
+
+    @functools.wraps(handler)
+    async def rpc(self: CoordinatorServicer, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
         deadline = self.quotas.call_deadline_s
         try:
+            caller = self._authenticate(context)
             async with asyncio.timeout(deadline):
-                return await method(self, request, context)
+                return await handler(self, caller, request)
         except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the call ran past the server's limit of {deadline:g} s; retry it with the same request id",
-            )
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _deadline_message(deadline))
             raise
         except CoordinatorError as error:
             await _abort(context, error)
             raise  # abort() raises; this line only satisfies the type checker
 
-    return wrapper
+    return rpc
+
+
+class BatchObserver(Protocol):
+    """Told about every call a Batch carried, as the interceptor is told about every RPC."""
+
+    def batch_call(
+        self,
+        method: str,
+        request: Any,
+        response: Any,
+        error: pb.CallError | None,
+        seconds: float,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None: ...
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -229,17 +252,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         engine: Engine,
         authenticator: Authenticator | None = None,
         quotas: QuotaSettings | None = None,
+        batch_observer: BatchObserver | None = None,
     ) -> None:
         self._engine = engine
         self.authenticator = authenticator or DevelopmentAuthenticator()
         self.quotas = quotas or QuotaSettings()
+        self.batch_observer = batch_observer
         self._rates = RateLimiter(self.quotas.calls_per_second, self.quotas.burst)
         self._watches = WatchSlots(self.quotas.max_watches)
 
-    def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
+    def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any], calls: int = 1) -> Caller:
         caller = self.authenticator.authenticate(credentials_of(context, self.authenticator.uses_certificates))
         current_principal.set(caller.principal)
-        wait = self._rates.acquire(caller.principal)
+        wait = self._rates.acquire(caller.principal, calls)
         if wait > 0:
             raise ResourceExhausted(
                 f"principal {caller.principal!r} is over its limit of {self.quotas.calls_per_second:g} calls/s; "
@@ -248,12 +273,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             )
         return caller
 
-    @_reported
-    async def RecordDelivery(
-        self, request: pb.RecordDeliveryRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.RecordDeliveryResponse:
+    async def _record_delivery(self, caller: Caller, request: pb.RecordDeliveryRequest) -> pb.RecordDeliveryResponse:
         new, record = await self._engine.record_delivery(
-            self._authenticate(context),
+            caller,
             request_id=request.request_id,
             mailbox=request.mailbox,
             notification_id=request.notification_id,
@@ -261,13 +283,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         result = pb.RecordDeliveryResponse.NEW if new else pb.RecordDeliveryResponse.DUPLICATE
         return pb.RecordDeliveryResponse(result=result, first=delivery_out(record))
 
-    @_reported
-    async def ClaimReply(
-        self, request: pb.ClaimReplyRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ClaimReplyResponse:
+    async def _claim_reply(self, caller: Caller, request: pb.ClaimReplyRequest) -> pb.ClaimReplyResponse:
         subject = subject_in(request.subject)
         outcome = await self._engine.claim_reply(
-            self._authenticate(context),
+            caller,
             request_id=request.request_id,
             subject=subject,
             notification_id=request.notification_id,
@@ -280,13 +299,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             delivery=delivery_out(outcome.delivery) if outcome.delivery is not None else None,
         )
 
-    @_reported
-    async def RenewClaim(
-        self, request: pb.RenewClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.RenewClaimResponse:
+    async def _renew_claim(self, caller: Caller, request: pb.RenewClaimRequest) -> pb.RenewClaimResponse:
         subject = subject_in(request.subject)
         result, stored = await self._engine.renew(
-            self._authenticate(context),
+            caller,
             request_id=request.request_id,
             subject=subject,
             token=request.fencing_token,
@@ -294,13 +310,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return pb.RenewClaimResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
-    @_reported
-    async def ReleaseClaim(
-        self, request: pb.ReleaseClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ReleaseClaimResponse:
+    async def _release_claim(self, caller: Caller, request: pb.ReleaseClaimRequest) -> pb.ReleaseClaimResponse:
         subject = subject_in(request.subject)
         result, stored = await self._engine.release(
-            self._authenticate(context),
+            caller,
             request_id=request.request_id,
             subject=subject,
             token=request.fencing_token,
@@ -308,26 +321,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return pb.ReleaseClaimResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
-    @_reported
-    async def BeginSend(
-        self, request: pb.BeginSendRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.BeginSendResponse:
+    async def _begin_send(self, caller: Caller, request: pb.BeginSendRequest) -> pb.BeginSendResponse:
         subject = subject_in(request.subject)
         result, stored = await self._engine.begin_send(
-            self._authenticate(context),
+            caller,
             request_id=request.request_id,
             subject=subject,
             token=request.fencing_token,
         )
         return pb.BeginSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
-    @_reported
-    async def ConfirmSent(
-        self, request: pb.ConfirmSentRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ConfirmSentResponse:
+    async def _confirm_sent(self, caller: Caller, request: pb.ConfirmSentRequest) -> pb.ConfirmSentResponse:
         subject = subject_in(request.subject)
         result, stored = await self._engine.confirm_sent(
-            self._authenticate(context),
+            caller,
             request_id=request.request_id,
             subject=subject,
             token=request.fencing_token,
@@ -335,13 +342,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return pb.ConfirmSentResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
-    @_reported
-    async def AbortSend(
-        self, request: pb.AbortSendRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.AbortSendResponse:
+    async def _abort_send(self, caller: Caller, request: pb.AbortSendRequest) -> pb.AbortSendResponse:
         subject = subject_in(request.subject)
         result, stored = await self._engine.abort_send(
-            self._authenticate(context),
+            caller,
             request_id=request.request_id,
             subject=subject,
             token=request.fencing_token,
@@ -350,19 +354,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return pb.AbortSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
-    @_reported
-    async def GetStatus(
-        self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.GetStatusResponse:
-        caller = self._authenticate(context)
+    async def _get_status(self, caller: Caller, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
         subject = subject_in(request.subject)
         return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(caller, subject)))
 
-    @_reported
-    async def ListClaims(
-        self, request: pb.ListClaimsRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ListClaimsResponse:
-        caller = self._authenticate(context)
+    async def _list_claims(self, caller: Caller, request: pb.ListClaimsRequest) -> pb.ListClaimsResponse:
         states = set()
         for state in request.states:
             if state not in _STATES_IN:
@@ -380,6 +376,49 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             next_page_token=base64.urlsafe_b64encode(page.next_token).decode() if page.next_token else "",
             revision=page.revision,
         )
+
+    async def _takeover(self, caller: Caller, request: pb.TakeoverRequest) -> pb.TakeoverResponse:
+        subject = subject_in(request.subject)
+        outcome = await self._engine.takeover(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            ttl_seconds=request.ttl_seconds,
+            note=request.note,
+        )
+        return pb.TakeoverResponse(
+            result=_TAKEOVER_RESULTS[outcome.result],
+            status=status_out(subject, outcome.stored),
+            previous_holder=outcome.previous_holder,
+            previous_token=outcome.previous_token,
+        )
+
+    async def _resolve_in_doubt(self, caller: Caller, request: pb.ResolveInDoubtRequest) -> pb.ResolveInDoubtResponse:
+        subject = subject_in(request.subject)
+        outcome = _RESOLVE_OUTCOMES.get(request.outcome)
+        if outcome is None:
+            raise InvalidArgument("outcome", "must be OUTCOME_SENT or OUTCOME_NOT_SENT")
+        stored = await self._engine.resolve_in_doubt(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            outcome=outcome,
+            sent_message_id=request.sent_message_id,
+            note=request.note,
+        )
+        return pb.ResolveInDoubtResponse(status=status_out(subject, stored))
+
+    RecordDelivery = _unary(_record_delivery)
+    ClaimReply = _unary(_claim_reply)
+    RenewClaim = _unary(_renew_claim)
+    ReleaseClaim = _unary(_release_claim)
+    BeginSend = _unary(_begin_send)
+    ConfirmSent = _unary(_confirm_sent)
+    AbortSend = _unary(_abort_send)
+    GetStatus = _unary(_get_status)
+    ListClaims = _unary(_list_claims)
+    Takeover = _unary(_takeover)
+    ResolveInDoubt = _unary(_resolve_in_doubt)
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -408,42 +447,66 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except CoordinatorError as error:
             await _abort(context, error)
 
-    @_reported
-    async def Takeover(
-        self, request: pb.TakeoverRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.TakeoverResponse:
-        subject = subject_in(request.subject)
-        outcome = await self._engine.takeover(
-            self._authenticate(context),
-            request_id=request.request_id,
-            subject=subject,
-            ttl_seconds=request.ttl_seconds,
-            note=request.note,
-        )
-        return pb.TakeoverResponse(
-            result=_TAKEOVER_RESULTS[outcome.result],
-            status=status_out(subject, outcome.stored),
-            previous_holder=outcome.previous_holder,
-            previous_token=outcome.previous_token,
-        )
+    async def Batch(self, request: pb.BatchRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.BatchResponse:
+        calls = request.calls
+        try:
+            if len(calls) > BATCH_MAX_CALLS:
+                raise InvalidArgument("calls", f"has {len(calls)} calls; the limit is {BATCH_MAX_CALLS} per batch")
+            caller = self._authenticate(context, max(len(calls), 1))
+        except CoordinatorError as error:
+            await _abort(context, error)
+            raise
+        results = await asyncio.gather(*(self._batch_call(caller, call, context) for call in calls))
+        return pb.BatchResponse(results=results)
 
-    @_reported
-    async def ResolveInDoubt(
-        self, request: pb.ResolveInDoubtRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ResolveInDoubtResponse:
-        subject = subject_in(request.subject)
-        outcome = _RESOLVE_OUTCOMES.get(request.outcome)
-        if outcome is None:
-            raise InvalidArgument("outcome", "must be OUTCOME_SENT or OUTCOME_NOT_SENT")
-        stored = await self._engine.resolve_in_doubt(
-            self._authenticate(context),
-            request_id=request.request_id,
-            subject=subject,
-            outcome=outcome,
-            sent_message_id=request.sent_message_id,
-            note=request.note,
-        )
-        return pb.ResolveInDoubtResponse(status=status_out(subject, stored))
+    async def _batch_call(
+        self, caller: Caller, call: pb.BatchCall, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.BatchResult:
+        field = call.WhichOneof("call")
+        started = time.perf_counter()
+        request: Any = getattr(call, field) if field is not None else None
+        response: Any = None
+        error: pb.CallError | None = None
+        try:
+            if field is None:
+                raise InvalidArgument("calls[].call", "is empty; set one of the request fields")
+            handler = _BATCH_CALLS[field]
+            async with asyncio.timeout(self.quotas.call_deadline_s):
+                response = await handler(self, caller, request)
+        except TimeoutError:
+            error = pb.CallError(
+                code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message=_deadline_message(self.quotas.call_deadline_s)
+            )
+        except CoordinatorError as failure:
+            error = pb.CallError(code=_STATUS_CODES[type(failure)].value[0], message=str(failure))
+            if isinstance(failure, ResourceExhausted):
+                error.retry_after_ms = int(_retry_after_ms(failure))
+        except Exception:
+            # One call's bug must not cost the other calls their answers; it is logged like an unary one's.
+            log.exception("a %s call of a batch failed", field)
+            error = pb.CallError(code=grpc.StatusCode.INTERNAL.value[0], message="internal error; see the server log")
+        if self.batch_observer is not None:
+            method = _BATCH_METHODS.get(field or "", "Batch")
+            self.batch_observer.batch_call(method, request, response, error, time.perf_counter() - started, context)
+        if error is not None:
+            return pb.BatchResult(error=error)
+        result = pb.BatchResult()
+        getattr(result, field or "").CopyFrom(response)
+        return result
+
+
+# The calls a Batch may carry: its oneof field -> the handler of the unary RPC of the same name.
+_BATCH_CALLS: dict[str, Handler[Any, Any]] = {
+    "record_delivery": CoordinatorServicer._record_delivery,
+    "claim_reply": CoordinatorServicer._claim_reply,
+    "renew_claim": CoordinatorServicer._renew_claim,
+    "release_claim": CoordinatorServicer._release_claim,
+    "begin_send": CoordinatorServicer._begin_send,
+    "confirm_sent": CoordinatorServicer._confirm_sent,
+    "abort_send": CoordinatorServicer._abort_send,
+    "get_status": CoordinatorServicer._get_status,
+}
+_BATCH_METHODS = {field: "".join(part.title() for part in field.split("_")) for field in _BATCH_CALLS}
 
 
 def _page_token_in(token: str) -> bytes | None:

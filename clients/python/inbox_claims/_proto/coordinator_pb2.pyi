@@ -1168,3 +1168,184 @@ class ResolveInDoubtResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResolveInDoubtResponse: _TypeAlias = ResolveInDoubtResponse  # noqa: Y015
+
+@_typing.final
+class BatchCall(_message.Message):
+    """One call of a Batch: the request of the unary RPC of the same name."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORD_DELIVERY_FIELD_NUMBER: _builtins.int
+    CLAIM_REPLY_FIELD_NUMBER: _builtins.int
+    RENEW_CLAIM_FIELD_NUMBER: _builtins.int
+    RELEASE_CLAIM_FIELD_NUMBER: _builtins.int
+    BEGIN_SEND_FIELD_NUMBER: _builtins.int
+    CONFIRM_SENT_FIELD_NUMBER: _builtins.int
+    ABORT_SEND_FIELD_NUMBER: _builtins.int
+    GET_STATUS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def record_delivery(self) -> Global___RecordDeliveryRequest: ...
+    @_builtins.property
+    def claim_reply(self) -> Global___ClaimReplyRequest: ...
+    @_builtins.property
+    def renew_claim(self) -> Global___RenewClaimRequest: ...
+    @_builtins.property
+    def release_claim(self) -> Global___ReleaseClaimRequest: ...
+    @_builtins.property
+    def begin_send(self) -> Global___BeginSendRequest: ...
+    @_builtins.property
+    def confirm_sent(self) -> Global___ConfirmSentRequest: ...
+    @_builtins.property
+    def abort_send(self) -> Global___AbortSendRequest: ...
+    @_builtins.property
+    def get_status(self) -> Global___GetStatusRequest: ...
+    def __init__(
+        self,
+        *,
+        record_delivery: Global___RecordDeliveryRequest | None = ...,
+        claim_reply: Global___ClaimReplyRequest | None = ...,
+        renew_claim: Global___RenewClaimRequest | None = ...,
+        release_claim: Global___ReleaseClaimRequest | None = ...,
+        begin_send: Global___BeginSendRequest | None = ...,
+        confirm_sent: Global___ConfirmSentRequest | None = ...,
+        abort_send: Global___AbortSendRequest | None = ...,
+        get_status: Global___GetStatusRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status"]  # noqa: Y015
+    _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
+
+Global___BatchCall: _TypeAlias = BatchCall  # noqa: Y015
+
+@_typing.final
+class BatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchCall]:
+        """Up to 256 calls."""
+
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___BatchCall] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchRequest: _TypeAlias = BatchRequest  # noqa: Y015
+
+@_typing.final
+class CallError(_message.Message):
+    """The status a call would have ended with on its own, when it was not OK."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A google.rpc.Code / grpc status code number (3 INVALID_ARGUMENT, 7 PERMISSION_DENIED, 14 UNAVAILABLE...)."""
+    message: _builtins.str
+    retry_after_ms: _builtins.int
+    """With RESOURCE_EXHAUSTED: when to retry (the unary call's `retry-after-ms` trailer)."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        retry_after_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallError: _TypeAlias = CallError  # noqa: Y015
+
+@_typing.final
+class BatchResult(_message.Message):
+    """The answer to one BatchCall: the response of the unary RPC of the same name, or its error."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERROR_FIELD_NUMBER: _builtins.int
+    RECORD_DELIVERY_FIELD_NUMBER: _builtins.int
+    CLAIM_REPLY_FIELD_NUMBER: _builtins.int
+    RENEW_CLAIM_FIELD_NUMBER: _builtins.int
+    RELEASE_CLAIM_FIELD_NUMBER: _builtins.int
+    BEGIN_SEND_FIELD_NUMBER: _builtins.int
+    CONFIRM_SENT_FIELD_NUMBER: _builtins.int
+    ABORT_SEND_FIELD_NUMBER: _builtins.int
+    GET_STATUS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def error(self) -> Global___CallError: ...
+    @_builtins.property
+    def record_delivery(self) -> Global___RecordDeliveryResponse: ...
+    @_builtins.property
+    def claim_reply(self) -> Global___ClaimReplyResponse: ...
+    @_builtins.property
+    def renew_claim(self) -> Global___RenewClaimResponse: ...
+    @_builtins.property
+    def release_claim(self) -> Global___ReleaseClaimResponse: ...
+    @_builtins.property
+    def begin_send(self) -> Global___BeginSendResponse: ...
+    @_builtins.property
+    def confirm_sent(self) -> Global___ConfirmSentResponse: ...
+    @_builtins.property
+    def abort_send(self) -> Global___AbortSendResponse: ...
+    @_builtins.property
+    def get_status(self) -> Global___GetStatusResponse: ...
+    def __init__(
+        self,
+        *,
+        error: Global___CallError | None = ...,
+        record_delivery: Global___RecordDeliveryResponse | None = ...,
+        claim_reply: Global___ClaimReplyResponse | None = ...,
+        renew_claim: Global___RenewClaimResponse | None = ...,
+        release_claim: Global___ReleaseClaimResponse | None = ...,
+        begin_send: Global___BeginSendResponse | None = ...,
+        confirm_sent: Global___ConfirmSentResponse | None = ...,
+        abort_send: Global___AbortSendResponse | None = ...,
+        get_status: Global___GetStatusResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___BatchResult: _TypeAlias = BatchResult  # noqa: Y015
+
+@_typing.final
+class BatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchResult]:
+        """One per call, in the order of the request's calls."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___BatchResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchResponse: _TypeAlias = BatchResponse  # noqa: Y015

@@ -95,6 +95,11 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse.FromString,
                 _registered_method=True)
+        self.Batch = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/Batch',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -200,6 +205,19 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Batch(self, request, context):
+        """Several independent calls in one round trip: what a client sends when many of its callers (the
+        handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
+        and answered exactly as the same call on its own, and behaves as if made alone; calls of one batch
+        run concurrently, in no promised order, and their etcd transactions are group-committed together.
+        One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer and does not fail
+        the others. The whole batch fails only for what concerns every call: authentication, the rate limit,
+        or more than 256 calls (INVALID_ARGUMENT).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -262,6 +280,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ResolveInDoubt,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse.SerializeToString,
+            ),
+            'Batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -588,6 +611,33 @@ class Coordinator:
             '/inbox.coordinator.v1.Coordinator/ResolveInDoubt',
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest.SerializeToString,
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/Batch',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

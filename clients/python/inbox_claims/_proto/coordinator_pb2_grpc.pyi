@@ -100,6 +100,15 @@ class CoordinatorStub:
     deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
     first; the coordinator cannot know.
     """
+    Batch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]
+    """Several independent calls in one round trip: what a client sends when many of its callers (the
+    handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
+    and answered exactly as the same call on its own, and behaves as if made alone; calls of one batch
+    run concurrently, in no promised order, and their etcd transactions are group-committed together.
+    One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer and does not fail
+    the others. The whole batch fails only for what concerns every call: authentication, the rate limit,
+    or more than 256 calls (INVALID_ARGUMENT).
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -152,6 +161,15 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
     deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
     first; the coordinator cannot know.
+    """
+    Batch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]  # type: ignore[assignment]
+    """Several independent calls in one round trip: what a client sends when many of its callers (the
+    handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
+    and answered exactly as the same call on its own, and behaves as if made alone; calls of one batch
+    run concurrently, in no promised order, and their etcd transactions are group-committed together.
+    One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer and does not fail
+    the others. The whole batch fails only for what concerns every call: authentication, the rate limit,
+    or more than 256 calls (INVALID_ARGUMENT).
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -274,6 +292,21 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
         deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
         first; the coordinator cannot know.
+        """
+
+    @_abc_1.abstractmethod
+    def Batch(
+        self,
+        request: _coordinator_pb2.BatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.BatchResponse, _abc.Awaitable[_coordinator_pb2.BatchResponse]]:
+        """Several independent calls in one round trip: what a client sends when many of its callers (the
+        handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
+        and answered exactly as the same call on its own, and behaves as if made alone; calls of one batch
+        run concurrently, in no promised order, and their etcd transactions are group-committed together.
+        One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer and does not fail
+        the others. The whole batch fails only for what concerns every call: authentication, the rate limit,
+        or more than 256 calls (INVALID_ARGUMENT).
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
