@@ -154,6 +154,11 @@ class Actor:
             metadata=self.metadata,
         )
 
+    async def batch(self, *calls: pb.BatchCall) -> tuple[pb.BatchResult, ...]:
+        response = await self.stub.Batch(pb.BatchRequest(calls=calls), metadata=self.metadata)
+        assert len(response.results) == len(calls)
+        return tuple(response.results)
+
     def watch(self, mailbox: str) -> AsyncIterator[pb.WatchResponse]:
         return self.stub.Watch(pb.WatchRequest(mailbox=mailbox), metadata=self.metadata).__aiter__()
 

@@ -12,6 +12,8 @@ from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 import grpc
 
+from . import _batch
+from ._batch import BATCHABLE, Coalescer
 from ._core import (
     ClientBase,
     Effect,
@@ -48,6 +50,9 @@ class AsyncCoordinator(ClientBase):
 
     _channel: grpc.aio.Channel | None = None
     _stub: pb_grpc.CoordinatorStub | None = None
+    _coalescer: Coalescer[asyncio.Future[Any]] | None = None
+    _sending: set[asyncio.Task[None]] | None = None
+    _flush_scheduled = False
 
     # -- I/O ---------------------------------------------------------------------------------------------
 
@@ -60,10 +65,11 @@ class AsyncCoordinator(ClientBase):
 
     async def _perform(self, effect: Effect) -> Any:
         metadata = self._core.options.metadata
+        if isinstance(effect, Rpc):
+            if effect.method in BATCHABLE and self._core.options.max_batch > 1:
+                return await self._batched(effect)
+            return await self._unary(effect)
         try:
-            if isinstance(effect, Rpc):
-                method = getattr(self._get_stub(), effect.method)
-                return await method(effect.request, timeout=effect.timeout, metadata=metadata)
             if isinstance(effect, ReadStream):
                 message = await effect.handle.read()
                 return None if message is grpc.aio.EOF else message
@@ -77,6 +83,73 @@ class AsyncCoordinator(ClientBase):
         if isinstance(effect, OpenStream):
             return getattr(self._get_stub(), effect.method)(effect.request, metadata=metadata)
         raise TypeError(f"unknown effect {effect!r}")
+
+    async def _unary(self, effect: Rpc) -> Any:
+        method = getattr(self._get_stub(), effect.method)
+        try:
+            return await method(effect.request, timeout=effect.timeout, metadata=self._core.options.metadata)
+        except grpc.RpcError as error:
+            raise RpcFailure.from_grpc(error) from None
+
+    async def _batched(self, effect: Rpc) -> Any:
+        """Sends ``effect`` together with the calls made at the same time (see ``_batch``)."""
+        if self._coalescer is None:
+            self._coalescer = Coalescer(self._core.options.max_batch)
+            self._sending = set()
+        if not self._coalescer.supported:
+            return await self._unary(effect)
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._coalescer.add(effect, answer)
+        self._flush_soon()
+        return await answer
+
+    def _flush_soon(self) -> None:
+        # On the next pass of the loop, not now: the callers woken together by the last batch's answers
+        # all get to queue their next call first, and go in one batch rather than one alone and the rest.
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        coalescer = self._coalescer
+        while coalescer is not None and (batch := coalescer.next_batch()) is not None:
+            task = asyncio.create_task(self._send_batch(coalescer, batch))
+            assert self._sending is not None
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send_batch(
+        self, coalescer: Coalescer[asyncio.Future[Any]], batch: list[tuple[Rpc, asyncio.Future[Any]]]
+    ) -> None:
+        live = [(rpc, answer) for rpc, answer in batch if not answer.done()]  # a cancelled caller's call stays home
+        try:
+            results = await self._answers([rpc for rpc, _answer in live]) if live else []
+        except BaseException:
+            for _rpc, answer in live:
+                answer.cancel()  # the client is closing: its waiting callers are cancelled with it
+            raise
+        finally:
+            coalescer.finished()
+            if coalescer.pending:
+                self._flush_soon()
+        for (_rpc, answer), result in zip(live, results, strict=True):
+            if answer.done():
+                continue
+            if isinstance(result, RpcFailure):
+                answer.set_exception(result)
+            else:
+                answer.set_result(result)
+
+    async def _answers(self, calls: list[Rpc]) -> list[Any]:
+        try:
+            return _batch.answers(calls, await self._unary(_batch.send(calls)))
+        except RpcFailure as failure:
+            if not _batch.unsupported(calls, failure):
+                return [failure] * len(calls)
+        assert self._coalescer is not None
+        self._coalescer.supported = False
+        return await asyncio.gather(*(self._unary(call) for call in calls), return_exceptions=True)
 
     async def _run(self, flow: Flow[Any], result: list[Any]) -> AsyncGenerator[Any, None]:
         """Runs a flow: yields what it emits, appends what it returns to ``result``."""
@@ -102,6 +175,8 @@ class AsyncCoordinator(ClientBase):
         """Closes the channel. Claims still open stop renewing (their renewal fails) and expire by TTL."""
         channel, self._channel, self._stub = self._channel, None, None
         self._closed = True
+        for task in tuple(self._sending or ()):
+            task.cancel()
         if channel is not None:
             await channel.close()
 

@@ -56,6 +56,7 @@ DEFAULT_TIMEOUT = 10.0
 PRINCIPAL_METADATA = "x-inbox-principal"
 PRINCIPAL_KIND_METADATA = "x-inbox-principal-kind"
 USER_AGENT = "inbox-claims-python/0.1"
+BATCH_MAX_CALLS = 256  # the coordinator's limit of calls per Batch RPC
 RETRY_AFTER_METADATA = "retry-after-ms"
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
@@ -363,6 +364,8 @@ class ClientOptions:
     retry: RetryPolicy
     metadata: tuple[tuple[str, str], ...]
     channel_options: tuple[tuple[str, Any], ...] = field(default=())
+    max_batch: int = 64
+    """Concurrent calls sent together in one Batch RPC, at most; 1: every call alone."""
 
     def open_channel(self, insecure: Callable[..., T], secure: Callable[..., T]) -> T:
         """A channel from ``grpc`` or ``grpc.aio``: plaintext without credentials, else secure."""
@@ -391,6 +394,7 @@ def make_options(
     timeout: float,
     retry: RetryPolicy | None,
     channel_options: Sequence[tuple[str, Any]],
+    max_batch: int = 64,
 ) -> ClientOptions:
     if not target:
         raise ValueError("target must be HOST:PORT (or any gRPC target), e.g. '127.0.0.1:50051'")
@@ -404,6 +408,8 @@ def make_options(
         credentials = grpc.ssl_channel_credentials(root_certificates, client_key, client_certificate)
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
+    if not 1 <= max_batch <= BATCH_MAX_CALLS:
+        raise ValueError(f"max_batch must be 1..{BATCH_MAX_CALLS} (the coordinator's limit per batch), not {max_batch}")
     metadata: list[tuple[str, str]] = []
     if principal is not None:
         metadata.append((PRINCIPAL_METADATA, _ascii_metadata("principal", principal)))
@@ -432,6 +438,7 @@ def make_options(
         retry=policy,
         metadata=tuple(metadata),
         channel_options=tuple(defaults.items()),
+        max_batch=max_batch,
     )
 
 
@@ -790,6 +797,7 @@ class ClientBase:
         timeout: float = DEFAULT_TIMEOUT,
         retry: RetryPolicy | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        max_batch: int = 64,
     ) -> None:
         """Connects lazily to the coordinator at ``target`` (HOST:PORT, default ``127.0.0.1:50051``).
 
@@ -802,6 +810,9 @@ class ClientBase:
         ``timeout``: the deadline of each attempt of each call, in seconds. ``retry``: a :class:`RetryPolicy`
         (default: 6 attempts, 0.1 s to 2 s exponential backoff with jitter). ``channel_options``: extra gRPC
         channel arguments.
+        ``max_batch``: calls made at the same time (by concurrent tasks or threads sharing this client) go
+        to the coordinator together, up to this many in one Batch RPC; each is still its own call, with its
+        own answer, error and retries. 1 sends every call alone.
         """
         self._core = Core(
             make_options(
@@ -817,6 +828,7 @@ class ClientBase:
                 timeout=timeout,
                 retry=retry,
                 channel_options=channel_options,
+                max_batch=max_batch,
             )
         )
 

@@ -13,6 +13,8 @@ from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 import grpc
 
+from . import _batch
+from ._batch import BATCHABLE, Coalescer
 from ._core import (
     ClientBase,
     Effect,
@@ -44,6 +46,18 @@ class _AwaitableNotSent(SendRejected, TypeError):
     """A sync claim's send function returned an awaitable: it never ran, so nothing was sent."""
 
 
+class _Waiter:
+    """A thread waiting in a batch: for its answer, or to be handed the next batch to send (``lead``)."""
+
+    __slots__ = ("answer", "answered", "lead", "ready")
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.answer: Any = None
+        self.answered = False
+        self.lead: list[tuple[Rpc, _Waiter]] | None = None
+
+
 class Coordinator(ClientBase):
     """A blocking client of the Inbox Coordinator; safe to share between threads.
 
@@ -54,6 +68,8 @@ class Coordinator(ClientBase):
     _channel: grpc.Channel | None = None
     _stub: pb_grpc.CoordinatorStub | None = None
     _opening = threading.Lock()
+    _coalescer: Coalescer[_Waiter] | None = None
+    _batching: threading.Lock
 
     # -- I/O ---------------------------------------------------------------------------------------------
 
@@ -67,10 +83,11 @@ class Coordinator(ClientBase):
 
     def _perform(self, effect: Effect, sleep: Callable[[float], Any]) -> Any:
         metadata = self._core.options.metadata
+        if isinstance(effect, Rpc):
+            if effect.method in BATCHABLE and self._core.options.max_batch > 1:
+                return self._batched(effect)
+            return self._unary(effect)
         try:
-            if isinstance(effect, Rpc):
-                method = getattr(self._get_stub(), effect.method)
-                return method(effect.request, timeout=effect.timeout, metadata=metadata)
             if isinstance(effect, ReadStream):
                 return next(effect.handle, None)
         except grpc.RpcError as error:
@@ -89,6 +106,73 @@ class Coordinator(ClientBase):
         if isinstance(effect, OpenStream):
             return getattr(self._get_stub(), effect.method)(effect.request, metadata=metadata)
         raise TypeError(f"unknown effect {effect!r}")
+
+    def _unary(self, effect: Rpc) -> Any:
+        method = getattr(self._get_stub(), effect.method)
+        try:
+            return method(effect.request, timeout=effect.timeout, metadata=self._core.options.metadata)
+        except grpc.RpcError as error:
+            raise RpcFailure.from_grpc(error) from None
+
+    def _batched(self, effect: Rpc) -> Any:
+        """Sends ``effect`` together with the calls other threads make at the same time (see ``_batch``):
+        a thread that finds a batch slot free sends; the others wait, and the thread whose call comes first
+        in the next batch is woken to send it."""
+        if self._coalescer is None:
+            with self._opening:
+                if self._coalescer is None:
+                    self._batching = threading.Lock()
+                    self._coalescer = Coalescer(self._core.options.max_batch)
+        coalescer = self._coalescer
+        if not coalescer.supported:
+            return self._unary(effect)
+        waiter = _Waiter()
+        with self._batching:
+            coalescer.add(effect, waiter)
+            batch = coalescer.next_batch()
+        while True:
+            if batch is not None:
+                self._send_batch(coalescer, batch)
+            if waiter.answered:
+                break
+            waiter.ready.wait()
+            batch, waiter.lead = waiter.lead, None
+        if isinstance(waiter.answer, RpcFailure):
+            raise waiter.answer
+        return waiter.answer
+
+    def _send_batch(self, coalescer: Coalescer[_Waiter], batch: list[tuple[Rpc, _Waiter]]) -> None:
+        calls = [rpc for rpc, _waiter in batch]
+        results: list[Any] = [RpcFailure(grpc.StatusCode.CANCELLED, "the thread sending this batch was interrupted")]
+        results *= len(calls)
+        try:
+            results = self._answers(coalescer, calls)
+        finally:
+            for (_rpc, waiter), result in zip(batch, results, strict=True):
+                waiter.answer, waiter.answered = result, True
+                waiter.ready.set()
+            with self._batching:
+                coalescer.finished()
+                after = coalescer.next_batch()
+            if after is not None:
+                leader = after[0][1]
+                leader.lead = after
+                leader.ready.set()
+
+    def _answers(self, coalescer: Coalescer[_Waiter], calls: list[Rpc]) -> list[Any]:
+        try:
+            return _batch.answers(calls, self._unary(_batch.send(calls)))
+        except RpcFailure as failure:
+            if not _batch.unsupported(calls, failure):
+                return [failure] * len(calls)
+        coalescer.supported = False
+        results: list[Any] = []
+        for call in calls:
+            try:
+                results.append(self._unary(call))
+            except RpcFailure as failure:
+                results.append(failure)
+        return results
 
     def _run(
         self, flow: Flow[Any], result: list[Any], sleep: Callable[[float], Any] = time.sleep

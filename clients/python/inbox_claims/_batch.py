@@ -1,0 +1,109 @@
+"""Coalescing concurrent calls into Batch RPCs: which calls go together, and how a Batch's answer is read.
+
+Both clients send the calls their callers make at the same time as one ``Batch`` RPC: one round trip, one
+server dispatch and one etcd group commit for many callers. This module is the whole policy; the clients
+only wait (an asyncio future, a thread's event). Each call keeps its own flow: its own request id, its own
+retries, its own error, exactly as if it had been sent alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Generic, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from ._core import BATCH_MAX_CALLS, Rpc, RpcFailure
+from ._proto import coordinator_pb2 as pb
+
+W = TypeVar("W")
+
+# The unary methods a Batch may carry, and their field in BatchCall / BatchResult.
+BATCHABLE: dict[str, str] = {
+    "RecordDelivery": "record_delivery",
+    "ClaimReply": "claim_reply",
+    "RenewClaim": "renew_claim",
+    "ReleaseClaim": "release_claim",
+    "BeginSend": "begin_send",
+    "ConfirmSent": "confirm_sent",
+    "AbortSend": "abort_send",
+    "GetStatus": "get_status",
+}
+__all__ = ["BATCHABLE", "BATCH_MAX_CALLS", "Coalescer", "answers", "send", "unsupported"]
+MAX_BATCHES_IN_FLIGHT = 2
+"""Two: while one batch is out, the next fills; a third would only split the callers into smaller batches."""
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def send(calls: Sequence[Rpc]) -> Rpc:
+    """The one RPC that carries ``calls``: the call itself when it is alone, else a Batch whose deadline
+    is the earliest of theirs (a call that cannot wait longer must not be kept waiting by the others)."""
+    if len(calls) == 1:
+        return calls[0]
+    request = pb.BatchRequest()
+    for call in calls:
+        getattr(request.calls.add(), BATCHABLE[call.method]).CopyFrom(call.request)
+    return Rpc("Batch", request, min(call.timeout for call in calls))
+
+
+def answers(calls: Sequence[Rpc], response: Message) -> list[Message | RpcFailure]:
+    """Each call's answer from what :func:`send`'s RPC answered: its response, or the failure it would
+    have ended with on its own."""
+    if len(calls) == 1:
+        return [response]
+    assert isinstance(response, pb.BatchResponse)
+    if len(response.results) != len(calls):
+        failure = RpcFailure(
+            grpc.StatusCode.INTERNAL, f"the coordinator answered {len(response.results)} of {len(calls)} calls"
+        )
+        return [failure] * len(calls)
+    out: list[Message | RpcFailure] = []
+    for call, result in zip(calls, response.results, strict=True):
+        field = result.WhichOneof("result")
+        if field == "error":
+            error = result.error
+            retry_after = error.retry_after_ms / 1000 if error.retry_after_ms > 0 else None
+            out.append(RpcFailure(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.message, retry_after))
+        elif field == BATCHABLE[call.method]:
+            out.append(getattr(result, field))
+        else:
+            out.append(RpcFailure(grpc.StatusCode.INTERNAL, f"the coordinator answered {field} to a {call.method}"))
+    return out
+
+
+class Coalescer(Generic[W]):
+    """Queues calls with whatever the client waits on (``W``), and hands out the batches to send: at most
+    ``max_batch`` calls each, at most :data:`MAX_BATCHES_IN_FLIGHT` out at once. Calls that come while
+    the batches in flight are out wait and go together in the next: the busier the client, the bigger its
+    batches, and an idle client's call goes at once, alone. Not thread-safe: the sync client holds a lock.
+    """
+
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = max_batch
+        self.pending: deque[tuple[Rpc, W]] = deque()
+        self.in_flight = 0
+        self.supported = True  # False once the coordinator answered Batch with UNIMPLEMENTED (an old one)
+
+    def add(self, rpc: Rpc, waiter: W) -> None:
+        self.pending.append((rpc, waiter))
+
+    def next_batch(self) -> list[tuple[Rpc, W]] | None:
+        """The calls to send now (and counted in flight until :meth:`finished`), or ``None``: wait."""
+        if not self.pending or self.in_flight >= MAX_BATCHES_IN_FLIGHT:
+            return None
+        size = min(len(self.pending), self.max_batch)
+        self.in_flight += 1
+        return [self.pending.popleft() for _ in range(size)]
+
+    def finished(self) -> None:
+        """A batch came back."""
+        self.in_flight -= 1
+
+
+def unsupported(calls: Sequence[Rpc], failure: RpcFailure) -> bool:
+    """Whether a Batch failed only because the coordinator predates it: then its calls are resent alone,
+    and the client stops batching."""
+    return len(calls) > 1 and failure.code is grpc.StatusCode.UNIMPLEMENTED
