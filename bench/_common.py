@@ -335,6 +335,7 @@ class CoordinatorProcess:
         in_flight: int | None = None,
         empty: bool = False,
         uvloop: bool = False,
+        rate_limit: float | None = None,
     ) -> None:
         name = f"serve-{uuid.uuid4().hex[:8]}"
         self.status_path = workdir / f"{name}.status"
@@ -351,6 +352,8 @@ class CoordinatorProcess:
             command += ["--in-flight", str(in_flight)]
         if uvloop:
             command.append("--uvloop")
+        if rate_limit is not None:
+            command += ["--rate-limit", str(rate_limit)]
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         serving = self._next_status(0, timeout=30.0)

@@ -124,7 +124,7 @@ COORDINATORS_HELP = (
 class Coordinators(contextlib.ExitStack):
     """One coordinator process per variant, all on one etcd, each with its own key prefix."""
 
-    def __init__(self, env: Environment, variants: list[Variant], run: str) -> None:
+    def __init__(self, env: Environment, variants: list[Variant], run: str, rate_limit: float | None = None) -> None:
         super().__init__()
         self.processes: list[tuple[str, CoordinatorProcess]] = []
         try:
@@ -136,6 +136,7 @@ class Coordinators(contextlib.ExitStack):
                     max_batch=variant.max_batch,
                     in_flight=variant.in_flight,
                     uvloop=variant.uvloop,
+                    rate_limit=rate_limit,
                 )
                 self.callback(process.stop)
                 self.processes.append((variant.label, process))

@@ -1,6 +1,7 @@
 """The servers the benchmarks measure, each in a process of its own (started by ``bench._common``).
 
     python -m bench._serve --status-file F --etcd-endpoints E --prefix P [--max-batch N] [--in-flight N]
+                           [--rate-limit R] [--uvloop]
     python -m bench._serve --status-file F --empty
 
 The first builds the same ``CoordinatorServer`` as ``inbox-coordinator serve``, with the group-commit settings
@@ -25,6 +26,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from coordinator.quotas import QuotaSettings
 from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
 
@@ -61,7 +63,8 @@ async def _serve_coordinator(options: argparse.Namespace, status: _StatusFile) -
         max_batch=options.max_batch,
         max_batches_in_flight=options.in_flight,
     )
-    server = CoordinatorServer(ServerSettings(etcd, listen=options.listen))
+    quotas = QuotaSettings(calls_per_second=options.rate_limit)
+    server = CoordinatorServer(ServerSettings(etcd, listen=options.listen, quotas=quotas))
     await server.start()
     status.write(event="serving", address=server.address, pid=os.getpid())
 
@@ -99,6 +102,12 @@ def main() -> int:
     parser.add_argument("--prefix", default="bench/")
     parser.add_argument("--max-batch", type=int, default=EtcdSettings.max_batch)
     parser.add_argument("--in-flight", type=int, default=EtcdSettings.max_batches_in_flight)
+    parser.add_argument(
+        "--rate-limit",
+        type=float,
+        default=QuotaSettings.calls_per_second,
+        help="calls/s per principal, 0 = off (default %(default)s, as inbox-coordinator serve)",
+    )
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's own loop")
     parser.add_argument("--log-level", default="WARNING")
     options = parser.parse_args()

@@ -5,7 +5,11 @@
 - the ceiling of a Python gRPC server here: an empty health-check handler in its own process;
 - Redis ``SET key 1 NX EX ttl`` (AOF off, and optionally AOF with appendfsync everysec / always);
 - PostgreSQL ``INSERT ... ON CONFLICT DO NOTHING`` with a row-count check (fsync and synchronous_commit on);
-- the coordinator with group commit (default settings) and unbatched (max_batch=1), each in its own process.
+- the coordinator with group commit (default settings) and unbatched (max_batch=1), each in its own process,
+  called by one raw gRPC stub call per claim, each client a principal of its own;
+- the same default coordinator called through the Python client (``inbox_claims.AsyncCoordinator``.claim), the
+  clients shared among ``--shims`` client objects (agent processes' worth; each a principal): the client sends
+  the calls its tasks make at the same time together, in one Batch RPC.
 
 Every claim is on a fresh subject. Every client library runs in this one process, with the same number of
 concurrent clients, one connection per server for gRPC (HTTP/2 multiplexes) and one per client for Redis and
@@ -18,10 +22,12 @@ import argparse
 import contextlib
 import importlib.util
 import shutil
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inbox_claims import AsyncCoordinator, Subject
 from inbox_claims._proto import coordinator_pb2 as pb
 
 from ._common import (
@@ -68,6 +74,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--coordinators",
         default="64x2,1",
         help=COORDINATORS_HELP,
+    )
+    parser.add_argument(
+        "--shims",
+        default="1,8",
+        help="rows through inbox_claims.AsyncCoordinator on the first coordinator: how many client objects "
+        "share the clients (each one's calls go together in Batch RPCs); empty for none; default %(default)s",
+    )
+    parser.add_argument(
+        "--rate-limit",
+        type=float,
+        default=0.0,
+        help="the coordinators' calls/s per principal (0 = off, the default here: one client object can "
+        "carry thousands of claims/s; serve's default is 500)",
     )
 
 
@@ -160,6 +179,21 @@ def claim_operation(stub: Any, mailbox: str) -> Any:
     return claim
 
 
+async def shim_claim_operation(
+    stack: contextlib.AsyncExitStack, address: str, shims: int, mailbox: str
+) -> Callable[[int, int], Awaitable[None]]:
+    """Claims through ``shims`` AsyncCoordinator objects, client ``i`` using object ``i % shims``."""
+    objects = [AsyncCoordinator(address, principal=f"bench-agent-{k}") for k in range(shims)]
+    for client in objects:
+        stack.push_async_callback(client.close)
+
+    async def claim(index: int, n: int) -> None:
+        result = await objects[index % shims].claim(Subject.message(mailbox, f"{index}-{n}"), ttl=TTL_SECONDS)
+        assert result.granted, result
+
+    return claim
+
+
 async def run(options: argparse.Namespace, env: Environment) -> int:
     baselines = [b.strip() for b in options.baselines.split(",") if b.strip()]
     unknown = set(baselines) - set(BASELINES)
@@ -181,7 +215,8 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
 
         workloads = [etcd_workload(env, "raw etcd txn (put-if-absent)", clients, raw_claim)]
 
-        coordinators = stack.enter_context(Coordinators(env, parse_coordinators(options.coordinators), run))
+        variants = parse_coordinators(options.coordinators)
+        coordinators = stack.enter_context(Coordinators(env, variants, run, rate_limit=options.rate_limit))
         for label, process in coordinators.processes:
             stub = coordinator_stub(await stack.enter_async_context(channel(process.address)))
             workloads.append(
@@ -189,6 +224,11 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
                     env, process, f"coordinator ClaimReply, {label}", clients, claim_operation(stub, f"bench-{run}")
                 )
             )
+        for shims in [int(part) for part in options.shims.split(",") if part.strip()]:
+            label, process = coordinators.processes[0]
+            operation = await shim_claim_operation(stack, process.address, shims, f"bench-{run}-shim{shims}")
+            name = f"coordinator via inbox_claims, {shims} client object(s), {label}"
+            workloads.append(coordinator_workload(env, process, name, clients, operation))
 
         if "grpc" in baselines:
             empty = CoordinatorProcess(env.tmp, empty=True)
@@ -219,7 +259,7 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
             workloads.append(await _postgres_workload(postgres, clients, stack))
 
         await alternate(workloads, options.rounds, options.seconds)
-        coordinator_rows = workloads[1 : 1 + len(coordinators.processes)]
+        coordinator_rows = [w for w in workloads if w.name.startswith("coordinator")]
         for workload in coordinator_rows:
             base = workloads[0]
             print(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import shutil
 import sys
 from collections import Counter
@@ -18,13 +19,20 @@ from pathlib import Path
 
 from ._common import CpuMeter, Environment, SetupError, closed_loop, run_id
 from ._load import Coordinators, channel, coordinator_stub, parse_coordinators
-from .claims import claim_operation
+from .claims import claim_operation, shim_claim_operation
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=10.0, help="how long to sample (default %(default)s)")
     parser.add_argument("--coordinator", default="64x2", help="the coordinator variant, as for claims --coordinators")
+    parser.add_argument(
+        "--shims",
+        type=int,
+        default=0,
+        help="claim through this many inbox_claims.AsyncCoordinator objects (Batch RPCs) instead of one raw "
+        "ClaimReply call per claim (default: raw calls)",
+    )
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--output", type=Path, default=None, help="keep py-spy's raw (folded) samples here")
     parser.add_argument("--top", type=int, default=25, help="rows per list")
@@ -98,10 +106,14 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
     print(env.describe())
     variant = parse_coordinators(options.coordinator)[:1]
     output = options.output or env.tmp / "coordinator.raw"
-    with Coordinators(env, variant, run_id()) as coordinators:
+    with Coordinators(env, variant, run_id(), rate_limit=0.0) as coordinators:
         label, process = coordinators.processes[0]
-        async with channel(process.address) as ch:
-            operation = claim_operation(coordinator_stub(ch), f"bench-{run_id()}")
+        async with channel(process.address) as ch, contextlib.AsyncExitStack() as stack:
+            if options.shims:
+                operation = await shim_claim_operation(stack, process.address, options.shims, f"bench-{run_id()}")
+                label += f", through {options.shims} inbox_claims client object(s)"
+            else:
+                operation = claim_operation(coordinator_stub(ch), f"bench-{run_id()}")
             await closed_loop("warm-up", options.clients, 0.5, operation)
             sampler = await asyncio.create_subprocess_exec(
                 *(py_spy, "record", "-f", "raw", "-o", str(output), "-r", str(options.rate)),

@@ -456,43 +456,52 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except CoordinatorError as error:
             await _abort(context, error)
             raise
-        results = await asyncio.gather(*(self._batch_call(caller, call, context) for call in calls))
+        started = time.perf_counter()
+        # One deadline for the batch, not one timer per call: they all started together.
+        tasks = [asyncio.create_task(self._batch_call(caller, call, started)) for call in calls]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.quotas.call_deadline_s)
+        results = []
+        for call, task in zip(calls, tasks, strict=True):
+            field = call.WhichOneof("call")
+            if task.done():
+                response, refusal, seconds = task.result()
+            else:
+                task.cancel()
+                response, seconds = None, time.perf_counter() - started
+                refusal = pb.CallError(
+                    code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                    message=_deadline_message(self.quotas.call_deadline_s),
+                )
+            if self.batch_observer is not None:
+                method = _BATCH_METHODS.get(field or "", "Batch")
+                request_message = getattr(call, field) if field is not None else None
+                self.batch_observer.batch_call(method, request_message, response, refusal, seconds, context)
+            if refusal is not None or field is None:
+                results.append(pb.BatchResult(error=refusal))
+            else:
+                results.append(pb.BatchResult(**{field: response}))
         return pb.BatchResponse(results=results)
 
     async def _batch_call(
-        self, caller: Caller, call: pb.BatchCall, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.BatchResult:
+        self, caller: Caller, call: pb.BatchCall, started: float
+    ) -> tuple[Any, pb.CallError | None, float]:
+        """One call of a batch: its response or its error (as the unary call's status), and its duration."""
         field = call.WhichOneof("call")
-        started = time.perf_counter()
-        request: Any = getattr(call, field) if field is not None else None
-        response: Any = None
-        error: pb.CallError | None = None
         try:
             if field is None:
                 raise InvalidArgument("calls[].call", "is empty; set one of the request fields")
-            handler = _BATCH_CALLS[field]
-            async with asyncio.timeout(self.quotas.call_deadline_s):
-                response = await handler(self, caller, request)
-        except TimeoutError:
-            error = pb.CallError(
-                code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message=_deadline_message(self.quotas.call_deadline_s)
-            )
+            response = await _BATCH_CALLS[field](self, caller, getattr(call, field))
+            return response, None, time.perf_counter() - started
         except CoordinatorError as failure:
-            error = pb.CallError(code=_STATUS_CODES[type(failure)].value[0], message=str(failure))
+            refused = pb.CallError(code=_STATUS_CODES[type(failure)].value[0], message=str(failure))
             if isinstance(failure, ResourceExhausted):
-                error.retry_after_ms = int(_retry_after_ms(failure))
+                refused.retry_after_ms = int(_retry_after_ms(failure))
         except Exception:
             # One call's bug must not cost the other calls their answers; it is logged like an unary one's.
             log.exception("a %s call of a batch failed", field)
-            error = pb.CallError(code=grpc.StatusCode.INTERNAL.value[0], message="internal error; see the server log")
-        if self.batch_observer is not None:
-            method = _BATCH_METHODS.get(field or "", "Batch")
-            self.batch_observer.batch_call(method, request, response, error, time.perf_counter() - started, context)
-        if error is not None:
-            return pb.BatchResult(error=error)
-        result = pb.BatchResult()
-        getattr(result, field or "").CopyFrom(response)
-        return result
+            refused = pb.CallError(code=grpc.StatusCode.INTERNAL.value[0], message="internal error; see the server log")
+        return None, refused, time.perf_counter() - started
 
 
 # The calls a Batch may carry: its oneof field -> the handler of the unary RPC of the same name.

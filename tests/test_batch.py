@@ -23,6 +23,8 @@ from coordinator.server import CoordinatorServer, wall_clock_ms
 from coordinator.service import BATCH_MAX_CALLS, CoordinatorServicer
 from coordinator.store import EtcdSettings, EtcdStore
 from inbox_claims import AsyncCoordinator, ClaimOutcome, Coordinator, InvalidRequest, Subject
+from inbox_claims._batch import MAX_BATCHES_IN_FLIGHT, Coalescer
+from inbox_claims._core import Rpc
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
@@ -381,3 +383,24 @@ async def test_batched_claims_survive_a_paused_etcd_and_still_grant_once(
     # The retried claims carry their request ids: a grant answered late is still the caller's own grant.
     assert all(counts[ClaimOutcome.GRANTED] == 1 for counts in by_subject.values()), by_subject
     assert rpcs(server, "ClaimReply", "unavailable") >= 1
+
+
+@pytest.mark.parametrize("waiting", [1, 2, 7, 8, 9, 16, 33, 64, 65, 200])
+@pytest.mark.parametrize("max_batch", [1, 8, 64])
+def test_the_coalescer_sends_every_call_once_within_its_limits(waiting: int, max_batch: int) -> None:
+    coalescer: Coalescer[int] = Coalescer(max_batch)
+    for n in range(waiting):
+        coalescer.add(Rpc("ClaimReply", pb.ClaimReplyRequest(), 1.0), n)
+    sent: list[int] = []
+    while coalescer.pending:
+        batches = []
+        while (batch := coalescer.next_batch()) is not None:
+            batches.append(batch)
+        assert 1 <= len(batches) <= MAX_BATCHES_IN_FLIGHT
+        assert coalescer.in_flight == len(batches)
+        for batch in batches:
+            assert 1 <= len(batch) <= max_batch
+            sent += [waiter for _rpc, waiter in batch]
+            coalescer.finished()
+    assert sent == list(range(waiting))  # every call once, in the order they came
+    assert coalescer.in_flight == 0

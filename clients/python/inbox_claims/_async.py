@@ -113,11 +113,17 @@ class AsyncCoordinator(ClientBase):
     def _flush(self) -> None:
         self._flush_scheduled = False
         coalescer = self._coalescer
-        while coalescer is not None and (batch := coalescer.next_batch()) is not None:
-            task = asyncio.create_task(self._send_batch(coalescer, batch))
-            assert self._sending is not None
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+        try:
+            while coalescer is not None and (batch := coalescer.next_batch()) is not None:
+                task = asyncio.create_task(self._send_batch(coalescer, batch))
+                assert self._sending is not None
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
+        except Exception as error:  # a bug here must fail the waiting callers, not leave them waiting forever
+            while coalescer is not None and coalescer.pending:
+                _rpc, answer = coalescer.pending.popleft()
+                if not answer.done():
+                    answer.set_exception(error)
 
     async def _send_batch(
         self, coalescer: Coalescer[asyncio.Future[Any]], batch: list[tuple[Rpc, asyncio.Future[Any]]]

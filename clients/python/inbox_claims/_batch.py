@@ -35,6 +35,7 @@ __all__ = ["BATCHABLE", "BATCH_MAX_CALLS", "Coalescer", "answers", "send", "unsu
 MAX_BATCHES_IN_FLIGHT = 2
 """Two: while one batch is out, the next fills; a third would only split the callers into smaller batches."""
 
+_SMALLEST_SPLIT = 8
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -76,7 +77,8 @@ def answers(calls: Sequence[Rpc], response: Message) -> list[Message | RpcFailur
 
 class Coalescer(Generic[W]):
     """Queues calls with whatever the client waits on (``W``), and hands out the batches to send: at most
-    ``max_batch`` calls each, at most :data:`MAX_BATCHES_IN_FLIGHT` out at once. Calls that come while
+    ``max_batch`` calls each, at most :data:`MAX_BATCHES_IN_FLIGHT` out at once, what waits spread over
+    the free slots. Calls that come while
     the batches in flight are out wait and go together in the next: the busier the client, the bigger its
     batches, and an idle client's call goes at once, alone. Not thread-safe: the sync client holds a lock.
     """
@@ -94,7 +96,11 @@ class Coalescer(Generic[W]):
         """The calls to send now (and counted in flight until :meth:`finished`), or ``None``: wait."""
         if not self.pending or self.in_flight >= MAX_BATCHES_IN_FLIGHT:
             return None
-        size = min(len(self.pending), self.max_batch)
+        # Spread what waits over the free slots: two half batches keep the client, the coordinator and etcd
+        # busy at once (one is being answered while the other is worked on), where one full batch would
+        # leave each idle in turn. A few calls are not worth two round trips.
+        free = MAX_BATCHES_IN_FLIGHT - self.in_flight
+        size = min(max(-(-len(self.pending) // free), _SMALLEST_SPLIT), self.max_batch, len(self.pending))
         self.in_flight += 1
         return [self.pending.popleft() for _ in range(size)]
 
