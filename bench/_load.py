@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -113,6 +114,23 @@ def parse_coordinators(text: str) -> list[Variant]:
         batch, _, in_flight = spec.removesuffix("u").partition("x")
         variants.append(Variant(int(batch), int(in_flight or 1), uvloop))
     return variants
+
+
+def add_shim_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shims",
+        default="1,8",
+        help="rows through inbox_claims.AsyncCoordinator on the first coordinator: how many client objects "
+        "share the clients (each one's concurrent calls go together in Batch RPCs); empty for none; "
+        "default %(default)s",
+    )
+    parser.add_argument(
+        "--rate-limit",
+        type=float,
+        default=0.0,
+        help="the coordinators' calls/s per principal (0 = off, the default here: one client object can "
+        "carry thousands of calls/s; serve's default is 500)",
+    )
 
 
 COORDINATORS_HELP = (

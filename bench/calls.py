@@ -21,6 +21,7 @@ from typing import Any
 
 from aetcd import rpc
 
+from inbox_claims import AsyncCoordinator, ClaimOutcome, Subject
 from inbox_claims._proto import coordinator_pb2 as pb
 
 from ._common import Environment, SetupError, Workload, add_common_arguments, alternate, run_id
@@ -28,6 +29,7 @@ from ._load import (
     COORDINATORS_HELP,
     Coordinators,
     Operation,
+    add_shim_arguments,
     channel,
     coordinator_stub,
     coordinator_workload,
@@ -52,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         default="64x2,1",
         help=COORDINATORS_HELP,
     )
+    add_shim_arguments(parser)
     if command == "contended":
         parser.add_argument("--hot", type=int, default=4, help="hot subjects all clients claim (default %(default)s)")
     if command == "dedup":
@@ -176,6 +179,41 @@ class _Paths:
 
         return cycle
 
+    def shim(self, clients: list[AsyncCoordinator], mailbox: str) -> Operation:
+        """The same operations through ``inbox_claims.AsyncCoordinator`` objects, client ``i`` on object
+        ``i % len(clients)``: what each object's tasks call at the same time goes in one Batch RPC."""
+        count = len(clients)
+        if self.command == "contended":
+            hot = self.options.hot
+
+            async def contend(index: int, n: int) -> None:
+                result = await clients[index % count].claim(Subject.message(mailbox, f"hot-{n % hot}"), ttl=3600)
+                assert result.outcome in (ClaimOutcome.GRANTED, ClaimOutcome.HELD), result
+
+            return contend
+        if self.command == "dedup":
+            redeliver = _Redeliveries(self.options.redelivered)
+
+            async def dedup(index: int, n: int) -> None:
+                key, notification, again = redeliver.next(index, n)
+                result = await clients[index % count].claim(
+                    Subject.message(mailbox, key), ttl=TTL_SECONDS, notification_id=notification
+                )
+                wanted = ClaimOutcome.DUPLICATE_DELIVERY if again else ClaimOutcome.GRANTED
+                assert result.outcome is wanted, result
+
+            return dedup
+
+        async def cycle(index: int, n: int) -> None:
+            client = clients[index % count]
+            target = Subject.message(mailbox, f"{n}")
+            claimed = await client.claim(target, ttl=TTL_SECONDS)
+            assert claimed.granted, claimed
+            assert (await client.begin_send(target, claimed.token)).ok
+            assert (await client.confirm_sent(target, claimed.token, f"m{n}")).ok
+
+        return cycle
+
 
 class _Redeliveries:
     """Per client: a fresh (subject, notification) pair, or, with probability ``share``, the client's previous
@@ -227,13 +265,22 @@ def runner(command: str) -> Callable[[argparse.Namespace, Environment], Any]:
         async with contextlib.AsyncExitStack() as stack:
             kv = rpc.KVStub(await stack.enter_async_context(channel(env.etcd.endpoint)))
             workloads: list[Workload] = [etcd_workload(env, RAW_NAMES[command], options.clients, paths.raw(kv))]
-            coordinators = stack.enter_context(Coordinators(env, parse_coordinators(options.coordinators), run_name))
+            variants = parse_coordinators(options.coordinators)
+            coordinators = stack.enter_context(Coordinators(env, variants, run_name, rate_limit=options.rate_limit))
             for label, process in coordinators.processes:
                 stub = coordinator_stub(await stack.enter_async_context(channel(process.address)))
                 operation = paths.coordinator(stub, f"bench-{run_name}")
                 workloads.append(
                     coordinator_workload(env, process, f"coordinator {command}, {label}", options.clients, operation)
                 )
+            for shims in [int(part) for part in options.shims.split(",") if part.strip()]:
+                label, process = coordinators.processes[0]
+                clients = [AsyncCoordinator(process.address, principal=f"bench-agent-{k}") for k in range(shims)]
+                for client in clients:
+                    stack.push_async_callback(client.close)
+                operation = paths.shim(clients, f"bench-{run_name}-shim{shims}")
+                name = f"coordinator {command} via inbox_claims, {shims} client object(s), {label}"
+                workloads.append(coordinator_workload(env, process, name, options.clients, operation))
             await alternate(workloads, options.rounds, options.seconds)
         return 0
 

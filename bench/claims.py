@@ -49,6 +49,7 @@ from ._load import (
     COORDINATORS_HELP,
     NO_DURABILITY,
     Coordinators,
+    add_shim_arguments,
     channel,
     coordinator_stub,
     coordinator_workload,
@@ -75,19 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="64x2,1",
         help=COORDINATORS_HELP,
     )
-    parser.add_argument(
-        "--shims",
-        default="1,8",
-        help="rows through inbox_claims.AsyncCoordinator on the first coordinator: how many client objects "
-        "share the clients (each one's calls go together in Batch RPCs); empty for none; default %(default)s",
-    )
-    parser.add_argument(
-        "--rate-limit",
-        type=float,
-        default=0.0,
-        help="the coordinators' calls/s per principal (0 = off, the default here: one client object can "
-        "carry thousands of claims/s; serve's default is 500)",
-    )
+    add_shim_arguments(parser)
 
 
 def available_baselines() -> tuple[list[str], list[str]]:
