@@ -329,11 +329,13 @@ class EtcdStore:
         response = await self._call(self._lease_stub.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
         return int(response.ID)
 
-    async def _txn(self, compare: list[Any], success: list[Any], failure: list[Any]) -> Any:
+    async def _txn(self, compare: list[Any], success: list[Any], failure: list[Any], writes: frozenset[bytes]) -> Any:
+        """One transaction; ``writes``: the keys it may write (single keys only: a range write or a nested
+        transaction is never sent through here), which decide what it may share a group commit with."""
         request = rpc.TxnRequest(compare=compare, success=success, failure=failure)
         if self.settings.max_batch <= 1:
             return await self._call(self._kv.Txn, request)
-        return await self._batcher.submit(request)
+        return await self._batcher.submit(request, writes)
 
     async def _with_leases(self, build: Callable[[], Awaitable[Any]]) -> Any:
         """Runs a transaction built with bucket leases, once more if etcd no longer knows one of them."""
@@ -386,8 +388,9 @@ class EtcdStore:
                 success.append(_op_put(delivery_key, _codec.encode_delivery(delivery), lease))
                 failure.append(_op_get(delivery_key))
                 failure.append(_op_get(self.keys.end_mark(subject)))
-            return await self._txn(compare, success, failure)
+            return await self._txn(compare, success, failure, writes)
 
+        writes = frozenset((subject_key,) if delivery_key is None else (subject_key, delivery_key))
         response = await self._with_leases(attempt)
         if response.succeeded:
             revision = response.header.revision
@@ -411,7 +414,10 @@ class EtcdStore:
         async def attempt() -> Any:
             lease = await self._lease(expires_ms)
             return await self._txn(
-                [_absent(key)], [_op_put(key, _codec.encode_delivery(delivery), lease)], [_op_get(key)]
+                [_absent(key)],
+                [_op_put(key, _codec.encode_delivery(delivery), lease)],
+                [_op_get(key)],
+                frozenset((key,)),
             )
 
         response = await self._with_leases(attempt)
@@ -423,7 +429,8 @@ class EtcdStore:
         return _codec.decode_delivery(kv.value, delivery.mailbox, delivery.notification_id) if kv is not None else None
 
     async def read(self, subject: Subject) -> tuple[Stored | None, EndMark | None]:
-        response = await self._txn([], [_op_get(self.keys.subject(subject)), _op_get(self.keys.end_mark(subject))], [])
+        reads = [_op_get(self.keys.subject(subject)), _op_get(self.keys.end_mark(subject))]
+        response = await self._txn([], reads, [], frozenset())
         subject_kv = _first_kv(response.responses[0])
         end_kv = _first_kv(response.responses[1])
         return (
@@ -476,7 +483,8 @@ class EtcdStore:
             lease = await self._lease(end_mark_expires_ms)
             ops.append(_op_delete(subject_key))
             ops.append(_op_put(self.keys.end_mark(subject), _codec.encode_end_mark(transition.end), lease))
-        return await self._txn([_unchanged_since(subject_key, current.revision)], ops, [])
+        writes = frozenset(op.request_put.key or op.request_delete_range.key for op in ops)
+        return await self._txn([_unchanged_since(subject_key, current.revision)], ops, [], writes)
 
     async def status(self, subject: Subject) -> Stored | None:
         response = await self._call(self._kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))
@@ -589,26 +597,10 @@ class EtcdStore:
         return changes
 
 
-def _written_keys(request: Any) -> frozenset[bytes] | None:
-    """The keys a transaction may write; None if it writes a range (then it is never batched with others)."""
-    keys = set()
-    for op in (*request.success, *request.failure):
-        kind = op.WhichOneof("request")
-        if kind == "request_put":
-            keys.add(op.request_put.key)
-        elif kind == "request_delete_range":
-            if op.request_delete_range.range_end:
-                return None
-            keys.add(op.request_delete_range.key)
-        elif kind == "request_txn":
-            return None
-    return frozenset(keys)
-
-
 @dataclass
 class _Pending:
     request: Any
-    keys: frozenset[bytes] | None
+    keys: frozenset[bytes]
     future: asyncio.Future[Any]
 
 
@@ -633,9 +625,9 @@ class _TxnBatcher:
         self.requests = 0
         self.transactions = 0
 
-    async def submit(self, request: Any) -> Any:
+    async def submit(self, request: Any, writes: frozenset[bytes]) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(request, _written_keys(request), future))
+        self._pending.append(_Pending(request, writes, future))
         if not self._launch_scheduled:
             self._launch_scheduled = True
             asyncio.get_running_loop().call_soon(self._launch)
@@ -654,15 +646,7 @@ class _TxnBatcher:
         written: set[bytes] = set()
         waiting: list[_Pending] = []
         for item in self._pending:
-            if len(batch) >= self._max_batch:
-                waiting.append(item)
-            elif item.keys is None:
-                if batch:
-                    waiting.append(item)
-                else:
-                    batch.append(item)
-                    written.add(b"")  # nothing joins a batch led by a range write
-            elif b"" in written or not written.isdisjoint(item.keys):
+            if len(batch) >= self._max_batch or not written.isdisjoint(item.keys):
                 waiting.append(item)
             else:
                 batch.append(item)
