@@ -254,6 +254,56 @@ async def test_rate_limit_answers_resource_exhausted_with_a_retry_hint(
         assert (await agent.status(subject)).state == pb.SUBJECT_STATE_FREE
 
 
+async def test_a_batch_is_authorized_call_by_call(secured: Secured) -> None:
+    async with grpc.aio.insecure_channel(secured.address) as channel:
+        owner = secured.actor(channel, "agent-b")
+        await owner.claim(message("globex", "m-1"), note="secret plans")
+        agent = secured.actor(channel, "agent-a")  # acme-* only
+
+        def claim(subject: pb.Subject) -> pb.BatchCall:
+            return pb.BatchCall(claim_reply=pb.ClaimReplyRequest(request_id=new_request_id(), subject=subject))
+
+        status = pb.BatchCall(get_status=pb.GetStatusRequest(subject=message("globex", "m-1")))
+        mine, theirs, peek = await agent.batch(claim(message("acme-1", "m-1")), claim(message("globex", "m-1")), status)
+        assert mine.claim_reply.result == pb.ClaimReplyResponse.GRANTED
+        assert mine.claim_reply.status.holder == "agent-a"
+        for refused in (theirs, peek):
+            assert refused.error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+            assert "globex" in refused.error.message
+            assert "agent-b" not in refused.error.message
+            assert "secret" not in refused.error.message
+        # Without credentials the whole batch is refused, before any call runs.
+        anonymous = Actor(channel, "nobody")
+        anonymous.metadata = ()
+        error = await rpc_error(anonymous.batch(claim(message("acme-1", "m-2"))))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert (await agent.status(message("acme-1", "m-2"))).state == pb.SUBJECT_STATE_FREE
+
+
+async def test_every_call_of_a_batch_counts_against_the_rate_limit(
+    etcd: EtcdServer, prefix: str, tmp_path: Path
+) -> None:
+    authenticator = TokenAuthenticator(_token_file(tmp_path / "tokens.toml"))
+    quotas = QuotaSettings(calls_per_second=5, burst=5)
+    async with (
+        _serve(etcd, prefix, authenticator, quotas=quotas) as address,
+        grpc.aio.insecure_channel(address) as channel,
+    ):
+        agent = Actor(channel, "agent-a", token=TOKENS["agent-a"])
+        four = [pb.BatchCall(get_status=pb.GetStatusRequest(subject=message("acme-1", f"m-{n}"))) for n in range(4)]
+        assert len(await agent.batch(*four)) == 4
+        error = await rpc_error(agent.batch(*four))  # 1 call's worth left in the bucket, 4 asked
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        hint = int(str(dict(error.trailing_metadata() or ())["retry-after-ms"]))
+        assert 400 <= hint <= 700  # 3 more calls at 5/s
+        await asyncio.sleep(1.1)  # the bucket is full again (5)
+        # A batch larger than the burst is admitted once the bucket is full, and leaves it in debt.
+        ten = four + four + four[:2]
+        assert len(await agent.batch(*ten)) == 10
+        error = await rpc_error(agent.status(message("acme-1", "m-0")))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 async def test_watches_per_principal_are_limited(etcd: EtcdServer, prefix: str, tmp_path: Path) -> None:
     authenticator = TokenAuthenticator(_token_file(tmp_path / "tokens.toml"))
     quotas = QuotaSettings(max_watches=2)

@@ -143,6 +143,27 @@ Requests = st.one_of(
 )
 
 
+# The calls a Batch may carry, by the BatchCall field that carries each.
+BATCHED = {
+    "RecordDelivery": "record_delivery",
+    "ClaimReply": "claim_reply",
+    "RenewClaim": "renew_claim",
+    "ReleaseClaim": "release_claim",
+    "BeginSend": "begin_send",
+    "ConfirmSent": "confirm_sent",
+    "AbortSend": "abort_send",
+    "GetStatus": "get_status",
+}
+batch_calls = st.one_of(
+    Requests.filter(lambda call: call[0] in BATCHED).map(lambda call: pb.BatchCall(**{BATCHED[call[0]]: call[1]})),
+    st.just(pb.BatchCall()),  # no call at all
+)
+Calls = st.one_of(
+    Requests,
+    st.builds(lambda calls: ("Batch", pb.BatchRequest(calls=calls)), st.lists(batch_calls, max_size=5)),
+)
+
+
 @pytest.fixture(scope="module")
 def fuzz_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EtcdServer, Stub]]:
     """A private etcd and a coordinator process on it: nothing else writes to this etcd."""
@@ -191,7 +212,7 @@ def _all_keys(etcd: EtcdServer) -> list[bytes]:
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(call=Requests, extra_metadata=metadata)
+@given(call=Calls, extra_metadata=metadata)
 def test_no_request_crashes_the_service(
     fuzz_target: tuple[EtcdServer, Stub], call: tuple[str, Any], extra_metadata: list[tuple[str, str]]
 ) -> None:
@@ -200,13 +221,23 @@ def test_no_request_crashes_the_service(
     method: Callable[..., Any] = getattr(stub, method_name)
     base = [("x-inbox-principal", "fuzzer"), ("x-inbox-principal-kind", "human")]
     failure: Any = None
+    response: Any = None
     try:
-        method(request, metadata=base + extra_metadata, timeout=10)
+        response = method(request, metadata=base + extra_metadata, timeout=10)
     except grpc.RpcError as error:
         failure = error
     if failure is not None:
         assert failure.code() in DELIBERATE, f"{method_name} answered {failure.code()}: {failure.details()}"
         assert failure.details(), "an error without a message a person can act on"
+    elif method_name == "Batch":
+        assert len(response.results) == len(request.calls)
+        deliberate = {code.value[0] for code in DELIBERATE}
+        for batched, result in zip(request.calls, response.results, strict=True):
+            if result.WhichOneof("result") == "error":
+                assert result.error.code in deliberate, f"{batched} answered {result.error}"
+                assert result.error.message, "an error without a message a person can act on"
+            else:
+                assert result.WhichOneof("result") == batched.WhichOneof("call")
 
 
 def test_fuzzed_keys_all_stay_under_the_prefix(fuzz_target: tuple[EtcdServer, Stub]) -> None:
