@@ -46,16 +46,17 @@ class _AwaitableNotSent(SendRejected, TypeError):
     """A sync claim's send function returned an awaitable: it never ran, so nothing was sent."""
 
 
-class _Waiter:
-    """A thread waiting in a batch: for its answer, or to be handed the next batch to send (``lead``)."""
+_RESEND = object()  # the answer that says: the coordinator has no Batch, send your call alone
 
-    __slots__ = ("answer", "answered", "lead", "ready")
+
+class _Waiter:
+    """A thread waiting for its call's answer from a batch."""
+
+    __slots__ = ("answer", "ready")
 
     def __init__(self) -> None:
         self.ready = threading.Event()
         self.answer: Any = None
-        self.answered = False
-        self.lead: list[tuple[Rpc, _Waiter]] | None = None
 
 
 class Coordinator(ClientBase):
@@ -115,9 +116,10 @@ class Coordinator(ClientBase):
             raise RpcFailure.from_grpc(error) from None
 
     def _batched(self, effect: Rpc) -> Any:
-        """Sends ``effect`` together with the calls other threads make at the same time (see ``_batch``):
-        a thread that finds a batch slot free sends; the others wait, and the thread whose call comes first
-        in the next batch is woken to send it."""
+        """Sends ``effect`` together with the calls other threads make at the same time (see ``_batch``).
+        Batches go out as gRPC futures: whichever thread finds a batch slot free starts one, and the batch
+        that comes back starts the next from gRPC's callback, so no caller's thread is kept sending for
+        others, and a caller that stops waiting (an interrupt) strands nobody."""
         if self._coalescer is None:
             with self._opening:
                 if self._coalescer is None:
@@ -130,49 +132,57 @@ class Coordinator(ClientBase):
         with self._batching:
             coalescer.add(effect, waiter)
             batch = coalescer.next_batch()
-        while True:
-            if batch is not None:
-                self._send_batch(coalescer, batch)
-            if waiter.answered:
-                break
-            waiter.ready.wait()
-            batch, waiter.lead = waiter.lead, None
-        if isinstance(waiter.answer, RpcFailure):
+        if batch is not None:
+            self._launch(coalescer, batch)
+        waiter.ready.wait()
+        if waiter.answer is _RESEND:
+            return self._unary(effect)
+        if isinstance(waiter.answer, BaseException):
             raise waiter.answer
         return waiter.answer
 
-    def _send_batch(self, coalescer: Coalescer[_Waiter], batch: list[tuple[Rpc, _Waiter]]) -> None:
+    def _launch(self, coalescer: Coalescer[_Waiter], batch: list[tuple[Rpc, _Waiter]]) -> None:
         calls = [rpc for rpc, _waiter in batch]
-        results: list[Any] = [RpcFailure(grpc.StatusCode.CANCELLED, "the thread sending this batch was interrupted")]
-        results *= len(calls)
+        rpc = _batch.send(calls)
         try:
-            results = self._answers(coalescer, calls)
-        finally:
-            for (_rpc, waiter), result in zip(batch, results, strict=True):
-                waiter.answer, waiter.answered = result, True
-                waiter.ready.set()
-            with self._batching:
-                coalescer.finished()
-                after = coalescer.next_batch()
-            if after is not None:
-                leader = after[0][1]
-                leader.lead = after
-                leader.ready.set()
+            method = getattr(self._get_stub(), rpc.method)
+            future = method.future(rpc.request, timeout=rpc.timeout, metadata=self._core.options.metadata)
+        except Exception as error:  # the client was closed, say: every caller hears it, none is left waiting
+            failed = error
 
-    def _answers(self, coalescer: Coalescer[_Waiter], calls: list[Rpc]) -> list[Any]:
+            def reraise() -> Any:
+                raise failed
+
+            self._landed(coalescer, batch, reraise)
+            return
+        future.add_done_callback(lambda done: self._landed(coalescer, batch, done.result))
+
+    def _landed(
+        self, coalescer: Coalescer[_Waiter], batch: list[tuple[Rpc, _Waiter]], outcome: Callable[[], Any]
+    ) -> None:
+        """A batch came back (on a gRPC thread): answer its callers, then start the next batch.
+        ``outcome()`` returns the RPC's response or raises its error."""
+        calls = [rpc for rpc, _waiter in batch]
+        results: list[Any]
         try:
-            return _batch.answers(calls, self._unary(_batch.send(calls)))
-        except RpcFailure as failure:
-            if not _batch.unsupported(calls, failure):
-                return [failure] * len(calls)
-        coalescer.supported = False
-        results: list[Any] = []
-        for call in calls:
-            try:
-                results.append(self._unary(call))
-            except RpcFailure as failure:
-                results.append(failure)
-        return results
+            results = _batch.answers(calls, outcome())
+        except grpc.RpcError as error:
+            failure = RpcFailure.from_grpc(error)
+            if _batch.unsupported(calls, failure):
+                coalescer.supported = False
+                results = [_RESEND] * len(calls)
+            else:
+                results = [failure] * len(calls)
+        except Exception as error:
+            results = [error] * len(calls)
+        for (_rpc, waiter), result in zip(batch, results, strict=True):
+            waiter.answer = result
+            waiter.ready.set()
+        with self._batching:
+            coalescer.finished()
+            after = coalescer.next_batch()
+        if after is not None:
+            self._launch(coalescer, after)
 
     def _run(
         self, flow: Flow[Any], result: list[Any], sleep: Callable[[float], Any] = time.sleep
