@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.etcd_process import EtcdServer, free_port
+from inbox_claims._batch import BATCHABLE
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
@@ -143,19 +144,8 @@ Requests = st.one_of(
 )
 
 
-# The calls a Batch may carry, by the BatchCall field that carries each.
-BATCHED = {
-    "RecordDelivery": "record_delivery",
-    "ClaimReply": "claim_reply",
-    "RenewClaim": "renew_claim",
-    "ReleaseClaim": "release_claim",
-    "BeginSend": "begin_send",
-    "ConfirmSent": "confirm_sent",
-    "AbortSend": "abort_send",
-    "GetStatus": "get_status",
-}
 batch_calls = st.one_of(
-    Requests.filter(lambda call: call[0] in BATCHED).map(lambda call: pb.BatchCall(**{BATCHED[call[0]]: call[1]})),
+    Requests.filter(lambda call: call[0] in BATCHABLE).map(lambda call: pb.BatchCall(**{BATCHABLE[call[0]]: call[1]})),
     st.just(pb.BatchCall()),  # no call at all
 )
 Calls = st.one_of(

@@ -20,16 +20,12 @@ from ._proto import coordinator_pb2 as pb
 
 W = TypeVar("W")
 
-# The unary methods a Batch may carry, and their field in BatchCall / BatchResult.
+# The unary methods a Batch may carry, and their field in BatchCall / BatchResult, as the .proto declares
+# them: the field carrying ClaimReplyRequest is the ClaimReply call.
 BATCHABLE: dict[str, str] = {
-    "RecordDelivery": "record_delivery",
-    "ClaimReply": "claim_reply",
-    "RenewClaim": "renew_claim",
-    "ReleaseClaim": "release_claim",
-    "BeginSend": "begin_send",
-    "ConfirmSent": "confirm_sent",
-    "AbortSend": "abort_send",
-    "GetStatus": "get_status",
+    field.message_type.name.removesuffix("Request"): field.name
+    for field in pb.BatchCall.DESCRIPTOR.oneofs_by_name["call"].fields
+    if field.message_type is not None
 }
 __all__ = ["BATCHABLE", "BATCH_MAX_CALLS", "Coalescer", "answers", "send", "unsupported"]
 MAX_BATCHES_IN_FLIGHT = 2
