@@ -297,6 +297,10 @@ class EtcdStore:
             metadata = self._auth_metadata
             try:
                 response = await method(request, timeout=self._timeout, metadata=metadata)
+            except grpc.aio.UsageError as error:  # our etcd channel is closed: this coordinator is stopping
+                raise StoreUnavailable(
+                    "this coordinator is shutting down; retry the call (on another replica)"
+                ) from error
             except grpc.aio.AioRpcError as error:
                 self.observer.etcd_call(type(request).__name__, time.perf_counter() - started, error.code().name)
                 if attempt == 0 and self.settings.username and _is_bad_auth_token(error):

@@ -30,6 +30,7 @@ from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 from .conftest import StartCoordinator, test_rules
 from .helpers import Actor, message, new_request_id, rpc_error
+from .test_client_retry import PATIENT, LateCoordinator
 
 GRANTED = pb.ClaimReplyResponse.GRANTED
 SERVICE = "inbox.coordinator.v1.Coordinator"
@@ -404,3 +405,64 @@ def test_the_coalescer_sends_every_call_once_within_its_limits(waiting: int, max
             coalescer.finished()
     assert sent == list(range(waiting))  # every call once, in the order they came
     assert coalescer.in_flight == 0
+
+
+async def test_batched_claims_survive_the_coordinator_stopping_under_them(
+    etcd: EtcdServer, prefix: str, mailbox: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="inbox_claims")
+    late = LateCoordinator(etcd, prefix)
+    await late.start()
+    clients = [AsyncCoordinator(late.address, principal=f"agent-{n}", retry=PATIENT) for n in range(4)]
+    try:
+        claims = [
+            asyncio.create_task(clients[n % 4].claim(Subject.message(mailbox, f"m-{n % 100}"))) for n in range(2000)
+        ]
+        await asyncio.sleep(0.05)  # batches are in flight
+        await late.stop()
+        await asyncio.sleep(0.3)
+        await late.start()
+        results = await asyncio.wait_for(asyncio.gather(*claims), 60)
+        statuses = await asyncio.gather(*(clients[0].status(Subject.message(mailbox, f"m-{n}")) for n in range(100)))
+    finally:
+        await asyncio.gather(*(client.close() for client in clients))
+        await late.stop()
+    assert any("retrying" in r.getMessage() for r in caplog.records if r.name == "inbox_claims")
+    granted: dict[str, list[Any]] = {}
+    for result in results:
+        assert result.outcome in (ClaimOutcome.GRANTED, ClaimOutcome.HELD), result
+        if result.granted and result.status is not None:
+            granted.setdefault(result.status.subject.id, []).append(result)
+    # Each subject granted once: a claim retried after its answer was lost gets its own grant back, no other.
+    assert sorted(granted) == sorted(f"m-{n}" for n in range(100))
+    for n, status in enumerate(statuses):
+        (grant,) = {(r.status.holder, r.token) for r in granted[f"m-{n}"] if r.status is not None}
+        assert (status.holder, status.fencing_token) == grant
+
+
+async def test_sync_batched_claims_survive_the_coordinator_stopping_under_them(
+    etcd: EtcdServer, prefix: str, mailbox: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="inbox_claims")
+    late = LateCoordinator(etcd, prefix)
+    await late.start()
+    client = Coordinator(late.address, principal="agent-a", retry=PATIENT)
+
+    def claim_many(n: int) -> list[Any]:
+        return [client.claim(Subject.message(mailbox, f"m-{k % 50}")) for k in range(n * 1000, n * 1000 + 100)]
+
+    try:
+        threads = asyncio.gather(*(asyncio.to_thread(claim_many, n) for n in range(16)))
+        await asyncio.sleep(0.1)  # batches are in flight
+        await late.stop()
+        await asyncio.sleep(0.3)
+        await late.start()
+        results = [result for chunk in await asyncio.wait_for(threads, 60) for result in chunk]
+    finally:
+        client.close()
+        await late.stop()
+    assert any("retrying" in r.getMessage() for r in caplog.records if r.name == "inbox_claims")
+    granted = Counter(r.status.subject.id for r in results if r.granted and r.status is not None)
+    assert all(r.outcome in (ClaimOutcome.GRANTED, ClaimOutcome.HELD) for r in results)
+    # One principal: its later claims on a subject it holds answer HELD (by itself); one grant per subject.
+    assert granted == dict.fromkeys((f"m-{k}" for k in range(50)), 1)

@@ -59,7 +59,12 @@ USER_AGENT = "inbox-claims-python/0.1"
 BATCH_MAX_CALLS = 256  # the coordinator's limit of calls per Batch RPC
 RETRY_AFTER_METADATA = "retry-after-ms"
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+# CANCELLED too: a coordinator that stops past its shutdown grace cancels the calls still running (the
+# caller's own cancellation never gets here: it raises asyncio.CancelledError, or the client is closed).
+# Every call is safe to repeat, since its retries carry its request id.
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
+)
 
 R = TypeVar("R")
 T = TypeVar("T")
