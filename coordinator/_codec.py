@@ -35,10 +35,12 @@ _KINDS_IN = {code: kind for kind, code in _KINDS.items()}
 _CLAIM_ONLY = ("a", "l", "r", "d")
 
 
+# One encoder for every record: json.dumps with options builds a new JSONEncoder on each call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def _dump(data: dict[str, Any]) -> bytes:
-    return json.dumps(
-        {k: v for k, v in data.items() if v not in (None, "")}, separators=(",", ":"), ensure_ascii=False
-    ).encode()
+    return _ENCODER.encode({k: v for k, v in data.items() if v not in (None, "")}).encode()
 
 
 def encode_record(record: SubjectRecord) -> bytes:

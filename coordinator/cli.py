@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -131,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="ask over TLS, trusting this CA (default: over TLS trusting tls_cert when the configuration has one)",
     )
+    health.add_argument(
+        "--cert-file",
+        type=Path,
+        default=None,
+        help="a client certificate (PEM) to present, for a coordinator that requires one (mTLS)",
+    )
+    health.add_argument("--key-file", type=Path, default=None, help="the client certificate's private key (PEM)")
     health.add_argument(
         "--server-name", default=None, help="the name the server's certificate carries, when not the address's host"
     )
@@ -371,16 +379,28 @@ def local_address(listen: str) -> str:
     return f"{host}:{port}"
 
 
-def _health_channel(address: str, ca_file: Path | None, server_name: str | None) -> grpc.aio.Channel:
-    if ca_file is None:
+@dataclass(frozen=True)
+class _HealthTls:
+    ca_file: Path | None
+    server_name: str | None
+    cert_file: Path | None
+    key_file: Path | None
+
+
+def _health_channel(address: str, tls: _HealthTls) -> grpc.aio.Channel:
+    if tls.ca_file is None:
         return grpc.aio.insecure_channel(address)
-    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
-    credentials = grpc.ssl_channel_credentials(root_certificates=ca_file.read_bytes())
+    options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=tls.ca_file.read_bytes(),
+        private_key=tls.key_file.read_bytes() if tls.key_file else None,
+        certificate_chain=tls.cert_file.read_bytes() if tls.cert_file else None,
+    )
     return grpc.aio.secure_channel(address, credentials, options=options)
 
 
-async def _health(address: str, service: str, deadline_s: float, ca_file: Path | None, server_name: str | None) -> str:
-    async with _health_channel(address, ca_file, server_name) as channel:
+async def _health(address: str, service: str, deadline_s: float, tls: _HealthTls) -> str:
+    async with _health_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=deadline_s)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
@@ -389,6 +409,9 @@ async def _health(address: str, service: str, deadline_s: float, ca_file: Path |
 def health(options: argparse.Namespace) -> int:
     address = options.address
     ca_file: Path | None = options.ca_file
+    if (options.cert_file is None) != (options.key_file is None):
+        print("inbox-coordinator: --cert-file and --key-file go together (mTLS)", file=sys.stderr)
+        return EXIT_CONFIG
     if address is None or ca_file is None:
         try:
             config = load(config_file=options.config)
@@ -397,8 +420,12 @@ def health(options: argparse.Namespace) -> int:
             return EXIT_CONFIG
         address = address or local_address(config.listen)
         ca_file = ca_file or config.tls_cert
+    if options.cert_file is not None and ca_file is None:
+        print("inbox-coordinator: a client certificate needs TLS: pass --ca-file", file=sys.stderr)
+        return EXIT_CONFIG
     try:
-        status = asyncio.run(_health(address, options.service, options.timeout, ca_file, options.server_name))
+        tls = _HealthTls(ca_file, options.server_name, options.cert_file, options.key_file)
+        status = asyncio.run(_health(address, options.service, options.timeout, tls))
     except grpc.aio.AioRpcError as error:
         print(f"{address}: {error.code().name}: {error.details()}")
         return EXIT_FAILURE

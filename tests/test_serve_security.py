@@ -149,3 +149,46 @@ def test_a_bad_token_file_is_a_configuration_error(tmp_path: Path) -> None:
     )
     assert result.returncode == 2, result.stderr
     assert "principals[0].kind" in result.stderr
+
+
+def test_health_checks_a_coordinator_that_requires_client_certificates(
+    tmp_path: Path, etcd: EtcdServer, prefix: str
+) -> None:
+    ca = trustme.CA()
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    server_cert = ca.issue_cert("127.0.0.1")
+    (tmp_path / "server.pem").write_bytes(b"".join(b.bytes() for b in server_cert.cert_chain_pems))
+    (tmp_path / "server.key").write_bytes(server_cert.private_key_pem.bytes())
+    client_cert = ca.issue_cert("probe.ops.test")
+    (tmp_path / "probe.pem").write_bytes(b"".join(b.bytes() for b in client_cert.cert_chain_pems))
+    (tmp_path / "probe.key").write_bytes(client_cert.private_key_pem.bytes())
+    port = free_port()
+    tls = ["--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key")]
+    mtls = ["--tls-client-ca", str(tmp_path / "ca.pem"), "--require-client-cert"]
+    serve = ["serve", "--listen", f"127.0.0.1:{port}", "--etcd-endpoints", etcd.endpoint, "--prefix", prefix]
+    process = _spawn([*CLI, *serve, *tls, *mtls, "--metrics-listen", ""])
+
+    def health(*extra: str) -> subprocess.CompletedProcess[str]:
+        probe = ["health", "--address", f"127.0.0.1:{port}", "--ca-file", str(tmp_path / "ca.pem"), *extra]
+        return subprocess.run([*CLI, *probe], capture_output=True, text=True, timeout=30)
+
+    try:
+        _wait_for(process, "serving gRPC on")
+        refused = health()
+        assert refused.returncode == 1, refused
+        assert "UNAVAILABLE" in refused.stdout
+        client = ["--cert-file", str(tmp_path / "probe.pem"), "--key-file", str(tmp_path / "probe.key")]
+        answered = health(*client)
+        assert answered.returncode == 0, answered
+        assert answered.stdout.strip().endswith("SERVING")
+        half = health("--cert-file", str(tmp_path / "probe.pem"))
+        assert half.returncode == 2
+        assert "--cert-file and --key-file go together" in half.stderr
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
