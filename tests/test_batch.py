@@ -466,3 +466,19 @@ async def test_sync_batched_claims_survive_the_coordinator_stopping_under_them(
     assert all(r.outcome in (ClaimOutcome.GRANTED, ClaimOutcome.HELD) for r in results)
     # One principal: its later claims on a subject it holds answer HELD (by itself); one grant per subject.
     assert granted == dict.fromkeys((f"m-{k}" for k in range(50)), 1)
+
+
+async def test_closing_the_client_fails_its_waiting_calls_instead_of_leaving_them_waiting(
+    coordinator: CoordinatorServer, mailbox: str
+) -> None:
+    client = AsyncCoordinator(coordinator.address, principal="agent-a")
+    calls = [asyncio.create_task(client.claim(Subject.message(mailbox, f"m-{n}"))) for n in range(100)]
+    await asyncio.sleep(0)  # queued; the first batches go on the next pass of the loop
+    await client.close()
+    results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+    for result in results:
+        assert not isinstance(result, asyncio.CancelledError)  # the callers were not cancelled: they were told
+        if isinstance(result, BaseException):
+            assert isinstance(result, RuntimeError)
+            assert "closed" in str(result)
+    assert any(isinstance(result, RuntimeError) for result in results)

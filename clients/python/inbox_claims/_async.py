@@ -129,12 +129,17 @@ class AsyncCoordinator(ClientBase):
         self, coalescer: Coalescer[asyncio.Future[Any]], batch: list[tuple[Rpc, asyncio.Future[Any]]]
     ) -> None:
         live = [(rpc, answer) for rpc, answer in batch if not answer.done()]  # a cancelled caller's call stays home
+        results: list[Any]
         try:
             results = await self._answers([rpc for rpc, _answer in live]) if live else []
-        except BaseException:
+        except asyncio.CancelledError:
+            closed = RuntimeError(f"this {type(self).__name__} was closed while the call was in flight")
             for _rpc, answer in live:
-                answer.cancel()  # the client is closing: its waiting callers are cancelled with it
+                if not answer.done():
+                    answer.set_exception(closed)
             raise
+        except Exception as error:  # the client was closed before the batch went, say: every caller hears it
+            results = [error] * len(live)
         finally:
             coalescer.finished()
             if coalescer.pending:
@@ -142,7 +147,7 @@ class AsyncCoordinator(ClientBase):
         for (_rpc, answer), result in zip(live, results, strict=True):
             if answer.done():
                 continue
-            if isinstance(result, RpcFailure):
+            if isinstance(result, BaseException):
                 answer.set_exception(result)
             else:
                 answer.set_result(result)
