@@ -179,6 +179,7 @@ class Engine:
             lambda current, _end: domain.renew(
                 self.rules, current, caller, token=token, ttl_seconds=ttl, now_ms=self._clock()
             ),
+            from_recent_write=True,
         )
 
     async def release(
@@ -209,6 +210,7 @@ class Engine:
         return await self._apply(
             subject,
             lambda current, _end: domain.begin_send(self.rules, current, caller, token=token, now_ms=self._clock()),
+            from_recent_write=True,
         )
 
     async def confirm_sent(
@@ -228,6 +230,7 @@ class Engine:
                 sent_message_id=sent_message_id,
                 now_ms=self._clock(),
             ),
+            from_recent_write=True,
         )
 
     async def abort_send(
@@ -259,9 +262,15 @@ class Engine:
         )
 
     async def _apply(
-        self, subject: Subject, decide: Callable[[Stored | None, EndMark | None], Transition]
+        self,
+        subject: Subject,
+        decide: Callable[[Stored | None, EndMark | None], Transition],
+        *,
+        from_recent_write: bool = False,
     ) -> tuple[FenceResult, Stored | None]:
-        transition, after = await self.store.apply(subject, decide, self._end_mark_expiry())
+        transition, after = await self.store.apply(
+            subject, decide, self._end_mark_expiry(), from_recent_write=from_recent_write
+        )
         return transition.result, after
 
     def _end_mark_expiry(self) -> int:

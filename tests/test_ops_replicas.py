@@ -7,6 +7,7 @@ import collections
 
 import grpc
 
+from coordinator.server import CoordinatorServer
 from inbox_claims._proto import coordinator_pb2 as pb
 
 from .conftest import StartCoordinator
@@ -101,3 +102,44 @@ async def test_a_watch_on_one_replica_sees_what_is_done_through_the_other(
             (pb.EVENT_TYPE_CLAIMED, "m-2", "agent-b"),
             (pb.EVENT_TYPE_RELEASED, "m-2", "agent-b"),
         ]
+
+
+def _etcd_txns(server: CoordinatorServer) -> float:
+    return server.metrics.value("inbox_coordinator_etcd_request_duration_seconds_count", {"method": "Txn"}) or 0.0
+
+
+async def test_the_send_sequence_costs_three_etcd_requests_and_a_stale_memory_costs_one_more(
+    start_coordinator: StartCoordinator, mailbox: str
+) -> None:
+    # Unbatched, so that every transaction is one etcd request and can be counted.
+    a = await start_coordinator(etcd_options={"max_batch": 1}, sweep_interval_s=3600)
+    b = await start_coordinator(etcd_options={"max_batch": 1}, sweep_interval_s=3600)
+    async with grpc.aio.insecure_channel(a.address) as via_a, grpc.aio.insecure_channel(b.address) as via_b:
+        agent = Actor(via_a, "agent-a")
+        subject = message(mailbox, "m-1")
+        before = _etcd_txns(a)
+        token = (await agent.claim(subject, ttl=60)).status.fencing_token
+        assert (await agent.begin(subject, token)).result == pb.FENCE_RESULT_OK
+        confirmed = await agent.confirm(subject, token, "sent-1")
+        assert confirmed.status.state == pb.SUBJECT_STATE_REPLIED
+        assert _etcd_txns(a) - before == 3  # create, then two compare-and-writes on the revision A wrote
+
+        # B renews the claim A made: A's memory of the subject is now stale. A's BeginSend tries it, the
+        # compare on the revision fails, A reads and decides again: one request more, the right answer.
+        other = message(mailbox, "m-2")
+        token = (await agent.claim(other, ttl=60)).status.fencing_token
+        renewed = await Actor(via_b, "agent-a").renew(other, token, ttl=600)
+        before = _etcd_txns(a)
+        began = await agent.begin(other, token)
+        assert began.result == pb.FENCE_RESULT_OK
+        assert began.status.state == pb.SUBJECT_STATE_SENDING
+        assert renewed.status.ttl_seconds == 600
+        assert began.status.ttl_seconds == 600  # decided on B's renewed record, not on A's memory of the claim
+        assert _etcd_txns(a) - before == 3  # the failed compare, the read, the write
+
+        # A refusal is never answered from memory: B released it, so A's memory says CLAIMED but etcd says FREE.
+        third = message(mailbox, "m-3")
+        token = (await agent.claim(third, ttl=60)).status.fencing_token
+        assert (await Actor(via_b, "agent-a").release(third, token)).result == pb.FENCE_RESULT_OK
+        assert (await agent.begin(third, token)).result == pb.FENCE_RESULT_STALE_TOKEN
+        assert (await agent.status(third)).state == pb.SUBJECT_STATE_FREE
