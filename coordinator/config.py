@@ -192,6 +192,8 @@ def format_duration(seconds: float) -> str:
     return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
 
 
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a group commit's nested transactions count against it
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("listen", _address, "127.0.0.1:50051", "HOST:PORT for gRPC", "HOST:PORT"),
     Setting(
@@ -206,6 +208,22 @@ SETTINGS: tuple[Setting, ...] = (
         "etcd_prefix", _text, "inbox-coordinator/v1/", "etcd key prefix of this deployment", "PREFIX", ("--prefix",)
     ),
     Setting("etcd_call_timeout", _duration, 5.0, "deadline of one etcd call", "DURATION"),
+    Setting(
+        "etcd_max_batch",
+        _integer,
+        64,
+        "group commit: transactions sent together as one etcd request, at most (1: none; at most 128, etcd's "
+        "default --max-txn-ops)",
+        "COUNT",
+    ),
+    Setting(
+        "etcd_batches_in_flight",
+        _integer,
+        2,
+        "group commit: etcd requests in flight at once (1 suits agents that make one call at a time; "
+        "docs/performance.md)",
+        "COUNT",
+    ),
     Setting("data_dir", _optional_path, None, "where the embedded development etcd keeps its data", "DIR"),
     Setting("default_ttl", _integer, 60, "claim TTL in seconds when a call gives none", "SECONDS"),
     Setting("min_ttl", _integer, 5, "smallest claim TTL a call may ask for, seconds", "SECONDS"),
@@ -276,6 +294,8 @@ class Config:
     etcd_endpoints: tuple[str, ...]
     etcd_prefix: str
     etcd_call_timeout: float
+    etcd_max_batch: int
+    etcd_batches_in_flight: int
     data_dir: Path | None
     default_ttl: int
     min_ttl: int
@@ -325,6 +345,8 @@ class Config:
             tuple(endpoints if endpoints is not None else self.etcd_endpoints),
             prefix=self.etcd_prefix,
             call_timeout_s=self.etcd_call_timeout,
+            max_batch=self.etcd_max_batch,
+            max_batches_in_flight=self.etcd_batches_in_flight,
             ca_file=self.etcd_ca_file,
             cert_file=self.etcd_cert_file,
             key_file=self.etcd_key_file,
@@ -460,6 +482,10 @@ def _check(config: Config) -> None:
         fail("must not be empty", "etcd_prefix")
     if config.etcd_call_timeout <= 0:
         fail("must be more than 0", "etcd_call_timeout")
+    if not 1 <= config.etcd_max_batch <= MAX_TXN_OPS:
+        fail(f"must lie between 1 and {MAX_TXN_OPS} (etcd refuses a request of more operations)", "etcd_max_batch")
+    if config.etcd_batches_in_flight < 1:
+        fail("must be at least 1", "etcd_batches_in_flight")
     if config.min_ttl < 1:
         fail("must be at least 1 second", "min_ttl")
     if config.max_ttl < config.min_ttl:

@@ -60,6 +60,8 @@ def test_defaults_are_what_serve_with_no_arguments_always_used() -> None:
     assert (rules.reply_retention_ms, rules.delivery_retention_ms) == (72 * 3_600_000, 24 * 3_600_000)
     assert config.metrics_listen == "127.0.0.1:9464"
     assert config.shutdown_grace == 10
+    etcd = config.etcd_settings()
+    assert (etcd.max_batch, etcd.max_batches_in_flight) == (64, 2)
 
 
 @pytest.mark.parametrize(
@@ -98,6 +100,14 @@ def test_durations(text: str, seconds: float) -> None:
         ),
         ({"metrics_listen": "127.0.0.1:50051"}, {}, "", "metrics and gRPC cannot share an address"),
         ({"claim_lease_bucket": "2m"}, {}, "", "claim_lease_bucket = 2m (--claim-lease-bucket): must lie between"),
+        ({}, {}, "etcd_max_batch = 129\n", "config.toml: etcd_max_batch): must lie between 1 and 128"),
+        ({"etcd_max_batch": "0"}, {}, "", "etcd_max_batch = 0 (--etcd-max-batch): must lie between 1 and 128"),
+        (
+            {},
+            {"INBOX_COORDINATOR_ETCD_BATCHES_IN_FLIGHT": "0"},
+            "",
+            "etcd_batches_in_flight = 0 (INBOX_COORDINATOR_ETCD_BATCHES_IN_FLIGHT): must be at least 1",
+        ),
     ],
 )
 def test_errors_name_the_setting_and_where_its_value_came_from(
