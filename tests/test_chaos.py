@@ -14,13 +14,14 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from chaos import checker, faults
-from chaos.harness import Config, choose_etcd
+from chaos.harness import CRASH_KINDS, Config, choose_etcd
 from chaos.workload import plan
 from coordinator.etcd_process import ENV_ETCD_BIN
 from inbox_claims import SubjectKind, idempotency_key
@@ -61,34 +62,48 @@ class ChaosRun:
                 self.process.wait()
 
 
+@dataclass
+class Runs:
+    fenced: ChaosRun
+    unfenced: ChaosRun
+    kinds: tuple[str, ...]
+    """The fault kinds of the fenced run: all of them, or all but etcd SIGKILLs on etcd 3.5.0-3.5.2."""
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ChaosRun]]:
-    # ./dev test runs the suite once per etcd version (INBOX_COORDINATOR_ETCD_BIN): the chaos runs take the
-    # pass of an etcd that survives SIGKILL (3.4.x, 3.5.3+) and skip the others, so they run once, not twice.
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    # ./dev test runs the suite once per etcd version (INBOX_COORDINATOR_ETCD_BIN), and the chaos runs in each.
+    # etcd 3.5.0-3.5.2 can lose acknowledged writes when SIGKILLed (a bug of theirs, fixed in 3.5.3), so on
+    # those the fenced run injects every fault but the etcd SIGKILLs; the 3.4.x pass injects all of them.
     override = os.environ.get(ENV_ETCD_BIN)
+    etcd_bin = Path(override) if override else None
+    kinds: tuple[str, ...] = faults.ALL_KINDS
     try:
-        binary, _ = choose_etcd(Config(seed=SEED, duration=1, etcd_bin=Path(override) if override else None))
-    except SystemExit as problem:
-        pytest.skip(f"no etcd that survives SIGKILL faults in this pass: {problem}")
+        binary, _ = choose_etcd(Config(seed=SEED, duration=1, etcd_bin=etcd_bin))
+    except SystemExit:
+        kinds = tuple(kind for kind in faults.ALL_KINDS if kind not in CRASH_KINDS)
+        binary, _ = choose_etcd(Config(seed=SEED, duration=1, etcd_bin=etcd_bin, faults=kinds))
     base = tmp_path_factory.mktemp("chaos")
     etcd = ("--etcd-bin", str(binary))
-    started = {
-        "fenced": ChaosRun(base / "fenced", (*FENCED, *etcd)),
-        "unfenced": ChaosRun(base / "unfenced", (*UNFENCED, *etcd)),
-    }
+    started = Runs(
+        fenced=ChaosRun(base / "fenced", (*FENCED, "--faults", ",".join(kinds), *etcd)),
+        unfenced=ChaosRun(base / "unfenced", (*UNFENCED, *etcd)),
+        kinds=kinds,
+    )
     yield started
-    for run in started.values():
+    for run in (started.fenced, started.unfenced):
         run.stop()
 
 
 @pytest.mark.timeout(BOUND_S + 30)
-def test_no_violation_under_every_fault_kind(runs: dict[str, ChaosRun]) -> None:
-    code, summary, output = runs["fenced"].result()
+def test_no_violation_under_every_fault_kind(runs: Runs) -> None:
+    code, summary, output = runs.fenced.result()
     stats = summary["stats"]
     assert summary["violations"] == {}, output[-6000:]
     assert summary["errors"] == [], output[-6000:]
     assert code == 0, output[-6000:]
-    for kind in faults.ALL_KINDS:
+    assert set(runs.kinds) >= set(faults.ALL_KINDS) - CRASH_KINDS
+    for kind in runs.kinds:
         if kind == "etcd_partition" and kind in stats["faults_skipped"]:
             # Only where network namespaces cannot be made (not root): the run must say why, not fake it.
             assert stats["faults_skipped"][kind], output[-3000:]
@@ -101,8 +116,8 @@ def test_no_violation_under_every_fault_kind(runs: dict[str, ChaosRun]) -> None:
 
 
 @pytest.mark.timeout(BOUND_S + 30)
-def test_the_checker_catches_double_replies_when_agents_skip_the_commit_point(runs: dict[str, ChaosRun]) -> None:
-    code, summary, output = runs["unfenced"].result()
+def test_the_checker_catches_double_replies_when_agents_skip_the_commit_point(runs: Runs) -> None:
+    code, summary, output = runs.unfenced.result()
     assert code == 1, output[-4000:]
     assert summary["violations"].get("double_send", 0) >= 1, output[-4000:]
     assert "replay with" in output
