@@ -44,7 +44,6 @@ _CLIENT_CODES = frozenset(
 )
 _SERVER_TROUBLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-_COORDINATOR_SERVICE = "inbox.coordinator.v1.Coordinator"
 
 
 def _snake(name: str) -> str:
@@ -164,17 +163,17 @@ class RpcObserver(grpc.aio.ServerInterceptor):
 
     def batch_call(
         self,
-        method: str,
+        path: str,
         request: Any,
         response: Any,
         error: Any,
         seconds: float,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
-        """One call carried by a Batch: counted, timed and logged under its own method's name."""
-        observed = self._batched.get(method)
+        """One call carried by a Batch (``path``: its unary RPC's): counted, timed and logged as that RPC."""
+        observed = self._batched.get(path)
         if observed is None:
-            observed = self._batched[method] = self._method(f"/{_COORDINATOR_SERVICE}/{method}")
+            observed = self._batched[path] = self._method(path)
         code = _CODES_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN) if error is not None else grpc.StatusCode.OK
         details = error.message if error is not None else ""
         _record(self._metrics, observed, request, context, code, response, details, seconds, timed=True)

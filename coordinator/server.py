@@ -13,7 +13,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 from .auth import Authenticator, TlsSettings, server_credentials
@@ -24,12 +23,12 @@ from .interceptor import RpcObserver
 from .limits import Limits
 from .metrics import Metrics, MetricsServer, refresh_gauges
 from .quotas import QuotaSettings
+from .service import SERVICE_NAME as SERVICE_NAME  # the health name readiness probes ask for
 from .service import CoordinatorServicer
 from .store import EtcdSettings, EtcdStore
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # A health "service" that is SERVING for as long as the process serves, whatever etcd does: for liveness
 # probes, which must not restart every replica while etcd is down (readiness uses SERVICE_NAME or "").

@@ -55,7 +55,9 @@ from .quotas import QuotaSettings, RateLimiter, WatchSlots
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PRINCIPAL_KIND_METADATA", "PRINCIPAL_METADATA", "CoordinatorServicer"]
+__all__ = ["PRINCIPAL_KIND_METADATA", "PRINCIPAL_METADATA", "SERVICE_NAME", "CoordinatorServicer"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 _STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -237,7 +239,7 @@ class BatchObserver(Protocol):
 
     def batch_call(
         self,
-        method: str,
+        path: str,
         request: Any,
         response: Any,
         error: pb.CallError | None,
@@ -457,13 +459,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await _abort(context, error)
             raise
         started = time.perf_counter()
+        fields = [call.WhichOneof("call") for call in calls]
         # One deadline for the batch, not one timer per call: they all started together.
-        tasks = [asyncio.create_task(self._batch_call(caller, call, started)) for call in calls]
+        tasks = [
+            asyncio.create_task(self._batch_call(caller, field, getattr(call, field) if field else None, started))
+            for call, field in zip(calls, fields, strict=True)
+        ]
         if tasks:
             await asyncio.wait(tasks, timeout=self.quotas.call_deadline_s)
         results = []
-        for call, task in zip(calls, tasks, strict=True):
-            field = call.WhichOneof("call")
+        for call, field, task in zip(calls, fields, tasks, strict=True):
             if task.done():
                 response, refusal, seconds = task.result()
             else:
@@ -474,9 +479,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     message=_deadline_message(self.quotas.call_deadline_s),
                 )
             if self.batch_observer is not None:
-                method = _BATCH_METHODS.get(field or "", "Batch")
+                path = _BATCH_PATHS.get(field or "", _BATCH_PATH)
                 request_message = getattr(call, field) if field is not None else None
-                self.batch_observer.batch_call(method, request_message, response, refusal, seconds, context)
+                self.batch_observer.batch_call(path, request_message, response, refusal, seconds, context)
             if refusal is not None or field is None:
                 results.append(pb.BatchResult(error=refusal))
             else:
@@ -484,14 +489,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.BatchResponse(results=results)
 
     async def _batch_call(
-        self, caller: Caller, call: pb.BatchCall, started: float
+        self, caller: Caller, field: str | None, request: Any, started: float
     ) -> tuple[Any, pb.CallError | None, float]:
         """One call of a batch: its response or its error (as the unary call's status), and its duration."""
-        field = call.WhichOneof("call")
         try:
             if field is None:
                 raise InvalidArgument("calls[].call", "is empty; set one of the request fields")
-            response = await _BATCH_CALLS[field](self, caller, getattr(call, field))
+            response = await _BATCH_CALLS[field](self, caller, request)
             return response, None, time.perf_counter() - started
         except CoordinatorError as failure:
             refused = pb.CallError(code=_STATUS_CODES[type(failure)].value[0], message=str(failure))
@@ -515,7 +519,9 @@ _BATCH_CALLS: dict[str, Handler[Any, Any]] = {
     "abort_send": CoordinatorServicer._abort_send,
     "get_status": CoordinatorServicer._get_status,
 }
-_BATCH_METHODS = {field: "".join(part.title() for part in field.split("_")) for field in _BATCH_CALLS}
+# Each carried call is observed under the path of the unary RPC it stands for: /<service>/ClaimReply.
+_BATCH_PATHS = {field: f"/{SERVICE_NAME}/{field.title().replace('_', '')}" for field in _BATCH_CALLS}
+_BATCH_PATH = f"/{SERVICE_NAME}/Batch"
 
 
 def _page_token_in(token: str) -> bytes | None:

@@ -465,16 +465,24 @@ class EtcdStore:
         of five. A decision that would not write, or fails, is never answered from memory: it is made again
         on what etcd holds."""
         subject_key = self.keys.subject(subject)
+        # The first attempt may start from memory; every later one, and every answer that writes nothing, from etcd.
         known = self._recent.get(subject_key) if from_recent_write else None
-        if known is not None:
-            done = await self._apply_to_known(subject, known, decide, end_mark_expires_ms)
-            if done is not None:
-                return done
         for _ in range(_CAS_ATTEMPTS):
-            current, last_end = await self.read(subject)
-            transition = decide(current, last_end)
-            if transition.write is None and transition.end is None:
-                return transition, current
+            current: Stored | None
+            last_end: EndMark | None
+            if known is not None:
+                current, last_end, known = known, None, None
+                try:
+                    transition = decide(current, last_end)
+                except CoordinatorError:
+                    continue  # decided on what may be stale: decide again on what etcd holds
+                if transition.write is None and transition.end is None:
+                    continue
+            else:
+                current, last_end = await self.read(subject)
+                transition = decide(current, last_end)
+                if transition.write is None and transition.end is None:
+                    return transition, current
             assert current is not None, "a transition always starts from a stored subject"
             response = await self._with_leases(
                 functools.partial(self._commit, subject, current, transition, end_mark_expires_ms)
@@ -483,28 +491,6 @@ class EtcdStore:
                 return transition, self._committed(subject_key, current, transition, response.header.revision)
             log.debug("compare-and-swap on %r lost a race; deciding again", subject_key)
         raise StoreConflict(f"the subject changed {_CAS_ATTEMPTS} times while this call ran; retry it")
-
-    async def _apply_to_known(
-        self,
-        subject: Subject,
-        known: Stored,
-        decide: Callable[[Stored | None, EndMark | None], Transition],
-        end_mark_expires_ms: int,
-    ) -> tuple[Transition, Stored | None] | None:
-        """``apply`` on the subject as this replica last wrote it; ``None`` when that did not settle it."""
-        try:
-            transition = decide(known, None)
-        except CoordinatorError:
-            return None  # decided on what may be stale: decide again on what etcd holds
-        if transition.write is None and transition.end is None:
-            return None
-        response = await self._with_leases(
-            functools.partial(self._commit, subject, known, transition, end_mark_expires_ms)
-        )
-        if not response.succeeded:
-            return None
-        subject_key = self.keys.subject(subject)
-        return transition, self._committed(subject_key, known, transition, response.header.revision)
 
     def _committed(self, subject_key: bytes, before: Stored, transition: Transition, revision: int) -> Stored | None:
         after = None if transition.write is None else Stored(transition.write, token=before.token, revision=revision)
@@ -524,24 +510,35 @@ class EtcdStore:
     async def _commit(self, subject: Subject, current: Stored, transition: Transition, end_mark_expires_ms: int) -> Any:
         subject_key = self.keys.subject(subject)
         ops: list[Any] = []
+        writes: set[bytes] = set()
+
+        def put(key: bytes, value: bytes, lease: int = 0) -> None:
+            ops.append(_op_put(key, value, lease))
+            writes.add(key)
+
+        def delete(key: bytes) -> None:
+            ops.append(_op_delete(key))
+            writes.add(key)
+
         was_sending = current.record.state is State.SENDING and current.record.send_deadline_ms is not None
         will_send = transition.write is not None and transition.write.state is State.SENDING
         if was_sending and not will_send:
             assert current.record.send_deadline_ms is not None
-            ops.append(_op_delete(self.keys.sending(current.record.send_deadline_ms, subject)))
+            delete(self.keys.sending(current.record.send_deadline_ms, subject))
         if transition.write is not None:
             record = transition.write
-            lease = await self._lease(record.expires_ms)
-            ops.append(_op_put(subject_key, _codec.encode_record(record), lease))
+            put(subject_key, _codec.encode_record(record), await self._lease(record.expires_ms))
             if will_send and not was_sending:
                 assert record.send_deadline_ms is not None
-                ops.append(_op_put(self.keys.sending(record.send_deadline_ms, subject), subject_key))
+                put(self.keys.sending(record.send_deadline_ms, subject), subject_key)
         if transition.end is not None:
-            lease = await self._lease(end_mark_expires_ms)
-            ops.append(_op_delete(subject_key))
-            ops.append(_op_put(self.keys.end_mark(subject), _codec.encode_end_mark(transition.end), lease))
-        writes = frozenset(op.request_put.key or op.request_delete_range.key for op in ops)
-        return await self._txn([_unchanged_since(subject_key, current.revision)], ops, [], writes)
+            delete(subject_key)
+            put(
+                self.keys.end_mark(subject),
+                _codec.encode_end_mark(transition.end),
+                await self._lease(end_mark_expires_ms),
+            )
+        return await self._txn([_unchanged_since(subject_key, current.revision)], ops, [], frozenset(writes))
 
     async def status(self, subject: Subject) -> Stored | None:
         response = await self._call(self._kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))

@@ -13,10 +13,11 @@ import grpc
 import pytest
 
 from coordinator.domain import Rules
-from coordinator.etcd_process import EtcdServer
+from coordinator.etcd_process import EtcdServer, free_port
 from coordinator.limits import Limits
 from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
+from inbox_claims import RetryPolicy
 
 from .helpers import Actor
 
@@ -139,3 +140,27 @@ def human(channel: grpc.aio.Channel) -> Actor:
 @pytest.fixture
 def mailbox() -> str:
     return f"grant-{uuid.uuid4().hex[:8]}"
+
+
+PATIENT = RetryPolicy(attempts=12, initial_backoff=0.1, max_backoff=0.5)
+"""Retries long enough to wait out a coordinator that is restarted."""
+
+
+class LateCoordinator:
+    """A coordinator at an address chosen now and started (or restarted) later."""
+
+    def __init__(self, etcd: EtcdServer, prefix: str) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        self._settings = ServerSettings(
+            EtcdSettings([etcd.endpoint], prefix=prefix), listen=self.address, rules=test_rules(), shutdown_grace_s=0.5
+        )
+        self.server: CoordinatorServer | None = None
+
+    async def start(self) -> None:
+        self.server = CoordinatorServer(self._settings)
+        await self.server.start()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=0)
+            self.server = None

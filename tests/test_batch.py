@@ -28,9 +28,8 @@ from inbox_claims._core import Rpc
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
-from .conftest import StartCoordinator, test_rules
+from .conftest import PATIENT, LateCoordinator, StartCoordinator, test_rules
 from .helpers import Actor, message, new_request_id, rpc_error
-from .test_client_retry import PATIENT, LateCoordinator
 
 GRANTED = pb.ClaimReplyResponse.GRANTED
 SERVICE = "inbox.coordinator.v1.Coordinator"

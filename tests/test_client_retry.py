@@ -10,8 +10,6 @@ from collections.abc import AsyncIterator
 import pytest
 
 from coordinator.etcd_process import EtcdServer, free_port
-from coordinator.server import CoordinatorServer, ServerSettings
-from coordinator.store import EtcdSettings
 from inbox_claims import (
     AsyncCoordinator,
     ClaimOutcome,
@@ -23,30 +21,9 @@ from inbox_claims import (
     WatchSnapshot,
 )
 
-from .conftest import test_rules
+from .conftest import PATIENT, LateCoordinator
 
-PATIENT = RetryPolicy(attempts=12, initial_backoff=0.1, max_backoff=0.5)
 IMPATIENT = RetryPolicy(attempts=4, initial_backoff=0.1, max_backoff=0.2)
-
-
-class LateCoordinator:
-    """A coordinator at an address chosen now and started (or restarted) later."""
-
-    def __init__(self, etcd: EtcdServer, prefix: str) -> None:
-        self.address = f"127.0.0.1:{free_port()}"
-        self._settings = ServerSettings(
-            EtcdSettings([etcd.endpoint], prefix=prefix), listen=self.address, rules=test_rules(), shutdown_grace_s=0.5
-        )
-        self.server: CoordinatorServer | None = None
-
-    async def start(self) -> None:
-        self.server = CoordinatorServer(self._settings)
-        await self.server.start()
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(grace=0)
-            self.server = None
 
 
 @pytest.fixture
