@@ -101,7 +101,8 @@ class AsyncCoordinator(ClientBase):
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._coalescer.add(effect, answer)
         self._flush_soon()
-        return await answer
+        result = await answer
+        return await self._unary(effect) if result is _batch.RESEND else result
 
     def _flush_soon(self) -> None:
         # On the next pass of the loop, not now: the callers woken together by the last batch's answers
@@ -131,7 +132,7 @@ class AsyncCoordinator(ClientBase):
         live = [(rpc, answer) for rpc, answer in batch if not answer.done()]  # a cancelled caller's call stays home
         results: list[Any]
         try:
-            results = await self._answers([rpc for rpc, _answer in live]) if live else []
+            results = await self._answers(coalescer, [rpc for rpc, _answer in live]) if live else []
         except asyncio.CancelledError:
             closed = RuntimeError(f"this {type(self).__name__} was closed while the call was in flight")
             for _rpc, answer in live:
@@ -152,15 +153,11 @@ class AsyncCoordinator(ClientBase):
             else:
                 answer.set_result(result)
 
-    async def _answers(self, calls: list[Rpc]) -> list[Any]:
+    async def _answers(self, coalescer: Coalescer[asyncio.Future[Any]], calls: list[Rpc]) -> list[Any]:
         try:
             return _batch.answers(calls, await self._unary(_batch.send(calls)))
         except RpcFailure as failure:
-            if not _batch.unsupported(calls, failure):
-                return [failure] * len(calls)
-        assert self._coalescer is not None
-        self._coalescer.supported = False
-        return await asyncio.gather(*(self._unary(call) for call in calls), return_exceptions=True)
+            return _batch.failed(coalescer, calls, failure)
 
     async def _run(self, flow: Flow[Any], result: list[Any]) -> AsyncGenerator[Any, None]:
         """Runs a flow: yields what it emits, appends what it returns to ``result``."""

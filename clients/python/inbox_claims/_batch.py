@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -27,7 +27,7 @@ BATCHABLE: dict[str, str] = {
     for field in pb.BatchCall.DESCRIPTOR.oneofs_by_name["call"].fields
     if field.message_type is not None
 }
-__all__ = ["BATCHABLE", "BATCH_MAX_CALLS", "Coalescer", "answers", "send", "unsupported"]
+__all__ = ["BATCHABLE", "BATCH_MAX_CALLS", "RESEND", "Coalescer", "answers", "failed", "send"]
 MAX_BATCHES_IN_FLIGHT = 2
 """Two: while one batch is out, the next fills; a third would only split the callers into smaller batches."""
 
@@ -105,7 +105,14 @@ class Coalescer(Generic[W]):
         self.in_flight -= 1
 
 
-def unsupported(calls: Sequence[Rpc], failure: RpcFailure) -> bool:
-    """Whether a Batch failed only because the coordinator predates it: then its calls are resent alone,
-    and the client stops batching."""
-    return len(calls) > 1 and failure.code is grpc.StatusCode.UNIMPLEMENTED
+RESEND = object()
+"""The answer that tells a waiting call: the coordinator has no Batch RPC, send yourself alone."""
+
+
+def failed(coalescer: Coalescer[Any], calls: Sequence[Rpc], failure: RpcFailure) -> list[Any]:
+    """What each call of an RPC that failed as a whole gets: the failure (its retries decide what next), or
+    :data:`RESEND` when the failure only says that the coordinator predates Batch, which ends batching."""
+    if len(calls) > 1 and failure.code is grpc.StatusCode.UNIMPLEMENTED:
+        coalescer.supported = False
+        return [RESEND] * len(calls)
+    return [failure] * len(calls)

@@ -46,9 +46,6 @@ class _AwaitableNotSent(SendRejected, TypeError):
     """A sync claim's send function returned an awaitable: it never ran, so nothing was sent."""
 
 
-_RESEND = object()  # the answer that says: the coordinator has no Batch, send your call alone
-
-
 class _Waiter:
     """A thread waiting for its call's answer from a batch."""
 
@@ -135,7 +132,7 @@ class Coordinator(ClientBase):
         if batch is not None:
             self._launch(coalescer, batch)
         waiter.ready.wait()
-        if waiter.answer is _RESEND:
+        if waiter.answer is _batch.RESEND:
             return self._unary(effect)
         if isinstance(waiter.answer, BaseException):
             raise waiter.answer
@@ -167,12 +164,7 @@ class Coordinator(ClientBase):
         try:
             results = _batch.answers(calls, outcome())
         except grpc.RpcError as error:
-            failure = RpcFailure.from_grpc(error)
-            if _batch.unsupported(calls, failure):
-                coalescer.supported = False
-                results = [_RESEND] * len(calls)
-            else:
-                results = [failure] * len(calls)
+            results = _batch.failed(coalescer, calls, RpcFailure.from_grpc(error))
         except Exception as error:
             results = [error] * len(calls)
         for (_rpc, waiter), result in zip(batch, results, strict=True):
