@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
+from inbox_claims import AsyncCoordinator
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
@@ -114,6 +115,19 @@ def parse_coordinators(text: str) -> list[Variant]:
         batch, _, in_flight = spec.removesuffix("u").partition("x")
         variants.append(Variant(int(batch), int(in_flight or 1), uvloop))
     return variants
+
+
+def client_objects(stack: contextlib.AsyncExitStack, address: str, count: int) -> list[AsyncCoordinator]:
+    """``count`` inbox_claims client objects (agent processes' worth), each a principal, closed with ``stack``."""
+    objects = [AsyncCoordinator(address, principal=f"bench-agent-{k}") for k in range(count)]
+    for client in objects:
+        stack.push_async_callback(client.close)
+    return objects
+
+
+def shim_counts(options: argparse.Namespace) -> list[int]:
+    """--shims 1,8 -> [1, 8]: one row per count of client objects."""
+    return [int(part) for part in options.shims.split(",") if part.strip()]
 
 
 def add_shim_arguments(parser: argparse.ArgumentParser) -> None:

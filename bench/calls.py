@@ -31,12 +31,14 @@ from ._load import (
     Operation,
     add_shim_arguments,
     channel,
+    client_objects,
     coordinator_stub,
     coordinator_workload,
     etcd_workload,
     metadata,
     parse_coordinators,
     put_if_absent,
+    shim_counts,
     subject,
 )
 
@@ -275,11 +277,9 @@ def runner(command: str) -> Callable[[argparse.Namespace, Environment], Any]:
                 workloads.append(
                     coordinator_workload(env, process, f"coordinator {command}, {label}", options.clients, operation)
                 )
-            for shims in [int(part) for part in options.shims.split(",") if part.strip()]:
+            for shims in shim_counts(options):
                 label, process = coordinators.processes[0]
-                clients = [AsyncCoordinator(process.address, principal=f"bench-agent-{k}") for k in range(shims)]
-                for client in clients:
-                    stack.push_async_callback(client.close)
+                clients = client_objects(stack, process.address, shims)
                 operation = paths.shim(clients, f"bench-{run_name}-shim{shims}")
                 name = f"coordinator {command} via inbox_claims, {shims} client object(s), {label}"
                 workloads.append(coordinator_workload(env, process, name, options.clients, operation))

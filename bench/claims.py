@@ -27,7 +27,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inbox_claims import AsyncCoordinator, Subject
+from inbox_claims import Subject
 from inbox_claims._proto import coordinator_pb2 as pb
 
 from ._common import (
@@ -51,12 +51,14 @@ from ._load import (
     Coordinators,
     add_shim_arguments,
     channel,
+    client_objects,
     coordinator_stub,
     coordinator_workload,
     etcd_workload,
     metadata,
     parse_coordinators,
     put_if_absent,
+    shim_counts,
     subject,
 )
 
@@ -174,9 +176,7 @@ async def shim_claim_operation(
     stack: contextlib.AsyncExitStack, address: str, shims: int, mailbox: str
 ) -> Callable[[int, int], Awaitable[None]]:
     """Claims through ``shims`` AsyncCoordinator objects, client ``i`` using object ``i % shims``."""
-    objects = [AsyncCoordinator(address, principal=f"bench-agent-{k}") for k in range(shims)]
-    for client in objects:
-        stack.push_async_callback(client.close)
+    objects = client_objects(stack, address, shims)
 
     async def claim(index: int, n: int) -> None:
         result = await objects[index % shims].claim(Subject.message(mailbox, f"{index}-{n}"), ttl=TTL_SECONDS)
@@ -215,7 +215,7 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
                     env, process, f"coordinator ClaimReply, {label}", clients, claim_operation(stub, f"bench-{run}")
                 )
             )
-        for shims in [int(part) for part in options.shims.split(",") if part.strip()]:
+        for shims in shim_counts(options):
             label, process = coordinators.processes[0]
             operation = await shim_claim_operation(stack, process.address, shims, f"bench-{run}-shim{shims}")
             name = f"coordinator via inbox_claims, {shims} client object(s), {label}"
