@@ -1,6 +1,6 @@
 """An agent process: a webhook endpoint that answers emails through the real client shim.
 
-It does what DESIGN.md section 1 asks of an agent: verify the Nylas signature on the raw body, ack 200 at once,
+It does what docs/design.md#who-uses-it asks of an agent: verify the Nylas signature on the raw body, ack 200 at once,
 then (in the background) ``reply_to(notification)`` (delivery dedup and claim in one call), draft for a long-
 tailed time while the shim renews the claim, and ``claim.send(fn)`` through the fenced commit point, where ``fn``
 posts the reply to the sink with the claim's idempotency key and fencing token.

@@ -1,7 +1,7 @@
 """The checker: what really went out (the sink's log) against what the coordinator recorded and acknowledged.
 
 Pure: it reads a :class:`RunRecord` (made by the harness from the logs and the final reads) and returns a
-:class:`Report`. The invariants, after DESIGN.md section 4:
+:class:`Report`. The invariants, after docs/design.md#invariants:
 
 * ``double_send``: at most one send went out per subject (a message; for thread-scoped claims, the thread).
 * ``lost_ack``: every send whose ConfirmSent answered OK has a REPLIED record at the end, with its token.

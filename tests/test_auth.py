@@ -1,4 +1,4 @@
-"""Authentication, authorization and tenant isolation (DESIGN.md invariant 6), on a real etcd."""
+"""Authentication, authorization and tenant isolation (docs/design.md#invariants, invariant 6), on a real etcd."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Delivery dedup on the notification id (DESIGN.md invariant 4)."""
+"""Delivery dedup on the notification id (docs/design.md#invariants, invariant 4)."""
 
 from __future__ import annotations
 

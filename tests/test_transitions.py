@@ -1,4 +1,4 @@
-"""Every transition of DESIGN.md section 3, through the gRPC API, on a real etcd."""
+"""Every transition of docs/design.md#states-of-a-subject, through the gRPC API, on a real etcd."""
 
 from __future__ import annotations
 

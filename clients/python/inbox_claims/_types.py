@@ -54,7 +54,7 @@ class HolderKind(enum.Enum):
 
 
 class SubjectState(enum.Enum):
-    """The states of a subject (DESIGN.md section 3)."""
+    """The states of a subject (docs/design.md#states-of-a-subject)."""
 
     FREE = "free"
     CLAIMED = "claimed"

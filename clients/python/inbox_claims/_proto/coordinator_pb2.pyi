@@ -99,7 +99,7 @@ class _SubjectStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SubjectS
     """A send began and was neither confirmed nor aborted before its deadline. Never freed by itself."""
 
 class SubjectState(_SubjectState, metaclass=_SubjectStateEnumTypeWrapper):
-    """The states of a subject (DESIGN.md section 3)."""
+    """The states of a subject (docs/design.md#states-of-a-subject)."""
 
 SUBJECT_STATE_UNSPECIFIED: SubjectState.ValueType  # 0
 SUBJECT_STATE_FREE: SubjectState.ValueType  # 1
