@@ -20,9 +20,7 @@ from coordinator.server import CoordinatorServer
 from examples.agent.fake_nylas import Behaviour, FakeNylas
 from inbox_claims import (
     AsyncCoordinator,
-    ClaimOutcome,
     Coordinator,
-    EventType,
     SendOutcomeUnknown,
     SendRejected,
     Subject,
@@ -39,6 +37,7 @@ from inbox_claims.nylas import (
     build_send_request,
     interpret_send_response,
 )
+from inbox_claims.types import ClaimOutcome, EventType
 
 from .conftest import StartCoordinator
 from .test_client_support import wait_for_event, watching

@@ -45,16 +45,14 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, Unpack, overload
 from urllib.parse import parse_qs
 
-from . import (
+from ._async import AsyncClaim, AsyncCoordinator
+from ._envelope import Notification, NotificationError, parse_notification
+from ._errors import ClaimNotGranted
+from ._guard import ANSWERED_EVENTS, ReplyPolicy
+from ._webhooks import (
     NYLAS_SIGNATURE_HEADER,
-    AsyncClaim,
-    AsyncCoordinator,
-    ClaimNotGranted,
-    EnvelopeError,
-    Notification,
     WebhookVerificationError,
     nylas_challenge_response,
-    parse_notification,
     sign_nylas,
     sign_standard_webhook,
     verify_nylas_signature,
@@ -82,7 +80,7 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 """Nylas truncates message notifications past 1 MB (``.truncated``); 4 MiB leaves room for any envelope."""
-DEFAULT_EVENTS = frozenset({"message.created", "message.updated"})
+DEFAULT_EVENTS = ANSWERED_EVENTS
 """The notification types (without variant suffix) that ``coordinator=`` mode replies to."""
 _TEXT = "text/plain; charset=utf-8"
 
@@ -159,7 +157,7 @@ class WebhookGate:
             return GateAnswer(401, f"signature refused: {error}")
         try:
             notification = parse_notification(body)
-        except EnvelopeError as error:
+        except NotificationError as error:
             log.warning("webhook refused (400): %s", error)
             return GateAnswer(400, f"not a notification envelope: {error}")
         return GateAnswer(200, "ok", notification=notification)
@@ -335,32 +333,6 @@ def make_gate(secret: str | bytes, options: WebhookOptions) -> WebhookGate:
         tolerance=options.get("tolerance", 300.0),
         max_body_bytes=options.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES),
     )
-
-
-@dataclass(frozen=True, slots=True)
-class ReplyPolicy:
-    """Which notifications the guarded mode replies to, and how it claims them."""
-
-    events: frozenset[str]
-    ttl: int
-    scope: Scope
-    note: str
-
-    @classmethod
-    def of(cls, options: WebhookOptions) -> ReplyPolicy:
-        events = frozenset(options.get("events", DEFAULT_EVENTS))
-        return cls(events, options.get("ttl", 60), options.get("scope", "message"), options.get("note", ""))
-
-    def wants(self, notification: Notification) -> bool:
-        if notification.base_type in self.events:
-            return True
-        log.debug("ignoring %s notification %s", notification.type, notification.notification_id)
-        return False
-
-    @staticmethod
-    def refused(notification: Notification, refusal: ClaimNotGranted) -> None:
-        """A redelivery, a message held by someone else, or one answered already: not ours to answer."""
-        log.info("not replying to %s: %s", notification.notification_id, refusal)
 
 
 def guarded_async(coordinator: AsyncCoordinator, handle: GuardedHandler, policy: ReplyPolicy) -> Handler:

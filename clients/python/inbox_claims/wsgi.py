@@ -32,7 +32,9 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Unpack, overload
 
-from . import Claim, ClaimNotGranted, Coordinator, Notification
+from ._envelope import Notification
+from ._errors import ClaimNotGranted
+from ._sync import Claim, Coordinator
 from .asgi import GateAnswer, ReplyPolicy, WebhookGate, closing_answer, make_gate
 from .asgi import WebhookOptions as Options
 
