@@ -1,8 +1,11 @@
-"""The handlers' "LLM": slow enough (DRAFT_SECONDS) that concurrent deliveries overlap, and deterministic."""
+"""The "LLM" of the handlers here and of the examples in docs/client.md (which import it as ``llm``): slow
+enough (DRAFT_SECONDS) that concurrent deliveries overlap, and deterministic."""
 
 import asyncio
 import time
 from typing import Any
+
+from inbox_claims import Notification
 
 DRAFT_SECONDS = 0.3
 
@@ -25,3 +28,14 @@ async def draft_reply(message: dict[str, Any]) -> dict[str, Any]:
 def draft_reply_sync(message: dict[str, Any]) -> dict[str, Any]:
     time.sleep(DRAFT_SECONDS)
     return _draft(message)
+
+
+async def write_reply(notification: Notification) -> str:
+    """The text of a reply (docs/client.md's adapter examples)."""
+    await asyncio.sleep(DRAFT_SECONDS)
+    return f"<p>Thank you for writing about {notification.object.get('subject', 'this')}.</p>"
+
+
+def write_reply_sync(notification: Notification) -> str:
+    time.sleep(DRAFT_SECONDS)
+    return f"<p>Thank you for writing about {notification.object.get('subject', 'this')}.</p>"
