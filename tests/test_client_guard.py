@@ -39,7 +39,7 @@ from inbox_claims import (
     current_claim,
     nylas,
 )
-from inbox_claims.nylas import NylasDuplicateSend, NylasSendRejected, NylasSendUnknown
+from inbox_claims.nylas import NylasDuplicateSend, NylasSendOutcomeUnknown, NylasSendRejected
 from inbox_claims.types import HolderKind
 
 from .conftest import StartCoordinator
@@ -274,7 +274,7 @@ async def test_nylas_send_inside_a_claim_is_fenced_and_carries_the_claims_idempo
     [
         ("reject", NylasSendRejected, None, SubjectState.FREE),  # 4xx: nothing went out
         ("conflict", SendOutcomeUnknown, NylasDuplicateSend, SubjectState.SENDING),  # 409: never "not sent"
-        ("unavailable", SendOutcomeUnknown, NylasSendUnknown, SubjectState.SENDING),  # 5xx: unknown
+        ("unavailable", SendOutcomeUnknown, NylasSendOutcomeUnknown, SubjectState.SENDING),  # 5xx: unknown
     ],
 )
 async def test_nylas_send_applies_the_status_rules(
@@ -305,7 +305,7 @@ async def test_nylas_send_that_times_out_is_an_unknown_outcome(agent: AsyncCoord
             async with agent.reply_to(event(message_id)):
                 await nylas.send(slow, MAILBOX, draft(message_id), api_key=API_KEY)
     fake.release()
-    assert isinstance(caught.value.__cause__, NylasSendUnknown)
+    assert isinstance(caught.value.__cause__, NylasSendOutcomeUnknown)
     assert "timed out" in str(caught.value.__cause__)
 
 
@@ -427,6 +427,9 @@ def test_every_old_top_level_name_still_works_with_a_deprecation_warning(old_nam
 
 
 def test_an_old_from_import_warns_and_an_unknown_name_is_an_attribute_error() -> None:
+    with pytest.warns(DeprecationWarning, match="now NylasSendOutcomeUnknown"):
+        from inbox_claims.nylas import NylasSendUnknown
+    assert NylasSendUnknown is NylasSendOutcomeUnknown
     with pytest.warns(DeprecationWarning, match="inbox_claims.testing.sign_nylas"):
         from inbox_claims import sign_nylas  # noqa: F401
     with pytest.warns(DeprecationWarning, match="inbox_claims.webhooks.NotificationError"):

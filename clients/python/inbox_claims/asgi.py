@@ -47,7 +47,6 @@ from urllib.parse import parse_qs
 
 from ._async import AsyncClaim, AsyncCoordinator
 from ._envelope import Notification, NotificationError, parse_notification
-from ._errors import ClaimNotGranted
 from ._guard import ANSWERED_EVENTS, ReplyPolicy
 from ._webhooks import (
     NYLAS_SIGNATURE_HEADER,
@@ -339,14 +338,11 @@ def guarded_async(coordinator: AsyncCoordinator, handle: GuardedHandler, policy:
     """``handle(notification, claim)`` inside ``coordinator.reply_to(notification)``, for the policy's events."""
 
     async def run(notification: Notification) -> object:
-        if not policy.wants(notification):
-            return None
-        try:
-            async with coordinator.reply_to(notification, ttl=policy.ttl, scope=policy.scope, note=policy.note) as c:
-                return await handle(notification, c)
-        except ClaimNotGranted as refusal:
-            policy.refused(notification, refusal)
-            return None
+        if policy.wants(notification):
+            with policy.absorbing(notification):
+                async with coordinator.reply_to(notification, **policy.claim_options()) as claim:
+                    return await handle(notification, claim)
+        return None
 
     return run
 
@@ -367,8 +363,9 @@ def nylas_webhook_app(
     Without ``coordinator``, ``await handle(notification)`` runs for every accepted notification, of any type.
     With ``coordinator`` (an :class:`~inbox_claims.AsyncCoordinator`), ``await handle(notification, claim)``
     runs inside ``coordinator.reply_to(notification, ttl=..., scope=..., note=...)``, only for the
-    notification types in ``events`` (default ``message.created`` and ``message.updated``, any variant); a
-    redelivery, a message held by someone else, or one already answered is logged and dropped.
+    notification types in ``events`` (default :data:`~inbox_claims.ANSWERED_EVENTS`: ``message.created`` and
+    ``message.updated``, any variant); as with ``guard``, the expected refusals (a redelivery, a message held by
+    someone else or answered already, a claim lost while drafting) are logged and dropped.
 
     ``scheme="standard"`` checks Standard Webhooks signatures (``webhook-id``, ``webhook-timestamp``,
     ``webhook-signature``, within ``tolerance`` seconds) instead of ``x-nylas-signature``. The other options:

@@ -35,7 +35,7 @@ Nylas answers                              ``send`` does, and so ``claim.send`` 
                                            or is in flight, so it is never "not sent": SENDING, then IN_DOUBT
 any other 4xx (400, 401, 403, 404, 422,    raises :class:`NylasSendRejected`, a :class:`~inbox_claims.SendRejected`:
 429...)                                    nothing went out; the send is aborted and the subject is FREE
-5xx, a timeout, a connection error, an     raises :class:`NylasSendUnknown`: it may have gone out: SENDING, then
+5xx, a timeout, a connection error, an     raises :class:`NylasSendOutcomeUnknown`: it may have gone out: SENDING, then
 unreadable answer                          IN_DOUBT for a human to resolve
 =========================================  ====================================================================
 
@@ -47,6 +47,7 @@ same code (:func:`build_send_request`, :func:`interpret_send_response`) and only
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -68,8 +69,8 @@ __all__ = [
     "Nylas",
     "NylasDuplicateSend",
     "NylasReply",
+    "NylasSendOutcomeUnknown",
     "NylasSendRejected",
-    "NylasSendUnknown",
     "SendRequest",
     "build_send_request",
     "interpret_send_response",
@@ -83,7 +84,7 @@ DEFAULT_TIMEOUT = 60.0
 Recipient = str | Mapping[str, str]
 
 
-class NylasSendUnknown(InboxClaimsError):
+class NylasSendOutcomeUnknown(InboxClaimsError):
     """The send may or may not have gone out (5xx, timeout, connection error, unreadable answer).
 
     Raised from a send function, ``claim.send`` leaves the subject SENDING (reported IN_DOUBT) and raises
@@ -96,7 +97,7 @@ class NylasSendUnknown(InboxClaimsError):
         self.request_id = request_id
 
 
-class NylasDuplicateSend(NylasSendUnknown):
+class NylasDuplicateSend(NylasSendOutcomeUnknown):
     """409: Nylas already took a request with this idempotency key (and another payload), in the last hour.
 
     A reply for this subject went out or is in flight: never treat it as "not sent".
@@ -238,7 +239,7 @@ def interpret_send_response(status_code: int, content: bytes) -> str | None:
             request_id=request_id,
             error_type=str(error.get("type") or ""),
         )
-    raise NylasSendUnknown(
+    raise NylasSendOutcomeUnknown(
         f"Nylas answered HTTP {status_code}; the message may have been sent: {detail}",
         status_code=status_code,
         request_id=request_id,
@@ -253,10 +254,10 @@ def _json(content: bytes) -> Mapping[str, Any]:
     return document if isinstance(document, Mapping) else {}
 
 
-def transport_failure(error: httpx.HTTPError) -> NylasSendUnknown:
+def transport_failure(error: httpx.HTTPError) -> NylasSendOutcomeUnknown:
     """What a request that got no answer (timeout, connection error) means: the outcome is unknown."""
     kind = "timed out" if isinstance(error, httpx.TimeoutException) else f"failed ({type(error).__name__})"
-    return NylasSendUnknown(f"the Nylas send request {kind}; the message may have been sent: {error}")
+    return NylasSendOutcomeUnknown(f"the Nylas send request {kind}; the message may have been sent: {error}")
 
 
 class _NylasBase:
@@ -454,3 +455,16 @@ def send(
     if not isinstance(claim, Claim):
         raise TypeError("an httpx.Client send inside an asyncio claim: use an httpx.AsyncClient there")
     return claim.send(_post_sync, client, request)
+
+
+def __getattr__(name: str) -> Any:
+    # 0.1's name of NylasSendOutcomeUnknown (the Nylas form of SendOutcomeUnknown, as NylasSendRejected is of
+    # SendRejected); it goes away in 0.2.
+    if name == "NylasSendUnknown":
+        warnings.warn(
+            "inbox_claims.nylas.NylasSendUnknown is now NylasSendOutcomeUnknown; the old name goes away in 0.2",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return NylasSendOutcomeUnknown
+    raise AttributeError(f"module 'inbox_claims.nylas' has no attribute {name!r}")
