@@ -250,6 +250,36 @@ async def test_the_blocking_guard_and_nylas_send_with_an_httpx_client(
     assert sum("not replying" in record.getMessage() for record in caplog.records) == 2
 
 
+async def test_many_concurrent_guarded_calls_on_three_clients_send_once_per_message(
+    server: CoordinatorServer, fake: FakeNylas, http: httpx.AsyncClient
+) -> None:
+    messages = [new_id() for _ in range(10)]
+    async with (
+        AsyncCoordinator(server.address, principal="agent-1") as one,
+        AsyncCoordinator(server.address, principal="agent-2") as two,
+        AsyncCoordinator(server.address, principal="agent-3") as three,
+    ):
+        answers = []
+        for client in (one, two, three):
+
+            @client.guard
+            async def answer(received: dict[str, Any]) -> str | None:
+                message_id = received["data"]["object"]["id"]
+                await asyncio.sleep(0.05)  # the draft: long enough for the others to arrive meanwhile
+                return await nylas.send(http, MAILBOX, draft(message_id))
+
+            answers.append(answer)
+        # Per message: one created notification delivered to every client twice, and an updated one to each.
+        calls = []
+        for message_id in messages:
+            created = event(message_id)
+            for answer in answers:
+                calls += [answer(created), answer(created), answer(event(message_id, kind="message.updated"))]
+        results = await asyncio.gather(*calls)
+    assert sum(result is not None for result in results) == len(messages)
+    assert sorted(sent.reply_to_message_id for sent in fake.sends) == sorted(messages)
+
+
 # ---------------------------------------------------------------------------------------------- nylas.send
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from . import _errors as _client_errors
 from . import types as _value_types
 from ._async import AsyncClaim, AsyncCoordinator
-from ._default import guard
+from ._default import current_claim, guard
 from ._envelope import Notification
 from ._errors import (
     AlreadyReplied,
@@ -37,7 +37,7 @@ from ._errors import (
     SendRejected,
     SentButUnconfirmed,
 )
-from ._guard import ANSWERED_EVENTS, current_claim
+from ._guard import ANSWERED_EVENTS
 from ._sync import Claim, Coordinator
 from ._types import RetryPolicy, Subject, SubjectState, SubjectStatus
 from ._webhooks import __all__ as _webhook_names

@@ -250,8 +250,9 @@ class AsyncCoordinator(ClientBase):
         :data:`ANSWERED_EVENTS`: ``message.created`` and ``message.updated``) are skipped. The expected
         refusals (:class:`DuplicateDelivery`, :class:`ReplyHeld`, :class:`AlreadyReplied`, :class:`ClaimLost`)
         are logged, one line each, and the call returns ``None``; ``raise_refusals=True`` raises them instead.
-        Inside, ``await inbox_claims.nylas.send(...)`` (or ``await current_claim().send(...)``) passes the
-        fenced commit point. Use as ``@coord.guard`` or ``@coord.guard(ttl=120)``; options: :class:`GuardOptions`.
+        Inside, ``await inbox_claims.nylas.send(...)`` passes the fenced commit point (and
+        ``inbox_claims.current_claim()`` is the claim, for ``await claim.send(...)`` with a send of your own).
+        Use as ``@coord.guard`` or ``@coord.guard(ttl=120)``; options: :class:`GuardOptions`.
         """
         policy = ReplyPolicy.of(options)
 

@@ -12,9 +12,9 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, Unpack, overload
 
-from ._async import AsyncCoordinator
-from ._guard import EventT, GuardOptions
-from ._sync import Coordinator
+from ._async import AsyncClaim, AsyncCoordinator
+from ._guard import EventT, GuardOptions, current_claim_base
+from ._sync import Claim, Coordinator
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -22,6 +22,13 @@ R = TypeVar("R")
 _lock = threading.Lock()
 _blocking: Coordinator | None = None
 _per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncCoordinator] = weakref.WeakKeyDictionary()
+
+
+def current_claim() -> Claim | AsyncClaim | None:
+    """The guarded claim whose block (``reply_to``) or ``guard``-ed function runs in this task or thread, if any."""
+    claim = current_claim_base()
+    assert claim is None or isinstance(claim, Claim | AsyncClaim)
+    return claim
 
 
 def default_coordinator() -> Coordinator:

@@ -162,7 +162,7 @@ class ReplyPolicy:
 _current: contextvars.ContextVar[ClaimBase | None] = contextvars.ContextVar("inbox_claims_claim", default=None)
 
 
-def current_claim() -> ClaimBase | None:
+def current_claim_base() -> ClaimBase | None:
     """The guarded claim whose block (or ``guard``-ed function) is running in this task or thread, if any."""
     return _current.get()
 

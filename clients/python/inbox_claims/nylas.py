@@ -59,7 +59,7 @@ import httpx
 from ._async import AsyncClaim
 from ._envelope import Notification
 from ._errors import InboxClaimsError, SendRejected
-from ._guard import current_claim
+from ._guard import current_claim_base as current_claim
 from ._sync import Claim
 
 __all__ = [
