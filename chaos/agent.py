@@ -37,18 +37,16 @@ from inbox_claims import (
     CoordinatorUnavailable,
     DuplicateDelivery,
     InboxClaimsError,
-    LossReason,
     ReplyHeld,
     RetryPolicy,
     SendOutcomeUnknown,
     SendRejected,
     SentButUnconfirmed,
     Subject,
-    WebhookVerificationError,
-    parse_notification,
-    verify_nylas_signature,
 )
 from inbox_claims import Notification as Envelope
+from inbox_claims.types import LossReason
+from inbox_claims.webhooks import WebhookVerificationError, parse_notification, verify_nylas_signature
 
 from .common import JsonlLog, Request, Response, announce, exit_at, http_request, read_jsonl, serve_http
 from .workload import SCOPE_FIELD, Scope

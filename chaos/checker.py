@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from inbox_claims import SubjectKind, idempotency_key
+from inbox_claims.types import SubjectKind, idempotency_key
 
 from .faults import ALL_KINDS, ETCD_EXPIRY_CHECK_S, LEASE_BUCKET_S
 from .workload import SubjectKey, Workload

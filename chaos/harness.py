@@ -43,18 +43,9 @@ from coordinator.etcd_process import (
     free_port,
 )
 from coordinator.server import SERVICE_NAME
-from inbox_claims import (
-    AsyncCoordinator,
-    EventType,
-    InboxClaimsError,
-    RetryPolicy,
-    Subject,
-    SubjectKind,
-    SubjectState,
-    WatchEvent,
-    WatchSnapshot,
-    sign_nylas,
-)
+from inbox_claims import AsyncCoordinator, InboxClaimsError, RetryPolicy, Subject, SubjectState
+from inbox_claims.testing import sign_nylas
+from inbox_claims.types import EventType, SubjectKind, WatchEvent, WatchSnapshot
 
 from . import checker, faults, netns
 from .common import JsonlTail, child_argv, http_json, http_request, python_module_argv, read_jsonl

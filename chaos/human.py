@@ -13,7 +13,8 @@ import random
 import time
 from pathlib import Path
 
-from inbox_claims import AsyncCoordinator, HolderKind, InboxClaimsError, SubjectState, SubjectStatus
+from inbox_claims import AsyncCoordinator, InboxClaimsError, SubjectState, SubjectStatus
+from inbox_claims.types import HolderKind
 
 from .agent import coordinator_client, post_reply
 from .common import JsonlLog, announce, exit_at

@@ -38,8 +38,8 @@ from typing import IO
 
 import httpx
 
-from inbox_claims import AsyncCoordinator, Subject, SubjectState, sign_nylas
-from inbox_claims.testing import CoordinatorOptions, RunningCoordinator, running_coordinator
+from inbox_claims import AsyncCoordinator, Subject, SubjectState
+from inbox_claims.testing import CoordinatorOptions, RunningCoordinator, running_coordinator, sign_nylas
 
 from .agent.fake_nylas import FakeNylas
 

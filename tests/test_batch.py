@@ -22,11 +22,13 @@ from coordinator.etcd_process import EtcdServer
 from coordinator.server import CoordinatorServer, wall_clock_ms
 from coordinator.service import BATCH_MAX_CALLS, CoordinatorServicer
 from coordinator.store import EtcdSettings, EtcdStore
-from inbox_claims import AsyncCoordinator, ClaimOutcome, Coordinator, InvalidRequest, Subject
+from inbox_claims import AsyncCoordinator, Coordinator, Subject
 from inbox_claims._batch import MAX_BATCHES_IN_FLIGHT, Coalescer
 from inbox_claims._core import Rpc
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_claims.errors import InvalidRequest
+from inbox_claims.types import ClaimOutcome
 
 from .conftest import PATIENT, LateCoordinator, StartCoordinator, test_rules
 from .helpers import Actor, message, new_request_id, rpc_error

@@ -24,7 +24,7 @@ from chaos import checker, faults
 from chaos.harness import CRASH_KINDS, Config, choose_etcd
 from chaos.workload import plan
 from coordinator.etcd_process import ENV_ETCD_BIN
-from inbox_claims import SubjectKind, idempotency_key
+from inbox_claims.types import SubjectKind, idempotency_key
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 7

@@ -6,19 +6,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from inbox_claims import (
-    Coordinator,
-    CoordinatorUnavailable,
-    HolderKind,
-    InvalidRequest,
-    QuotaExceeded,
-    RetryPolicy,
-    Subject,
-    SubjectKind,
-    idempotency_key,
-    parse_notification,
-)
+from inbox_claims import Coordinator, CoordinatorUnavailable, RetryPolicy, Subject
 from inbox_claims._core import Rpc, RpcFailure, Sleep
+from inbox_claims.errors import InvalidRequest, QuotaExceeded
+from inbox_claims.types import HolderKind, SubjectKind, idempotency_key
+from inbox_claims.webhooks import NotificationError, parse_notification
 
 from .test_client_support import nylas_notification
 
@@ -71,8 +63,10 @@ def test_reply_to_takes_its_subject_from_the_notification_or_the_arguments() -> 
             coord.reply_to(message_id="msg-1")
         with pytest.raises(ValueError, match="scope"):
             coord.reply_to(notification, scope="mailbox")  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="parse_notification"):
-            coord.reply_to({"id": "raw dict"})  # type: ignore[arg-type]
+        with pytest.raises(NotificationError, match="'type'"):
+            coord.reply_to({"id": "a dict that is no notification"})
+        with pytest.raises(TypeError, match="the raw body"):
+            coord.reply_to(42)  # type: ignore[arg-type]
 
 
 def test_client_options_are_checked_when_the_client_is_made() -> None:

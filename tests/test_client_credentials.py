@@ -21,19 +21,10 @@ from coordinator.quotas import QuotaSettings
 from coordinator.server import wall_clock_ms
 from coordinator.service import CoordinatorServicer
 from coordinator.store import EtcdSettings, EtcdStore
-from inbox_claims import (
-    AsyncCoordinator,
-    ClaimOutcome,
-    Coordinator,
-    CoordinatorUnavailable,
-    PermissionDenied,
-    QuotaExceeded,
-    RetryPolicy,
-    Subject,
-    SubjectState,
-    Unauthenticated,
-)
+from inbox_claims import AsyncCoordinator, Coordinator, CoordinatorUnavailable, RetryPolicy, Subject, SubjectState
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_claims.errors import PermissionDenied, QuotaExceeded, Unauthenticated
+from inbox_claims.types import ClaimOutcome
 
 from .conftest import TEST_LIMITS
 from .test_client_support import SendLog

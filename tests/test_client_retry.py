@@ -10,16 +10,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from coordinator.etcd_process import EtcdServer, free_port
-from inbox_claims import (
-    AsyncCoordinator,
-    ClaimOutcome,
-    Coordinator,
-    CoordinatorUnavailable,
-    RetryPolicy,
-    Subject,
-    WatchEvent,
-    WatchSnapshot,
-)
+from inbox_claims import AsyncCoordinator, Coordinator, CoordinatorUnavailable, RetryPolicy, Subject
+from inbox_claims.types import ClaimOutcome, WatchEvent, WatchSnapshot
 
 from .conftest import PATIENT, LateCoordinator
 

@@ -11,7 +11,9 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
-from inbox_claims import AsyncCoordinator, EventType, Notification, WatchEvent, WatchSnapshot, parse_notification
+from inbox_claims import AsyncCoordinator, Notification
+from inbox_claims.types import EventType, WatchEvent, WatchSnapshot
+from inbox_claims.webhooks import parse_notification
 
 HUMAN = "ana@example.com"
 

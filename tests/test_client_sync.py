@@ -20,23 +20,17 @@ from inbox_claims import (
     AlreadyReplied,
     Claim,
     ClaimLost,
-    ClaimOutcome,
     Coordinator,
     DuplicateDelivery,
-    EventType,
-    InvalidRequest,
-    LossReason,
     Notification,
     ReplyHeld,
     SendOutcomeUnknown,
     SendRejected,
     Subject,
     SubjectState,
-    TakeoverOutcome,
-    Unauthenticated,
-    WatchEvent,
-    WatchSnapshot,
 )
+from inbox_claims.errors import InvalidRequest, Unauthenticated
+from inbox_claims.types import ClaimOutcome, EventType, LossReason, TakeoverOutcome, WatchEvent, WatchSnapshot
 
 from .conftest import StartCoordinator
 from .test_client_support import HUMAN, SendLog, nylas_notification

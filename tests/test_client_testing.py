@@ -12,15 +12,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.etcd_process import EtcdServer
-from inbox_claims import (
-    Coordinator,
-    CoordinatorUnavailable,
-    InvalidRequest,
-    RetryPolicy,
-    Subject,
-    SubjectState,
-    Unauthenticated,
-)
+from inbox_claims import Coordinator, CoordinatorUnavailable, RetryPolicy, Subject, SubjectState
+from inbox_claims.errors import InvalidRequest, Unauthenticated
 from inbox_claims.testing import async_running_coordinator, running_coordinator
 
 

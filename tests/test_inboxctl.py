@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from coordinator.etcd_process import EtcdServer
-from inbox_claims import Coordinator, FenceResult, Subject, SubjectState
+from inbox_claims import Coordinator, Subject, SubjectState
 from inbox_claims.cli import main
 from inbox_claims.testing import RunningCoordinator, running_coordinator
+from inbox_claims.types import FenceResult
 
 from .test_auth import TOKENS, _serve, _token_file
 

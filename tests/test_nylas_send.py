@@ -20,9 +20,7 @@ from coordinator.server import CoordinatorServer
 from examples.agent.fake_nylas import Behaviour, FakeNylas
 from inbox_claims import (
     AsyncCoordinator,
-    ClaimOutcome,
     Coordinator,
-    EventType,
     SendOutcomeUnknown,
     SendRejected,
     Subject,
@@ -34,11 +32,12 @@ from inbox_claims.nylas import (
     Nylas,
     NylasDuplicateSend,
     NylasReply,
+    NylasSendOutcomeUnknown,
     NylasSendRejected,
-    NylasSendUnknown,
     build_send_request,
     interpret_send_response,
 )
+from inbox_claims.types import ClaimOutcome, EventType
 
 from .conftest import StartCoordinator
 from .test_client_support import wait_for_event, watching
@@ -182,7 +181,7 @@ async def unknown_outcome(
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     ("behaviour", "cause"),
-    [("conflict", NylasDuplicateSend), ("unavailable", NylasSendUnknown), ("hang", NylasSendUnknown)],
+    [("conflict", NylasDuplicateSend), ("unavailable", NylasSendOutcomeUnknown), ("hang", NylasSendOutcomeUnknown)],
 )
 async def test_an_unknown_outcome_stays_sending_then_is_in_doubt(
     variant: Variant,
@@ -210,7 +209,7 @@ async def test_a_connection_error_is_an_unknown_outcome(
         closed.bind(("127.0.0.1", 0))
         api_base = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, not listening: refused
         error = await unknown_outcome(variant, server.address, Subject.message(mailbox, "msg-refused"), api_base)
-    assert isinstance(error, NylasSendUnknown)
+    assert isinstance(error, NylasSendOutcomeUnknown)
     assert error.status_code is None
 
 
@@ -249,6 +248,6 @@ def test_requests_and_answers_are_built_and_read_in_one_place() -> None:
     with pytest.raises(NylasDuplicateSend):
         interpret_send_response(409, b"")
     for status in (500, 502, 504, 302):
-        with pytest.raises(NylasSendUnknown) as unknown:
+        with pytest.raises(NylasSendOutcomeUnknown) as unknown:
             interpret_send_response(status, b"")
         assert not isinstance(unknown.value, SendRejected)

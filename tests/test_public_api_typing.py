@@ -17,24 +17,16 @@ from typing import assert_type
 import pytest
 
 from inbox_claims import (
-    NYLAS_SIGNATURE_HEADER,
     AlreadyReplied,
     AsyncClaim,
     AsyncCoordinator,
     Claim,
     ClaimLost,
     ClaimNotGranted,
-    ClaimOutcome,
-    ClaimResult,
-    ClaimsPage,
     Coordinator,
     CoordinatorError,
-    DeliveryResult,
     DuplicateDelivery,
-    FenceResult,
-    HolderKind,
     InboxClaimsError,
-    LossReason,
     Notification,
     ReplyHeld,
     RetryPolicy,
@@ -43,16 +35,27 @@ from inbox_claims import (
     Subject,
     SubjectState,
     SubjectStatus,
+)
+from inbox_claims.testing import RunningCoordinator, running_coordinator, sign_nylas
+from inbox_claims.types import (
+    ClaimOutcome,
+    ClaimResult,
+    ClaimsPage,
+    DeliveryResult,
+    FenceResult,
+    HolderKind,
+    LossReason,
     TakeoverOutcome,
     TakeoverResult,
     WatchEvent,
     WatchSnapshot,
+)
+from inbox_claims.webhooks import (
+    NYLAS_SIGNATURE_HEADER,
     WebhookVerificationError,
     parse_notification,
-    sign_nylas,
     verify_nylas_signature,
 )
-from inbox_claims.testing import RunningCoordinator, running_coordinator
 
 SECRET = "nylas-webhook-secret"
 

@@ -29,18 +29,9 @@ from werkzeug.serving import make_server
 
 from coordinator.etcd_process import EtcdServer
 from coordinator.server import CoordinatorServer
-from inbox_claims import (
-    AsyncClaim,
-    AsyncCoordinator,
-    Claim,
-    Notification,
-    Subject,
-    SubjectState,
-    sign_nylas,
-    sign_standard_webhook,
-)
+from inbox_claims import AsyncClaim, AsyncCoordinator, Claim, Notification, Subject, SubjectState
 from inbox_claims.asgi import WebhookApp, nylas_webhook_app
-from inbox_claims.testing import RunningCoordinator, running_coordinator
+from inbox_claims.testing import RunningCoordinator, running_coordinator, sign_nylas, sign_standard_webhook
 from inbox_claims.wsgi import WebhookWSGIApp, nylas_webhook_wsgi
 
 SECRET = "nylas-webhook-secret"

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inbox_claims._envelope import EnvelopeError, Notification, NotificationVariant, parse_notification
 from inbox_claims._webhooks import (
     WebhookVerificationError,
     nylas_challenge_response,
@@ -21,6 +20,7 @@ from inbox_claims._webhooks import (
     verify_nylas_signature,
     verify_standard_webhook,
 )
+from inbox_claims.webhooks import Notification, NotificationError, NotificationVariant, parse_notification
 
 # ------------------------------------------------------------------ Standard Webhooks
 
@@ -597,14 +597,14 @@ def test_notification_constructor_is_typed() -> None:
 def test_envelope_errors_name_the_field(mutate: Any, message: str) -> None:
     envelope = message_envelope()
     mutate(envelope)
-    with pytest.raises(EnvelopeError, match=message):
+    with pytest.raises(NotificationError, match=message):
         parse_notification(json.dumps(envelope).encode())
 
 
 def test_truncated_message_without_id_is_rejected() -> None:
     envelope = message_envelope("message.updated.truncated")
     del envelope["data"]["object"]["id"]
-    with pytest.raises(EnvelopeError, match=r"required for message.updated notifications"):
+    with pytest.raises(NotificationError, match=r"required for message.updated notifications"):
         parse_notification(envelope)
 
 
@@ -621,17 +621,17 @@ def test_truncated_message_without_id_is_rejected() -> None:
     ],
 )
 def test_non_json_or_non_object_body(body: bytes | str, message: str) -> None:
-    with pytest.raises(EnvelopeError, match=message):
+    with pytest.raises(NotificationError, match=message):
         parse_notification(body)
 
 
 def test_deeply_nested_body_is_an_envelope_error() -> None:
-    with pytest.raises(EnvelopeError):
+    with pytest.raises(NotificationError):
         parse_notification(b"[" * 100_000 + b"]" * 100_000)
 
 
 def test_envelope_error_is_a_value_error() -> None:
-    assert issubclass(EnvelopeError, ValueError)
+    assert issubclass(NotificationError, ValueError)
     assert issubclass(WebhookVerificationError, ValueError)
 
 

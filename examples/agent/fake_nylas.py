@@ -64,8 +64,18 @@ class Sent:
 class FakeNylas:
     """The fake endpoint; ``start()``/``stop()`` or ``with FakeNylas(...) as nylas:``. ``api_base`` is its URL."""
 
-    def __init__(self, api_key: str = "test-api-key", *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        api_key: str = "test-api-key",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        require_idempotency_key: bool = True,
+    ) -> None:
+        """``require_idempotency_key=False``: accept sends without the header, as Nylas does (the unguarded
+        handlers in tests/data/handlers send none); sends without one are never deduplicated."""
         self.api_key = api_key
+        self.require_idempotency_key = require_idempotency_key
         self.behaviour: Behaviour = "send"
         self.requests: list[ReceivedRequest] = []
         self.problems: list[str] = []
@@ -133,9 +143,9 @@ class FakeNylas:
         return self._send(grant_id, request)
 
     def _send(self, grant_id: str, request: ReceivedRequest) -> tuple[int, dict[str, Any]]:
-        key = request.headers["idempotency-key"]
+        key = request.headers.get("idempotency-key", "")
         with self._lock:
-            seen = self._keys.get((grant_id, key))
+            seen = self._keys.get((grant_id, key)) if key else None
             if seen is not None:
                 body, status, answer = seen
                 if body != request.body:
@@ -145,7 +155,8 @@ class FakeNylas:
             sent = Sent(f"sent-{len(self.sends) + 1}", grant_id, key, request.json())
             self.sends.append(sent)
             document = {"request_id": f"req-{len(self.requests)}", "data": {**sent.payload, "id": sent.id}}
-            self._keys[(grant_id, key)] = (request.body, 200, json.dumps(document).encode())
+            if key:
+                self._keys[(grant_id, key)] = (request.body, 200, json.dumps(document).encode())
             return 200, document
 
     def _check(self, request: ReceivedRequest) -> str:
@@ -153,7 +164,7 @@ class FakeNylas:
         if headers.get("authorization") != f"Bearer {self.api_key}":
             return "authorization: expected 'Bearer <the API key>'"
         key = headers.get("idempotency-key", "")
-        if not 1 <= len(key) <= 256:
+        if (key or self.require_idempotency_key) and not 1 <= len(key) <= 256:
             return f"Idempotency-Key must be 1 to 256 characters, got {len(key)}"
         if not headers.get("content-type", "").startswith("application/json"):
             return "Content-Type must be application/json"

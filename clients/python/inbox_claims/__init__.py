@@ -2,26 +2,28 @@
 
 ::
 
-    from inbox_claims import AsyncCoordinator, ClaimNotGranted, parse_notification
+    from inbox_claims import guard, nylas
 
-    coord = AsyncCoordinator(principal="support-agent-1")
+    @guard                                       # dedup + claim on the message, renewed; refusals logged
+    async def answer(event: dict[str, Any]) -> None:
+        draft = await write_reply(event)
+        await nylas.send(http, event["data"]["object"]["grant_id"], draft)   # fenced: at most one reply
 
-    async def on_webhook(raw_body: bytes) -> None:
-        notification = parse_notification(raw_body)
-        try:
-            async with coord.reply_to(notification, ttl=60) as claim:  # dedup + claim, renewed in the background
-                draft = await write_reply(notification)
-                await claim.send(send_with_nylas, draft, idempotency_key=claim.idempotency_key)
-        except ClaimNotGranted:
-            pass  # a redelivery, or someone else has it, or it was answered already
-
-See ``docs/client.md``. :class:`Coordinator` is the blocking twin of :class:`AsyncCoordinator`;
+See ``docs/client.md``. :class:`AsyncCoordinator` and its blocking twin :class:`Coordinator` are the clients
+(``from_env()`` reads the variables ``inboxctl`` reads); :mod:`inbox_claims.webhooks` verifies and parses
+webhooks; :mod:`inbox_claims.types` and :mod:`inbox_claims.errors` hold every result type and exception;
 :mod:`inbox_claims.testing` starts a real coordinator for your tests.
 """
 
+import importlib
+import warnings
+from typing import Any
+
+from . import _errors as _client_errors
+from . import types as _value_types
 from ._async import AsyncClaim, AsyncCoordinator
-from ._core import DEFAULT_TARGET
-from ._envelope import EnvelopeError, Notification, NotificationVariant, parse_notification
+from ._default import current_claim, guard
+from ._envelope import Notification
 from ._errors import (
     AlreadyReplied,
     ClaimLost,
@@ -29,103 +31,67 @@ from ._errors import (
     CoordinatorError,
     CoordinatorUnavailable,
     DuplicateDelivery,
-    FailedPrecondition,
     InboxClaimsError,
-    InvalidRequest,
-    PermissionDenied,
-    QuotaExceeded,
     ReplyHeld,
     SendOutcomeUnknown,
     SendRejected,
     SentButUnconfirmed,
-    Unauthenticated,
 )
+from ._guard import ANSWERED_EVENTS
 from ._sync import Claim, Coordinator
-from ._types import (
-    ClaimOutcome,
-    ClaimResult,
-    ClaimsPage,
-    DeliveryRecord,
-    DeliveryResult,
-    EventType,
-    FenceResult,
-    HolderKind,
-    LossReason,
-    RetryPolicy,
-    Subject,
-    SubjectKind,
-    SubjectState,
-    SubjectStatus,
-    TakeoverOutcome,
-    TakeoverResult,
-    WatchEvent,
-    WatchItem,
-    WatchSnapshot,
-    idempotency_key,
-)
-from ._webhooks import (
-    NYLAS_SIGNATURE_HEADER,
-    WebhookVerificationError,
-    nylas_challenge_response,
-    sign_nylas,
-    sign_standard_webhook,
-    verify_nylas_signature,
-    verify_standard_webhook,
-)
+from ._types import RetryPolicy, Subject, SubjectState, SubjectStatus
+from ._webhooks import __all__ as _webhook_names
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_TARGET",
-    "NYLAS_SIGNATURE_HEADER",
+    "ANSWERED_EVENTS",
     "AlreadyReplied",
     "AsyncClaim",
     "AsyncCoordinator",
     "Claim",
     "ClaimLost",
     "ClaimNotGranted",
-    "ClaimOutcome",
-    "ClaimResult",
-    "ClaimsPage",
     "Coordinator",
     "CoordinatorError",
     "CoordinatorUnavailable",
-    "DeliveryRecord",
-    "DeliveryResult",
     "DuplicateDelivery",
-    "EnvelopeError",
-    "EventType",
-    "FailedPrecondition",
-    "FenceResult",
-    "HolderKind",
     "InboxClaimsError",
-    "InvalidRequest",
-    "LossReason",
     "Notification",
-    "NotificationVariant",
-    "PermissionDenied",
-    "QuotaExceeded",
     "ReplyHeld",
     "RetryPolicy",
     "SendOutcomeUnknown",
     "SendRejected",
     "SentButUnconfirmed",
     "Subject",
-    "SubjectKind",
     "SubjectState",
     "SubjectStatus",
-    "TakeoverOutcome",
-    "TakeoverResult",
-    "Unauthenticated",
-    "WatchEvent",
-    "WatchItem",
-    "WatchSnapshot",
-    "WebhookVerificationError",
-    "idempotency_key",
-    "nylas_challenge_response",
-    "parse_notification",
-    "sign_nylas",
-    "sign_standard_webhook",
-    "verify_nylas_signature",
-    "verify_standard_webhook",
+    "current_claim",
+    "guard",
 ]
+
+# The names that were at the top level in 0.1 and moved: they keep working until 0.2, with a DeprecationWarning
+# that names the new place. old name -> (module, name there).
+MOVED: dict[str, tuple[str, str]] = {
+    **{name: ("inbox_claims.types", name) for name in _value_types.__all__ if name not in __all__},
+    **{name: ("inbox_claims.errors", name) for name in _client_errors.__all__ if name not in __all__},
+    **{name: ("inbox_claims.webhooks", name) for name in _webhook_names if name not in __all__},
+    "NotificationVariant": ("inbox_claims.webhooks", "NotificationVariant"),
+    "parse_notification": ("inbox_claims.webhooks", "parse_notification"),
+    "EnvelopeError": ("inbox_claims.webhooks", "NotificationError"),
+    "sign_nylas": ("inbox_claims.testing", "sign_nylas"),
+    "sign_standard_webhook": ("inbox_claims.testing", "sign_standard_webhook"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, new_name = MOVED[name]
+    except KeyError:
+        raise AttributeError(f"module 'inbox_claims' has no attribute {name!r}") from None
+    warnings.warn(
+        f"inbox_claims.{name} moved to {module}.{new_name}; the old name goes away in inbox-claims 0.2",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), new_name)

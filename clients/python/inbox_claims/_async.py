@@ -8,7 +8,7 @@ import inspect
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from types import TracebackType
-from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, Self, TypeVar, Unpack, overload
 
 import grpc
 
@@ -29,7 +29,7 @@ from ._core import (
 )
 from ._envelope import Notification
 from ._errors import ClaimLost
-from ._guard import ClaimBase, GuardState, Scope, resolve_subject
+from ._guard import ClaimBase, Event, EventT, GuardOptions, GuardState, ReplyPolicy, Scope, resolve_subject
 from ._proto import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncClaim", "AsyncCoordinator"]
@@ -198,7 +198,7 @@ class AsyncCoordinator(ClientBase):
 
     def reply_to(
         self,
-        notification: Notification | None = None,
+        notification: Event | None = None,
         *,
         mailbox: str | None = None,
         message_id: str | None = None,
@@ -221,6 +221,7 @@ class AsyncCoordinator(ClientBase):
         passes the fenced commit point, calls ``fn`` and records the reply. Leaving the block without sending
         releases the claim.
 
+        ``notification``: what the handler has, the raw body, the decoded event or a parsed notification.
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
         (or replace it: ``reply_to(mailbox=..., message_id=...)``).
         """
@@ -234,6 +235,42 @@ class AsyncCoordinator(ClientBase):
         )
         state = GuardState(self._core, subject, notification_id=dedup_id, ttl=ttl, note=note)
         return AsyncClaim(self, state, on_lost, cancel_on_loss)
+
+    @overload
+    def guard(
+        self, fn: Callable[Concatenate[EventT, P], Awaitable[R]], /
+    ) -> Callable[Concatenate[EventT, P], Coroutine[Any, Any, R | None]]: ...
+    @overload
+    def guard(self, fn: None = None, /, **options: Unpack[GuardOptions]) -> AsyncGuard: ...
+    def guard(self, fn: Callable[..., Awaitable[Any]] | None = None, /, **options: Unpack[GuardOptions]) -> Any:
+        """Decorator: ``async def answer(event, ...)`` runs inside ``reply_to(event)``, or not at all.
+
+        ``event`` (the first argument) is what the handler has: the raw body, the decoded JSON event or a
+        :class:`Notification`; it is passed on unchanged. Notifications of types not in ``events`` (default
+        :data:`ANSWERED_EVENTS`: ``message.created`` and ``message.updated``) are skipped. The expected
+        refusals (:class:`DuplicateDelivery`, :class:`ReplyHeld`, :class:`AlreadyReplied`, :class:`ClaimLost`)
+        are logged, one line each, and the call returns ``None``; ``raise_refusals=True`` raises them instead.
+        Inside, ``await inbox_claims.nylas.send(...)`` passes the fenced commit point (and
+        ``inbox_claims.current_claim()`` is the claim, for ``await claim.send(...)`` with a send of your own).
+        Use as ``@coord.guard`` or ``@coord.guard(ttl=120)``; options: :class:`GuardOptions`.
+        """
+        policy = ReplyPolicy.of(options)
+
+        def decorate(
+            fn: Callable[Concatenate[EventT, P], Awaitable[R]],
+        ) -> Callable[Concatenate[EventT, P], Coroutine[Any, Any, R | None]]:
+            @functools.wraps(fn)
+            async def guarded_call(event: EventT, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
+                notification = policy.answered(event)
+                if notification is not None:
+                    with policy.absorbing(notification):
+                        async with self.reply_to(notification, **policy.claim_options()):
+                            return await fn(event, *args, **kwargs)
+                return None
+
+            return guarded_call
+
+        return decorate if fn is None else decorate(fn)
 
     def guarded(
         self,
@@ -269,6 +306,18 @@ class AsyncCoordinator(ClientBase):
         return decorate
 
 
+def _identity(value: T) -> T:
+    return value
+
+
+class AsyncGuard(Protocol):
+    """What ``AsyncCoordinator.guard(ttl=...)`` returns: a decorator of ``async def answer(event, ...)``."""
+
+    def __call__(
+        self, fn: Callable[Concatenate[EventT, P], Awaitable[R]], /
+    ) -> Callable[Concatenate[EventT, P], Coroutine[Any, Any, R | None]]: ...
+
+
 class AsyncClaim(ClaimBase):
     """A guarded claim of the asyncio client (from :meth:`AsyncCoordinator.reply_to`); an async context manager."""
 
@@ -291,6 +340,7 @@ class AsyncClaim(ClaimBase):
 
     async def __aenter__(self) -> Self:
         await self._client._drive(self._state.enter())
+        self._make_current()
         self._body = asyncio.current_task()
         self._renewal = asyncio.create_task(self._renew(), name=f"inbox-claims renewal {self.token}")
         return self
@@ -325,28 +375,43 @@ class AsyncClaim(ClaimBase):
             renewal.cancel()
             await asyncio.wait([renewal])  # unlike awaiting it, does not raise its CancelledError here
 
+    @overload
+    async def send(self, fn: Awaitable[str | None], /) -> str | None: ...
+    @overload
     async def send(
         self, fn: Callable[P, Awaitable[str | None] | str | None], /, *args: P.args, **kwargs: P.kwargs
-    ) -> str | None:
+    ) -> str | None: ...
+    async def send(self, fn: Any, /, *args: Any, **kwargs: Any) -> str | None:
         """Sends the reply through the fenced commit point, once.
 
-        BeginSend (refused: :class:`ClaimLost`, and ``fn`` is never called), then ``await fn(*args, **kwargs)``
-        (a plain function works too), which must return the sent message's id (``str``) or ``None``, then
-        ConfirmSent. If ``fn`` raises :class:`SendRejected`, AbortSend frees the subject and the exception
-        propagates; any other exception leaves the subject SENDING (reported IN_DOUBT later) and raises
-        :class:`SendOutcomeUnknown` from it. Returns what ``fn`` returned.
+        ``fn`` is the send: an awaitable (``await claim.send(nylas.send(http, grant_id, draft))``), or a
+        function called as ``fn(*args, **kwargs)`` (async or plain). BeginSend first (refused:
+        :class:`ClaimLost`, and the send never runs: an awaitable is closed unawaited), then the send, which
+        must give the sent message's id (``str``) or ``None``, then ConfirmSent. If the send raises
+        :class:`SendRejected`, AbortSend frees the subject and the exception propagates; any other exception
+        leaves the subject SENDING (reported IN_DOUBT later) and raises :class:`SendOutcomeUnknown` from it.
+        Returns the sent message's id.
         """
+        awaitable = None
+        if not callable(fn):
+            if not inspect.isawaitable(fn) or args or kwargs:
+                raise TypeError(f"claim.send takes an awaitable, or a function and its arguments, not {fn!r}")
+            awaitable, fn = fn, functools.partial(_identity, fn)
         await self._stop_renewal()
         try:
             return await self._client._drive(self._state.send(fn, args, kwargs))
         except ClaimLost:
             await self._notice_loss(cancel=False)
             raise
+        finally:
+            if inspect.iscoroutine(awaitable) and inspect.getcoroutinestate(awaitable) == inspect.CORO_CREATED:
+                awaitable.close()  # never started (BeginSend refused): no "never awaited" warning
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
         body, self._body = self._body, None  # from here on, a loss no longer cancels anything
+        self._stop_being_current()
         await self._stop_renewal()
         await self._client._drive(self._state.exit(failed=exc is not None))
         if (

@@ -15,13 +15,26 @@ import inspect
 import ipaddress
 import logging
 import operator
+import os
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, Literal, ParamSpec, Protocol, TypeAlias, TypeVar, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Generic,
+    Literal,
+    ParamSpec,
+    Protocol,
+    Self,
+    TypeAlias,
+    TypeVar,
+    overload,
+)
 
 import grpc
 from google.protobuf.message import Message
@@ -470,10 +483,16 @@ class Core:
 
     # -- the retry loop ----------------------------------------------------------------------------------
 
-    def call(self, op: Op[R], *, deadline: float | None = None) -> Flow[R]:
+    def call(self, op: Op[R], *, deadline: float | None = None, timeout: float | None = None) -> Flow[R]:
         """Runs ``op`` with retries on UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED, and on RESOURCE_EXHAUSTED
         that comes with a retry hint (the same request, so the same request id). ``deadline`` (a
-        ``time.monotonic()`` value) bounds every attempt and the waits."""
+        ``time.monotonic()`` value) bounds every attempt and the waits; ``timeout`` (seconds, the caller's
+        per-call ``timeout=``) bounds them from when the call starts."""
+        if timeout is not None:
+            if not timeout > 0:
+                raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
+            until = time.monotonic() + timeout
+            deadline = until if deadline is None else min(deadline, until)
         attempt = 0
         while True:
             attempt += 1
@@ -570,7 +589,9 @@ class Core:
 
     # -- the clients' methods --------------------------------------------------------------------------------
 
-    def record_delivery(self, mailbox: str, notification_id: str) -> Flow[DeliveryResult]:
+    def record_delivery(
+        self, mailbox: str, notification_id: str, *, timeout: float | None = None
+    ) -> Flow[DeliveryResult]:
         """Delivery dedup on its own: ``is_new`` on the first sighting of ``notification_id`` in ``mailbox``.
 
         Prefer ``reply_to`` (or ``claim(..., notification_id=...)``) when the notification leads to a reply:
@@ -579,49 +600,67 @@ class Core:
         request = pb.RecordDeliveryRequest(
             request_id=new_request_id(), mailbox=mailbox, notification_id=notification_id
         )
-        return self.call(Op("RecordDelivery", request, _delivery_result))
+        return self.call(Op("RecordDelivery", request, _delivery_result), timeout=timeout)
 
-    def claim(self, subject: Subject, *, ttl: int = 0, notification_id: str = "", note: str = "") -> Flow[ClaimResult]:
+    def claim(
+        self, subject: Subject, *, ttl: int = 0, notification_id: str = "", note: str = "", timeout: float | None = None
+    ) -> Flow[ClaimResult]:
         """ClaimReply: the exclusive, TTL'd right to reply to ``subject`` (``ttl`` 0: the server's default).
 
         Answers a :class:`ClaimResult` (GRANTED, HELD, ALREADY_REPLIED, DUPLICATE_DELIVERY); nothing is
         renewed for you. Agents should use ``reply_to``, which renews, fences the send and cleans up.
         """
-        return self.call(self.claim_op(subject, ttl=ttl, notification_id=notification_id, note=note))
+        return self.call(self.claim_op(subject, ttl=ttl, notification_id=notification_id, note=note), timeout=timeout)
 
-    def renew(self, subject: Subject, token: int, *, ttl: int = 0) -> Flow[FenceResult]:
+    def renew(self, subject: Subject, token: int, *, ttl: int = 0, timeout: float | None = None) -> Flow[FenceResult]:
         """RenewClaim: pushes the claim's expiry ``ttl`` seconds out (``ok`` False: the token is stale)."""
-        return self.call(self.renew_op(subject, token, ttl=ttl))
+        return self.call(self.renew_op(subject, token, ttl=ttl), timeout=timeout)
 
-    def release(self, subject: Subject, token: int, *, redeliverable: bool = False) -> Flow[FenceResult]:
+    def release(
+        self, subject: Subject, token: int, *, redeliverable: bool = False, timeout: float | None = None
+    ) -> Flow[FenceResult]:
         """ReleaseClaim: gives the claim up without replying; the subject becomes FREE. ``redeliverable``: this
         is not a decision about the message (the work failed), so a redelivery of its notification may claim
         again; leave it False when you decided not to reply."""
-        return self.call(self.release_op(subject, token, redeliverable=redeliverable))
+        return self.call(self.release_op(subject, token, redeliverable=redeliverable), timeout=timeout)
 
-    def begin_send(self, subject: Subject, token: int) -> Flow[FenceResult]:
+    def begin_send(self, subject: Subject, token: int, *, timeout: float | None = None) -> Flow[FenceResult]:
         """BeginSend, the commit point: CLAIMED to SENDING only if ``token`` is current (else ``ok`` False:
         do not send). Afterwards call ``confirm_sent`` or ``abort_send`` before the send deadline."""
-        return self.call(self.begin_send_op(subject, token))
+        return self.call(self.begin_send_op(subject, token), timeout=timeout)
 
-    def confirm_sent(self, subject: Subject, token: int, sent_message_id: str = "") -> Flow[FenceResult]:
+    def confirm_sent(
+        self, subject: Subject, token: int, sent_message_id: str = "", *, timeout: float | None = None
+    ) -> Flow[FenceResult]:
         """ConfirmSent: the reply went out (SENDING or IN_DOUBT to REPLIED), with the mail API's message id."""
-        return self.call(self.confirm_sent_op(subject, token, sent_message_id))
+        return self.call(self.confirm_sent_op(subject, token, sent_message_id), timeout=timeout)
 
     def abort_send(
-        self, subject: Subject, token: int, reason: str = "", *, redeliverable: bool = False
+        self,
+        subject: Subject,
+        token: int,
+        reason: str = "",
+        *,
+        redeliverable: bool = False,
+        timeout: float | None = None,
     ) -> Flow[FenceResult]:
         """AbortSend: the send certainly did not go out (SENDING or IN_DOUBT to FREE); ``redeliverable`` as in
         ``release``."""
-        return self.call(self.abort_send_op(subject, token, reason, redeliverable=redeliverable))
+        return self.call(self.abort_send_op(subject, token, reason, redeliverable=redeliverable), timeout=timeout)
 
-    def status(self, subject: Subject) -> Flow[SubjectStatus]:
+    def status(self, subject: Subject, *, timeout: float | None = None) -> Flow[SubjectStatus]:
         """GetStatus: one subject's state (FREE when nothing is recorded)."""
         request = pb.GetStatusRequest(subject=subject_to_pb(subject))
-        return self.call(Op("GetStatus", request, lambda response: status_from_pb(response.status)))
+        return self.call(Op("GetStatus", request, lambda response: status_from_pb(response.status)), timeout=timeout)
 
     def list_claims(
-        self, mailbox: str, *, states: Iterable[SubjectState] = (), page_size: int = 0, page_token: str = ""
+        self,
+        mailbox: str,
+        *,
+        states: Iterable[SubjectState] = (),
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
     ) -> Flow[ClaimsPage]:
         """ListClaims: one page of the mailbox's subjects that are not FREE (only ``states`` if given), in key
         order. Pass the page's ``next_page_token`` for the next one, or use ``iter_claims``."""
@@ -631,7 +670,7 @@ class Core:
             page_size=operator.index(page_size),
             page_token=page_token,
         )
-        return self.call(Op("ListClaims", request, _page))
+        return self.call(Op("ListClaims", request, _page), timeout=timeout)
 
     def iter_claims(
         self, mailbox: str, *, states: Iterable[SubjectState] = (), page_size: int = 0
@@ -676,16 +715,18 @@ class Core:
                 log.info("Watch of %r ended with %s; watching again in %.2f s", mailbox, failure.code.name, delay)
                 yield Sleep(delay)
 
-    def takeover(self, subject: Subject, *, ttl: int = 0, note: str = "") -> Flow[TakeoverResult]:
+    def takeover(
+        self, subject: Subject, *, ttl: int = 0, note: str = "", timeout: float | None = None
+    ) -> Flow[TakeoverResult]:
         """Takeover (humans only): ends an agent's claim (its token goes stale at once) and gives the caller a
         new one. Never takes from a human (HELD) nor after the send began (ALREADY_REPLIED)."""
         request = pb.TakeoverRequest(
             request_id=new_request_id(), subject=subject_to_pb(subject), ttl_seconds=_ttl(ttl), note=note
         )
-        return self.call(Op("Takeover", request, _takeover_result))
+        return self.call(Op("Takeover", request, _takeover_result), timeout=timeout)
 
     def resolve_in_doubt(
-        self, subject: Subject, *, sent: bool, sent_message_id: str = "", note: str = ""
+        self, subject: Subject, *, sent: bool, sent_message_id: str = "", note: str = "", timeout: float | None = None
     ) -> Flow[SubjectStatus]:
         """ResolveInDoubt: settles an IN_DOUBT subject after someone checked the sent folder: ``sent=True``
         records it REPLIED (with ``sent_message_id`` when known), ``sent=False`` frees it."""
@@ -697,7 +738,9 @@ class Core:
             sent_message_id=sent_message_id,
             note=note,
         )
-        return self.call(Op("ResolveInDoubt", request, lambda response: status_from_pb(response.status)))
+        return self.call(
+            Op("ResolveInDoubt", request, lambda response: status_from_pb(response.status)), timeout=timeout
+        )
 
 
 def _state_to_pb(state: SubjectState) -> pb.SubjectState.ValueType:
@@ -836,6 +879,29 @@ class ClientBase:
                 max_batch=max_batch,
             )
         )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Self:
+        """A client configured by the environment variables ``inboxctl`` reads (``environ``: default
+        ``os.environ``): ``INBOX_COORDINATOR_TARGET`` (default ``127.0.0.1:50051``), ``INBOX_PRINCIPAL``,
+        ``INBOX_PRINCIPAL_KIND`` (default ``agent`` here), ``INBOX_TOKEN``, ``INBOX_TLS``, ``INBOX_CA_FILE``,
+        ``INBOX_CERT_FILE``, ``INBOX_KEY_FILE``, ``INBOX_CALL_TIMEOUT`` (default 5 s). Keyword arguments
+        override them (``from_env(max_batch=16)``). Raises ``ValueError`` naming the variable to set when
+        neither ``INBOX_PRINCIPAL`` nor ``INBOX_TOKEN`` says who the client is."""
+        from ._settings import client_arguments, from_environment  # _settings imports this module
+
+        settings = from_environment(os.environ if environ is None else environ)
+        if not (environ if environ is not None else os.environ).get("INBOX_PRINCIPAL_KIND"):
+            settings["kind"] = "agent"  # inboxctl's default is a human at a terminal; this is an agent
+        arguments = client_arguments(settings)
+        arguments.update(overrides)
+        if arguments["principal"] is None and arguments["token"] is None:
+            raise ValueError(
+                "from_env() found no identity: set INBOX_TOKEN (a bearer token) or, in development mode, "
+                "INBOX_PRINCIPAL (the agent's name)"
+            )
+        target = arguments.pop("target")
+        return cls(target, **arguments)
 
     _closed = False
 

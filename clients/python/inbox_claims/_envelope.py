@@ -33,15 +33,18 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["EnvelopeError", "Notification", "NotificationVariant", "parse_notification"]
+__all__ = ["Notification", "NotificationError", "NotificationVariant", "parse_notification"]
 
 # Notification types that are about one email and are useless without its id: parsing
 # them without ``data.object.id`` fails rather than produce a claim key of ``None``.
 _MESSAGE_ID_REQUIRED = frozenset({"message.created", "message.updated"})
 
 
-class EnvelopeError(ValueError):
+class NotificationError(ValueError):
     """The notification body is not a usable Nylas v3 envelope; the message names the field."""
+
+
+EnvelopeError = NotificationError  # its name until 0.2 (see inbox_claims.__getattr__)
 
 
 class NotificationVariant(enum.Enum):
@@ -129,13 +132,13 @@ def _load(raw: bytes | bytearray | str | Mapping[str, Any]) -> dict[str, Any]:
         try:
             document = json.loads(raw)
         except RecursionError:
-            raise EnvelopeError("notification body is nested too deeply to parse") from None
+            raise NotificationError("notification body is nested too deeply to parse") from None
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise EnvelopeError(f"notification body is not valid JSON: {exc}") from None
+            raise NotificationError(f"notification body is not valid JSON: {exc}") from None
     else:
         raise TypeError(f"notification must be bytes, str or a mapping, not {type(raw).__name__}")
     if not isinstance(document, dict):
-        raise EnvelopeError(f"notification body must be a JSON object, not {_json_type(document)}")
+        raise NotificationError(f"notification body must be a JSON object, not {_json_type(document)}")
     return document
 
 
@@ -163,11 +166,11 @@ def _required_str(container: Mapping[str, Any], path: str, why: str = "") -> str
     key = path.rpartition(".")[2]
     value = container.get(key)
     if value is None:
-        raise EnvelopeError(f"notification envelope has no {_describe(path)}{why}")
+        raise NotificationError(f"notification envelope has no {_describe(path)}{why}")
     if not isinstance(value, str):
-        raise EnvelopeError(f"notification {_describe(path)} must be a string, not {_json_type(value)}")
+        raise NotificationError(f"notification {_describe(path)} must be a string, not {_json_type(value)}")
     if not value:
-        raise EnvelopeError(f"notification {_describe(path)} is empty{why}")
+        raise NotificationError(f"notification {_describe(path)} is empty{why}")
     return value
 
 
@@ -182,7 +185,7 @@ def _optional_int(container: Mapping[str, Any], path: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise EnvelopeError(f"notification {_describe(path)} must be an integer, not {_json_type(value)}")
+        raise NotificationError(f"notification {_describe(path)} must be an integer, not {_json_type(value)}")
     return value
 
 
@@ -193,7 +196,7 @@ def _split_type(type_: str) -> tuple[str, NotificationVariant, str, str]:
         variant = _SUFFIXES[parts[-1]]
         parts = parts[:-1]
     if len(parts) < 2 or not all(parts):
-        raise EnvelopeError(
+        raise NotificationError(
             f"notification top-level 'type' {type_[:80]!r} is not of the form '<object>.<action>[.<variant>]'"
         )
     return ".".join(parts), variant, parts[0], ".".join(parts[1:])
@@ -213,7 +216,7 @@ def parse_notification(raw: bytes | str | Mapping[str, Any]) -> Notification:
     ``message_id`` is the message id to claim. Never swap them: one message yields
     several notifications.
 
-    Raises :class:`EnvelopeError` naming the missing or bad field.
+    Raises :class:`NotificationError` naming the missing or bad field.
     """
     document = _load(raw)
 
@@ -222,16 +225,16 @@ def parse_notification(raw: bytes | str | Mapping[str, Any]) -> Notification:
     base_type, variant, object_kind, action = _split_type(type_)
 
     if "data" not in document or document["data"] is None:
-        raise EnvelopeError("notification envelope has no top-level 'data' object")
+        raise NotificationError("notification envelope has no top-level 'data' object")
     data = document["data"]
     if not isinstance(data, dict):
-        raise EnvelopeError(f"notification 'data' must be an object, not {_json_type(data)}")
+        raise NotificationError(f"notification 'data' must be an object, not {_json_type(data)}")
 
     obj = data.get("object")
     if obj is None:
         obj = {}
     elif not isinstance(obj, dict):
-        raise EnvelopeError(f"notification 'data.object' must be an object, not {_json_type(obj)}")
+        raise NotificationError(f"notification 'data.object' must be an object, not {_json_type(obj)}")
 
     if base_type in _MESSAGE_ID_REQUIRED:
         object_id: str | None = _required_str(

@@ -14,20 +14,24 @@ renewal can never declare a loss the commit point has already settled.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import logging
 import threading
 import time
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias, TypedDict, TypeVar
 
 from ._core import Core, Flow, Invoke, Op, Sleep
-from ._envelope import Notification
+from ._envelope import Notification, parse_notification
 from ._errors import (
     AlreadyReplied,
     ClaimLost,
+    ClaimNotGranted,
     DuplicateDelivery,
     FailedPrecondition,
     InboxClaimsError,
@@ -41,6 +45,22 @@ from ._types import ClaimOutcome, ClaimResult, FenceResult, HolderKind, LossReas
 log = logging.getLogger("inbox_claims")
 
 Scope = Literal["message", "thread"]
+
+Event: TypeAlias = Notification | Mapping[str, Any] | bytes | bytearray | str
+"""What a webhook handler has: the parsed :class:`Notification`, the decoded JSON event, or the raw body."""
+EventT = TypeVar("EventT", bound=Event)
+
+ANSWERED_EVENTS = frozenset({"message.created", "message.updated"})
+"""The notification types an agent answers (any variant, e.g. ``message.created.truncated``).
+
+``message.updated`` too: it may be the first notification that reaches you about a message (a lost or
+reordered ``message.created``), and the claim decides whether the message still needs an answer (a message
+already answered is refused as :class:`AlreadyReplied`; a notification seen before as
+:class:`DuplicateDelivery`)."""
+
+EXPECTED_REFUSALS: tuple[type[Exception], ...] = (ClaimNotGranted, ClaimLost)
+"""What ``guard`` absorbs: the message is not this agent's to answer (a redelivery, held by someone else,
+answered already), or stopped being so (lost, taken over). Each is one log line, not an error."""
 
 REASON_MAX_BYTES = 1024
 # After a failed renewal, try again after a third of the time left, but not more often than this.
@@ -59,8 +79,96 @@ class Phase(enum.Enum):
     RELEASED = "released"
 
 
+def as_notification(event: Event) -> Notification:
+    """The :class:`Notification` of what a handler has (raises :class:`NotificationError` if it is none)."""
+    if isinstance(event, Notification):
+        return event
+    if not isinstance(event, Mapping | bytes | bytearray | str):
+        raise TypeError(
+            "pass the webhook event as received: the raw body (bytes), its decoded JSON (dict) or a Notification, "
+            f"not {type(event).__name__}"
+        )
+    return parse_notification(bytes(event) if isinstance(event, bytearray) else event)
+
+
+class GuardOptions(TypedDict, total=False):
+    """The options of ``guard`` (all optional)."""
+
+    ttl: int
+    """The claim's TTL in seconds (default 60); it is renewed every third of it while the function runs."""
+    scope: Scope
+    """``"message"`` (default): one reply per message; ``"thread"``: one reply per thread."""
+    note: str
+    """A free text shown to humans next to the claim (``inboxctl ls``)."""
+    events: Collection[str]
+    """The notification types answered (default :data:`ANSWERED_EVENTS`); others are skipped."""
+    raise_refusals: bool
+    """Raise the expected refusals (:data:`EXPECTED_REFUSALS`) instead of logging them (default False)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyPolicy:
+    """Which notifications a guard answers, how it claims them, and what it does with a refusal."""
+
+    events: frozenset[str] = ANSWERED_EVENTS
+    ttl: int = 60
+    scope: Scope = "message"
+    note: str = ""
+    raise_refusals: bool = False
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> ReplyPolicy:
+        known = {name: options[name] for name in GuardOptions.__annotations__ if name in options}
+        if "events" in known:
+            known["events"] = frozenset(known["events"])
+        return cls(**known)
+
+    def wants(self, notification: Notification) -> bool:
+        if notification.base_type in self.events and notification.is_message_event:
+            return True
+        log.debug("not answering notification %s: a %s event", notification.notification_id, notification.type)
+        return False
+
+    def answered(self, event: Event) -> Notification | None:
+        """The notification to claim for, or ``None`` when it is not one to answer."""
+        notification = as_notification(event)
+        return notification if self.wants(notification) else None
+
+    def claim_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``reply_to``."""
+        return {"ttl": self.ttl, "scope": self.scope, "note": self.note}
+
+    @staticmethod
+    def refused(notification: Notification, refusal: Exception) -> None:
+        """The one log line of an absorbed refusal."""
+        log.info(
+            "not replying to message %s (notification %s): %s",
+            notification.message_id,
+            notification.notification_id,
+            refusal,
+        )
+
+    @contextlib.contextmanager
+    def absorbing(self, notification: Notification) -> Iterator[None]:
+        """Logs and swallows the expected refusals in its block (unless ``raise_refusals``)."""
+        try:
+            yield
+        except EXPECTED_REFUSALS as refusal:
+            if self.raise_refusals:
+                raise
+            self.refused(notification, refusal)
+
+
+_current: contextvars.ContextVar[ClaimBase | None] = contextvars.ContextVar("inbox_claims_claim", default=None)
+
+
+def current_claim_base() -> ClaimBase | None:
+    """The guarded claim whose block (or ``guard``-ed function) is running in this task or thread, if any."""
+    return _current.get()
+
+
 def resolve_subject(
-    notification: Notification | None,
+    notification: Event | None,
     *,
     mailbox: str | None,
     message_id: str | None,
@@ -74,8 +182,7 @@ def resolve_subject(
     coordinate on the mailbox address instead of the grant id).
     """
     if notification is not None:
-        if not isinstance(notification, Notification):
-            raise TypeError(f"notification must come from parse_notification(), not {type(notification).__name__}")
+        notification = as_notification(notification)
         if not notification.is_message_event:
             raise ValueError(f"a {notification.type} notification is not about a message: there is nothing to reply to")
         mailbox = mailbox or notification.mailbox
@@ -332,6 +439,25 @@ class ClaimBase:
 
     def __init__(self, state: GuardState) -> None:
         self._state = state
+        self._context: contextvars.Token[ClaimBase | None] | None = None
+
+    def _make_current(self) -> None:
+        """Entered: ``current_claim()`` (and so ``inbox_claims.nylas.send``) finds this claim from now on."""
+        self._context = _current.set(self)
+
+    def _stop_being_current(self) -> None:
+        context, self._context = self._context, None
+        if context is None:
+            return
+        try:
+            _current.reset(context)
+        except ValueError:  # left in another context than entered (a task that entered, another that exits)
+            _current.set(None)
+
+    @property
+    def sending(self) -> bool:
+        """True while ``send`` runs its send function (between BeginSend and ConfirmSent)."""
+        return self._state.phase is Phase.SENDING
 
     @property
     def subject(self) -> Subject:

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from types import TracebackType
-from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, Self, TypeVar, Unpack, overload
 
 import grpc
 
@@ -30,7 +30,7 @@ from ._core import (
 )
 from ._envelope import Notification
 from ._errors import ClaimLost, SendRejected
-from ._guard import ClaimBase, GuardState, Scope, resolve_subject
+from ._guard import ClaimBase, Event, EventT, GuardOptions, GuardState, ReplyPolicy, Scope, resolve_subject
 from ._proto import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["Claim", "Coordinator"]
@@ -216,7 +216,7 @@ class Coordinator(ClientBase):
 
     def reply_to(
         self,
-        notification: Notification | None = None,
+        notification: Event | None = None,
         *,
         mailbox: str | None = None,
         message_id: str | None = None,
@@ -236,6 +236,7 @@ class Coordinator(ClientBase):
         thread) if the claim is found lost. ``claim.send(fn)`` passes the fenced commit point, calls ``fn``
         and records the reply. Leaving the block without sending releases the claim.
 
+        ``notification``: what the handler has, the raw body, the decoded event or a parsed notification.
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
         (or replace it: ``reply_to(mailbox=..., message_id=...)``).
         """
@@ -249,6 +250,32 @@ class Coordinator(ClientBase):
         )
         state = GuardState(self._core, subject, notification_id=dedup_id, ttl=ttl, note=note)
         return Claim(self, state, on_lost)
+
+    @overload
+    def guard(self, fn: Callable[Concatenate[EventT, P], R], /) -> Callable[Concatenate[EventT, P], R | None]: ...
+    @overload
+    def guard(self, fn: None = None, /, **options: Unpack[GuardOptions]) -> Guard: ...
+    def guard(self, fn: Callable[..., Any] | None = None, /, **options: Unpack[GuardOptions]) -> Any:
+        """Decorator: ``def answer(event, ...)`` runs inside ``reply_to(event)``, or not at all.
+
+        The blocking twin of :meth:`AsyncCoordinator.guard` (see there): skips the types not in ``events``,
+        logs and absorbs the expected refusals (``raise_refusals=True`` raises them), and inside it
+        ``inbox_claims.nylas.send(http, grant_id, draft)`` with an ``httpx.Client`` passes the commit point.
+        """
+        policy = ReplyPolicy.of(options)
+
+        def decorate(fn: Callable[Concatenate[EventT, P], R]) -> Callable[Concatenate[EventT, P], R | None]:
+            @functools.wraps(fn)
+            def guarded_call(event: EventT, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
+                notification = policy.answered(event)
+                if notification is not None:
+                    with policy.absorbing(notification), self.reply_to(notification, **policy.claim_options()):
+                        return fn(event, *args, **kwargs)
+                return None
+
+            return guarded_call
+
+        return decorate if fn is None else decorate(fn)
 
     def guarded(
         self,
@@ -274,6 +301,12 @@ class Coordinator(ClientBase):
         return decorate
 
 
+class Guard(Protocol):
+    """What ``Coordinator.guard(ttl=...)`` returns: a decorator of ``def answer(event, ...)``."""
+
+    def __call__(self, fn: Callable[Concatenate[EventT, P], R], /) -> Callable[Concatenate[EventT, P], R | None]: ...
+
+
 class Claim(ClaimBase):
     """A guarded claim of the blocking client (from :meth:`Coordinator.reply_to`); a context manager."""
 
@@ -287,6 +320,7 @@ class Claim(ClaimBase):
 
     def __enter__(self) -> Self:
         self._client._drive(self._state.enter())
+        self._make_current()
         thread = threading.Thread(target=self._renew, name=f"inbox-claims renewal {self.token}", daemon=True)
         thread.start()
         return self
@@ -330,5 +364,6 @@ class Claim(ClaimBase):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
         self._stop.set()
+        self._stop_being_current()
         self._client._drive(self._state.exit(failed=exc is not None))
         return False

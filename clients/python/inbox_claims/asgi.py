@@ -45,16 +45,13 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, Unpack, overload
 from urllib.parse import parse_qs
 
-from . import (
+from ._async import AsyncClaim, AsyncCoordinator
+from ._envelope import Notification, NotificationError, parse_notification
+from ._guard import ANSWERED_EVENTS, ReplyPolicy
+from ._webhooks import (
     NYLAS_SIGNATURE_HEADER,
-    AsyncClaim,
-    AsyncCoordinator,
-    ClaimNotGranted,
-    EnvelopeError,
-    Notification,
     WebhookVerificationError,
     nylas_challenge_response,
-    parse_notification,
     sign_nylas,
     sign_standard_webhook,
     verify_nylas_signature,
@@ -82,7 +79,7 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 """Nylas truncates message notifications past 1 MB (``.truncated``); 4 MiB leaves room for any envelope."""
-DEFAULT_EVENTS = frozenset({"message.created", "message.updated"})
+DEFAULT_EVENTS = ANSWERED_EVENTS
 """The notification types (without variant suffix) that ``coordinator=`` mode replies to."""
 _TEXT = "text/plain; charset=utf-8"
 
@@ -159,7 +156,7 @@ class WebhookGate:
             return GateAnswer(401, f"signature refused: {error}")
         try:
             notification = parse_notification(body)
-        except EnvelopeError as error:
+        except NotificationError as error:
             log.warning("webhook refused (400): %s", error)
             return GateAnswer(400, f"not a notification envelope: {error}")
         return GateAnswer(200, "ok", notification=notification)
@@ -337,44 +334,15 @@ def make_gate(secret: str | bytes, options: WebhookOptions) -> WebhookGate:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class ReplyPolicy:
-    """Which notifications the guarded mode replies to, and how it claims them."""
-
-    events: frozenset[str]
-    ttl: int
-    scope: Scope
-    note: str
-
-    @classmethod
-    def of(cls, options: WebhookOptions) -> ReplyPolicy:
-        events = frozenset(options.get("events", DEFAULT_EVENTS))
-        return cls(events, options.get("ttl", 60), options.get("scope", "message"), options.get("note", ""))
-
-    def wants(self, notification: Notification) -> bool:
-        if notification.base_type in self.events:
-            return True
-        log.debug("ignoring %s notification %s", notification.type, notification.notification_id)
-        return False
-
-    @staticmethod
-    def refused(notification: Notification, refusal: ClaimNotGranted) -> None:
-        """A redelivery, a message held by someone else, or one answered already: not ours to answer."""
-        log.info("not replying to %s: %s", notification.notification_id, refusal)
-
-
 def guarded_async(coordinator: AsyncCoordinator, handle: GuardedHandler, policy: ReplyPolicy) -> Handler:
     """``handle(notification, claim)`` inside ``coordinator.reply_to(notification)``, for the policy's events."""
 
     async def run(notification: Notification) -> object:
-        if not policy.wants(notification):
-            return None
-        try:
-            async with coordinator.reply_to(notification, ttl=policy.ttl, scope=policy.scope, note=policy.note) as c:
-                return await handle(notification, c)
-        except ClaimNotGranted as refusal:
-            policy.refused(notification, refusal)
-            return None
+        if policy.wants(notification):
+            with policy.absorbing(notification):
+                async with coordinator.reply_to(notification, **policy.claim_options()) as claim:
+                    return await handle(notification, claim)
+        return None
 
     return run
 
@@ -395,8 +363,9 @@ def nylas_webhook_app(
     Without ``coordinator``, ``await handle(notification)`` runs for every accepted notification, of any type.
     With ``coordinator`` (an :class:`~inbox_claims.AsyncCoordinator`), ``await handle(notification, claim)``
     runs inside ``coordinator.reply_to(notification, ttl=..., scope=..., note=...)``, only for the
-    notification types in ``events`` (default ``message.created`` and ``message.updated``, any variant); a
-    redelivery, a message held by someone else, or one already answered is logged and dropped.
+    notification types in ``events`` (default :data:`~inbox_claims.ANSWERED_EVENTS`: ``message.created`` and
+    ``message.updated``, any variant); as with ``guard``, the expected refusals (a redelivery, a message held by
+    someone else or answered already, a claim lost while drafting) are logged and dropped.
 
     ``scheme="standard"`` checks Standard Webhooks signatures (``webhook-id``, ``webhook-timestamp``,
     ``webhook-signature``, within ``tolerance`` seconds) instead of ``x-nylas-signature``. The other options:

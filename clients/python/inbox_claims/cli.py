@@ -33,22 +33,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import (
-    DEFAULT_TARGET,
-    AsyncCoordinator,
-    ClaimOutcome,
+from ._async import AsyncCoordinator
+from ._errors import (
     CoordinatorError,
     CoordinatorUnavailable,
     FailedPrecondition,
     InvalidRequest,
     PermissionDenied,
     QuotaExceeded,
+    Unauthenticated,
+)
+from ._settings import SETTINGS, client_arguments
+from ._types import (
+    ClaimOutcome,
     RetryPolicy,
     Subject,
     SubjectState,
     SubjectStatus,
     TakeoverOutcome,
-    Unauthenticated,
     WatchEvent,
     WatchItem,
     WatchSnapshot,
@@ -81,27 +83,6 @@ class UsageError(Exception):
 
 
 # -------------------------------------------------------------------------------------------- settings
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    name: str
-    env: str
-    default: Any
-    help: str
-
-
-SETTINGS = (
-    Setting("target", "INBOX_COORDINATOR_TARGET", DEFAULT_TARGET, "the coordinator, HOST:PORT"),
-    Setting("principal", "INBOX_PRINCIPAL", None, "who you are, in development mode (default: your login name)"),
-    Setting("kind", "INBOX_PRINCIPAL_KIND", "human", "agent or human (development mode; default human)"),
-    Setting("token", "INBOX_TOKEN", None, "bearer token, sent as 'authorization: Bearer TOKEN'"),
-    Setting("tls", "INBOX_TLS", False, "use TLS with the system's root certificates"),
-    Setting("ca_file", "INBOX_CA_FILE", None, "TLS: PEM file of the CA that signed the coordinator's certificate"),
-    Setting("cert_file", "INBOX_CERT_FILE", None, "mutual TLS: your client certificate (PEM)"),
-    Setting("key_file", "INBOX_KEY_FILE", None, "mutual TLS: your client key (PEM)"),
-    Setting("call_timeout", "INBOX_CALL_TIMEOUT", 5.0, "seconds per call to the coordinator (default 5)"),
-)
 
 
 def config_path(explicit: str | None) -> tuple[Path, bool]:
@@ -144,12 +125,6 @@ def resolve_settings(options: argparse.Namespace) -> dict[str, Any]:
         else:
             value = file.get(setting.name, setting.default)
         resolved[setting.name] = value
-    try:
-        resolved["call_timeout"] = float(resolved["call_timeout"])
-    except (TypeError, ValueError):
-        raise UsageError(f"call_timeout must be a number of seconds, not {resolved['call_timeout']!r}") from None
-    if isinstance(resolved["tls"], str):
-        resolved["tls"] = resolved["tls"].lower() in ("1", "true", "yes", "on")
     if resolved["kind"] not in ("agent", "human"):
         raise UsageError(f"kind must be 'agent' or 'human', not {resolved['kind']!r}")
     if resolved["principal"] is None and resolved["token"] is None:
@@ -157,29 +132,9 @@ def resolve_settings(options: argparse.Namespace) -> dict[str, Any]:
     return resolved
 
 
-def _read_pem(path: str | None, what: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return Path(path).expanduser().read_bytes()
-    except OSError as error:
-        raise UsageError(f"cannot read the {what} {path}: {error.strerror}") from None
-
-
 def make_client(settings: dict[str, Any]) -> AsyncCoordinator:
     try:
-        return AsyncCoordinator(
-            settings["target"],
-            principal=settings["principal"],
-            kind=settings["kind"],
-            token=settings["token"],
-            tls=bool(settings["tls"]),
-            root_certificates=_read_pem(settings["ca_file"], "CA file"),
-            client_certificate=_read_pem(settings["cert_file"], "client certificate"),
-            client_key=_read_pem(settings["key_file"], "client key"),
-            timeout=settings["call_timeout"],
-            retry=CLI_RETRY,
-        )
+        return AsyncCoordinator(**client_arguments(settings), retry=CLI_RETRY)
     except ValueError as error:
         raise UsageError(str(error)) from None
 

@@ -1,9 +1,22 @@
 """Replies through the Nylas v3 send API, with error semantics that fit ``claim.send``. Needs ``httpx``
 (the ``nylas`` extra).
 
-::
+With the httpx client you already have (its ``base_url`` and ``Authorization`` header set, or pass
+``api_base=``/``api_key=``)::
 
-    from inbox_claims.nylas import AsyncNylas, NylasReply
+    from inbox_claims import guard, nylas
+
+    @guard
+    async def answer(event: dict[str, Any]) -> None:
+        draft = await write_reply(event)                          # the Nylas send body (a dict), or a NylasReply
+        await nylas.send(http, event["data"]["object"]["grant_id"], draft)
+
+:func:`send` adds the claim's ``Idempotency-Key``, applies the status rules below, and, awaited inside a
+guarded claim, passes the fenced commit point itself (it is ``await claim.send(nylas.send(...))``, which
+works too). With an ``httpx.Client`` it is blocking and does the same inside ``Coordinator.guard`` /
+``with coord.reply_to(...)``. Outside any claim it sends only with an explicit ``idempotency_key=``.
+
+The adapter classes hold a client of their own::
 
     nylas = AsyncNylas(api_key=NYLAS_API_KEY)            # api_base="https://api.eu.nylas.com" in the EU
 
@@ -22,7 +35,7 @@ Nylas answers                              ``send`` does, and so ``claim.send`` 
                                            or is in flight, so it is never "not sent": SENDING, then IN_DOUBT
 any other 4xx (400, 401, 403, 404, 422,    raises :class:`NylasSendRejected`, a :class:`~inbox_claims.SendRejected`:
 429...)                                    nothing went out; the send is aborted and the subject is FREE
-5xx, a timeout, a connection error, an     raises :class:`NylasSendUnknown`: it may have gone out: SENDING, then
+5xx, a timeout, a connection error, an     raises :class:`NylasSendOutcomeUnknown`: it may have gone out: SENDING, then
 unreadable answer                          IN_DOUBT for a human to resolve
 =========================================  ====================================================================
 
@@ -34,15 +47,20 @@ same code (:func:`build_send_request`, :func:`interpret_send_response`) and only
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, overload
 from urllib.parse import quote
 
 import httpx
 
-from . import InboxClaimsError, Notification, SendRejected
+from ._async import AsyncClaim
+from ._envelope import Notification
+from ._errors import InboxClaimsError, SendRejected
+from ._guard import current_claim_base as current_claim
+from ._sync import Claim
 
 __all__ = [
     "DEFAULT_API_BASE",
@@ -51,11 +69,12 @@ __all__ = [
     "Nylas",
     "NylasDuplicateSend",
     "NylasReply",
+    "NylasSendOutcomeUnknown",
     "NylasSendRejected",
-    "NylasSendUnknown",
     "SendRequest",
     "build_send_request",
     "interpret_send_response",
+    "send",
 ]
 
 DEFAULT_API_BASE = "https://api.us.nylas.com"
@@ -65,7 +84,7 @@ DEFAULT_TIMEOUT = 60.0
 Recipient = str | Mapping[str, str]
 
 
-class NylasSendUnknown(InboxClaimsError):
+class NylasSendOutcomeUnknown(InboxClaimsError):
     """The send may or may not have gone out (5xx, timeout, connection error, unreadable answer).
 
     Raised from a send function, ``claim.send`` leaves the subject SENDING (reported IN_DOUBT) and raises
@@ -78,7 +97,7 @@ class NylasSendUnknown(InboxClaimsError):
         self.request_id = request_id
 
 
-class NylasDuplicateSend(NylasSendUnknown):
+class NylasDuplicateSend(NylasSendOutcomeUnknown):
     """409: Nylas already took a request with this idempotency key (and another payload), in the last hour.
 
     A reply for this subject went out or is in flight: never treat it as "not sent".
@@ -166,20 +185,29 @@ def build_send_request(
     """The ``POST .../v3/grants/{grant_id}/messages/send`` request for ``reply``."""
     if not api_key:
         raise ValueError("the Nylas API key is empty")
+    return SendRequest(
+        api_base.rstrip("/") + _send_path(grant_id), _send_headers(idempotency_key, api_key), _payload(reply)
+    )
+
+
+def _send_path(grant_id: str) -> str:
     if not grant_id:
         raise ValueError("grant_id is empty: pass the notification's grant_id")
+    return f"/v3/grants/{quote(grant_id, safe='')}/messages/send"
+
+
+def _send_headers(idempotency_key: str, api_key: str | None) -> dict[str, str]:
+    """The send's headers; ``Authorization`` only with an ``api_key`` (else the HTTP client's own is used)."""
     if not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY_LENGTH or not idempotency_key.isascii():
         raise ValueError(
             f"idempotency_key must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} ASCII characters (pass claim.idempotency_key)"
         )
-    url = f"{api_base.rstrip('/')}/v3/grants/{quote(grant_id, safe='')}/messages/send"
-    headers = {
-        "Authorization": f"Bearer {api_key}",
-        "Idempotency-Key": idempotency_key,
-        "Content-Type": "application/json",
-        "Accept": "application/json",
-    }
-    return SendRequest(url, headers, json.dumps(reply.payload()).encode("utf-8"))
+    headers = {"Idempotency-Key": idempotency_key, "Content-Type": "application/json", "Accept": "application/json"}
+    if api_key is not None:
+        if not api_key:
+            raise ValueError("the Nylas API key is empty")
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
 
 
 def interpret_send_response(status_code: int, content: bytes) -> str | None:
@@ -211,7 +239,7 @@ def interpret_send_response(status_code: int, content: bytes) -> str | None:
             request_id=request_id,
             error_type=str(error.get("type") or ""),
         )
-    raise NylasSendUnknown(
+    raise NylasSendOutcomeUnknown(
         f"Nylas answered HTTP {status_code}; the message may have been sent: {detail}",
         status_code=status_code,
         request_id=request_id,
@@ -226,10 +254,10 @@ def _json(content: bytes) -> Mapping[str, Any]:
     return document if isinstance(document, Mapping) else {}
 
 
-def transport_failure(error: httpx.HTTPError) -> NylasSendUnknown:
+def transport_failure(error: httpx.HTTPError) -> NylasSendOutcomeUnknown:
     """What a request that got no answer (timeout, connection error) means: the outcome is unknown."""
     kind = "timed out" if isinstance(error, httpx.TimeoutException) else f"failed ({type(error).__name__})"
-    return NylasSendUnknown(f"the Nylas send request {kind}; the message may have been sent: {error}")
+    return NylasSendOutcomeUnknown(f"the Nylas send request {kind}; the message may have been sent: {error}")
 
 
 class _NylasBase:
@@ -260,12 +288,7 @@ class Nylas(_NylasBase):
 
     def send(self, grant_id: str, reply: NylasReply, *, idempotency_key: str) -> str | None:
         """Sends ``reply`` from ``grant_id``; returns the sent message id. Raises as the module's table says."""
-        request = self._request(grant_id, reply, idempotency_key)
-        try:
-            response = self._http.post(request.url, headers=dict(request.headers), content=request.content)
-        except httpx.HTTPError as error:
-            raise transport_failure(error) from error
-        return interpret_send_response(response.status_code, response.content)
+        return _post_sync(self._http, self._request(grant_id, reply, idempotency_key))
 
     def close(self) -> None:
         self._http.close()
@@ -286,12 +309,7 @@ class AsyncNylas(_NylasBase):
 
     async def send(self, grant_id: str, reply: NylasReply, *, idempotency_key: str) -> str | None:
         """Sends ``reply`` from ``grant_id``; returns the sent message id. Raises as the module's table says."""
-        request = self._request(grant_id, reply, idempotency_key)
-        try:
-            response = await self._http.post(request.url, headers=dict(request.headers), content=request.content)
-        except httpx.HTTPError as error:
-            raise transport_failure(error) from error
-        return interpret_send_response(response.status_code, response.content)
+        return await _post_async(self._http, self._request(grant_id, reply, idempotency_key))
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -303,3 +321,150 @@ class AsyncNylas(_NylasBase):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+# ------------------------------------------------------------------------------------- send(http, ...)
+
+Draft = NylasReply | Mapping[str, Any]
+"""What to send: a :class:`NylasReply`, or the JSON body of Nylas's send request as a dict."""
+
+
+def _payload(draft: Draft) -> bytes:
+    if isinstance(draft, NylasReply):
+        return json.dumps(draft.payload()).encode("utf-8")
+    if not isinstance(draft, Mapping):
+        raise TypeError(
+            f"draft must be a NylasReply or the send request's JSON body (a dict), not {type(draft).__name__}"
+        )
+    return json.dumps(dict(draft)).encode("utf-8")
+
+
+def _client_request(
+    client: httpx.Client | httpx.AsyncClient,
+    grant_id: str,
+    draft: Draft,
+    idempotency_key: str | None,
+    api_key: str | None,
+    api_base: str | None,
+) -> SendRequest:
+    """The send request for ``client``: relative to its ``base_url`` unless ``api_base`` is given, with its
+    own ``Authorization`` unless ``api_key`` is given, and the claim's idempotency key unless one is given."""
+    if idempotency_key is None:
+        claim = current_claim()
+        if claim is None:
+            raise RuntimeError(
+                "nylas.send outside a guarded claim: call it inside @guard / reply_to(...), or pass "
+                "idempotency_key= (for example Subject.message(grant_id, message_id).idempotency_key)"
+            )
+        idempotency_key = claim.idempotency_key
+    if api_key is None and "authorization" not in client.headers:
+        raise ValueError("the httpx client has no Authorization header: pass api_key= (the Nylas API key)")
+    if api_base is None and not str(client.base_url):
+        api_base = DEFAULT_API_BASE
+    path = _send_path(grant_id)
+    url = api_base.rstrip("/") + path if api_base else path  # a path alone is sent to the client's base_url
+    return SendRequest(url, _send_headers(idempotency_key, api_key), _payload(draft))
+
+
+def _post_sync(client: httpx.Client, request: SendRequest) -> str | None:
+    try:
+        response = client.post(request.url, headers=dict(request.headers), content=request.content)
+    except httpx.HTTPError as error:
+        raise transport_failure(error) from error
+    return interpret_send_response(response.status_code, response.content)
+
+
+async def _post_async(client: httpx.AsyncClient, request: SendRequest) -> str | None:
+    try:
+        response = await client.post(request.url, headers=dict(request.headers), content=request.content)
+    except httpx.HTTPError as error:
+        raise transport_failure(error) from error
+    return interpret_send_response(response.status_code, response.content)
+
+
+class NylasSend:
+    """``nylas.send(async_client, ...)``: await it. Inside a guarded claim that is not sending yet, awaiting
+    it goes through ``claim.send`` (the fenced commit point); inside ``claim.send`` (or outside any claim)
+    it is the HTTP request alone."""
+
+    def __init__(self, client: httpx.AsyncClient, request: SendRequest) -> None:
+        self.client = client
+        self.request = request
+
+    def post(self) -> Coroutine[Any, Any, str | None]:
+        """The HTTP request alone, without the commit point."""
+        return _post_async(self.client, self.request)
+
+    def __await__(self) -> Generator[Any, None, str | None]:
+        claim = current_claim()
+        if claim is None or claim.sending:
+            return (yield from self.post().__await__())
+        if not isinstance(claim, AsyncClaim):
+            raise TypeError("an httpx.AsyncClient send inside a blocking claim: use an httpx.Client there")
+        return (yield from claim.send(self.post).__await__())
+
+    def __repr__(self) -> str:
+        return f"<nylas.send POST {self.request.url}>"
+
+
+@overload
+def send(
+    client: httpx.AsyncClient,
+    grant_id: str,
+    draft: Draft,
+    *,
+    idempotency_key: str | None = None,
+    api_key: str | None = None,
+    api_base: str | None = None,
+) -> NylasSend: ...
+@overload
+def send(
+    client: httpx.Client,
+    grant_id: str,
+    draft: Draft,
+    *,
+    idempotency_key: str | None = None,
+    api_key: str | None = None,
+    api_base: str | None = None,
+) -> str | None: ...
+def send(
+    client: httpx.Client | httpx.AsyncClient,
+    grant_id: str,
+    draft: Draft,
+    *,
+    idempotency_key: str | None = None,
+    api_key: str | None = None,
+    api_base: str | None = None,
+) -> NylasSend | str | None:
+    """Sends ``draft`` from ``grant_id`` with ``client``; the sent message's id, or an exception by the table
+    of this module (409: unknown outcome, never "not sent"; other 4xx: rejected; 5xx, timeouts: unknown).
+
+    ``idempotency_key``: default, the current claim's. ``api_key``: default, the client's ``Authorization``
+    header. ``api_base``: default, the client's ``base_url`` (or ``https://api.us.nylas.com`` without one).
+    With an ``httpx.AsyncClient`` it returns an awaitable; with an ``httpx.Client`` it sends now. Inside a
+    guarded claim it passes the commit point itself (BeginSend, the request, ConfirmSent or AbortSend).
+    """
+    request = _client_request(client, grant_id, draft, idempotency_key, api_key, api_base)
+    if isinstance(client, httpx.AsyncClient):
+        return NylasSend(client, request)
+    if not isinstance(client, httpx.Client):
+        raise TypeError(f"client must be an httpx.Client or httpx.AsyncClient, not {type(client).__name__}")
+    claim = current_claim()
+    if claim is None or claim.sending:
+        return _post_sync(client, request)
+    if not isinstance(claim, Claim):
+        raise TypeError("an httpx.Client send inside an asyncio claim: use an httpx.AsyncClient there")
+    return claim.send(_post_sync, client, request)
+
+
+def __getattr__(name: str) -> Any:
+    # 0.1's name of NylasSendOutcomeUnknown (the Nylas form of SendOutcomeUnknown, as NylasSendRejected is of
+    # SendRejected); it goes away in 0.2.
+    if name == "NylasSendUnknown":
+        warnings.warn(
+            "inbox_claims.nylas.NylasSendUnknown is now NylasSendOutcomeUnknown; the old name goes away in 0.2",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return NylasSendOutcomeUnknown
+    raise AttributeError(f"module 'inbox_claims.nylas' has no attribute {name!r}")

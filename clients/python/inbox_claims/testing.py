@@ -37,11 +37,19 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 from ._async import AsyncCoordinator
 from ._sync import Coordinator
 from ._types import HolderKind, RetryPolicy
+from ._webhooks import sign_nylas, sign_standard_webhook
 
 if TYPE_CHECKING:
     from coordinator.server import ServerSettings
 
-__all__ = ["CoordinatorOptions", "RunningCoordinator", "async_running_coordinator", "running_coordinator"]
+__all__ = [
+    "CoordinatorOptions",
+    "RunningCoordinator",
+    "async_running_coordinator",
+    "running_coordinator",
+    "sign_nylas",
+    "sign_standard_webhook",
+]
 
 
 class CoordinatorOptions(TypedDict, total=False):

@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Unpack, overload
 
-from . import Claim, ClaimNotGranted, Coordinator, Notification
+from ._envelope import Notification
+from ._sync import Claim, Coordinator
 from .asgi import GateAnswer, ReplyPolicy, WebhookGate, closing_answer, make_gate
 from .asgi import WebhookOptions as Options
 
@@ -165,14 +166,10 @@ def guarded_sync(coordinator: Coordinator, handle: GuardedHandler, policy: Reply
     """``handle(notification, claim)`` inside ``coordinator.reply_to(notification)``, for the policy's events."""
 
     def run(notification: Notification) -> object:
-        if not policy.wants(notification):
-            return None
-        try:
-            with coordinator.reply_to(notification, ttl=policy.ttl, scope=policy.scope, note=policy.note) as claim:
+        if policy.wants(notification):
+            with policy.absorbing(notification), coordinator.reply_to(notification, **policy.claim_options()) as claim:
                 return handle(notification, claim)
-        except ClaimNotGranted as refusal:
-            policy.refused(notification, refusal)
-            return None
+        return None
 
     return run
 
