@@ -22,9 +22,10 @@ from typing import Any
 
 from .auth import TlsSettings
 from .domain import Rules
+from .etcd_channels import check_endpoints
 from .limits import Limits
 from .quotas import QuotaSettings
-from .store import EtcdSettings, channel_target
+from .store import EtcdSettings
 
 ENV_PREFIX = "INBOX_COORDINATOR_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -223,8 +224,9 @@ SETTINGS: tuple[Setting, ...] = (
         "etcd_endpoints",
         _endpoints,
         (),
-        "etcd client endpoints, comma-separated (several must be IP addresses); empty starts an embedded "
-        "development etcd",
+        "etcd client endpoints, comma-separated: IP addresses or DNS names (https://HOST:PORT for TLS; each member's "
+        "certificate must carry its endpoint's host); calls go to one and move to the next when it fails; empty "
+        "starts an embedded development etcd",
         "HOST:PORT,...",
     ),
     Setting(
@@ -514,7 +516,7 @@ def _check(config: Config) -> None:
 
     if config.etcd_endpoints:
         try:
-            channel_target(config.etcd_endpoints)
+            check_endpoints(config.etcd_endpoints)
         except ValueError as error:
             fail(str(error), "etcd_endpoints")
     if not config.etcd_prefix:
