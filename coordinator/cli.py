@@ -35,7 +35,7 @@ from .config import (
     load,
     parse_host_port,
 )
-from .embedded import EmbeddedEtcd, EmbeddedEtcdError, EmbeddedSettings
+from .embedded import EmbeddedEtcd, EmbeddedEtcdError, EmbeddedSettings, version_problem
 from .errors import StoreUnavailable
 from .etcd_process import EtcdNotFound, EtcdStartError, etcd_version, find_etcd_binary
 from .server import SERVICE_NAME, CoordinatorServer, ServerSettings, wall_clock_ms
@@ -365,6 +365,10 @@ def check(options: argparse.Namespace) -> int:
             print(f"no etcd endpoints, and no etcd for the embedded development mode: {error}", file=sys.stderr)
             return EXIT_FAILURE
         print(f"no etcd endpoints: serve would start an embedded DEVELOPMENT etcd ({binary}, version {version})")
+        problem = version_problem((config.data_dir or default_data_dir()).expanduser().resolve(), binary, version)
+        if problem is not None:
+            print(f"inbox-coordinator check: serve would refuse to start: {problem}", file=sys.stderr)
+            return EXIT_FAILURE
         return EXIT_OK
     status = asyncio.run(_probe(config))
     if status != EXIT_OK:

@@ -212,18 +212,9 @@ class EmbeddedEtcd:
             )
 
     def _check_version(self, binary: Path, version: str) -> None:
-        recorded = self._read(VERSION_FILE)
-        if not recorded or recorded.get("version") == version:
-            return
-        was, was_binary = recorded.get("version"), recorded.get("binary", "?")
-        raise EmbeddedEtcdError(
-            f"the embedded etcd's data in {self.data_dir / 'etcd'} was written by etcd {was} ({was_binary}), but "
-            f"the etcd found now is {version} ({binary}); etcd was NOT started (another version can refuse or "
-            "damage the data: an older one fails with 'invalid downgrade'). Either:\n"
-            f"  - run the version that wrote it: {ENV_ETCD_BIN}={was_binary} (or put etcd {was} first on PATH), or\n"
-            f"  - start afresh with a new --data-dir (the data in {self.data_dir} stays as it is; nothing was "
-            "deleted)."
-        )
+        problem = version_problem(self.data_dir, binary, version)
+        if problem is not None:
+            raise EmbeddedEtcdError(problem)
 
     def _write_owner(self) -> None:
         self._record(OWNER_FILE, {"serve_pid": os.getpid(), "etcd_pid": self.server.pid})
@@ -306,6 +297,24 @@ class EmbeddedEtcd:
                 (self.data_dir / OWNER_FILE).unlink()
             self._lock.close()
             self._lock = None
+
+
+def version_problem(data_dir: Path, binary: Path, version: str) -> str | None:
+    """Why etcd ``version`` at ``binary`` must not open the embedded data in ``data_dir``, or None."""
+    try:
+        recorded = json.loads((data_dir / VERSION_FILE).read_text())
+    except (OSError, ValueError):
+        return None  # a new data dir, or one from before versions were recorded
+    if not isinstance(recorded, dict) or recorded.get("version") == version:
+        return None
+    was, was_binary = recorded.get("version"), recorded.get("binary", "?")
+    return (
+        f"the embedded etcd's data in {data_dir / 'etcd'} was written by etcd {was} ({was_binary}), but "
+        f"the etcd found now is {version} ({binary}); etcd was NOT started (another version can refuse or "
+        "damage the data: an older one fails with 'invalid downgrade'). Either:\n"
+        f"  - run the version that wrote it: {ENV_ETCD_BIN}={was_binary} (or put etcd {was} first on PATH), or\n"
+        f"  - start afresh with a new --data-dir (the data in {data_dir} stays as it is; nothing was deleted)."
+    )
 
 
 def _explain_start_failure(message: str, version: str) -> str:

