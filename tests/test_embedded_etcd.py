@@ -138,9 +138,11 @@ def test_sigkill_of_serve_takes_the_embedded_etcd_along(data_dir: Path) -> None:
 
     serve.process.kill()  # SIGKILL: no handler, no finally, no atexit runs in serve
     serve.kill()
+    # Started at once, the next serve waits for the old etcd to finish its SIGTERM, then takes the data dir.
+    again = Serve(data_dir)
     assert _gone_within(etcd_pid, 10), "the embedded etcd outlived a SIGKILLed serve"
-    # The data dir is free again: the next serve starts on it at once.
-    again = Serve(data_dir).wait_serving()
+    again.wait_serving()
+    assert again.owner["etcd_pid"] != etcd_pid
     again.process.send_signal(signal.SIGTERM)
     assert again.finish()[0] == 0
 

@@ -8,6 +8,7 @@ The names (etcd-0.inbox.test, ...) exist only for the coordinator: it runs in a 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from coordinator.config import ConfigError, load
 from coordinator.etcd_process import EtcdCluster, free_port
 from inbox_claims._proto import coordinator_pb2 as pb
 
@@ -104,3 +106,16 @@ async def test_members_by_distinct_dns_names(tmp_path: Path, cluster: EtcdCluste
         process.send_signal(signal.SIGTERM)
         out, _ = process.communicate(timeout=30)
     assert process.returncode == 0, out
+
+
+def test_endpoints_may_be_dns_names_ip_addresses_or_both() -> None:
+    endpoints = "etcd-0.etcd-headless.etcd.svc:2379,https://etcd-1.example.com:2379,10.0.0.7:2379,[::1]:2379"
+    assert len(load({"etcd_endpoints": endpoints}, environ={}).etcd_endpoints) == 4
+    for bad, problem in (
+        ("etcd_0:2379,etcd-1:2379", "'etcd_0' is neither an IP address nor a DNS name"),
+        ("etcd-0:2379,::1:2379", "an IPv6 address needs brackets"),
+        ("etcd-0:2379,etcd-0:2379", "'etcd-0:2379' is given twice"),
+        ("etcd-0:0", "not HOST:PORT"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(problem)):
+            load({"etcd_endpoints": bad}, environ={})
