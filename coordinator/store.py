@@ -255,12 +255,12 @@ class EtcdStore:
         await self._channels.close()
 
     async def _call(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+        endpoint = self._channels.current  # the one ``method`` belongs to: the caller has just looked it up
         if self.settings.username and not self._auth_metadata:
             await self._authenticate(stale=())
         for attempt in range(2):
             started = time.perf_counter()
             metadata = self._auth_metadata
-            endpoint = self._channels.current  # the one ``method`` belongs to: nothing ran since it was looked up
             try:
                 response = await method(request, timeout=self._timeout, metadata=metadata)
             except grpc.aio.UsageError as error:  # our etcd channel is closed: this coordinator is stopping
