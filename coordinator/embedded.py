@@ -132,6 +132,7 @@ class EmbeddedEtcd:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
         try:
+            self._write_owner()
             binary = find_etcd_binary()
             version = etcd_version(binary)
             self._check_version(binary, version)
@@ -172,8 +173,9 @@ class EmbeddedEtcd:
             except BlockingIOError:
                 owner = self._owner()
                 serve_pid = owner.get("serve_pid")
-                # A serve killed a moment ago: its etcd got SIGTERM from the kernel and is on its way out.
-                if isinstance(serve_pid, int) and not _alive(serve_pid) and time.monotonic() < deadline:
+                # No live serve behind the lock: one killed a moment ago, whose etcd got SIGTERM from the kernel
+                # and is on its way out, or one that has just taken the lock and not yet said who it is.
+                if not (isinstance(serve_pid, int) and _alive(serve_pid)) and time.monotonic() < deadline:
                     time.sleep(_POLL_S)
                     continue
                 lock.close()
@@ -183,9 +185,10 @@ class EmbeddedEtcd:
         serve_pid, etcd_pid = owner.get("serve_pid"), owner.get("etcd_pid")
         where = f"the data dir {self.data_dir} is in use"
         if isinstance(serve_pid, int) and _alive(serve_pid):
+            etcd = f"its etcd pid {etcd_pid}" if etcd_pid else "starting its etcd"
             return (
-                f"{where} by another inbox-coordinator serve (pid {serve_pid}, its etcd pid {etcd_pid}). "
-                "Stop that one first (kill -TERM {0}), or give this one its own --data-dir.".format(serve_pid)
+                f"{where} by another inbox-coordinator serve (pid {serve_pid}, {etcd}). "
+                f"Stop that one first (kill -TERM {serve_pid}), or give this one its own --data-dir."
             )
         if isinstance(etcd_pid, int) and _alive(etcd_pid):
             return (
@@ -217,7 +220,8 @@ class EmbeddedEtcd:
             raise EmbeddedEtcdError(problem)
 
     def _write_owner(self) -> None:
-        self._record(OWNER_FILE, {"serve_pid": os.getpid(), "etcd_pid": self.server.pid})
+        etcd_pid = self._etcd.pid if self._etcd is not None else None
+        self._record(OWNER_FILE, {"serve_pid": os.getpid(), "etcd_pid": etcd_pid})
 
     def _owner(self) -> dict[str, Any]:
         return self._read(OWNER_FILE)

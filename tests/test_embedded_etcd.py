@@ -78,6 +78,10 @@ class Serve:
         out, _ = self.process.communicate(timeout=timeout)
         return self.process.returncode, out
 
+    def stop(self) -> tuple[int, str]:
+        self.process.send_signal(signal.SIGTERM)
+        return self.finish()
+
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
@@ -280,14 +284,29 @@ def _two_etcd_versions() -> tuple[Path, Path]:
     return distro, Path(other)
 
 
-async def test_a_data_dir_written_by_another_etcd_version_is_refused_before_etcd_starts(data_dir: Path) -> None:
+async def _written_by_the_newer(data_dir: Path) -> tuple[Path, Path]:
+    """(newer, older) etcd binaries, once a serve on the newer one has claimed "kept" in ``data_dir``."""
     newer, older = _two_etcd_versions()
-    if etcd_version(newer) < etcd_version(older):
+    if _version(newer) < _version(older):
         newer, older = older, newer
     first = Serve(data_dir, binary=newer).wait_serving()
     assert (await first.claim("kept")).result == pb.ClaimReplyResponse.GRANTED
-    first.process.send_signal(signal.SIGTERM)
-    assert first.finish()[0] == 0
+    assert first.stop()[0] == 0
+    return newer, older
+
+
+async def _claim_kept_with(data_dir: Path, binary: Path) -> None:
+    again = Serve(data_dir, binary=binary).wait_serving()
+    assert (await again.claim("kept")).result == pb.ClaimReplyResponse.HELD
+    assert again.stop()[0] == 0
+
+
+def _version(binary: Path) -> tuple[int, ...]:
+    return tuple(int(part) for part in etcd_version(binary).split(".")[:3])
+
+
+async def test_a_data_dir_written_by_another_etcd_version_is_refused_before_etcd_starts(data_dir: Path) -> None:
+    newer, older = await _written_by_the_newer(data_dir)
     log_size = (data_dir / "etcd.log").stat().st_size
     files = sorted(str(p.relative_to(data_dir)) for p in (data_dir / "etcd").rglob("*"))
 
@@ -308,10 +327,52 @@ async def test_a_data_dir_written_by_another_etcd_version_is_refused_before_etcd
     assert f"{ENV_ETCD_BIN}={newer}" in check.stderr
 
     # The first way out works, and the data is all there.
-    again = Serve(data_dir, binary=newer).wait_serving()
-    assert (await again.claim("kept")).result == pb.ClaimReplyResponse.HELD
-    again.process.send_signal(signal.SIGTERM)
-    assert again.finish()[0] == 0
+    await _claim_kept_with(data_dir, newer)
+
+
+async def test_an_unrecorded_data_dir_refused_by_an_older_etcd_gets_the_two_ways_out(data_dir: Path) -> None:
+    newer, older = await _written_by_the_newer(data_dir)
+    # A data dir from a coordinator that did not record the version yet.
+    (data_dir / VERSION_FILE).unlink()
+
+    code, out = Serve(data_dir, binary=older).finish(timeout=60)
+    assert code == 1, out
+    assert "downgrade" in out
+    assert f"The data dir was written by a newer etcd than this one ({etcd_version(older)})" in out
+    assert "new --data-dir; nothing was deleted" in out
+    assert not (data_dir / VERSION_FILE).exists(), "a version that failed to start was recorded"
+
+    await _claim_kept_with(data_dir, newer)
+    assert json.loads((data_dir / VERSION_FILE).read_text())["version"] == etcd_version(newer)
+
+
+def test_of_serves_started_together_on_one_data_dir_exactly_one_runs(data_dir: Path) -> None:
+    serves = [Serve(data_dir) for _ in range(4)]
+    outcomes: dict[int, list[str]] = {0: [], 1: []}
+    try:
+        for serve in serves:
+            assert serve.process.stdout is not None
+            lines = []
+            for line in serve.process.stdout:
+                lines.append(line)
+                if "serving gRPC on" in line:
+                    break
+            running = bool(lines) and "serving gRPC on" in lines[-1]
+            if not running:
+                code, rest = serve.finish(timeout=30)
+                lines.append(rest)
+                assert code == 1, "".join(lines)
+            outcomes[0 if running else 1].append("".join(lines))
+        assert len(outcomes[0]) == 1, outcomes
+        owner = json.loads((data_dir / OWNER_FILE).read_text())
+        for refused in outcomes[1]:
+            assert f"in use by another inbox-coordinator serve (pid {owner['serve_pid']}" in refused
+    finally:
+        for serve in serves:
+            if serve.process.poll() is None:
+                serve.process.send_signal(signal.SIGTERM)
+                assert serve.finish()[0] == 0
+    assert [serve.process.returncode for serve in serves].count(0) == 1
 
 
 async def test_the_embedded_etcd_compacts_its_history(data_dir: Path) -> None:
