@@ -90,14 +90,18 @@ def _spec(data_dir: Path) -> EtcdMemberSpec:
     return spec
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    # A killed serve stays a zombie until whoever started it reaps it; it holds nothing any more.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _etcd_pids_on(etcd_dir: Path) -> list[int]:
@@ -175,7 +179,7 @@ class EmbeddedEtcd:
                 serve_pid = owner.get("serve_pid")
                 # No live serve behind the lock: one killed a moment ago, whose etcd got SIGTERM from the kernel
                 # and is on its way out, or one that has just taken the lock and not yet said who it is.
-                if not (isinstance(serve_pid, int) and _alive(serve_pid)) and time.monotonic() < deadline:
+                if not (isinstance(serve_pid, int) and process_alive(serve_pid)) and time.monotonic() < deadline:
                     time.sleep(_POLL_S)
                     continue
                 lock.close()
@@ -184,13 +188,13 @@ class EmbeddedEtcd:
     def _in_use_message(self, owner: dict[str, Any]) -> str:
         serve_pid, etcd_pid = owner.get("serve_pid"), owner.get("etcd_pid")
         where = f"the data dir {self.data_dir} is in use"
-        if isinstance(serve_pid, int) and _alive(serve_pid):
+        if isinstance(serve_pid, int) and process_alive(serve_pid):
             etcd = f"its etcd pid {etcd_pid}" if etcd_pid else "starting its etcd"
             return (
                 f"{where} by another inbox-coordinator serve (pid {serve_pid}, {etcd}). "
                 f"Stop that one first (kill -TERM {serve_pid}), or give this one its own --data-dir."
             )
-        if isinstance(etcd_pid, int) and _alive(etcd_pid):
+        if isinstance(etcd_pid, int) and process_alive(etcd_pid):
             return (
                 f"{where} by an etcd (pid {etcd_pid}) whose inbox-coordinator serve (pid {serve_pid}) is gone "
                 f"and which did not stop within {_ORPHAN_GRACE_S:g} s. Stop it with `kill -TERM {etcd_pid}` "

@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from coordinator.config import ConfigError, describe, load
-from coordinator.embedded import OWNER_FILE, PORTS_FILE, VERSION_FILE, EmbeddedSettings
+from coordinator.embedded import OWNER_FILE, PORTS_FILE, VERSION_FILE, EmbeddedSettings, process_alive
 from coordinator.etcd_process import ENV_ETCD_BIN, EtcdMemberSpec, EtcdServer, etcd_version, free_port
 from inbox_claims._proto import coordinator_pb2 as pb
 
@@ -100,26 +100,14 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
     owner = path / OWNER_FILE
     if owner.exists():
         for pid in json.loads(owner.read_text()).values():
-            if isinstance(pid, int) and _alive(pid):
+            if isinstance(pid, int) and process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (dead, not yet reaped by its parent) has "Z" as its state in /proc.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not process_alive(pid):
             return True
         time.sleep(0.05)
     return False
@@ -132,7 +120,7 @@ def _cmdline(pid: int) -> list[str]:
 def test_sigkill_of_serve_takes_the_embedded_etcd_along(data_dir: Path) -> None:
     serve = Serve(data_dir).wait_serving()
     etcd_pid = serve.owner["etcd_pid"]
-    assert _alive(etcd_pid)
+    assert process_alive(etcd_pid)
     # Its own session (a Ctrl-C in serve's terminal does not reach it), with compaction and a quota.
     assert os.getsid(etcd_pid) == etcd_pid != os.getsid(serve.process.pid)
     args = _cmdline(etcd_pid)
@@ -141,12 +129,13 @@ def test_sigkill_of_serve_takes_the_embedded_etcd_along(data_dir: Path) -> None:
     assert f"--quota-backend-bytes={2 << 30}" in args
 
     serve.process.kill()  # SIGKILL: no handler, no finally, no atexit runs in serve
-    serve.kill()
-    # Started at once, the next serve waits for the old etcd to finish its SIGTERM, then takes the data dir.
+    # Started at once, while the killed serve is still an unreaped zombie, the next serve waits for the old
+    # etcd to finish its SIGTERM, then takes the data dir.
     again = Serve(data_dir)
     assert _gone_within(etcd_pid, 10), "the embedded etcd outlived a SIGKILLed serve"
     again.wait_serving()
     assert again.owner["etcd_pid"] != etcd_pid
+    serve.kill()
     again.process.send_signal(signal.SIGTERM)
     assert again.finish()[0] == 0
 
@@ -158,7 +147,7 @@ def test_sigterm_and_sigint_stop_the_embedded_etcd(data_dir: Path, signum: signa
     serve.process.send_signal(signum)
     code, out = serve.finish()
     assert code == 0, out
-    assert not _alive(etcd_pid)
+    assert not process_alive(etcd_pid)
     assert not (data_dir / OWNER_FILE).exists()
 
 
@@ -170,7 +159,7 @@ def test_a_second_serve_on_a_data_dir_in_use_is_refused_with_the_pids(data_dir: 
         assert code == 1, out
         assert f"another inbox-coordinator serve (pid {owner['serve_pid']}, its etcd pid {owner['etcd_pid']})" in out
         assert "--data-dir" in out
-        assert _alive(owner["etcd_pid"]), "the refused serve touched the running etcd"
+        assert process_alive(owner["etcd_pid"]), "the refused serve touched the running etcd"
     finally:
         first.process.send_signal(signal.SIGTERM)
         first.finish()
@@ -217,7 +206,7 @@ async def test_a_killed_embedded_etcd_is_restarted(data_dir: Path) -> None:
         serve.wait_for("the embedded etcd is back", timeout=30)
         print(f"\nembedded etcd SIGKILLed: back after {time.monotonic() - started:.2f} s")
         assert serve.owner["etcd_pid"] not in (etcd_pid, None)
-        assert _alive(serve.owner["etcd_pid"])
+        assert process_alive(serve.owner["etcd_pid"])
         deadline = time.monotonic() + 15
         while True:  # the coordinator's etcd channel reconnects with backoff (at most 2 s)
             try:
