@@ -8,11 +8,12 @@ again after a failure, so a member that comes back on a new address is found) an
 certificate against that endpoint's host, as etcd's own Go client does. One name that resolves to every
 member still works too: its channel connects to one address and moves on when it fails (pick_first).
 
-The store uses the current endpoint until a call on it fails as a connection would (UNAVAILABLE or
-DEADLINE_EXCEEDED); then later calls go to the next endpoint whose channel is connected (else the next one
-not known to be failing). The failed call itself is not retried here: its caller sees UNAVAILABLE, which is
-safe to retry with the same request id. Every channel connects at start, so failover finds a live
-connection instead of opening one.
+The store uses the current endpoint until its connection drops (a stopped or restarted member: the next
+call goes to a connected endpoint, as gRPC's pick_first would) or a call on it fails as a connection would
+(UNAVAILABLE or DEADLINE_EXCEEDED: a frozen member, one cut off from its leader); then later calls go to the
+next endpoint whose channel is connected (else the next one not known to be failing). A failed call is not
+retried here: its caller sees UNAVAILABLE, which is safe to retry with the same request id. Every channel
+connects at start, so failover finds a live connection instead of opening one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 _HOST_NAME = re.compile(
     r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
 )
+_READY = grpc.ChannelConnectivity.READY
 _FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
@@ -151,25 +153,37 @@ class EtcdChannels:
 
     @property
     def current(self) -> EtcdEndpoint:
+        """The endpoint for the next call. One whose connection has dropped (its member stopped or restarted:
+        the channel leaves READY at once) is passed over for a connected one before any call fails on it."""
+        endpoint = self.endpoints[self._current]
+        if len(self.endpoints) > 1 and endpoint.channel.get_state() != _READY:
+            self._move_on(endpoint, "not connected", ready_only=True)
         return self.endpoints[self._current]
 
     def failed(self, used: EtcdEndpoint, code: grpc.StatusCode) -> None:
         """A call on ``used`` ended with ``code``; if that looks like the endpoint failing, move on."""
-        if code not in _FAILOVER_CODES or len(self.endpoints) == 1 or used is not self.current:
-            return  # another call has already moved on from it
+        if code in _FAILOVER_CODES and len(self.endpoints) > 1 and used is self.endpoints[self._current]:
+            self._move_on(used, code.name, ready_only=False)
+        # else: another call has already moved on from it
+
+    def _move_on(self, left: EtcdEndpoint, reason: str, *, ready_only: bool) -> None:
+        """To the next connected endpoint; unless ``ready_only``, else the next not known to be failing."""
         count = len(self.endpoints)
         others = [self.endpoints[(self._current + step) % count] for step in range(1, count)]
-        states = [other.state for other in others]
-        ready = [o for o, s in zip(others, states, strict=True) if s == grpc.ChannelConnectivity.READY]
+        states = [other.state for other in others]  # also asks idle channels to connect
+        ready = [o for o, s in zip(others, states, strict=True) if s == _READY]
         healthy = [o for o, s in zip(others, states, strict=True) if s != grpc.ChannelConnectivity.TRANSIENT_FAILURE]
-        chosen = (ready or healthy or others)[0]
+        candidates = ready if ready_only else (ready or healthy or others)
+        if not candidates:
+            return
+        chosen = candidates[0]
         self._current = self.endpoints.index(chosen)
         log.warning(
-            "etcd endpoint %s failed (%s); calls now go to %s",
-            used.endpoint,
-            code.name,
+            "etcd endpoint %s left (%s); calls now go to %s",
+            left.endpoint,
+            reason,
             chosen.endpoint,
-            extra={"fields": {"event": "etcd_failover", "from": used.endpoint, "to": chosen.endpoint}},
+            extra={"fields": {"event": "etcd_failover", "from": left.endpoint, "to": chosen.endpoint}},
         )
 
     async def close(self) -> None:
