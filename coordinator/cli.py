@@ -14,26 +14,30 @@ import logging
 import re
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import logs
 from .auth import ROLES, TokenAuthenticator, TokenFileError, new_token
-from .config import SETTINGS, Config, ConfigError, default_data_dir, describe, load, parse_host_port
-from .errors import StoreUnavailable
-from .etcd_process import (
-    EtcdMemberSpec,
-    EtcdNotFound,
-    EtcdServer,
-    EtcdStartError,
-    etcd_version,
-    find_etcd_binary,
-    free_port,
+from .config import (
+    SETTINGS,
+    Config,
+    ConfigError,
+    default_data_dir,
+    describe,
+    format_duration,
+    format_size,
+    load,
+    parse_host_port,
 )
+from .embedded import EmbeddedEtcd, EmbeddedEtcdError, EmbeddedSettings, version_problem
+from .errors import StoreUnavailable
+from .etcd_process import EtcdNotFound, EtcdStartError, etcd_version, find_etcd_binary
 from .server import SERVICE_NAME, CoordinatorServer, ServerSettings, wall_clock_ms
 from .store import EtcdStore
 
@@ -176,28 +180,6 @@ def _load(options: argparse.Namespace) -> Config | None:
 # --- serve ---------------------------------------------------------------------------------------------------
 
 
-def _embedded_spec(data_dir: Path) -> EtcdMemberSpec:
-    """The embedded member's ports, chosen once and kept beside its data so that restarts find it again."""
-    ports_file = data_dir / "ports.json"
-    if ports_file.exists():
-        ports = json.loads(ports_file.read_text())
-        return EtcdMemberSpec("embedded", ports["client"], ports["peer"])
-    spec = EtcdMemberSpec("embedded", free_port(), free_port())
-    data_dir.mkdir(parents=True, exist_ok=True)
-    ports_file.write_text(json.dumps({"client": spec.client_port, "peer": spec.peer_port}))
-    return spec
-
-
-@contextlib.contextmanager
-def _embedded_etcd(data_dir: Path) -> Iterator[EtcdServer]:
-    etcd = EtcdServer(data_dir / "etcd", spec=_embedded_spec(data_dir), log_path=data_dir / "etcd.log")
-    etcd.start()
-    try:
-        yield etcd
-    finally:
-        etcd.stop()
-
-
 def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> ServerSettings:
     """Raises TokenFileError when the token file cannot be used."""
     return ServerSettings(
@@ -217,7 +199,14 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
     )
 
 
-async def _serve(settings: ServerSettings) -> None:
+async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM; ``supervise`` (the embedded etcd's keeper) ending with an error stops
+    the server too, and that error is raised after the drain."""
+    # Handlers first: a SIGTERM that comes the moment the banner is out must still drain and stop etcd.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
     server = CoordinatorServer(settings)
     await server.start()
     print(f"inbox-coordinator: serving gRPC on {server.address}; stop with Ctrl-C or SIGTERM", flush=True)
@@ -242,19 +231,27 @@ async def _serve(settings: ServerSettings) -> None:
             "(set --token-file; see docs/security.md)",
             flush=True,
         )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
     if isinstance(authenticator, TokenAuthenticator):
         loop.add_signal_handler(signal.SIGHUP, _reload_tokens, authenticator)
-    await stop.wait()
+    tasks: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
+    if supervise is not None:
+        tasks.append(asyncio.create_task(supervise()))
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    keeper = tasks[1] if len(tasks) > 1 else None
+    failure = keeper.exception() if keeper is not None and keeper.done() else None
+    for task in tasks:
+        task.cancel()
+        # A keeper cancelled mid-restart must not leave a restart running while etcd is being stopped.
+        with contextlib.suppress(asyncio.CancelledError, EmbeddedEtcdError):
+            await task
     print(
         f"inbox-coordinator: stopping (NOT_SERVING; finishing calls in flight, up to {settings.shutdown_grace_s:g} s)",
         flush=True,
     )
     await server.stop()
     log.info("stopped", extra={"fields": {"event": "stop"}})
+    if failure is not None:
+        raise failure
 
 
 def _reload_tokens(authenticator: TokenAuthenticator) -> None:
@@ -284,14 +281,23 @@ def serve(options: argparse.Namespace) -> int:
             "(use --etcd-endpoints for a real cluster)",
             flush=True,
         )
-        with _embedded_etcd(data_dir) as etcd:
-            print(f"inbox-coordinator: embedded etcd {etcd.endpoint} (log: {etcd.log_path})", flush=True)
-            asyncio.run(_serve(server_settings(config, [etcd.endpoint])))
+        embedded = EmbeddedEtcd(EmbeddedSettings(data_dir, config.embedded_etcd_compaction, config.embedded_etcd_quota))
+        try:
+            etcd = embedded.start()
+            print(
+                f"inbox-coordinator: embedded etcd {etcd.endpoint} (pid {etcd.pid}, log: {etcd.log_path}; "
+                f"compaction every {format_duration(config.embedded_etcd_compaction)}, "
+                f"quota {format_size(config.embedded_etcd_quota)})",
+                flush=True,
+            )
+            asyncio.run(_serve(server_settings(config, [etcd.endpoint]), embedded.supervise))
+        finally:
+            embedded.stop()
         return EXIT_OK
     except TokenFileError as error:
         print(f"inbox-coordinator: configuration error: {error}", file=sys.stderr)
         return EXIT_CONFIG
-    except (EtcdNotFound, EtcdStartError, OSError, ValueError) as error:
+    except (EtcdNotFound, EtcdStartError, EmbeddedEtcdError, OSError, ValueError) as error:
         print(f"inbox-coordinator: {error}", file=sys.stderr)
         return EXIT_FAILURE
 
@@ -359,6 +365,10 @@ def check(options: argparse.Namespace) -> int:
             print(f"no etcd endpoints, and no etcd for the embedded development mode: {error}", file=sys.stderr)
             return EXIT_FAILURE
         print(f"no etcd endpoints: serve would start an embedded DEVELOPMENT etcd ({binary}, version {version})")
+        problem = version_problem((config.data_dir or default_data_dir()).expanduser().resolve(), binary, version)
+        if problem is not None:
+            print(f"inbox-coordinator check: serve would refuse to start: {problem}", file=sys.stderr)
+            return EXIT_FAILURE
         return EXIT_OK
     status = asyncio.run(_probe(config))
     if status != EXIT_OK:

@@ -22,9 +22,10 @@ from typing import Any
 
 from .auth import TlsSettings
 from .domain import Rules
+from .etcd_channels import check_endpoints
 from .limits import Limits
 from .quotas import QuotaSettings
-from .store import EtcdSettings, channel_target
+from .store import EtcdSettings
 
 ENV_PREFIX = "INBOX_COORDINATOR_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -113,6 +114,19 @@ def _endpoints(value: object) -> tuple[str, ...]:
     return endpoints
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+_SIZE = re.compile(r"\s*(\d+)\s*([KMG]iB|B)?\s*", re.IGNORECASE)
+
+
+def _size(value: object) -> int:
+    """Bytes: an integer, or an integer with a binary unit (512MiB, 2GiB)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and (match := _SIZE.fullmatch(value)):
+        return int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
+    raise ValueError("not a size (bytes, or a number with a unit: 512MiB, 2GiB)")
+
+
 def _choice(*options: str) -> Callable[[object], str]:
     def parse(value: object) -> str:
         text = _text(value).lower()
@@ -178,6 +192,8 @@ class Setting:
         """A value as a person would write it: 72h, a,b,c, (none)."""
         if self.parse is _duration and isinstance(value, int | float):
             return format_duration(value)
+        if self.parse is _size and isinstance(value, int):
+            return format_size(value)
         if isinstance(value, tuple):
             value = ",".join(value)
         return "(none)" if value is None or value == "" else str(value)
@@ -192,6 +208,14 @@ def format_duration(seconds: float) -> str:
     return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
 
 
+def format_size(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
+
+
+MIN_EMBEDDED_QUOTA, MAX_EMBEDDED_QUOTA = 16 << 20, 8 << 30
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a group commit's nested transactions count against it
 
 SETTINGS: tuple[Setting, ...] = (
@@ -200,8 +224,9 @@ SETTINGS: tuple[Setting, ...] = (
         "etcd_endpoints",
         _endpoints,
         (),
-        "etcd client endpoints, comma-separated (several must be IP addresses); empty starts an embedded "
-        "development etcd",
+        "etcd client endpoints, comma-separated: IP addresses or DNS names (https://HOST:PORT for TLS; each member's "
+        "certificate must carry its endpoint's host); calls go to one and move to the next when it fails; empty "
+        "starts an embedded development etcd",
         "HOST:PORT,...",
     ),
     Setting(
@@ -225,6 +250,20 @@ SETTINGS: tuple[Setting, ...] = (
         "COUNT",
     ),
     Setting("data_dir", _optional_path, None, "where the embedded development etcd keeps its data", "DIR"),
+    Setting(
+        "embedded_etcd_compaction",
+        _duration,
+        600.0,
+        "the embedded etcd compacts its history older than this, every this long (periodic auto-compaction); 0: never",
+        "DURATION",
+    ),
+    Setting(
+        "embedded_etcd_quota",
+        _size,
+        2 << 30,
+        "the embedded etcd's storage quota (--quota-backend-bytes): beyond it etcd refuses writes",
+        "BYTES",
+    ),
     Setting("default_ttl", _integer, 60, "claim TTL in seconds when a call gives none", "SECONDS"),
     Setting("min_ttl", _integer, 5, "smallest claim TTL a call may ask for, seconds", "SECONDS"),
     Setting("max_ttl", _integer, 3600, "largest claim TTL a call may ask for, seconds", "SECONDS"),
@@ -297,6 +336,8 @@ class Config:
     etcd_max_batch: int
     etcd_batches_in_flight: int
     data_dir: Path | None
+    embedded_etcd_compaction: float
+    embedded_etcd_quota: int
     default_ttl: int
     min_ttl: int
     max_ttl: int
@@ -475,7 +516,7 @@ def _check(config: Config) -> None:
 
     if config.etcd_endpoints:
         try:
-            channel_target(config.etcd_endpoints)
+            check_endpoints(config.etcd_endpoints)
         except ValueError as error:
             fail(str(error), "etcd_endpoints")
     if not config.etcd_prefix:
@@ -486,6 +527,14 @@ def _check(config: Config) -> None:
         fail(f"must lie between 1 and {MAX_TXN_OPS} (etcd refuses a request of more operations)", "etcd_max_batch")
     if config.etcd_batches_in_flight < 1:
         fail("must be at least 1", "etcd_batches_in_flight")
+    if 0 < config.embedded_etcd_compaction < 1:
+        fail("must be 0 (never) or at least 1 second", "embedded_etcd_compaction")
+    if not MIN_EMBEDDED_QUOTA <= config.embedded_etcd_quota <= MAX_EMBEDDED_QUOTA:
+        fail(
+            f"must lie between {format_size(MIN_EMBEDDED_QUOTA)} and {format_size(MAX_EMBEDDED_QUOTA)} "
+            "(etcd's suggested maximum)",
+            "embedded_etcd_quota",
+        )
     if config.min_ttl < 1:
         fail("must be at least 1 second", "min_ttl")
     if config.max_ttl < config.min_ttl:

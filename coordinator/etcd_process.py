@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -21,10 +22,11 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -270,6 +272,29 @@ def _stop_leftovers() -> None:
         _terminate(proc, 5.0)
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _parent_death_signal(parent_pid: int) -> Callable[[], None]:
+    """A preexec_fn asking Linux for SIGTERM when the spawning thread ends, however it ends (SIGKILL too).
+
+    The kernel does the reaping, so it works when nothing of the parent is left to run; a watchdog pipe would
+    need a helper process between the parent and etcd, since etcd watches no pipe. Elsewhere than Linux it is
+    a no-op (the parent's own stop() and atexit hook still apply).
+    """
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+    def arm() -> None:
+        if libc is None:
+            return
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        # The parent may have died between fork and prctl, which then never fires.
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 # ---------------------------------------------------------------------------
 # One member
 
@@ -369,8 +394,15 @@ class EtcdServer:
         cluster_token: str = "inbox-coordinator",
         extra_args: Sequence[str] = (),
         client_tls: EtcdClientTls | None = None,
+        die_with_parent: bool = False,
+        pass_fds: Sequence[int] = (),
     ) -> None:
+        """``die_with_parent``: the kernel sends etcd SIGTERM when the thread that spawned it ends, even by
+        SIGKILL (Linux; spawn from a thread that lives as long as the process). ``pass_fds``: descriptors etcd
+        inherits, such as a lock that must be held for as long as etcd runs."""
         self._data_dir = Path(data_dir)
+        self._die_with_parent = die_with_parent
+        self._pass_fds = tuple(pass_fds)
         self._auto_ports = spec is None
         self._spec = spec if spec is not None else _auto_spec("default")
         self._client_tls = client_tls
@@ -418,6 +450,11 @@ class EtcdServer:
     def is_running(self) -> bool:
         # poll() also reaps a process that died on its own, so no zombie lingers.
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def exit_status(self) -> int | None:
+        """The last process's exit status once it has ended (negative: the signal that ended it)."""
+        return self._proc.returncode if self._proc is not None else None
 
     @property
     def pid(self) -> int | None:
@@ -475,6 +512,8 @@ class EtcdServer:
                 # Own session: a Ctrl-C in the parent's terminal must not kill etcd
                 # before stop() shuts it down cleanly.
                 start_new_session=True,
+                preexec_fn=_parent_death_signal(os.getpid()) if self._die_with_parent else None,
+                pass_fds=self._pass_fds,
             )
         _live.add(self._proc)
         self._paused = False

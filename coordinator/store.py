@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import logging
 import math
 import time
@@ -27,6 +26,8 @@ from . import _codec
 from ._keys import Keys, prefix_end
 from .domain import DeliveryRecord, EndMark, State, Stored, Subject, SubjectRecord, Transition
 from .errors import CoordinatorError, StoreConflict, StoreUnavailable
+from .etcd_channels import EtcdChannels
+from .etcd_channels import open_channel as open_channel  # where tests and tools have always found it
 
 log = logging.getLogger(__name__)
 
@@ -91,62 +92,6 @@ class Change:
 
 class FeedLost(Exception):
     """A mailbox watch ended (etcd unreachable too long, history compacted, or a slow subscriber)."""
-
-
-def channel_target(endpoints: Sequence[str]) -> str:
-    """A gRPC target for one or several etcd endpoints (several must be IP literals, as gRPC needs)."""
-    cleaned = [e.removeprefix("http://").removeprefix("https://").rstrip("/") for e in endpoints]
-    if not cleaned:
-        raise ValueError("no etcd endpoint given")
-    if len(cleaned) == 1:
-        return cleaned[0]
-    hosts = []
-    for endpoint in cleaned:
-        host, _, port = endpoint.rpartition(":")
-        host = host.strip("[]")
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            raise ValueError(
-                f"etcd endpoint {endpoint!r}: several endpoints must be IP addresses (host:port); "
-                "for DNS names give one name that resolves to every member"
-            ) from None
-        hosts.append(f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}")
-    return "ipv4:" + ",".join(hosts) if all("[" not in h for h in hosts) else "ipv6:" + ",".join(hosts)
-
-
-def _read_file(path: Path | None, what: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return path.read_bytes()
-    except OSError as error:
-        raise ValueError(f"etcd {what} {path}: cannot read: {error.strerror}") from None
-
-
-def open_channel(settings: EtcdSettings) -> grpc.aio.Channel:
-    options = [
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        # gRPC 1.85 waits for its own 60 s ping timeout and ignores keepalive_timeout_ms; without this a frozen
-        # member (SIGSTOP, a stuck disk) stalled every call for about a minute (measured: 5.4 s with it).
-        ("grpc.http2.ping_timeout_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.lb_policy_name", "pick_first"),
-        ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
-    ]
-    target = channel_target(settings.endpoints)
-    if not settings.uses_tls:
-        return grpc.aio.insecure_channel(target, options=options)
-    if (settings.cert_file is None) != (settings.key_file is None):
-        raise ValueError("etcd client certificate and key go together: give both or neither")
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=_read_file(settings.ca_file, "CA file"),
-        private_key=_read_file(settings.key_file, "client key"),
-        certificate_chain=_read_file(settings.cert_file, "client certificate"),
-    )
-    return grpc.aio.secure_channel(target, credentials, options=options)
 
 
 def _is_bad_auth_token(error: grpc.aio.AioRpcError) -> bool:
@@ -257,18 +202,34 @@ class EtcdStore:
         self.keys = Keys(settings.prefix)
         self._clock = clock
         self._timeout = settings.call_timeout_s
-        self._channel = open_channel(settings)
-        self._auth = rpc.AuthStub(self._channel)
+        self._channels = EtcdChannels(settings)
         self._auth_metadata: tuple[tuple[str, str], ...] = ()
         self._auth_lock = asyncio.Lock()
-        self._kv = rpc.KVStub(self._channel)
-        self._watch = rpc.WatchStub(self._channel)
-        self._maintenance = rpc.MaintenanceStub(self._channel)
-        self._lease_stub = rpc.LeaseStub(self._channel)
         self._leases = _LeaseBuckets(self._grant_lease, clock)
         self.feeds = _FeedHub(self)
         self._batcher = _TxnBatcher(self, settings.max_batch, settings.max_batches_in_flight)
         self._recent: OrderedDict[bytes, Stored] = OrderedDict()
+
+    # The stubs of the endpoint in use, looked up at each call so that a failover takes effect at once.
+    @property
+    def _kv(self) -> Any:
+        return self._channels.current.kv
+
+    @property
+    def _watch(self) -> Any:
+        return self._channels.current.watch
+
+    @property
+    def _maintenance(self) -> Any:
+        return self._channels.current.maintenance
+
+    @property
+    def _lease_stub(self) -> Any:
+        return self._channels.current.lease
+
+    @property
+    def _auth(self) -> Any:
+        return self._channels.current.auth
 
     @property
     def lease_buckets(self) -> int:
@@ -291,9 +252,10 @@ class EtcdStore:
 
     async def close(self) -> None:
         await self.feeds.close()
-        await self._channel.close()
+        await self._channels.close()
 
     async def _call(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+        endpoint = self._channels.current  # the one ``method`` belongs to: the caller has just looked it up
         if self.settings.username and not self._auth_metadata:
             await self._authenticate(stale=())
         for attempt in range(2):
@@ -307,6 +269,7 @@ class EtcdStore:
                 ) from error
             except grpc.aio.AioRpcError as error:
                 self.observer.etcd_call(type(request).__name__, time.perf_counter() - started, error.code().name)
+                self._channels.failed(endpoint, error.code())
                 if attempt == 0 and self.settings.username and _is_bad_auth_token(error):
                     await self._authenticate(stale=metadata)
                     continue
@@ -604,7 +567,8 @@ class EtcdStore:
 
         if self.settings.username and not self._auth_metadata:
             await self._authenticate(stale=())
-        call = self._watch.Watch(outgoing(), metadata=self._auth_metadata)
+        endpoint = self._channels.current
+        call = endpoint.watch.Watch(outgoing(), metadata=self._auth_metadata)
         try:
             async for response in call:
                 if response.canceled:
@@ -615,6 +579,7 @@ class EtcdStore:
                 if response.events:
                     yield self._changes(mailbox, response.events)
         except grpc.aio.AioRpcError as error:
+            self._channels.failed(endpoint, error.code())
             if self.settings.username and _is_bad_auth_token(error):
                 await self._authenticate(stale=self._auth_metadata)
             raise _translate(error) from error

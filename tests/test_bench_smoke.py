@@ -21,6 +21,7 @@ EXPECTED = {
     "cycle": ("== cycle:", "coordinator cycle, group commit"),
     "watch": ("== watch:", "watchers: coordinator p99"),
     "memory": ("== memory:", "watchers over"),
+    "embedded-db": ("== embedded-db:", "growth per cycle:"),
     "profile": ("== profile:", "by where the time was spent"),
 }
 

@@ -100,10 +100,10 @@ async def test_serve_runs_on_an_embedded_etcd_and_keeps_its_data(tmp_path: Path)
 
 def test_serve_refuses_a_bad_endpoint_list(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--etcd-endpoints", "etcd-a:2379,etcd-b:2379"],
+        [sys.executable, "-m", "coordinator.cli", "serve", "--etcd-endpoints", "etcd-a:2379,etcd_b:2379"],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert result.returncode == 2
-    assert "IP addresses" in result.stderr
+    assert "'etcd_b' is neither an IP address nor a DNS name" in result.stderr

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -12,7 +14,7 @@ from aetcd import rpc
 
 from coordinator.domain import Subject, SubjectKind
 from coordinator.errors import StoreUnavailable
-from coordinator.etcd_process import EtcdClientTls, EtcdServer
+from coordinator.etcd_process import EtcdClientTls, EtcdMemberSpec, EtcdServer, free_port
 from coordinator.server import wall_clock_ms
 from coordinator.store import EtcdSettings, EtcdStore, open_channel
 
@@ -116,3 +118,87 @@ async def test_claims_with_an_etcd_user_and_password(
         assert (await agent.renew(message(mailbox, "m"), token, ttl=30)).result == 1
         stream = agent.watch(mailbox)
         await anext(stream)
+
+
+def _tls_member_cluster(tmp_path: Path, ca: trustme.CA, hosts: Sequence[str]) -> list[EtcdServer]:
+    """A cluster whose member i is reached at ``hosts[i]`` and whose certificate carries that name only."""
+    ports: set[int] = set()
+    while len(ports) < 2 * len(hosts):
+        ports.add(free_port())
+    pairs = list(ports)
+    specs = [EtcdMemberSpec(f"etcd{i}", pairs[2 * i], pairs[2 * i + 1], host=host) for i, host in enumerate(hosts)]
+    initial_cluster = ",".join(f"{spec.name}={spec.peer_url}" for spec in specs)
+    token = f"tls-{uuid.uuid4().hex[:8]}"
+    members = []
+    for spec in specs:
+        cert = ca.issue_cert(spec.host)
+        tls = EtcdClientTls(
+            cert_file=_write(tmp_path / f"{spec.name}.pem", cert.cert_chain_pems[0]),
+            key_file=_write(tmp_path / f"{spec.name}.key", cert.private_key_pem),
+            ca_file=_write(tmp_path / "ca.pem", ca.cert_pem),
+        )
+        members.append(
+            EtcdServer(
+                tmp_path / spec.name,
+                spec=spec,
+                initial_cluster=initial_cluster,
+                cluster_token=token,
+                client_tls=tls,
+            )
+        )
+    return members
+
+
+async def test_each_etcd_endpoint_is_checked_against_its_own_certificate_name(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    # etcd binds "localhost" as well as IP addresses; each member's certificate names only its own endpoint.
+    members = _tls_member_cluster(tmp_path, ca, ["localhost", "127.0.0.1", "localhost"])
+    for member in members:
+        member.start(wait=False)
+    try:
+        for member in members:
+            member.wait_healthy(60)
+        ca_file = tmp_path / "ca.pem"
+        endpoints = [member.client_url for member in members]
+        assert endpoints[0].startswith("https://localhost:")
+        assert endpoints[1].startswith("https://127.0.0.1:")
+
+        # Member 0 by an address its certificate does not name: refused, whatever the other members hold.
+        wrong = EtcdStore(
+            EtcdSettings([f"https://127.0.0.1:{members[0].spec.client_port}"], ca_file=ca_file, call_timeout_s=2.0),
+            wall_clock_ms,
+        )
+        try:
+            with pytest.raises(StoreUnavailable):
+                await wrong.ping()
+        finally:
+            await wrong.close()
+
+        store = EtcdStore(EtcdSettings(endpoints, ca_file=ca_file, call_timeout_s=2.0), wall_clock_ms)
+        try:
+            before = await store.current_revision()
+            # Each endpoint's channel completes its TLS handshake, verified against that endpoint's own host.
+            channels = {endpoint.endpoint: endpoint.channel for endpoint in store._channels.endpoints}
+            assert set(channels) == set(endpoints)
+            for endpoint, channel in channels.items():
+                async with asyncio.timeout(10):
+                    while (state := channel.get_state(try_to_connect=True)) != grpc.ChannelConnectivity.READY:
+                        await channel.wait_for_state_change(state)
+                assert channel.get_state() == grpc.ChannelConnectivity.READY, endpoint
+            members[0].kill()
+            answered = None
+            for _ in range(50):
+                try:
+                    answered = await store.current_revision()
+                    break
+                except StoreUnavailable:
+                    await asyncio.sleep(0.1)
+            # Another member, over its own verified connection, answered the linearizable read.
+            assert answered is not None
+            assert answered >= before
+            assert store._channels.current.endpoint != endpoints[0]
+        finally:
+            await store.close()
+    finally:
+        for member in members:
+            member.stop()

@@ -16,7 +16,7 @@ import json
 import random
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -49,9 +49,11 @@ def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
 
 
 @contextlib.asynccontextmanager
-async def _coordinator(cluster: EtcdCluster, prefix: str) -> AsyncIterator[tuple[CoordinatorServer, grpc.aio.Channel]]:
+async def _coordinator(
+    cluster: EtcdCluster, prefix: str, endpoints: Sequence[str] = ()
+) -> AsyncIterator[tuple[CoordinatorServer, grpc.aio.Channel]]:
     settings = ServerSettings(
-        EtcdSettings(cluster.endpoints, prefix=prefix, call_timeout_s=2.0),
+        EtcdSettings(endpoints or cluster.endpoints, prefix=prefix, call_timeout_s=2.0),
         listen="127.0.0.1:0",
         rules=test_rules(),
         health_interval_s=0.2,
@@ -167,14 +169,19 @@ async def _check_invariants(channel: grpc.aio.Channel, mailbox: str, ledger: Led
         ), subject_id
 
 
-async def test_failover_when_the_member_in_use_dies(cluster: EtcdCluster, prefix: str, mailbox: str) -> None:
-    async with _coordinator(cluster, prefix) as (_server, channel):
+@pytest.mark.parametrize("naming", ["ip", "dns"])
+async def test_failover_when_the_member_in_use_dies(
+    cluster: EtcdCluster, prefix: str, mailbox: str, naming: str
+) -> None:
+    # The members by IP address, or by DNS name (each endpoint is its own channel, resolved by gRPC).
+    by_name = [f"localhost:{member.spec.client_port}" for member in cluster.members]
+    async with _coordinator(cluster, prefix, by_name if naming == "dns" else ()) as (_server, channel):
         agent = Actor(channel, "agent-a")
         before = [_handled(m, "Txn") for m in cluster.members]
         for n in range(5):
             assert (await agent.claim(message(mailbox, f"before-{n}"))).result == GRANTED
         after = [_handled(m, "Txn") for m in cluster.members]
-        # pick_first connects to the first endpoint: that member answered every transaction.
+        # Calls go to the first endpoint: that member answered every transaction.
         assert after[0] - before[0] >= 5
         assert after[1:] == before[1:]
 

@@ -93,10 +93,10 @@ def test_durations(text: str, seconds: float) -> None:
         ),
         (
             {},
-            {"INBOX_COORDINATOR_ETCD_ENDPOINTS": "etcd-a:2379,etcd-b:2379"},
+            {"INBOX_COORDINATOR_ETCD_ENDPOINTS": "etcd-a:2379,etcd-b:2379,etcd-a:2379"},
             "",
-            "etcd_endpoints = etcd-a:2379,etcd-b:2379 (INBOX_COORDINATOR_ETCD_ENDPOINTS): etcd endpoint 'etcd-a:2379': "
-            "several endpoints must be IP addresses",
+            "etcd_endpoints = etcd-a:2379,etcd-b:2379,etcd-a:2379 (INBOX_COORDINATOR_ETCD_ENDPOINTS): etcd endpoint "
+            "'etcd-a:2379' is given twice",
         ),
         ({"metrics_listen": "127.0.0.1:50051"}, {}, "", "metrics and gRPC cannot share an address"),
         ({"claim_lease_bucket": "2m"}, {}, "", "claim_lease_bucket = 2m (--claim-lease-bucket): must lie between"),
