@@ -7,7 +7,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import pytest
@@ -17,7 +17,7 @@ from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 
-def missing_on_this_machine(what: str) -> None:
+def missing_on_this_machine(what: str) -> NoReturn:
     """Skips a test that needs something this machine lacks; fails it in CI (``CI`` set), where .ci/run installs
     everything the suite needs, so a missing piece can never pass as a skip there."""
     if os.environ.get("CI"):
