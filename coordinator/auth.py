@@ -246,7 +246,8 @@ class TokenAuthenticator(Authenticator):
         if claimed is not None and claimed != principal.id:
             raise PermissionDenied(
                 f"the call names principal {claimed!r} in {PRINCIPAL_METADATA!r} but its credentials are for "
-                f"{principal.id!r}; a principal acts only as itself"
+                f"{principal.id!r}; a principal acts only as itself",
+                reason="PRINCIPAL_MISMATCH",
             )
         return principal.caller()
 

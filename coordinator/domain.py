@@ -113,12 +113,17 @@ class Caller:
 def authorize_mailbox(caller: Caller, mailbox: str) -> None:
     if not caller.grants.may_access(mailbox):
         # Names only what the caller asked for: nothing about who else uses the mailbox, or whether it exists.
-        raise PermissionDenied(f"principal {caller.principal!r} is not granted mailbox {mailbox!r}")
+        raise PermissionDenied(
+            f"principal {caller.principal!r} is not granted mailbox {mailbox!r}", reason="MAILBOX_NOT_GRANTED"
+        )
 
 
 def require_role(caller: Caller, role: str, call: str) -> None:
     if not caller.grants.has_role(role):
-        raise PermissionDenied(f"{call} needs the role {role!r}, which principal {caller.principal!r} does not have")
+        raise PermissionDenied(
+            f"{call} needs the role {role!r}, which principal {caller.principal!r} does not have",
+            reason="ROLE_MISSING",
+        )
 
 
 @dataclass(frozen=True)
@@ -305,7 +310,9 @@ def _check_token(current: Stored | None, caller: Caller, token: int) -> bool:
     if current is None or current.token != token:
         return False
     if current.record.holder != caller.principal:
-        raise PermissionDenied(f"fencing token {token} belongs to another principal; only the holder may use it")
+        raise PermissionDenied(
+            f"fencing token {token} belongs to another principal; only the holder may use it", reason="NOT_HOLDER"
+        )
     return True
 
 
@@ -462,7 +469,9 @@ def _repeats(last_end: EndMark | None, caller: Caller, token: int, request_id: s
 
 def require_human(caller: Caller) -> None:
     if caller.kind is not HolderKind.HUMAN:
-        raise PermissionDenied("Takeover is for principals of kind human; an agent must wait or use ClaimReply")
+        raise PermissionDenied(
+            "Takeover is for principals of kind human; an agent must wait or use ClaimReply", reason="NOT_HUMAN"
+        )
 
 
 def takeover_refusal(current: Stored | None) -> TakeoverResult | None:

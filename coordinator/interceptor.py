@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from .auth import current_principal
 from .metrics import Metrics
 from .service import PRINCIPAL_METADATA
+from .status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort
 
 log = logging.getLogger("inbox_coordinator.rpc")
 
@@ -127,6 +129,52 @@ def _set_code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode | 
     return None
 
 
+UNDECODABLE_REASON = "UNDECODABLE_REQUEST"
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Stands in for a request whose bytes did not parse, so that the call is answered INVALID_ARGUMENT, counted
+    and logged like any refused call (grpc would answer UNKNOWN, naming the Python exception, and count
+    nothing)."""
+
+    problem: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    message = descriptor.full_name if descriptor is not None else "the request message"
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as error:
+            if "UTF-8" in str(error):
+                return Undecodable(
+                    f"the request ({message}) has a string field that is not valid UTF-8; send every string as "
+                    "UTF-8 (a string cut inside a multi-byte character or a UTF-16 surrogate pair is not)"
+                )
+            return Undecodable(
+                f"the request is not a valid protobuf encoding of {message}; send the message that "
+                "proto/inbox/coordinator/v1/coordinator.proto defines for this method"
+            )
+
+    return deserialize
+
+
+async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    if isinstance(request, Undecodable):
+        await abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.problem, UNDECODABLE_REASON)
+
+
+async def _internal_error(method: _Method, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    """A bug: logged with its traceback here, answered INTERNAL with no Python detail."""
+    log.exception("%s failed with an unexpected error", method.name)
+    await abort(context, grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE, INTERNAL_REASON)
+
+
 @dataclass
 class _Method:
     service: str
@@ -191,22 +239,23 @@ class RpcObserver(grpc.aio.ServerInterceptor):
 
     def _wrap(self, path: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
         method = self._method(path)
+        deserializer = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary, timed=True),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             return grpc.unary_stream_rpc_method_handler(
                 self._stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
             return grpc.unary_stream_rpc_method_handler(
                 self._unary(method, handler.unary_stream, timed=False),  # a stream written with context.write
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler  # client-streaming calls (reflection) pass through untouched
@@ -216,7 +265,13 @@ class RpcObserver(grpc.aio.ServerInterceptor):
     ) -> Callable[..., Awaitable[Any]]:
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             with _Observed(self._metrics, method, request, context, timed=timed) as observed:
-                observed.response = await inner(request, context)
+                await _refuse_undecodable(request, context)
+                try:
+                    observed.response = await inner(request, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception:
+                    await _internal_error(method, context)
                 return observed.response
 
         return call
@@ -225,9 +280,15 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             with _Observed(self._metrics, method, request, context, timed=False) as observed:
                 observed.sent = 0
-                async for item in inner(request, context):
-                    yield item
-                    observed.sent += 1
+                await _refuse_undecodable(request, context)
+                try:
+                    async for item in inner(request, context):
+                        yield item
+                        observed.sent += 1
+                except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
+                    raise
+                except Exception:
+                    await _internal_error(method, context)
 
         return call
 

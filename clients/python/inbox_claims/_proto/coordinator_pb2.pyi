@@ -1252,21 +1252,25 @@ class CallError(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """A google.rpc.Code / grpc status code number (3 INVALID_ARGUMENT, 7 PERMISSION_DENIED, 14 UNAVAILABLE...)."""
     message: _builtins.str
     retry_after_ms: _builtins.int
     """With RESOURCE_EXHAUSTED: when to retry (the unary call's `retry-after-ms` trailer)."""
+    reason: _builtins.str
+    """The error kind, as the unary call's google.rpc.ErrorInfo `reason` (see "Error reasons" at the top)."""
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         message: _builtins.str = ...,
         retry_after_ms: _builtins.int = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "reason", b"reason", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
