@@ -45,7 +45,7 @@ def _not_utf8(name: str) -> bytes:
     descriptor = pb.DESCRIPTOR.services_by_name["Coordinator"].methods_by_name[name].input_type
     request = getattr(pb, descriptor.name)()
     assert _set_a_string(request), descriptor.full_name
-    encoded = request.SerializeToString()
+    encoded: bytes = request.SerializeToString()
     assert encoded.count(_MARKER.encode()) == 1
     return encoded.replace(_MARKER.encode(), _CUT)
 
@@ -53,18 +53,26 @@ def _not_utf8(name: str) -> bytes:
 async def _raw_call(channel: grpc.aio.Channel, name: str, streaming: bool, body: bytes) -> grpc.aio.AioRpcError:
     path = f"/{SERVICE_NAME}/{name}"
     if streaming:
-        stream = channel.unary_stream(path)(body, metadata=DEV_METADATA)
+        stream = channel.unary_stream(path, request_serializer=_raw, response_deserializer=_raw)(
+            body, metadata=DEV_METADATA
+        )
 
         async def drain() -> None:
             async for _ in stream:
                 pass
 
         return await rpc_error(drain())
-    return await rpc_error(channel.unary_unary(path)(body, metadata=DEV_METADATA))
+    call = channel.unary_unary(path, request_serializer=_raw, response_deserializer=_raw)
+    return await rpc_error(call(body, metadata=DEV_METADATA))
+
+
+def _raw(data: bytes) -> bytes:
+    return data
 
 
 def _reason(error: grpc.aio.AioRpcError) -> tuple[str, str, dict[str, str]]:
-    status = rpc_status.from_call(_SyncView(error))
+    view: Any = _SyncView(error)  # what from_call reads of a grpc.Call
+    status = rpc_status.from_call(view)
     assert status is not None, "the error carries no google.rpc.Status details"
     from google.rpc import error_details_pb2
 
