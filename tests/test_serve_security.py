@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 import trustme
 
 from coordinator.etcd_process import EtcdServer, free_port
@@ -118,6 +119,14 @@ async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServ
             process.send_signal(signal.SIGHUP)
             _wait_for(process, "NOT reloaded")
             assert (await human.status(message("acme-1", "m"))).holder == "ana"
+
+            # So is a file that gives one certificate name to two principals.
+            names = 'certificate_names = ["ana.acme.test"]\n'
+            tokens.write_text(human_entry + names + '[[principals]]\nid = "root"\nroles = ["admin"]\n' + names)
+            process.send_signal(signal.SIGHUP)
+            refusal = _wait_for(process, "NOT reloaded")
+            assert "certificate name 'ana.acme.test' is also given to 'ana'" in refusal
+            assert (await human.status(message("acme-1", "m"))).holder == "ana"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
@@ -138,9 +147,23 @@ def test_plaintext_off_loopback_is_refused_at_start() -> None:
     assert "allow_plaintext" in result.stderr
 
 
-def test_a_bad_token_file_is_a_configuration_error(tmp_path: Path) -> None:
+_NAMES = 'certificate_names = ["agent-1.acme.test"]\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        ('[[principals]]\nid = "x"\nkind = "robot"\ntoken_sha256 = []\n', "principals[0].kind"),
+        (
+            '[[principals]]\nid = "agent-1"\n' + _NAMES + '[[principals]]\nid = "root"\n' + _NAMES,
+            "principals[1].certificate_names: certificate name 'agent-1.acme.test' is also given to 'agent-1'",
+        ),
+    ],
+    ids=["bad kind", "certificate name under two principals"],
+)
+def test_a_bad_token_file_is_a_configuration_error(tmp_path: Path, text: str, refusal: str) -> None:
     tokens = tmp_path / "tokens.toml"
-    tokens.write_text('[[principals]]\nid = "x"\nkind = "robot"\ntoken_sha256 = []\n')
+    tokens.write_text(text)
     result = subprocess.run(
         [*CLI, "serve", "--etcd-endpoints", "127.0.0.1:1", "--token-file", str(tokens), "--metrics-listen", ""],
         capture_output=True,
@@ -148,7 +171,7 @@ def test_a_bad_token_file_is_a_configuration_error(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 2, result.stderr
-    assert "principals[0].kind" in result.stderr
+    assert refusal in result.stderr
 
 
 def test_health_checks_a_coordinator_that_requires_client_certificates(
