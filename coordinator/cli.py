@@ -214,6 +214,8 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
         tls=config.tls(),
         quotas=config.quotas(),
         max_message_bytes=config.max_message_bytes,
+        request_timeout_s=config.request_timeout,
+        max_streams_per_connection=config.max_streams_per_connection,
     )
 
 

@@ -4,6 +4,11 @@ The result label is read from the response message's ``result`` field, whatever 
 name without its type's prefix, lower-cased (``GRANTED`` is ``granted``, ``FENCE_RESULT_STALE_TOKEN`` is
 ``stale_token``); a response without one is ``ok``, an error is its status code (``unavailable``). The log
 fields come from the request the same way: ``request_id``, ``subject.mailbox`` or ``mailbox``, ``subject.id``.
+
+It also reads each call's request message itself, under a deadline: grpc would wait for it forever, holding
+the call's memory (a client, or an attacker, can open a stream and never send). Unary and server-streaming
+handlers are served as request-streaming ones, whose handler starts before the message arrives; the wire
+format is the same, so clients see no difference.
 """
 
 from __future__ import annotations
@@ -130,6 +135,8 @@ def _set_code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode | 
 
 
 UNDECODABLE_REASON = "UNDECODABLE_REQUEST"
+REQUEST_TIMEOUT_REASON = "REQUEST_TIMEOUT"
+MISSING_REQUEST_REASON = "MISSING_REQUEST"
 
 
 @dataclass(frozen=True)
@@ -164,9 +171,44 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     return deserialize
 
 
-async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+async def _read_request(context: grpc.aio.ServicerContext[Any, Any], timeout_s: float) -> Any:
+    """The call's one request message, or an error status when it is not there within ``timeout_s``."""
+    task = asyncio.current_task()
+    assert task is not None
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        task.cancel()
+
+    # One timer handle, not asyncio.timeout(): this runs on every call of the hot path.
+    timer = asyncio.get_running_loop().call_later(timeout_s, expire)
+    try:
+        request = await context.read()
+    except asyncio.CancelledError:
+        if not expired:
+            raise  # the client went away, or the server is stopping
+        task.uncancel()
+        await abort(
+            context,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the request message did not arrive within {timeout_s:g} s of the call's start; a gRPC client sends "
+            "it at once, so look for a stalled client or proxy",
+            REQUEST_TIMEOUT_REASON,
+        )
+    finally:
+        timer.cancel()
+    if request is grpc.aio.EOF:
+        await abort(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "the call ended without its request message; send exactly one",
+            MISSING_REQUEST_REASON,
+        )
     if isinstance(request, Undecodable):
         await abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.problem, UNDECODABLE_REASON)
+    return request
 
 
 async def _internal_error(method: _Method, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -188,8 +230,9 @@ class _Method:
 class RpcObserver(grpc.aio.ServerInterceptor):
     """Metrics and one access-log line per call."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, request_timeout_s: float = 10.0) -> None:
         self._metrics = metrics
+        self._request_timeout_s = request_timeout_s
         self._handlers: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
         self._batched: dict[str, _Method] = {}
 
@@ -241,19 +284,19 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         method = self._method(path)
         deserializer = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
-            return grpc.unary_unary_rpc_method_handler(
+            return grpc.stream_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary, timed=True),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            return grpc.unary_stream_rpc_method_handler(
+            return grpc.stream_stream_rpc_method_handler(
                 self._stream(method, handler.unary_stream),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
-            return grpc.unary_stream_rpc_method_handler(
+            return grpc.stream_stream_rpc_method_handler(
                 self._unary(method, handler.unary_stream, timed=False),  # a stream written with context.write
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
@@ -263,9 +306,9 @@ class RpcObserver(grpc.aio.ServerInterceptor):
     def _unary(
         self, method: _Method, inner: Callable[..., Awaitable[Any]], *, timed: bool
     ) -> Callable[..., Awaitable[Any]]:
-        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            with _Observed(self._metrics, method, request, context, timed=timed) as observed:
-                await _refuse_undecodable(request, context)
+        async def call(_requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            with _Observed(self._metrics, method, context, timed=timed) as observed:
+                observed.request = request = await _read_request(context, self._request_timeout_s)
                 try:
                     observed.response = await inner(request, context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
@@ -277,10 +320,10 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         return call
 
     def _stream(self, method: _Method, inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            with _Observed(self._metrics, method, request, context, timed=False) as observed:
+        async def call(_requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            with _Observed(self._metrics, method, context, timed=False) as observed:
                 observed.sent = 0
-                await _refuse_undecodable(request, context)
+                observed.request = request = await _read_request(context, self._request_timeout_s)
                 try:
                     async for item in inner(request, context):
                         yield item
@@ -300,14 +343,13 @@ class _Observed:
         self,
         metrics: Metrics,
         method: _Method,
-        request: Any,
         context: grpc.aio.ServicerContext[Any, Any],
         *,
         timed: bool,
     ) -> None:
         self._metrics = metrics
         self._method = method
-        self._request = request
+        self.request: Any = None  # until it arrived and parsed
         self._context = context
         self._timed = timed
         self.response: Any = None
@@ -327,7 +369,7 @@ class _Observed:
         _record(
             self._metrics,
             self._method,
-            self._request,
+            self.request,
             self._context,
             code,
             response,
