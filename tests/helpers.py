@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from coordinator.service import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 from inbox_claims._proto import coordinator_pb2 as pb
@@ -182,3 +186,58 @@ async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
     except grpc.aio.AioRpcError as error:
         return error
     raise AssertionError("the call succeeded; an error status was expected")
+
+
+def spawn(command: list[str]) -> subprocess.Popen[str]:
+    """A process whose output (stdout and stderr) is read line by line with ``wait_for_line``."""
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def wait_for_line(process: subprocess.Popen[str], needle: str) -> str:
+    """The output up to the first line with ``needle``; fails (and kills the process) when it never comes."""
+    assert process.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen += line
+        if needle in line:
+            return seen
+    process.kill()
+    raise AssertionError(f"{needle!r} never printed:\n{seen}")
+
+
+def error_reason(error: grpc.aio.AioRpcError) -> tuple[str, str, dict[str, str]]:
+    """The google.rpc.ErrorInfo of an error status, as a client reads it: (reason, domain, metadata)."""
+    view: Any = _CallView(error)
+    status = rpc_status.from_call(view)
+    assert status is not None, "the error carries no google.rpc.Status details"
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason, info.domain, dict(info.metadata)
+    raise AssertionError(f"no ErrorInfo among {status.details}")
+
+
+class _CallView:
+    """What rpc_status.from_call reads of a (sync) grpc.Call, over an aio error, which has the same parts."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        self._error = error
+
+    def code(self) -> grpc.StatusCode:
+        return self._error.code()
+
+    def details(self) -> str | None:
+        return self._error.details()
+
+    def trailing_metadata(self) -> Any:
+        return tuple(self._error.trailing_metadata() or ())

@@ -7,14 +7,13 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_status import rpc_status
 
 from coordinator.server import CoordinatorServer
 from coordinator.service import SERVICE_NAME
 from coordinator.status import DOMAIN
 from inbox_claims._proto import coordinator_pb2 as pb
 
-from .helpers import Actor, eventually, message, rpc_error
+from .helpers import Actor, error_reason, eventually, message, rpc_error
 
 DEV_METADATA = (("x-inbox-principal", "agent-a"), ("x-inbox-principal-kind", "agent"))
 
@@ -70,35 +69,6 @@ def _raw(data: bytes) -> bytes:
     return data
 
 
-def _reason(error: grpc.aio.AioRpcError) -> tuple[str, str, dict[str, str]]:
-    view: Any = _SyncView(error)  # what from_call reads of a grpc.Call
-    status = rpc_status.from_call(view)
-    assert status is not None, "the error carries no google.rpc.Status details"
-    from google.rpc import error_details_pb2
-
-    for detail in status.details:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason, info.domain, dict(info.metadata)
-    raise AssertionError(f"no ErrorInfo among {status.details}")
-
-
-class _SyncView:
-    """rpc_status.from_call reads code(), details() and trailing_metadata() the sync way; an aio error has them."""
-
-    def __init__(self, error: grpc.aio.AioRpcError) -> None:
-        self._error = error
-
-    def code(self) -> grpc.StatusCode:
-        return self._error.code()
-
-    def details(self) -> str | None:
-        return self._error.details()
-
-    def trailing_metadata(self) -> Any:
-        return tuple(self._error.trailing_metadata() or ())
-
-
 def _counted(server: CoordinatorServer, name: str, result: str) -> float:
     value = server.metrics.registry.get_sample_value(
         "inbox_coordinator_rpcs_total", {"service": SERVICE_NAME, "method": name, "result": result}
@@ -124,7 +94,7 @@ async def test_undecodable_request_is_invalid_argument_and_counted(
         assert "not valid UTF-8" in details, details
     else:
         assert "not a valid protobuf encoding of inbox.coordinator.v1." in details, details
-    assert _reason(error)[:2] == ("UNDECODABLE_REQUEST", DOMAIN)
+    assert error_reason(error)[:2] == ("UNDECODABLE_REQUEST", DOMAIN)
 
     async def counted() -> bool:  # the server counts on its way out, which may end after the client hears
         return _counted(coordinator, name, "invalid_argument") == before + 1
@@ -135,11 +105,11 @@ async def test_undecodable_request_is_invalid_argument_and_counted(
 async def test_a_client_reads_the_reason_of_an_error(agent: Actor, mailbox: str) -> None:
     error = await rpc_error(agent.claim(message(mailbox, "m1"), note="x" * 1025))
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert _reason(error) == ("INVALID_FIELD", DOMAIN, {"field": "note"})
+    assert error_reason(error) == ("INVALID_FIELD", DOMAIN, {"field": "note"})
 
     error = await rpc_error(agent.takeover(message(mailbox, "m1")))
     assert error.code() is grpc.StatusCode.PERMISSION_DENIED
-    assert _reason(error)[0] == "NOT_HUMAN"
+    assert error_reason(error)[0] == "NOT_HUMAN"
 
 
 async def test_a_batch_call_error_carries_its_reason(agent: Actor, mailbox: str) -> None:

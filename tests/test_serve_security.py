@@ -3,12 +3,10 @@ revoked by editing the file and sending SIGHUP, plaintext refused off loopback."
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -18,7 +16,7 @@ import trustme
 from coordinator.etcd_process import EtcdServer, free_port
 from inbox_claims._proto import coordinator_pb2 as pb
 
-from .helpers import Actor, eventually, message, rpc_error
+from .helpers import Actor, eventually, message, rpc_error, spawn, wait_for_line
 
 CLI = [sys.executable, "-m", "coordinator.cli"]
 
@@ -33,31 +31,6 @@ def _token_new(principal: str, *extra: str) -> tuple[str, str]:
     return token.group(1), entry
 
 
-def _spawn(command: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-
-
-def _wait_for(process: subprocess.Popen[str], needle: str) -> str:
-    assert process.stdout is not None
-    seen = ""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        seen += line
-        if needle in line:
-            return seen
-    process.kill()
-    raise AssertionError(f"{needle!r} never printed:\n{seen}")
-
-
 async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServer, prefix: str) -> None:
     agent_token, agent_entry = _token_new("agent-1", "--mailbox", "acme-*")
     human_token, human_entry = _token_new("ana", "--kind", "human", "--mailbox", "acme-*", "--role", "takeover")
@@ -69,7 +42,7 @@ async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServ
     cert.write_bytes(b"".join(blob.bytes() for blob in server_cert.cert_chain_pems))
     key.write_bytes(server_cert.private_key_pem.bytes())
     port = free_port()
-    process = _spawn(
+    process = spawn(
         [
             *CLI,
             "serve",
@@ -90,7 +63,7 @@ async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServ
         ],
     )
     try:
-        banner = _wait_for(process, "serving gRPC on")
+        banner = wait_for_line(process, "serving gRPC on")
         assert "no token file" not in banner
         credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
@@ -105,7 +78,7 @@ async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServ
             # Revoke the agent: edit the file, SIGHUP; the human's token goes on working on the same connection.
             tokens.write_text(human_entry)
             process.send_signal(signal.SIGHUP)
-            _wait_for(process, "token file reloaded: 1 principal")
+            wait_for_line(process, "token file reloaded: 1 principal")
 
             async def refused() -> bool:
                 error = await rpc_error(agent.status(message("acme-1", "m")))
@@ -117,14 +90,14 @@ async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServ
             # A broken file is refused and the previous principals stay.
             tokens.write_text("[[principals]]\nid = 3\n")
             process.send_signal(signal.SIGHUP)
-            _wait_for(process, "NOT reloaded")
+            wait_for_line(process, "NOT reloaded")
             assert (await human.status(message("acme-1", "m"))).holder == "ana"
 
             # So is a file that gives one certificate name to two principals.
             names = 'certificate_names = ["ana.acme.test"]\n'
             tokens.write_text(human_entry + names + '[[principals]]\nid = "root"\nroles = ["admin"]\n' + names)
             process.send_signal(signal.SIGHUP)
-            refusal = _wait_for(process, "NOT reloaded")
+            refusal = wait_for_line(process, "NOT reloaded")
             assert "certificate name 'ana.acme.test' is also given to 'ana'" in refusal
             assert (await human.status(message("acme-1", "m"))).holder == "ana"
         process.send_signal(signal.SIGTERM)
@@ -189,14 +162,14 @@ def test_health_checks_a_coordinator_that_requires_client_certificates(
     tls = ["--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key")]
     mtls = ["--tls-client-ca", str(tmp_path / "ca.pem"), "--require-client-cert"]
     serve = ["serve", "--listen", f"127.0.0.1:{port}", "--etcd-endpoints", etcd.endpoint, "--prefix", prefix]
-    process = _spawn([*CLI, *serve, *tls, *mtls, "--metrics-listen", ""])
+    process = spawn([*CLI, *serve, *tls, *mtls, "--metrics-listen", ""])
 
     def health(*extra: str) -> subprocess.CompletedProcess[str]:
         probe = ["health", "--address", f"127.0.0.1:{port}", "--ca-file", str(tmp_path / "ca.pem"), *extra]
         return subprocess.run([*CLI, *probe], capture_output=True, text=True, timeout=30)
 
     try:
-        _wait_for(process, "serving gRPC on")
+        wait_for_line(process, "serving gRPC on")
         refused = health()
         assert refused.returncode == 1, refused
         assert "UNAVAILABLE" in refused.stdout
