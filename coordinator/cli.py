@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import logs
+from . import logs, tls_log
 from .auth import ROLES, TokenAuthenticator, TokenFileError, new_token
 from .config import SETTINGS, Config, ConfigError, default_data_dir, describe, load, parse_host_port
 from .errors import StoreUnavailable
@@ -275,6 +275,8 @@ def serve(options: argparse.Namespace) -> int:
     config = _load(options)
     if config is None:
         return EXIT_CONFIG
+    if config.tls_cert is not None:
+        tls_log.capture_handshake_failures()  # before the log set-up: it moves sys.stderr
     logs.setup(config.log_level, config.log_format)
     try:
         if not config.embedded_etcd:

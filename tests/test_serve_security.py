@@ -3,6 +3,7 @@ revoked by editing the file and sending SIGHUP, plaintext refused off loopback."
 
 from __future__ import annotations
 
+import datetime
 import re
 import signal
 import subprocess
@@ -147,22 +148,38 @@ def test_a_bad_token_file_is_a_configuration_error(tmp_path: Path, text: str, re
     assert refusal in result.stderr
 
 
-def test_health_checks_a_coordinator_that_requires_client_certificates(
-    tmp_path: Path, etcd: EtcdServer, prefix: str
-) -> None:
+def _stop(process: subprocess.Popen[str]) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+def _mtls_serve(tmp_path: Path, etcd: EtcdServer, prefix: str) -> tuple[trustme.CA, int, list[str]]:
+    """A CA, a port, and the command serving it with TLS and required client certificates from that CA."""
     ca = trustme.CA()
     (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
     server_cert = ca.issue_cert("127.0.0.1")
     (tmp_path / "server.pem").write_bytes(b"".join(b.bytes() for b in server_cert.cert_chain_pems))
     (tmp_path / "server.key").write_bytes(server_cert.private_key_pem.bytes())
-    client_cert = ca.issue_cert("probe.ops.test")
-    (tmp_path / "probe.pem").write_bytes(b"".join(b.bytes() for b in client_cert.cert_chain_pems))
-    (tmp_path / "probe.key").write_bytes(client_cert.private_key_pem.bytes())
     port = free_port()
     tls = ["--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key")]
     mtls = ["--tls-client-ca", str(tmp_path / "ca.pem"), "--require-client-cert"]
     serve = ["serve", "--listen", f"127.0.0.1:{port}", "--etcd-endpoints", etcd.endpoint, "--prefix", prefix]
-    process = spawn([*CLI, *serve, *tls, *mtls, "--metrics-listen", ""])
+    return ca, port, [*CLI, *serve, *tls, *mtls, "--metrics-listen", ""]
+
+
+def test_health_checks_a_coordinator_that_requires_client_certificates(
+    tmp_path: Path, etcd: EtcdServer, prefix: str
+) -> None:
+    ca, port, command = _mtls_serve(tmp_path, etcd, prefix)
+    client_cert = ca.issue_cert("probe.ops.test")
+    (tmp_path / "probe.pem").write_bytes(b"".join(b.bytes() for b in client_cert.cert_chain_pems))
+    (tmp_path / "probe.key").write_bytes(client_cert.private_key_pem.bytes())
+    process = spawn(command)
 
     def health(*extra: str) -> subprocess.CompletedProcess[str]:
         probe = ["health", "--address", f"127.0.0.1:{port}", "--ca-file", str(tmp_path / "ca.pem"), *extra]
@@ -181,10 +198,37 @@ def test_health_checks_a_coordinator_that_requires_client_certificates(
         assert half.returncode == 2
         assert "--cert-file and --key-file go together" in half.stderr
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        finally:
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
+        _stop(process)
+
+
+async def test_a_refused_client_certificate_is_logged_with_its_reason(
+    tmp_path: Path, etcd: EtcdServer, prefix: str
+) -> None:
+    ca, port, command = _mtls_serve(tmp_path, etcd, prefix)
+    process = spawn([*command, "--log-format", "json"])
+
+    async def attempt(client: trustme.LeafCert | None) -> grpc.aio.AioRpcError:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca.cert_pem.bytes(),
+            private_key=client.private_key_pem.bytes() if client is not None else None,
+            certificate_chain=client.cert_chain_pems[0].bytes() if client is not None else None,
+        )
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            return await rpc_error(Actor(channel, "agent-1").status(message("acme-1", "m")))
+
+    expired = ca.issue_cert("agent-1.acme.test", not_after=datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC))
+    cases = [
+        (None, "client_certificate_missing", "the client sent no certificate"),
+        (trustme.CA().issue_cert("agent-1.acme.test"), "client_certificate_untrusted", "not signed by --tls-client-ca"),
+        (expired, "client_certificate_expired", "has expired"),
+    ]
+    try:
+        wait_for_line(process, "serving gRPC on")
+        for client, reason, advice in cases:
+            error = await attempt(client)
+            assert error.code() is grpc.StatusCode.UNAVAILABLE  # all the client ever learns: "Socket closed"
+            line = wait_for_line(process, '"event": "tls_handshake_refused"').splitlines()[-1]
+            assert f'"reason": "{reason}"' in line, line
+            assert advice in line, line
+    finally:
+        _stop(process)
