@@ -1,4 +1,4 @@
-"""The claim state machine (DESIGN.md section 3): pure rules, no I/O, the clock passed in.
+"""The claim state machine (docs/design.md#states-of-a-subject): pure rules, no I/O, the clock passed in.
 
 Every transition is a function from what is stored now (``Stored | None``) to a ``Transition`` that says
 what to write. The store applies it with a compare-and-swap on the subject's revision, so a decision made
