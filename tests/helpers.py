@@ -8,7 +8,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.rpc import error_details_pb2
@@ -17,6 +17,8 @@ from grpc_status import rpc_status
 from coordinator.service import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
 
 
 def message(mailbox: str, message_id: str) -> pb.Subject:
@@ -217,14 +219,25 @@ def wait_for_line(process: subprocess.Popen[str], needle: str) -> str:
 
 def error_reason(error: grpc.aio.AioRpcError) -> tuple[str, str, dict[str, str]]:
     """The google.rpc.ErrorInfo of an error status, as a client reads it: (reason, domain, metadata)."""
+    info = _detail(error, error_details_pb2.ErrorInfo())
+    assert info is not None, "the error's details hold no ErrorInfo"
+    return info.reason, info.domain, dict(info.metadata)
+
+
+def error_retry_delay_ms(error: grpc.aio.AioRpcError) -> int | None:
+    """The google.rpc.RetryInfo delay of an error status, in milliseconds, when it has one."""
+    retry = _detail(error, error_details_pb2.RetryInfo())
+    return retry.retry_delay.ToMilliseconds() if retry is not None else None
+
+
+def _detail(error: grpc.aio.AioRpcError, kind: T) -> T | None:
     view: Any = _CallView(error)
     status = rpc_status.from_call(view)
     assert status is not None, "the error carries no google.rpc.Status details"
     for detail in status.details:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason, info.domain, dict(info.metadata)
-    raise AssertionError(f"no ErrorInfo among {status.details}")
+        if detail.Unpack(kind):
+            return kind
+    return None
 
 
 class _CallView:

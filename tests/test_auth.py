@@ -35,7 +35,7 @@ from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 from .conftest import TEST_LIMITS
-from .helpers import Actor, message, new_request_id, rpc_error
+from .helpers import Actor, error_reason, error_retry_delay_ms, message, new_request_id, rpc_error
 
 TOKENS = {name: new_token()[0] for name in ("agent-a", "agent-b", "ana", "bo", "root")}
 
@@ -248,6 +248,9 @@ async def test_rate_limit_answers_resource_exhausted_with_a_retry_hint(
         assert "5 calls/s" in (error.details() or "")
         hint = dict(error.trailing_metadata() or ())["retry-after-ms"]
         assert 0 < int(str(hint)) <= 200
+        # The same, machine-readable: google.rpc ErrorInfo and RetryInfo.
+        assert error_reason(error)[0] == "RATE_LIMITED"
+        assert error_retry_delay_ms(error) == int(str(hint))
         # Another principal has its own budget.
         assert (await Actor(channel, "bo", token=TOKENS["bo"]).status(subject)).state == pb.SUBJECT_STATE_FREE
         await asyncio.sleep(int(str(hint)) / 1000 + 0.05)
