@@ -33,7 +33,7 @@ _STATES_IN = {code: state for state, code in _STATES.items()}
 _KINDS = {HolderKind.AGENT: "a", HolderKind.HUMAN: "h"}
 _KINDS_IN = {code: kind for kind, code in _KINDS.items()}
 # What a reply record no longer needs once the reply went out: the claim's bookkeeping.
-# The last request ("q", "g") stays: a retried ConfirmSent or ResolveInDoubt is recognised by it.
+# The last request ("q", "g") stays when there is one: only ResolveInDoubt (SENT) leaves one on a reply record.
 _CLAIM_ONLY = ("a", "l", "r", "f", "d")
 
 

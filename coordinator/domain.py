@@ -144,8 +144,9 @@ class SubjectRecord:
     # that its retry gets the same grant and a reuse of its id for other arguments is refused.
     request_id: str = ""
     fingerprint: str = ""
-    # The same for the last call that changed the record since (RenewClaim, BeginSend, ConfirmSent,
-    # ResolveInDoubt): the evidence of a retry lives in what the transition writes anyway, in etcd.
+    # The same for the last call that changed the record since (RenewClaim, BeginSend, ResolveInDoubt): the
+    # evidence of a retry lives in what the transition writes anyway, in etcd. A ConfirmSent's REPLIED record
+    # keeps neither (about 57 B of each reply record, which etcd's quota is sized by): its state is the evidence.
     last_request_id: str = ""
     last_fingerprint: str = ""
     send_started_ms: int | None = None
@@ -485,17 +486,24 @@ def confirm_sent(
     request_id: str = "",
     request_fingerprint: str = "",
 ) -> Transition:
-    _repeats_holders_last(current, caller, request_id, request_fingerprint, "ConfirmSent")
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
     assert current is not None
     record = current.record
     if record.state is State.REPLIED:
+        # A retry. The reply record keeps no request id (it is the record etcd's quota is sized by), so a
+        # ConfirmSent with other arguments is told apart by them, whatever its request id.
+        if record.sent_message_id != sent_message_id:
+            raise InvalidArgument(
+                "sent_message_id",
+                f"the reply with token {token} was already confirmed with sent message id "
+                f"{record.sent_message_id!r}; a retry of that ConfirmSent repeats its arguments",
+                reason="REQUEST_ID_REUSED",
+            )
         return Transition(FenceResult.OK)
     if record.state not in (State.SENDING, State.IN_DOUBT):
         raise _wrong_state("ConfirmSent", token, record.state, "SENDING (call BeginSend first)")
-    replied = _replied(rules, record, sent_message_id, now_ms)
-    return Transition(FenceResult.OK, write=_stamped(replied, request_id, request_fingerprint))
+    return Transition(FenceResult.OK, write=_replied(rules, record, sent_message_id, now_ms))
 
 
 def abort_send(
@@ -553,6 +561,8 @@ def _replied(rules: Rules, record: SubjectRecord, sent_message_id: str, now_ms: 
         ttl_seconds=0,
         request_id="",
         fingerprint="",
+        last_request_id="",
+        last_fingerprint="",
         expires_ms=rules.reply_expiry(now_ms),
         send_deadline_ms=None,
         sent_ms=now_ms,

@@ -160,8 +160,9 @@ class CoordinatorServicer:
     def ConfirmSent(self, request, context):
         """Records that the reply went out: SENDING (or IN_DOUBT) becomes REPLIED, kept for the reply retention
         (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED. Answers OK (also
-        once REPLIED with this token), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before
-        BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
+        once REPLIED with this token and this `sent_message_id`), or STALE_TOKEN. Errors: FAILED_PRECONDITION
+        (WRONG_STATE) before BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED, also for a ConfirmSent
+        with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -153,8 +153,9 @@ class CoordinatorStub:
     ConfirmSent: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ConfirmSentRequest, _coordinator_pb2.ConfirmSentResponse]
     """Records that the reply went out: SENDING (or IN_DOUBT) becomes REPLIED, kept for the reply retention
     (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED. Answers OK (also
-    once REPLIED with this token), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before
-    BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
+    once REPLIED with this token and this `sent_message_id`), or STALE_TOKEN. Errors: FAILED_PRECONDITION
+    (WRONG_STATE) before BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED, also for a ConfirmSent
+    with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
     """
     AbortSend: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AbortSendRequest, _coordinator_pb2.AbortSendResponse]
     """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
@@ -248,8 +249,9 @@ class CoordinatorAsyncStub(CoordinatorStub):
     ConfirmSent: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ConfirmSentRequest, _coordinator_pb2.ConfirmSentResponse]  # type: ignore[assignment]
     """Records that the reply went out: SENDING (or IN_DOUBT) becomes REPLIED, kept for the reply retention
     (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED. Answers OK (also
-    once REPLIED with this token), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before
-    BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
+    once REPLIED with this token and this `sent_message_id`), or STALE_TOKEN. Errors: FAILED_PRECONDITION
+    (WRONG_STATE) before BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED, also for a ConfirmSent
+    with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
     """
     AbortSend: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AbortSendRequest, _coordinator_pb2.AbortSendResponse]  # type: ignore[assignment]
     """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
@@ -376,8 +378,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.ConfirmSentResponse, _abc.Awaitable[_coordinator_pb2.ConfirmSentResponse]]:
         """Records that the reply went out: SENDING (or IN_DOUBT) becomes REPLIED, kept for the reply retention
         (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED. Answers OK (also
-        once REPLIED with this token), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before
-        BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
+        once REPLIED with this token and this `sent_message_id`), or STALE_TOKEN. Errors: FAILED_PRECONDITION
+        (WRONG_STATE) before BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED, also for a ConfirmSent
+        with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
         """
 
     @_abc_1.abstractmethod
