@@ -5,10 +5,11 @@ Values are kept small because etcd's quota bounds reply records times their rete
 fields are left out, and a REPLIED record keeps only what a reply record is for (who sent what, when).
 
     subject:   {"s": state, "h": holder, "k": kind, "a": acquired ms, "l": ttl s, "x": expires ms, "n": note,
-                "r": request id, "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id}
+                "r": request id, "f": its arguments' fingerprint, "q": last request id, "g": its fingerprint,
+                "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id}
     delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id]}
-    end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "t": at ms, "n": detail,
-                "u": 0 when it leaves its notification redeliverable}
+    end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "g": its fingerprint,
+                "t": at ms, "n": detail, "u": 0 when it leaves its notification redeliverable}
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ _STATES_IN = {code: state for state, code in _STATES.items()}
 _KINDS = {HolderKind.AGENT: "a", HolderKind.HUMAN: "h"}
 _KINDS_IN = {code: kind for kind, code in _KINDS.items()}
 # What a reply record no longer needs once the reply went out: the claim's bookkeeping.
-_CLAIM_ONLY = ("a", "l", "r", "d")
+# The last request ("q", "g") stays when there is one: only ResolveInDoubt (SENT) leaves one on a reply record.
+_CLAIM_ONLY = ("a", "l", "r", "f", "d")
 
 
 # One encoder for every record: json.dumps with options builds a new JSONEncoder on each call.
@@ -53,6 +55,9 @@ def encode_record(record: SubjectRecord) -> bytes:
         "x": record.expires_ms,
         "n": record.note,
         "r": record.request_id,
+        "f": record.fingerprint,
+        "q": record.last_request_id,
+        "g": record.last_fingerprint,
         "b": record.send_started_ms,
         "d": record.send_deadline_ms,
         "t": record.sent_ms,
@@ -75,6 +80,9 @@ def decode_record(value: bytes) -> SubjectRecord:
         expires_ms=data.get("x"),
         note=data.get("n", ""),
         request_id=data.get("r", ""),
+        fingerprint=data.get("f", ""),
+        last_request_id=data.get("q", ""),
+        last_fingerprint=data.get("g", ""),
         send_started_ms=data.get("b"),
         send_deadline_ms=data.get("d"),
         sent_ms=data.get("t"),
@@ -90,6 +98,7 @@ def encode_end_mark(mark: EndMark) -> bytes:
             "o": mark.token,
             "p": mark.previous_holder,
             "r": mark.request_id,
+            "g": mark.fingerprint,
             "t": mark.at_ms,
             "n": mark.detail,
             "u": None if mark.settles_delivery else 0,
@@ -108,6 +117,7 @@ def decode_end_mark(value: bytes) -> EndMark:
         at_ms=data["t"],
         detail=data.get("n", ""),
         settles_delivery="u" not in data,
+        fingerprint=data.get("g", ""),
     )
 
 

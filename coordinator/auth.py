@@ -96,6 +96,9 @@ def parse_principals(data: Mapping[str, Any], source: str) -> list[Principal]:
     principals: list[Principal] = []
     seen_ids: set[str] = set()
     seen_tokens: dict[str, str] = {}
+    # A certificate name is an identity as much as a token is: under two principals, one typo would silently
+    # hand a certificate the other's rights (the last entry would win).
+    seen_names: dict[str, str] = {}
     for index, entry in enumerate(entries):
         where = f"{source}: principals[{index}]"
         if not isinstance(entry, dict):
@@ -124,12 +127,9 @@ def parse_principals(data: Mapping[str, Any], source: str) -> list[Principal]:
         for token_hash in hashes:
             if len(token_hash) != 64 or any(c not in "0123456789abcdef" for c in token_hash):
                 raise TokenFileError(f"{where}.token_sha256: {token_hash[:12]}... is not 64 lowercase hex digits")
-            if token_hash in seen_tokens:
-                raise TokenFileError(
-                    f"{where}.token_sha256: the same token is also given to {seen_tokens[token_hash]!r}"
-                )
-            seen_tokens[token_hash] = principal_id
+        _claim_unique(f"{where}.token_sha256", "the same token", hashes, seen_tokens, principal_id)
         names = _strings(f"{where}.certificate_names", entry.get("certificate_names", []))
+        _claim_unique(f"{where}.certificate_names", "certificate name {!r}", names, seen_names, principal_id)
         if not hashes and not names:
             raise TokenFileError(f"{where}: needs token_sha256 or certificate_names, or it can never authenticate")
         mailboxes = _strings(f"{where}.mailboxes", entry.get("mailboxes", []))
@@ -143,6 +143,16 @@ def parse_principals(data: Mapping[str, Any], source: str) -> list[Principal]:
             )
         )
     return principals
+
+
+def _claim_unique(where: str, what: str, values: Iterable[str], seen: dict[str, str], principal_id: str) -> None:
+    """Records that ``values`` identify ``principal_id``; refuses one that identifies someone else already."""
+    for value in values:
+        owner = seen.setdefault(value, principal_id)
+        if owner != principal_id:
+            raise TokenFileError(
+                f"{where}: {what.format(value)} is also given to {owner!r}; a credential identifies one principal"
+            )
 
 
 def load_token_file(path: Path) -> list[Principal]:
@@ -233,10 +243,7 @@ class TokenAuthenticator(Authenticator):
         index = self._index
         principal = self._from_token(index, credentials.metadata.get(AUTHORIZATION_METADATA, ""))
         if principal is None:
-            principal = next(
-                (index.by_certificate[name] for name in credentials.certificate_names if name in index.by_certificate),
-                None,
-            )
+            principal = self._from_certificate(index, credentials.certificate_names)
         if principal is None:
             raise Unauthenticated(
                 "no valid credentials: send 'authorization: Bearer <token>' with a current token"
@@ -246,9 +253,23 @@ class TokenAuthenticator(Authenticator):
         if claimed is not None and claimed != principal.id:
             raise PermissionDenied(
                 f"the call names principal {claimed!r} in {PRINCIPAL_METADATA!r} but its credentials are for "
-                f"{principal.id!r}; a principal acts only as itself"
+                f"{principal.id!r}; a principal acts only as itself",
+                reason="PRINCIPAL_MISMATCH",
             )
         return principal.caller()
+
+    @staticmethod
+    def _from_certificate(index: _Index, names: Sequence[str]) -> Principal | None:
+        found = {
+            index.by_certificate[name].id: index.by_certificate[name] for name in names if name in index.by_certificate
+        }
+        if len(found) > 1:
+            # Each name is unique in the file, but one certificate can carry several (CN and SANs).
+            raise Unauthenticated(
+                f"the client certificate's names map to several principals ({', '.join(sorted(found))}); "
+                "issue it with the names of one principal only"
+            )
+        return next(iter(found.values()), None)
 
     @staticmethod
     def _from_token(index: _Index, header: str) -> Principal | None:

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import logs
+from . import logs, tls_log
 from .auth import ROLES, TokenAuthenticator, TokenFileError, new_token
 from .config import (
     SETTINGS,
@@ -196,6 +196,8 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
         tls=config.tls(),
         quotas=config.quotas(),
         max_message_bytes=config.max_message_bytes,
+        request_timeout_s=config.request_timeout,
+        max_streams_per_connection=config.max_streams_per_connection,
     )
 
 
@@ -270,6 +272,8 @@ def serve(options: argparse.Namespace) -> int:
     config = _load(options)
     if config is None:
         return EXIT_CONFIG
+    if config.tls_cert is not None:
+        tls_log.capture_handshake_failures()  # before the log set-up: it moves sys.stderr
     logs.setup(config.log_level, config.log_format)
     try:
         if not config.embedded_etcd:

@@ -323,6 +323,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_watches", _integer, 64, "concurrent Watch streams per principal", "STREAMS"),
     Setting("call_deadline", _duration, 30.0, "a unary call is cut off after this long, whatever the client asked"),
     Setting("max_message_bytes", _integer, 1 << 20, "largest request message accepted", "BYTES"),
+    Setting(
+        "request_timeout",
+        _duration,
+        10.0,
+        "a call whose request message has not arrived this long after it opened is cut off",
+    ),
+    Setting(
+        "max_streams_per_connection",
+        _integer,
+        1000,
+        "calls (HTTP/2 streams) one client connection may have open at once",
+        "STREAMS",
+    ),
 )
 BY_NAME = {setting.name: setting for setting in SETTINGS}
 
@@ -367,6 +380,8 @@ class Config:
     max_watches: int
     call_deadline: float
     max_message_bytes: int
+    request_timeout: float
+    max_streams_per_connection: int
     # The etcd password (from etcd_password_file or the environment); never printed.
     etcd_password: str | None = dataclasses.field(default=None, repr=False, compare=False)
     # Where each value came from: "default", "--listen", "INBOX_COORDINATOR_LISTEN", "/etc/x.toml: listen".
@@ -586,6 +601,10 @@ def _check(config: Config) -> None:
         fail("must be more than 0", "call_deadline")
     if config.max_message_bytes < 4096:
         fail("must be at least 4096 bytes", "max_message_bytes")
+    if config.request_timeout <= 0:
+        fail("must be more than 0", "request_timeout")
+    if config.max_streams_per_connection < 1:
+        fail("must be at least 1", "max_streams_per_connection")
     for name in ("listen", "metrics_listen"):
         value = getattr(config, name)
         if value:

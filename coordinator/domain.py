@@ -7,11 +7,13 @@ on a stale read never lands: it is taken again on a fresh one.
 
 from __future__ import annotations
 
+import base64
 import enum
+import hashlib
 import math
 from dataclasses import dataclass, replace
 
-from .errors import FailedPrecondition, PermissionDenied
+from .errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from .limits import Limits
 
 
@@ -113,12 +115,17 @@ class Caller:
 def authorize_mailbox(caller: Caller, mailbox: str) -> None:
     if not caller.grants.may_access(mailbox):
         # Names only what the caller asked for: nothing about who else uses the mailbox, or whether it exists.
-        raise PermissionDenied(f"principal {caller.principal!r} is not granted mailbox {mailbox!r}")
+        raise PermissionDenied(
+            f"principal {caller.principal!r} is not granted mailbox {mailbox!r}", reason="MAILBOX_NOT_GRANTED"
+        )
 
 
 def require_role(caller: Caller, role: str, call: str) -> None:
     if not caller.grants.has_role(role):
-        raise PermissionDenied(f"{call} needs the role {role!r}, which principal {caller.principal!r} does not have")
+        raise PermissionDenied(
+            f"{call} needs the role {role!r}, which principal {caller.principal!r} does not have",
+            reason="ROLE_MISSING",
+        )
 
 
 @dataclass(frozen=True)
@@ -133,8 +140,15 @@ class SubjectRecord:
     # CLAIMED: when the lease frees it; REPLIED: when the retention ends; otherwise None (no lease).
     expires_ms: int | None
     note: str = ""
-    # The ClaimReply request that created the claim, so that its retry gets the same grant.
+    # The ClaimReply (or Takeover) request that created the claim, and the fingerprint of its arguments, so
+    # that its retry gets the same grant and a reuse of its id for other arguments is refused.
     request_id: str = ""
+    fingerprint: str = ""
+    # The same for the last call that changed the record since (RenewClaim, BeginSend, ResolveInDoubt): the
+    # evidence of a retry lives in what the transition writes anyway, in etcd. A ConfirmSent's REPLIED record
+    # keeps neither (about 57 B of each reply record, which etcd's quota is sized by): its state is the evidence.
+    last_request_id: str = ""
+    last_fingerprint: str = ""
     send_started_ms: int | None = None
     send_deadline_ms: int | None = None
     sent_ms: int | None = None
@@ -164,6 +178,7 @@ class EndMark:
     # False when the call ended the claim without deciding about the message (ReleaseClaim or AbortSend with
     # `redeliverable`): the notification that led to it may then claim again.
     settles_delivery: bool = True
+    fingerprint: str = ""  # of the ending call's arguments, as SubjectRecord.fingerprint
 
 
 @dataclass(frozen=True)
@@ -222,11 +237,43 @@ def state_of(stored: Stored | None) -> State:
     return State.FREE if stored is None else stored.record.state
 
 
+# --- Retries --------------------------------------------------------------------------------------------
+
+
+def fingerprint(call: str, *arguments: object) -> str:
+    """A short digest of a call and its arguments (everything but the request id): a retry repeats it exactly."""
+    digest = hashlib.blake2b(repr((call, arguments)).encode(), digest_size=8).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def is_retry(recorded_id: str, recorded_fingerprint: str, request_id: str, request_fingerprint: str, call: str) -> bool:
+    """Whether a call is a retry of the one recorded (same request id, same arguments); a reuse of the id with
+    other arguments is refused, because answering it as the first call would hide that it was never made.
+    Records written before fingerprints were kept have none: their id alone decides."""
+    if not request_id or recorded_id != request_id:
+        return False
+    if recorded_fingerprint and recorded_fingerprint != request_fingerprint:
+        raise InvalidArgument(
+            "request_id",
+            f"{request_id!r} was already used for a different call on this subject ({call} with other arguments, "
+            "or another RPC); a retry must repeat its call exactly, and a new call needs a new request id",
+            reason="REQUEST_ID_REUSED",
+        )
+    return True
+
+
 # --- ClaimReply -----------------------------------------------------------------------------------------
 
 
 def new_claim(
-    rules: Rules, caller: Caller, *, ttl_seconds: int, note: str, request_id: str, now_ms: int
+    rules: Rules,
+    caller: Caller,
+    *,
+    ttl_seconds: int,
+    note: str,
+    request_id: str,
+    now_ms: int,
+    fingerprint: str = "",
 ) -> SubjectRecord:
     return SubjectRecord(
         state=State.CLAIMED,
@@ -237,6 +284,7 @@ def new_claim(
         expires_ms=rules.claim_expiry(now_ms, ttl_seconds),
         note=note,
         request_id=request_id,
+        fingerprint=fingerprint,
     )
 
 
@@ -287,11 +335,14 @@ def is_duplicate_delivery(
     return end is not None and end.settles_delivery and end.at_ms >= delivery.recorded_ms
 
 
-def claim_conflict(current: Stored, caller: Caller, request_id: str) -> ClaimResult:
-    """The answer to a ClaimReply whose create-if-absent found the subject taken."""
+def claim_conflict(current: Stored, caller: Caller, request_id: str, request_fingerprint: str = "") -> ClaimResult:
+    """The answer to a ClaimReply whose create-if-absent found the subject taken. HELD may name the caller
+    itself: its own claim, made by another request (use that request's token)."""
     record = current.record
     if record.state is State.CLAIMED:
-        if record.holder == caller.principal and record.request_id == request_id:
+        if record.holder == caller.principal and is_retry(
+            record.request_id, record.fingerprint, request_id, request_fingerprint, "ClaimReply"
+        ):
             return ClaimResult.GRANTED
         return ClaimResult.HELD
     return ClaimResult.ALREADY_REPLIED
@@ -305,7 +356,9 @@ def _check_token(current: Stored | None, caller: Caller, token: int) -> bool:
     if current is None or current.token != token:
         return False
     if current.record.holder != caller.principal:
-        raise PermissionDenied(f"fencing token {token} belongs to another principal; only the holder may use it")
+        raise PermissionDenied(
+            f"fencing token {token} belongs to another principal; only the holder may use it", reason="NOT_HOLDER"
+        )
     return True
 
 
@@ -313,16 +366,47 @@ def _wrong_state(call: str, token: int, state: State, needed: str) -> FailedPrec
     return FailedPrecondition(f"{call}: the claim with token {token} is {state.name}; {call} needs {needed}")
 
 
+def _repeats_last(record: SubjectRecord, request_id: str, request_fingerprint: str, call: str) -> bool:
+    return is_retry(record.last_request_id, record.last_fingerprint, request_id, request_fingerprint, call)
+
+
+def _repeats_holders_last(
+    current: Stored | None, caller: Caller, request_id: str, request_fingerprint: str, call: str
+) -> bool:
+    """Whether the holder's last call on the subject was this one; checked before the token, so that an id
+    reused with another token is refused rather than answered STALE_TOKEN."""
+    return (
+        current is not None
+        and current.record.holder == caller.principal
+        and _repeats_last(current.record, request_id, request_fingerprint, call)
+    )
+
+
+def _stamped(record: SubjectRecord, request_id: str, request_fingerprint: str) -> SubjectRecord:
+    return replace(record, last_request_id=request_id, last_fingerprint=request_fingerprint)
+
+
 def renew(
-    rules: Rules, current: Stored | None, caller: Caller, *, token: int, ttl_seconds: int, now_ms: int
+    rules: Rules,
+    current: Stored | None,
+    caller: Caller,
+    *,
+    token: int,
+    ttl_seconds: int,
+    now_ms: int,
+    request_id: str = "",
+    request_fingerprint: str = "",
 ) -> Transition:
+    repeat = _repeats_holders_last(current, caller, request_id, request_fingerprint, "RenewClaim")
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
     assert current is not None
     if current.record.state is not State.CLAIMED:
         raise _wrong_state("RenewClaim", token, current.record.state, "CLAIMED")
+    if repeat:
+        return Transition(FenceResult.OK)  # the same answer as the first attempt, not a second renewal
     renewed = replace(current.record, ttl_seconds=ttl_seconds, expires_ms=rules.claim_expiry(now_ms, ttl_seconds))
-    return Transition(FenceResult.OK, write=renewed)
+    return Transition(FenceResult.OK, write=_stamped(renewed, request_id, request_fingerprint))
 
 
 def release(
@@ -334,8 +418,9 @@ def release(
     request_id: str,
     now_ms: int,
     redeliverable: bool = False,
+    request_fingerprint: str = "",
 ) -> Transition:
-    if _repeats(last_end, caller, token, request_id, EndReason.RELEASED):
+    if _repeats(last_end, caller, token, request_id, request_fingerprint, EndReason.RELEASED):
         return Transition(FenceResult.OK)
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
@@ -352,11 +437,22 @@ def release(
             request_id,
             now_ms,
             settles_delivery=not redeliverable,
+            fingerprint=request_fingerprint,
         ),
     )
 
 
-def begin_send(rules: Rules, current: Stored | None, caller: Caller, *, token: int, now_ms: int) -> Transition:
+def begin_send(
+    rules: Rules,
+    current: Stored | None,
+    caller: Caller,
+    *,
+    token: int,
+    now_ms: int,
+    request_id: str = "",
+    request_fingerprint: str = "",
+) -> Transition:
+    _repeats_holders_last(current, caller, request_id, request_fingerprint, "BeginSend")
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
     assert current is not None
@@ -376,17 +472,34 @@ def begin_send(rules: Rules, current: Stored | None, caller: Caller, *, token: i
         send_started_ms=now_ms,
         send_deadline_ms=now_ms + rules.send_timeout_ms,
     )
-    return Transition(FenceResult.OK, write=sending)
+    return Transition(FenceResult.OK, write=_stamped(sending, request_id, request_fingerprint))
 
 
 def confirm_sent(
-    rules: Rules, current: Stored | None, caller: Caller, *, token: int, sent_message_id: str, now_ms: int
+    rules: Rules,
+    current: Stored | None,
+    caller: Caller,
+    *,
+    token: int,
+    sent_message_id: str,
+    now_ms: int,
+    request_id: str = "",
+    request_fingerprint: str = "",
 ) -> Transition:
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
     assert current is not None
     record = current.record
     if record.state is State.REPLIED:
+        # A retry. The reply record keeps no request id (it is the record etcd's quota is sized by), so a
+        # ConfirmSent with other arguments is told apart by them, whatever its request id.
+        if record.sent_message_id != sent_message_id:
+            raise InvalidArgument(
+                "sent_message_id",
+                f"the reply with token {token} was already confirmed with sent message id "
+                f"{record.sent_message_id!r}; a retry of that ConfirmSent repeats its arguments",
+                reason="REQUEST_ID_REUSED",
+            )
         return Transition(FenceResult.OK)
     if record.state not in (State.SENDING, State.IN_DOUBT):
         raise _wrong_state("ConfirmSent", token, record.state, "SENDING (call BeginSend first)")
@@ -403,8 +516,9 @@ def abort_send(
     request_id: str,
     now_ms: int,
     redeliverable: bool = False,
+    request_fingerprint: str = "",
 ) -> Transition:
-    if _repeats(last_end, caller, token, request_id, EndReason.ABORTED):
+    if _repeats(last_end, caller, token, request_id, request_fingerprint, EndReason.ABORTED):
         return Transition(FenceResult.OK)
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
@@ -422,6 +536,7 @@ def abort_send(
             now_ms,
             reason,
             settles_delivery=not redeliverable,
+            fingerprint=request_fingerprint,
         ),
     )
 
@@ -437,9 +552,17 @@ def mark_in_doubt(current: Stored | None, *, now_ms: int) -> Transition:
 
 
 def _replied(rules: Rules, record: SubjectRecord, sent_message_id: str, now_ms: int) -> SubjectRecord:
+    # Without the claim's bookkeeping, which a reply record does not keep (coordinator/_codec.py): the answer
+    # of the call that writes it is then the same as a later read's, and as its retry's.
     return replace(
         record,
         state=State.REPLIED,
+        acquired_ms=0,
+        ttl_seconds=0,
+        request_id="",
+        fingerprint="",
+        last_request_id="",
+        last_fingerprint="",
         expires_ms=rules.reply_expiry(now_ms),
         send_deadline_ms=None,
         sent_ms=now_ms,
@@ -447,13 +570,16 @@ def _replied(rules: Rules, record: SubjectRecord, sent_message_id: str, now_ms: 
     )
 
 
-def _repeats(last_end: EndMark | None, caller: Caller, token: int, request_id: str, reason: EndReason) -> bool:
+def _repeats(
+    last_end: EndMark | None, caller: Caller, token: int, request_id: str, request_fingerprint: str, reason: EndReason
+) -> bool:
+    """Whether ``last_end`` is this very call's: its retry answers OK and changes nothing."""
     return (
         last_end is not None
-        and last_end.reason is reason
-        and last_end.token == token
         and last_end.by == caller.principal
-        and last_end.request_id == request_id
+        and (token == 0 or last_end.token == token)
+        and is_retry(last_end.request_id, last_end.fingerprint, request_id, request_fingerprint, reason.value)
+        and last_end.reason is reason
     )
 
 
@@ -462,7 +588,9 @@ def _repeats(last_end: EndMark | None, caller: Caller, token: int, request_id: s
 
 def require_human(caller: Caller) -> None:
     if caller.kind is not HolderKind.HUMAN:
-        raise PermissionDenied("Takeover is for principals of kind human; an agent must wait or use ClaimReply")
+        raise PermissionDenied(
+            "Takeover is for principals of kind human; an agent must wait or use ClaimReply", reason="NOT_HUMAN"
+        )
 
 
 def takeover_refusal(current: Stored | None) -> TakeoverResult | None:
@@ -476,7 +604,29 @@ def takeover_refusal(current: Stored | None) -> TakeoverResult | None:
     return None
 
 
-def takeover_release(current: Stored | None, caller: Caller, *, request_id: str, now_ms: int) -> Transition:
+def own_takeover(
+    current: Stored | None, last_end: EndMark | None, caller: Caller, request_id: str, request_fingerprint: str
+) -> tuple[bool, EndMark | None]:
+    """What a Takeover with this request id already did: (whether the claim it made stands, the end mark it left
+    on the agent's claim). A retry answers from these instead of taking over again (or answering HELD)."""
+    holds = (
+        current is not None
+        and current.record.state is State.CLAIMED
+        and current.record.holder == caller.principal
+        and is_retry(current.record.request_id, current.record.fingerprint, request_id, request_fingerprint, "Takeover")
+    )
+    ended = _repeats(last_end, caller, 0, request_id, request_fingerprint, EndReason.TAKEN_OVER)
+    return holds, last_end if ended else None
+
+
+def takeover_release(
+    current: Stored | None,
+    caller: Caller,
+    *,
+    request_id: str,
+    now_ms: int,
+    request_fingerprint: str = "",
+) -> Transition:
     """First step of a takeover: end the agent's claim, which makes its token stale at once."""
     require_human(caller)
     if current is None or takeover_refusal(current) is not None:
@@ -491,6 +641,7 @@ def takeover_release(current: Stored | None, caller: Caller, *, request_id: str,
             request_id,
             now_ms,
             f"taken over by {caller.principal}",
+            fingerprint=request_fingerprint,
         ),
     )
 
@@ -505,15 +656,26 @@ def resolve_in_doubt(
     note: str,
     request_id: str,
     now_ms: int,
+    last_end: EndMark | None = None,
+    request_fingerprint: str = "",
 ) -> Transition:
     state = state_of(current)
+    # A retry finds the subject as its first attempt left it: REPLIED with its stamp, or FREE with its end mark.
+    if state is State.REPLIED:
+        assert current is not None
+        if _repeats_last(current.record, request_id, request_fingerprint, "ResolveInDoubt"):
+            return Transition(FenceResult.OK)
+    elif state is State.FREE and _repeats(
+        last_end, caller, 0, request_id, request_fingerprint, EndReason.RESOLVED_NOT_SENT
+    ):
+        return Transition(FenceResult.OK)
     if state is not State.IN_DOUBT:
         raise FailedPrecondition(
             f"ResolveInDoubt: the subject is {state.name}; only an IN_DOUBT subject can be resolved"
         )
     assert current is not None
     if outcome is ResolveOutcome.SENT:
-        resolved = _replied(rules, current.record, sent_message_id, now_ms)
+        resolved = _stamped(_replied(rules, current.record, sent_message_id, now_ms), request_id, request_fingerprint)
         return Transition(FenceResult.OK, write=replace(resolved, note=note or resolved.note))
     return Transition(
         FenceResult.OK,
@@ -525,6 +687,7 @@ def resolve_in_doubt(
             request_id,
             now_ms,
             note,
+            fingerprint=request_fingerprint,
         ),
     )
 

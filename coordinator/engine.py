@@ -135,7 +135,10 @@ class Engine:
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
         ttl = self.rules.limits.ttl(ttl_seconds)
         now = self._clock()
-        record = domain.new_claim(self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=now)
+        arguments = domain.fingerprint("ClaimReply", subject, notification_id, ttl, note)
+        record = domain.new_claim(
+            self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=now, fingerprint=arguments
+        )
         delivery = (
             domain.new_delivery(
                 caller,
@@ -162,8 +165,8 @@ class Engine:
             if retry.created is not None:
                 return ClaimOutcome(ClaimResult.GRANTED, retry.created)
             assert retry.current is not None
-            return ClaimOutcome(domain.claim_conflict(retry.current, caller, request_id), retry.current)
-        return ClaimOutcome(domain.claim_conflict(attempt.current, caller, request_id), attempt.current)
+            return ClaimOutcome(domain.claim_conflict(retry.current, caller, request_id, arguments), retry.current)
+        return ClaimOutcome(domain.claim_conflict(attempt.current, caller, request_id, arguments), attempt.current)
 
     # --- calls with a fencing token ------------------------------------------------------------------------
 
@@ -174,10 +177,18 @@ class Engine:
         _check_subject(caller, subject)
         _check_token(token)
         ttl = self.rules.limits.ttl(ttl_seconds)
+        arguments = domain.fingerprint("RenewClaim", subject, token, ttl)
         return await self._apply(
             subject,
             lambda current, _end: domain.renew(
-                self.rules, current, caller, token=token, ttl_seconds=ttl, now_ms=self._clock()
+                self.rules,
+                current,
+                caller,
+                token=token,
+                ttl_seconds=ttl,
+                now_ms=self._clock(),
+                request_id=request_id,
+                request_fingerprint=arguments,
             ),
             from_recent_write=True,
         )
@@ -188,6 +199,7 @@ class Engine:
         _check_request_id(request_id)
         _check_subject(caller, subject)
         _check_token(token)
+        arguments = domain.fingerprint("ReleaseClaim", subject, token, redeliverable)
         return await self._apply(
             subject,
             lambda current, end: domain.release(
@@ -198,6 +210,7 @@ class Engine:
                 request_id=request_id,
                 now_ms=self._clock(),
                 redeliverable=redeliverable,
+                request_fingerprint=arguments,
             ),
         )
 
@@ -207,9 +220,18 @@ class Engine:
         _check_request_id(request_id)
         _check_subject(caller, subject)
         _check_token(token)
+        arguments = domain.fingerprint("BeginSend", subject, token)
         return await self._apply(
             subject,
-            lambda current, _end: domain.begin_send(self.rules, current, caller, token=token, now_ms=self._clock()),
+            lambda current, _end: domain.begin_send(
+                self.rules,
+                current,
+                caller,
+                token=token,
+                now_ms=self._clock(),
+                request_id=request_id,
+                request_fingerprint=arguments,
+            ),
             from_recent_write=True,
         )
 
@@ -220,6 +242,7 @@ class Engine:
         _check_subject(caller, subject)
         _check_token(token)
         limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
+        arguments = domain.fingerprint("ConfirmSent", subject, token, sent_message_id)
         return await self._apply(
             subject,
             lambda current, _end: domain.confirm_sent(
@@ -229,6 +252,8 @@ class Engine:
                 token=token,
                 sent_message_id=sent_message_id,
                 now_ms=self._clock(),
+                request_id=request_id,
+                request_fingerprint=arguments,
             ),
             from_recent_write=True,
         )
@@ -247,6 +272,7 @@ class Engine:
         _check_subject(caller, subject)
         _check_token(token)
         limits.check_text("reason", reason, limits.NOTE_MAX_BYTES, required=False)
+        arguments = domain.fingerprint("AbortSend", subject, token, reason, redeliverable)
         return await self._apply(
             subject,
             lambda current, end: domain.abort_send(
@@ -258,6 +284,7 @@ class Engine:
                 request_id=request_id,
                 now_ms=self._clock(),
                 redeliverable=redeliverable,
+                request_fingerprint=arguments,
             ),
         )
 
@@ -316,8 +343,15 @@ class Engine:
         _check_subject(caller, subject)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
         ttl = self.rules.limits.ttl(ttl_seconds)
+        arguments = domain.fingerprint("Takeover", subject, ttl, note)
         record = domain.new_claim(
-            self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=self._clock()
+            self.rules,
+            caller,
+            ttl_seconds=ttl,
+            note=note,
+            request_id=request_id,
+            now_ms=self._clock(),
+            fingerprint=arguments,
         )
         previous: EndMark | None = None
         outcome: TakeoverOutcome | None = None
@@ -325,15 +359,26 @@ class Engine:
         # be a new create revision. An agent may claim in between: then its claim is taken over too, a few times
         # at most; a human who claims in between keeps it (HELD).
         for _ in range(_TAKEOVER_ROUNDS):
-            transition, current = await self.store.apply(
-                subject,
-                lambda current, _end: domain.takeover_release(
-                    current, caller, request_id=request_id, now_ms=self._clock()
-                ),
-                self._end_mark_expiry(),
-            )
+            retried = False
+
+            def decide(current: Stored | None, end: EndMark | None) -> Transition:
+                # A retry of this request: its claim stands (answer it again), or only its first step landed.
+                nonlocal previous, retried
+                holds, own_end = domain.own_takeover(current, end, caller, request_id, arguments)
+                previous = previous or own_end
+                retried = holds
+                if holds:
+                    return Transition(FenceResult.OK)
+                return domain.takeover_release(
+                    current, caller, request_id=request_id, now_ms=self._clock(), request_fingerprint=arguments
+                )
+
+            transition, current = await self.store.apply(subject, decide, self._end_mark_expiry())
             previous = previous or transition.end
             holder, token = (previous.previous_holder, previous.token) if previous else ("", 0)
+            if retried:
+                result = TakeoverResult.TAKEN_OVER if previous else TakeoverResult.GRANTED
+                return TakeoverOutcome(result, current, holder, token)
             if transition.end is None and current is not None:
                 return TakeoverOutcome(domain.takeover_refusal(current) or TakeoverResult.HELD, current, holder, token)
             attempt = await self.store.claim(subject, record, None, 0)
@@ -363,9 +408,10 @@ class Engine:
         _check_subject(caller, subject)
         limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        arguments = domain.fingerprint("ResolveInDoubt", subject, outcome, sent_message_id, note)
         _, after = await self.store.apply(
             subject,
-            lambda current, _end: domain.resolve_in_doubt(
+            lambda current, end: domain.resolve_in_doubt(
                 self.rules,
                 current,
                 caller,
@@ -374,6 +420,8 @@ class Engine:
                 note=note,
                 request_id=request_id,
                 now_ms=self._clock(),
+                last_end=end,
+                request_fingerprint=arguments,
             ),
             self._end_mark_expiry(),
         )

@@ -4,6 +4,11 @@ The result label is read from the response message's ``result`` field, whatever 
 name without its type's prefix, lower-cased (``GRANTED`` is ``granted``, ``FENCE_RESULT_STALE_TOKEN`` is
 ``stale_token``); a response without one is ``ok``, an error is its status code (``unavailable``). The log
 fields come from the request the same way: ``request_id``, ``subject.mailbox`` or ``mailbox``, ``subject.id``.
+
+It also reads each call's request message itself, under a deadline: grpc would wait for it forever, holding
+the call's memory (a client, or an attacker, can open a stream and never send). Unary and server-streaming
+handlers are served as request-streaming ones, whose handler starts before the message arrives; the wire
+format is the same, so clients see no difference.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from .auth import current_principal
 from .metrics import Metrics
 from .service import PRINCIPAL_METADATA
+from .status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort
 
 log = logging.getLogger("inbox_coordinator.rpc")
 
@@ -127,6 +134,89 @@ def _set_code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode | 
     return None
 
 
+UNDECODABLE_REASON = "UNDECODABLE_REQUEST"
+REQUEST_TIMEOUT_REASON = "REQUEST_TIMEOUT"
+MISSING_REQUEST_REASON = "MISSING_REQUEST"
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Stands in for a request whose bytes did not parse, so that the call is answered INVALID_ARGUMENT, counted
+    and logged like any refused call (grpc would answer UNKNOWN, naming the Python exception, and count
+    nothing)."""
+
+    problem: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    message = descriptor.full_name if descriptor is not None else "the request message"
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as error:
+            if "UTF-8" in str(error):
+                return Undecodable(
+                    f"the request ({message}) has a string field that is not valid UTF-8; send every string as "
+                    "UTF-8 (a string cut inside a multi-byte character or a UTF-16 surrogate pair is not)"
+                )
+            return Undecodable(
+                f"the request is not a valid protobuf encoding of {message}; send the message that "
+                "proto/inbox/coordinator/v1/coordinator.proto defines for this method"
+            )
+
+    return deserialize
+
+
+async def _read_request(context: grpc.aio.ServicerContext[Any, Any], timeout_s: float) -> Any:
+    """The call's one request message, or an error status when it is not there within ``timeout_s``."""
+    task = asyncio.current_task()
+    assert task is not None
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        task.cancel()
+
+    # One timer handle, not asyncio.timeout(): this runs on every call of the hot path.
+    timer = asyncio.get_running_loop().call_later(timeout_s, expire)
+    try:
+        request = await context.read()
+    except asyncio.CancelledError:
+        if not expired:
+            raise  # the client went away, or the server is stopping
+        task.uncancel()
+        await abort(
+            context,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the request message did not arrive within {timeout_s:g} s of the call's start; a gRPC client sends "
+            "it at once, so look for a stalled client or proxy",
+            REQUEST_TIMEOUT_REASON,
+        )
+    finally:
+        timer.cancel()
+    if request is grpc.aio.EOF:
+        await abort(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "the call ended without its request message; send exactly one",
+            MISSING_REQUEST_REASON,
+        )
+    if isinstance(request, Undecodable):
+        await abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.problem, UNDECODABLE_REASON)
+    return request
+
+
+async def _internal_error(method: _Method, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    """A bug: logged with its traceback here, answered INTERNAL with no Python detail."""
+    log.exception("%s failed with an unexpected error", method.name)
+    await abort(context, grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE, INTERNAL_REASON)
+
+
 @dataclass
 class _Method:
     service: str
@@ -140,8 +230,9 @@ class _Method:
 class RpcObserver(grpc.aio.ServerInterceptor):
     """Metrics and one access-log line per call."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, request_timeout_s: float = 10.0) -> None:
         self._metrics = metrics
+        self._request_timeout_s = request_timeout_s
         self._handlers: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
         self._batched: dict[str, _Method] = {}
 
@@ -191,22 +282,23 @@ class RpcObserver(grpc.aio.ServerInterceptor):
 
     def _wrap(self, path: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
         method = self._method(path)
+        deserializer = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
-            return grpc.unary_unary_rpc_method_handler(
+            return grpc.stream_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary, timed=True),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            return grpc.unary_stream_rpc_method_handler(
+            return grpc.stream_stream_rpc_method_handler(
                 self._stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
-            return grpc.unary_stream_rpc_method_handler(
+            return grpc.stream_stream_rpc_method_handler(
                 self._unary(method, handler.unary_stream, timed=False),  # a stream written with context.write
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler  # client-streaming calls (reflection) pass through untouched
@@ -214,20 +306,32 @@ class RpcObserver(grpc.aio.ServerInterceptor):
     def _unary(
         self, method: _Method, inner: Callable[..., Awaitable[Any]], *, timed: bool
     ) -> Callable[..., Awaitable[Any]]:
-        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            with _Observed(self._metrics, method, request, context, timed=timed) as observed:
-                observed.response = await inner(request, context)
+        async def call(_requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            with _Observed(self._metrics, method, context, timed=timed) as observed:
+                observed.request = request = await _read_request(context, self._request_timeout_s)
+                try:
+                    observed.response = await inner(request, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception:
+                    await _internal_error(method, context)
                 return observed.response
 
         return call
 
     def _stream(self, method: _Method, inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            with _Observed(self._metrics, method, request, context, timed=False) as observed:
+        async def call(_requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            with _Observed(self._metrics, method, context, timed=False) as observed:
                 observed.sent = 0
-                async for item in inner(request, context):
-                    yield item
-                    observed.sent += 1
+                observed.request = request = await _read_request(context, self._request_timeout_s)
+                try:
+                    async for item in inner(request, context):
+                        yield item
+                        observed.sent += 1
+                except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
+                    raise
+                except Exception:
+                    await _internal_error(method, context)
 
         return call
 
@@ -239,14 +343,13 @@ class _Observed:
         self,
         metrics: Metrics,
         method: _Method,
-        request: Any,
         context: grpc.aio.ServicerContext[Any, Any],
         *,
         timed: bool,
     ) -> None:
         self._metrics = metrics
         self._method = method
-        self._request = request
+        self.request: Any = None  # until it arrived and parsed
         self._context = context
         self._timed = timed
         self.response: Any = None
@@ -266,7 +369,7 @@ class _Observed:
         _record(
             self._metrics,
             self._method,
-            self._request,
+            self.request,
             self._context,
             code,
             response,

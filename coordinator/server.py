@@ -57,6 +57,10 @@ class ServerSettings:
     tls: TlsSettings | None = None
     quotas: QuotaSettings = field(default_factory=QuotaSettings)
     max_message_bytes: int = 1 << 20
+    # A call whose request message has not arrived this long after it opened is answered DEADLINE_EXCEEDED.
+    request_timeout_s: float = 10.0
+    # HTTP/2 streams (calls) one client connection may have open at once; a client queues those beyond it.
+    max_streams_per_connection: int = 1000
 
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -112,6 +116,31 @@ class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             await change.wait()
 
 
+# Keepalive, both ways (docs/operations.md, "Connections"). The server pings a connection that has been quiet
+# this long and closes it when the ping is not answered in time, so that a vanished client's calls and watches
+# do not outlive it. A client may ping as often as every 10 s, also without calls; one that pings more often
+# is sent GOAWAY (too_many_pings) after two strikes.
+KEEPALIVE_TIME_MS = 60_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+MAX_PING_STRIKES = 2
+
+
+def grpc_options(settings: ServerSettings) -> list[tuple[str, int]]:
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # gRPC 1.85 waits for its own ping timeout (60 s) and ignores keepalive_timeout_ms without this.
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
+    ]
+
+
 class CoordinatorServer:
     """One coordinator replica. Stateless: etcd holds everything, so replicas can come and go."""
 
@@ -120,14 +149,8 @@ class CoordinatorServer:
         self.metrics = metrics or Metrics()
         self.store = EtcdStore(settings.etcd, wall_clock_ms, observer=self.metrics)
         self.engine = Engine(self.store, settings.rules, wall_clock_ms)
-        observer = RpcObserver(self.metrics)
-        self._server = grpc.aio.server(
-            interceptors=[observer],
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ],
-        )
+        observer = RpcObserver(self.metrics, settings.request_timeout_s)
+        self._server = grpc.aio.server(interceptors=[observer], options=grpc_options(settings))
         self.health = HealthService()
         self.servicer = CoordinatorServicer(
             self.engine, settings.authenticator, settings.quotas, batch_observer=observer

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -52,6 +52,7 @@ from .errors import (
     Unauthenticated,
 )
 from .quotas import QuotaSettings, RateLimiter, WatchSlots
+from .status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort, error_metadata, retry_after_ms
 
 log = logging.getLogger(__name__)
 
@@ -199,23 +200,28 @@ Handler = Callable[["CoordinatorServicer", Caller, Req], Awaitable[Resp]]
 BATCH_MAX_CALLS = 256  # a batch is a round trip's worth of concurrent callers, not a bulk import
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: CoordinatorError) -> None:
-    if isinstance(error, ResourceExhausted):
-        context.set_trailing_metadata((("retry-after-ms", _retry_after_ms(error)),))
-    await context.abort(_STATUS_CODES[type(error)], str(error))
-
-
-def _retry_after_ms(error: ResourceExhausted) -> str:
-    return str(math.ceil(error.retry_after_s * 1000))
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: CoordinatorError) -> NoReturn:
+    await abort(
+        context,
+        _STATUS_CODES[type(error)],
+        str(error),
+        error.reason,
+        retry_after_ms=retry_after_ms(error),
+        metadata=error_metadata(error),
+    )
 
 
 def _deadline_message(deadline: float) -> str:
     return f"the call ran past the server's limit of {deadline:g} s; retry it with the same request id"
 
 
+# The reason of a call cut off by the server's call deadline (--call-deadline).
+CALL_DEADLINE_REASON = "CALL_DEADLINE"
+
+
 def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generated base's loosely typed method
     """A unary RPC: authenticates, bounds the call's time, and turns coordinator errors into their status
-    codes; anything else is logged by gRPC and stays UNKNOWN (a bug to fix, never an expected answer)."""
+    codes; anything else is a bug, answered INTERNAL by the interceptor (coordinator.interceptor)."""
 
     @functools.wraps(handler)
     async def rpc(self: CoordinatorServicer, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
@@ -225,11 +231,9 @@ def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generat
             async with asyncio.timeout(deadline):
                 return await handler(self, caller, request)
         except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _deadline_message(deadline))
-            raise
+            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, _deadline_message(deadline), CALL_DEADLINE_REASON)
         except CoordinatorError as error:
             await _abort(context, error)
-            raise  # abort() raises; this line only satisfies the type checker
 
     return rpc
 
@@ -432,6 +436,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     f"principal {caller.principal!r} already has {self.quotas.max_watches} watches open, the limit; "
                     "close one first",
                     1.0,
+                    reason="TOO_MANY_WATCHES",
                 )
             try:
                 async for item in self._engine.watch(caller, request.mailbox):
@@ -457,7 +462,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             caller = self._authenticate(context, max(len(calls), 1))
         except CoordinatorError as error:
             await _abort(context, error)
-            raise
         started = time.perf_counter()
         fields = [call.WhichOneof("call") for call in calls]
         # One deadline for the batch, not one timer per call: they all started together.
@@ -477,6 +481,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 refusal = pb.CallError(
                     code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
                     message=_deadline_message(self.quotas.call_deadline_s),
+                    reason=CALL_DEADLINE_REASON,
                 )
             if self.batch_observer is not None:
                 path = _BATCH_PATHS.get(field or "", _BATCH_PATH)
@@ -498,13 +503,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             response = await _BATCH_CALLS[field](self, caller, request)
             return response, None, time.perf_counter() - started
         except CoordinatorError as failure:
-            refused = pb.CallError(code=_STATUS_CODES[type(failure)].value[0], message=str(failure))
-            if isinstance(failure, ResourceExhausted):
-                refused.retry_after_ms = int(_retry_after_ms(failure))
+            refused = pb.CallError(
+                code=_STATUS_CODES[type(failure)].value[0], message=str(failure), reason=failure.reason
+            )
+            retry_after = retry_after_ms(failure)
+            if retry_after is not None:
+                refused.retry_after_ms = retry_after
         except Exception:
             # One call's bug must not cost the other calls their answers; it is logged like an unary one's.
             log.exception("a %s call of a batch failed", field)
-            refused = pb.CallError(code=grpc.StatusCode.INTERNAL.value[0], message="internal error; see the server log")
+            refused = pb.CallError(
+                code=grpc.StatusCode.INTERNAL.value[0], message=INTERNAL_ERROR_MESSAGE, reason=INTERNAL_REASON
+            )
         return None, refused, time.perf_counter() - started
 
 

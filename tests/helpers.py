@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from coordinator.service import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
 
 
 def missing_on_this_machine(what: str) -> NoReturn:
@@ -192,3 +197,69 @@ async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
     except grpc.aio.AioRpcError as error:
         return error
     raise AssertionError("the call succeeded; an error status was expected")
+
+
+def spawn(command: list[str]) -> subprocess.Popen[str]:
+    """A process whose output (stdout and stderr) is read line by line with ``wait_for_line``."""
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def wait_for_line(process: subprocess.Popen[str], needle: str) -> str:
+    """The output up to the first line with ``needle``; fails (and kills the process) when it never comes."""
+    assert process.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen += line
+        if needle in line:
+            return seen
+    process.kill()
+    raise AssertionError(f"{needle!r} never printed:\n{seen}")
+
+
+def error_reason(error: grpc.aio.AioRpcError) -> tuple[str, str, dict[str, str]]:
+    """The google.rpc.ErrorInfo of an error status, as a client reads it: (reason, domain, metadata)."""
+    info = _detail(error, error_details_pb2.ErrorInfo())
+    assert info is not None, "the error's details hold no ErrorInfo"
+    return info.reason, info.domain, dict(info.metadata)
+
+
+def error_retry_delay_ms(error: grpc.aio.AioRpcError) -> int | None:
+    """The google.rpc.RetryInfo delay of an error status, in milliseconds, when it has one."""
+    retry = _detail(error, error_details_pb2.RetryInfo())
+    return retry.retry_delay.ToMilliseconds() if retry is not None else None
+
+
+def _detail(error: grpc.aio.AioRpcError, kind: T) -> T | None:
+    view: Any = _CallView(error)
+    status = rpc_status.from_call(view)
+    assert status is not None, "the error carries no google.rpc.Status details"
+    for detail in status.details:
+        if detail.Unpack(kind):
+            return kind
+    return None
+
+
+class _CallView:
+    """What rpc_status.from_call reads of a (sync) grpc.Call, over an aio error, which has the same parts."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        self._error = error
+
+    def code(self) -> grpc.StatusCode:
+        return self._error.code()
+
+    def details(self) -> str | None:
+        return self._error.details()
+
+    def trailing_metadata(self) -> Any:
+        return tuple(self._error.trailing_metadata() or ())

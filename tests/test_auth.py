@@ -35,7 +35,7 @@ from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 from .conftest import TEST_LIMITS
-from .helpers import Actor, message, new_request_id, rpc_error
+from .helpers import Actor, error_reason, error_retry_delay_ms, message, new_request_id, rpc_error
 
 TOKENS = {name: new_token()[0] for name in ("agent-a", "agent-b", "ana", "bo", "root")}
 
@@ -248,6 +248,9 @@ async def test_rate_limit_answers_resource_exhausted_with_a_retry_hint(
         assert "5 calls/s" in (error.details() or "")
         hint = dict(error.trailing_metadata() or ())["retry-after-ms"]
         assert 0 < int(str(hint)) <= 200
+        # The same, machine-readable: google.rpc ErrorInfo and RetryInfo.
+        assert error_reason(error)[0] == "RATE_LIMITED"
+        assert error_retry_delay_ms(error) == int(str(hint))
         # Another principal has its own budget.
         assert (await Actor(channel, "bo", token=TOKENS["bo"]).status(subject)).state == pb.SUBJECT_STATE_FREE
         await asyncio.sleep(int(str(hint)) / 1000 + 0.05)
@@ -414,3 +417,70 @@ def test_token_file_errors_name_the_entry_and_field(tmp_path: Path) -> None:
     )
     with pytest.raises(TokenFileError, match="also given to 'a'"):
         load_token_file(path)
+
+
+def test_a_certificate_name_under_two_principals_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(
+        '[[principals]]\nid = "agent-1"\ncertificate_names = ["agent-1.acme.test"]\n'
+        '[[principals]]\nid = "root"\nroles = ["admin"]\ncertificate_names = ["root.acme.test", "agent-1.acme.test"]\n'
+    )
+    with pytest.raises(TokenFileError) as caught:
+        load_token_file(path)
+    assert "principals[1].certificate_names: certificate name 'agent-1.acme.test' is also given to 'agent-1'" in str(
+        caught.value
+    )
+
+
+async def test_a_duplicate_certificate_name_on_reload_keeps_the_old_principals(
+    etcd: EtcdServer, prefix: str, tmp_path: Path, ca: trustme.CA
+) -> None:
+    tls = _tls_files(tmp_path, ca, require_client_cert=True)
+    token_file = _token_file(tmp_path / "tokens.toml")
+    authenticator = TokenAuthenticator(token_file)
+    # The typo the rule exists for: the agent's certificate name given to the admin as well.
+    _token_file(
+        token_file, extra='[[principals]]\nid = "typo"\nroles = ["admin"]\ncertificate_names = ["agent-a.acme.test"]\n'
+    )
+    with pytest.raises(TokenFileError, match=r"'agent-a\.acme\.test' is also given to 'agent-a'"):
+        authenticator.reload()
+    credentials = _client_credentials(ca, "agent-a.acme.test")
+    async with (
+        _serve(etcd, prefix, authenticator, tls=tls) as address,
+        grpc.aio.secure_channel(address, credentials) as channel,
+    ):
+        response = await pb_grpc.CoordinatorStub(channel).ClaimReply(
+            pb.ClaimReplyRequest(request_id=new_request_id(), subject=message("acme-1", "m"))
+        )
+        assert response.status.holder == "agent-a"
+        # Still only acme-*: the admin's rights did not reach the agent's certificate.
+        error = await rpc_error(
+            pb_grpc.CoordinatorStub(channel).GetStatus(pb.GetStatusRequest(subject=message("globex", "m")))
+        )
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_a_certificate_whose_names_map_to_two_principals_is_refused(
+    etcd: EtcdServer, prefix: str, tmp_path: Path, ca: trustme.CA
+) -> None:
+    tls = _tls_files(tmp_path, ca, require_client_cert=True)
+    authenticator = TokenAuthenticator(
+        _token_file(tmp_path / "tokens.toml", extra='[[principals]]\nid = "x"\ncertificate_names = ["x.acme.test"]\n')
+    )
+    async with _serve(etcd, prefix, authenticator, tls=tls) as address:
+        credentials = _client_credentials(ca, "agent-a.acme.test", "x.acme.test")
+        async with grpc.aio.secure_channel(address, credentials) as channel:
+            error = await rpc_error(
+                pb_grpc.CoordinatorStub(channel).GetStatus(pb.GetStatusRequest(subject=message("acme-1", "m")))
+            )
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "map to several principals (agent-a, x)" in (error.details() or "")
+
+
+def _client_credentials(ca: trustme.CA, *names: str) -> grpc.ChannelCredentials:
+    client = ca.issue_cert(*names)
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca.cert_pem.bytes(),
+        private_key=client.private_key_pem.bytes(),
+        certificate_chain=client.cert_chain_pems[0].bytes(),
+    )

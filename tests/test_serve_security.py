@@ -3,21 +3,21 @@ revoked by editing the file and sending SIGHUP, plaintext refused off loopback."
 
 from __future__ import annotations
 
-import os
+import datetime
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
+import pytest
 import trustme
 
 from coordinator.etcd_process import EtcdServer, free_port
 from inbox_claims._proto import coordinator_pb2 as pb
 
-from .helpers import Actor, eventually, message, rpc_error
+from .helpers import Actor, eventually, message, rpc_error, spawn, wait_for_line
 
 CLI = [sys.executable, "-m", "coordinator.cli"]
 
@@ -32,31 +32,6 @@ def _token_new(principal: str, *extra: str) -> tuple[str, str]:
     return token.group(1), entry
 
 
-def _spawn(command: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-
-
-def _wait_for(process: subprocess.Popen[str], needle: str) -> str:
-    assert process.stdout is not None
-    seen = ""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        seen += line
-        if needle in line:
-            return seen
-    process.kill()
-    raise AssertionError(f"{needle!r} never printed:\n{seen}")
-
-
 async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServer, prefix: str) -> None:
     agent_token, agent_entry = _token_new("agent-1", "--mailbox", "acme-*")
     human_token, human_entry = _token_new("ana", "--kind", "human", "--mailbox", "acme-*", "--role", "takeover")
@@ -68,7 +43,7 @@ async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServ
     cert.write_bytes(b"".join(blob.bytes() for blob in server_cert.cert_chain_pems))
     key.write_bytes(server_cert.private_key_pem.bytes())
     port = free_port()
-    process = _spawn(
+    process = spawn(
         [
             *CLI,
             "serve",
@@ -89,7 +64,7 @@ async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServ
         ],
     )
     try:
-        banner = _wait_for(process, "serving gRPC on")
+        banner = wait_for_line(process, "serving gRPC on")
         assert "no token file" not in banner
         credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
@@ -104,7 +79,7 @@ async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServ
             # Revoke the agent: edit the file, SIGHUP; the human's token goes on working on the same connection.
             tokens.write_text(human_entry)
             process.send_signal(signal.SIGHUP)
-            _wait_for(process, "token file reloaded: 1 principal")
+            wait_for_line(process, "token file reloaded: 1 principal")
 
             async def refused() -> bool:
                 error = await rpc_error(agent.status(message("acme-1", "m")))
@@ -116,7 +91,15 @@ async def test_token_file_and_tls_through_the_cli(tmp_path: Path, etcd: EtcdServ
             # A broken file is refused and the previous principals stay.
             tokens.write_text("[[principals]]\nid = 3\n")
             process.send_signal(signal.SIGHUP)
-            _wait_for(process, "NOT reloaded")
+            wait_for_line(process, "NOT reloaded")
+            assert (await human.status(message("acme-1", "m"))).holder == "ana"
+
+            # So is a file that gives one certificate name to two principals.
+            names = 'certificate_names = ["ana.acme.test"]\n'
+            tokens.write_text(human_entry + names + '[[principals]]\nid = "root"\nroles = ["admin"]\n' + names)
+            process.send_signal(signal.SIGHUP)
+            refusal = wait_for_line(process, "NOT reloaded")
+            assert "certificate name 'ana.acme.test' is also given to 'ana'" in refusal
             assert (await human.status(message("acme-1", "m"))).holder == "ana"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
@@ -138,9 +121,23 @@ def test_plaintext_off_loopback_is_refused_at_start() -> None:
     assert "allow_plaintext" in result.stderr
 
 
-def test_a_bad_token_file_is_a_configuration_error(tmp_path: Path) -> None:
+_NAMES = 'certificate_names = ["agent-1.acme.test"]\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        ('[[principals]]\nid = "x"\nkind = "robot"\ntoken_sha256 = []\n', "principals[0].kind"),
+        (
+            '[[principals]]\nid = "agent-1"\n' + _NAMES + '[[principals]]\nid = "root"\n' + _NAMES,
+            "principals[1].certificate_names: certificate name 'agent-1.acme.test' is also given to 'agent-1'",
+        ),
+    ],
+    ids=["bad kind", "certificate name under two principals"],
+)
+def test_a_bad_token_file_is_a_configuration_error(tmp_path: Path, text: str, refusal: str) -> None:
     tokens = tmp_path / "tokens.toml"
-    tokens.write_text('[[principals]]\nid = "x"\nkind = "robot"\ntoken_sha256 = []\n')
+    tokens.write_text(text)
     result = subprocess.run(
         [*CLI, "serve", "--etcd-endpoints", "127.0.0.1:1", "--token-file", str(tokens), "--metrics-listen", ""],
         capture_output=True,
@@ -148,32 +145,48 @@ def test_a_bad_token_file_is_a_configuration_error(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 2, result.stderr
-    assert "principals[0].kind" in result.stderr
+    assert refusal in result.stderr
 
 
-def test_health_checks_a_coordinator_that_requires_client_certificates(
-    tmp_path: Path, etcd: EtcdServer, prefix: str
-) -> None:
+def _stop(process: subprocess.Popen[str]) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+def _mtls_serve(tmp_path: Path, etcd: EtcdServer, prefix: str) -> tuple[trustme.CA, int, list[str]]:
+    """A CA, a port, and the command serving it with TLS and required client certificates from that CA."""
     ca = trustme.CA()
     (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
     server_cert = ca.issue_cert("127.0.0.1")
     (tmp_path / "server.pem").write_bytes(b"".join(b.bytes() for b in server_cert.cert_chain_pems))
     (tmp_path / "server.key").write_bytes(server_cert.private_key_pem.bytes())
-    client_cert = ca.issue_cert("probe.ops.test")
-    (tmp_path / "probe.pem").write_bytes(b"".join(b.bytes() for b in client_cert.cert_chain_pems))
-    (tmp_path / "probe.key").write_bytes(client_cert.private_key_pem.bytes())
     port = free_port()
     tls = ["--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key")]
     mtls = ["--tls-client-ca", str(tmp_path / "ca.pem"), "--require-client-cert"]
     serve = ["serve", "--listen", f"127.0.0.1:{port}", "--etcd-endpoints", etcd.endpoint, "--prefix", prefix]
-    process = _spawn([*CLI, *serve, *tls, *mtls, "--metrics-listen", ""])
+    return ca, port, [*CLI, *serve, *tls, *mtls, "--metrics-listen", ""]
+
+
+def test_health_checks_a_coordinator_that_requires_client_certificates(
+    tmp_path: Path, etcd: EtcdServer, prefix: str
+) -> None:
+    ca, port, command = _mtls_serve(tmp_path, etcd, prefix)
+    client_cert = ca.issue_cert("probe.ops.test")
+    (tmp_path / "probe.pem").write_bytes(b"".join(b.bytes() for b in client_cert.cert_chain_pems))
+    (tmp_path / "probe.key").write_bytes(client_cert.private_key_pem.bytes())
+    process = spawn(command)
 
     def health(*extra: str) -> subprocess.CompletedProcess[str]:
         probe = ["health", "--address", f"127.0.0.1:{port}", "--ca-file", str(tmp_path / "ca.pem"), *extra]
         return subprocess.run([*CLI, *probe], capture_output=True, text=True, timeout=30)
 
     try:
-        _wait_for(process, "serving gRPC on")
+        wait_for_line(process, "serving gRPC on")
         refused = health()
         assert refused.returncode == 1, refused
         assert "UNAVAILABLE" in refused.stdout
@@ -185,10 +198,37 @@ def test_health_checks_a_coordinator_that_requires_client_certificates(
         assert half.returncode == 2
         assert "--cert-file and --key-file go together" in half.stderr
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        finally:
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
+        _stop(process)
+
+
+async def test_a_refused_client_certificate_is_logged_with_its_reason(
+    tmp_path: Path, etcd: EtcdServer, prefix: str
+) -> None:
+    ca, port, command = _mtls_serve(tmp_path, etcd, prefix)
+    process = spawn([*command, "--log-format", "json"])
+
+    async def attempt(client: trustme.LeafCert | None) -> grpc.aio.AioRpcError:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca.cert_pem.bytes(),
+            private_key=client.private_key_pem.bytes() if client is not None else None,
+            certificate_chain=client.cert_chain_pems[0].bytes() if client is not None else None,
+        )
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            return await rpc_error(Actor(channel, "agent-1").status(message("acme-1", "m")))
+
+    expired = ca.issue_cert("agent-1.acme.test", not_after=datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC))
+    cases = [
+        (None, "client_certificate_missing", "the client sent no certificate"),
+        (trustme.CA().issue_cert("agent-1.acme.test"), "client_certificate_untrusted", "not signed by --tls-client-ca"),
+        (expired, "client_certificate_expired", "has expired"),
+    ]
+    try:
+        wait_for_line(process, "serving gRPC on")
+        for client, reason, advice in cases:
+            error = await attempt(client)
+            assert error.code() is grpc.StatusCode.UNAVAILABLE  # all the client ever learns: "Socket closed"
+            line = wait_for_line(process, '"event": "tls_handshake_refused"').splitlines()[-1]
+            assert f'"reason": "{reason}"' in line, line
+            assert advice in line, line
+    finally:
+        _stop(process)

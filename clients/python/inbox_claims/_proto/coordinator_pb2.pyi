@@ -11,16 +11,83 @@ Python code in clients/python/inbox_claims/_proto is generated from this file by
 Conventions used throughout:
 * Business outcomes (a claim granted or held by another, a message already replied to, a duplicate
   delivery, a stale fencing token) are result values in the responses, never errors.
-* Errors are gRPC status codes whose message names the field and the limit at fault:
-  INVALID_ARGUMENT (bad input), FAILED_PRECONDITION (the call does not fit the subject's state, for example
-  ConfirmSent before BeginSend), PERMISSION_DENIED (a fencing token presented by a principal that is not
-  its holder), UNAUTHENTICATED (no principal), UNAVAILABLE (etcd cannot be reached; safe to retry).
 * The caller's identity (the claim's holder) never comes from a request field: it comes from the
-  credentials of the call. In development mode (no authentication configured) it is read from the
-  metadata keys `x-inbox-principal` and `x-inbox-principal-kind` (`agent` or `human`).
-* Every mutation carries a `request_id` chosen by the client (1 to 128 characters, unique per attempt of
-  one logical operation). Retrying with the same request id is safe: a retried ClaimReply from the same
-  holder returns the same grant and the same fencing token.
+  credentials of the call (a bearer token in `authorization: Bearer <token>`, or a client certificate),
+  mapped to a principal by the server's token file. In development mode (no token file) it is read from the
+  metadata keys `x-inbox-principal` and `x-inbox-principal-kind` (`agent` or `human`), with every right.
+* Tenancy and roles. A principal acts only in the mailboxes it is granted (exact names or globs) and only as
+  itself; every RPC naming a mailbox it is not granted is refused PERMISSION_DENIED (MAILBOX_NOT_GRANTED),
+  and the refusal says nothing about that mailbox. Takeover needs a principal of kind human with the role
+  `takeover`, ResolveInDoubt the role `resolve`; `admin` has every mailbox and every role.
+* Limits: request message 1 MiB; a unary call's time on the server 30 s (a Batch's calls share one);
+  a request message must arrive within 10 s of its call's start; 1000 concurrent calls per connection
+  (further calls wait in the client); 500 calls/s per principal, burst 1000; 64 open watches per
+  principal. All are server settings; README.md "Limits" lists them with the field limits.
+* Subject.kind must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD: UNSPECIFIED is INVALID_ARGUMENT.
+
+Request ids and retries:
+* Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
+  Takeover, ResolveInDoubt, and each of them inside a Batch) carries a `request_id` chosen by the client:
+  1 to 128 bytes, one per logical operation of a principal (a random UUID). Every retry of that operation
+  (after a timeout, UNAVAILABLE, ABORTED or DEADLINE_EXCEEDED) sends the same request id with the same
+  arguments, and is answered as the first attempt was, through any replica and after any restart: the
+  evidence is in etcd, in what the first attempt wrote. The effect is never applied twice.
+* The retry window: as long as the subject stays as the first attempt left it. A claim's grant, and its
+  renewals, while the claim lasts; a send's BeginSend while SENDING; ConfirmSent and ResolveInDoubt(SENT)
+  for the reply retention (72 h by default); ReleaseClaim, AbortSend, ResolveInDoubt(NOT_SENT) and a
+  Takeover's first step until the subject's next ending or the delivery retention (24 h by default),
+  whichever comes first; RecordDelivery and ClaimReply's delivery for the delivery retention (24 h). Once the
+  subject has moved on (the claim expired and was granted to someone else, say), a retry is answered from
+  the current state as a new call would be: STALE_TOKEN, HELD, ALREADY_REPLIED.
+* The same request id with other arguments (or for another RPC) on the same subject is refused
+  INVALID_ARGUMENT, reason REQUEST_ID_REUSED, and changes nothing: it is a client bug (an id reused for a
+  new call), and answering it as a retry would report a call that was never made. INVALID_ARGUMENT rather
+  than FAILED_PRECONDITION because no change of state makes that request valid. RecordDelivery's arguments
+  are its key (mailbox, notification id), so an id reused there is simply another delivery.
+
+Expiry, sends and IN_DOUBT:
+* A claim frees between its TTL and its TTL plus about 1.5 s after its last grant or renewal (claims share
+  one etcd lease per 1 s expiry bucket, and etcd checks leases about every 0.5 s), never earlier, as long as
+  etcd keeps its leader. An etcd leader election restarts lease TTLs, so after one a claim can free up to one
+  more TTL later. Renew well before `expires_at` (the Python client renews at a third of the TTL).
+* BeginSend gives the holder a send deadline (`SubjectStatus.send_deadline`; 2 minutes by default, the
+  server's --send-timeout) to call ConfirmSent or AbortSend. Past it the subject becomes IN_DOUBT (within
+  about a second): it never frees by itself, the holder may still ConfirmSent or AbortSend, a retried
+  BeginSend answers STALE_TOKEN (do not send), and a person settles it with ResolveInDoubt.
+
+Errors. Every error status has a message that names the field and the limit, the state problem, or the
+store; and, in the `grpc-status-details-bin` trailer, a google.rpc.Status whose details hold a
+google.rpc.ErrorInfo (domain "inbox-coordinator", a stable `reason` below; metadata "field" for
+INVALID_FIELD) and, when the server knows when a retry can succeed, a google.rpc.RetryInfo (also sent as the
+`retry-after-ms` trailer, in milliseconds). Branch on the reason, never on the message. Reasons never change
+meaning; new ones may be added. Statuses made by gRPC itself (a message over the size limit:
+RESOURCE_EXHAUSTED; a connection lost: UNAVAILABLE; the client's own deadline: DEADLINE_EXCEEDED;
+CANCELLED) carry no details.
+  INVALID_ARGUMENT    INVALID_FIELD        a field breaks its limit (metadata "field" names it)
+                      UNDECODABLE_REQUEST  the bytes are not this RPC's request message, or a string is not UTF-8
+                      MISSING_REQUEST      the call ended without its request message
+                      REQUEST_ID_REUSED    see "Request ids and retries"
+  FAILED_PRECONDITION WRONG_STATE          the call does not fit the subject's state (ConfirmSent before
+                                           BeginSend, ReleaseClaim while SENDING, ResolveInDoubt when not
+                                           IN_DOUBT): a client bug, not a race; do not retry as is
+  PERMISSION_DENIED   MAILBOX_NOT_GRANTED  the mailbox is not granted to the principal
+                      ROLE_MISSING         Takeover without `takeover`, ResolveInDoubt without `resolve`
+                      NOT_HUMAN            Takeover by a principal of kind agent
+                      NOT_HOLDER           a fencing token presented by another principal than its holder
+                      PRINCIPAL_MISMATCH   `x-inbox-principal` names another principal than the credentials
+  UNAUTHENTICATED     UNAUTHENTICATED      no credentials, an unknown or revoked token, an unmapped certificate
+  RESOURCE_EXHAUSTED  RATE_LIMITED         over the principal's call rate (RetryInfo: when to retry)
+                      TOO_MANY_WATCHES     over the principal's open watches (close one; RetryInfo 1 s)
+  UNAVAILABLE         STORE_UNAVAILABLE    etcd cannot be reached or refused the write; retry with the same
+                                           request id (another replica may answer)
+  ABORTED             STORE_CONFLICT       the subject kept changing while the call ran; retry, same request id
+  DEADLINE_EXCEEDED   CALL_DEADLINE        the call ran past the server's limit (30 s); retry, same request id
+                      REQUEST_TIMEOUT      the request message did not arrive in time (10 s)
+  INTERNAL            INTERNAL             a bug in the coordinator, logged there; retrying may not help
+Besides these, every RPC can answer UNAUTHENTICATED, PERMISSION_DENIED (MAILBOX_NOT_GRANTED,
+PRINCIPAL_MISMATCH), INVALID_ARGUMENT (INVALID_FIELD, UNDECODABLE_REQUEST, MISSING_REQUEST),
+RESOURCE_EXHAUSTED (RATE_LIMITED), UNAVAILABLE, ABORTED, DEADLINE_EXCEEDED and INTERNAL; each RPC below lists
+only what it adds.
 """
 
 from collections import abc as _abc
@@ -353,7 +420,9 @@ class RecordDeliveryRequest(_message.Message):
     MAILBOX_FIELD_NUMBER: _builtins.int
     NOTIFICATION_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """See the file comment: 1 to 128 characters, unique per logical operation."""
+    """1 to 128 bytes: one per logical operation, the same on each of its retries ("Request ids and retries"
+    at the top of this file). Every mutation's `request_id` means this.
+    """
     mailbox: _builtins.str
     """The mailbox the notification belongs to (its grant id). Delivery records are kept per mailbox."""
     notification_id: _builtins.str
@@ -469,7 +538,9 @@ class ClaimReplyResponse(_message.Message):
         GRANTED: ClaimReplyResponse._Result.ValueType  # 1
         """You hold the claim: `status` carries the fencing token and the expiry."""
         HELD: ClaimReplyResponse._Result.ValueType  # 2
-        """Someone else holds it: `status` says who, of which kind, and until when."""
+        """Someone holds it: `status` says who, of which kind, and until when. The holder may be the caller
+        itself, holding it through another request id.
+        """
         ALREADY_REPLIED: ClaimReplyResponse._Result.ValueType  # 3
         """A reply was sent, is being sent, or is in doubt: `status` is that reply record."""
         DUPLICATE_DELIVERY: ClaimReplyResponse._Result.ValueType  # 4
@@ -484,7 +555,9 @@ class ClaimReplyResponse(_message.Message):
     GRANTED: ClaimReplyResponse.Result.ValueType  # 1
     """You hold the claim: `status` carries the fencing token and the expiry."""
     HELD: ClaimReplyResponse.Result.ValueType  # 2
-    """Someone else holds it: `status` says who, of which kind, and until when."""
+    """Someone holds it: `status` says who, of which kind, and until when. The holder may be the caller
+    itself, holding it through another request id.
+    """
     ALREADY_REPLIED: ClaimReplyResponse.Result.ValueType  # 3
     """A reply was sent, is being sent, or is in doubt: `status` is that reply record."""
     DUPLICATE_DELIVERY: ClaimReplyResponse.Result.ValueType  # 4
@@ -843,7 +916,7 @@ class ListClaimsRequest(_message.Message):
     page_size: _builtins.int
     """1 to 1000; 0 means 100."""
     page_token: _builtins.str
-    """From the previous response's `next_page_token`; empty for the first page."""
+    """From the previous response's `next_page_token`; empty for the first page. Opaque; see ListClaims."""
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[Global___SubjectState.ValueType]:
         """Only these states; empty means every state but FREE."""
@@ -953,7 +1026,9 @@ class WatchEvent(_message.Message):
     """For transitions that end a claim: who held it, with which token."""
     previous_token: _builtins.int
     revision: _builtins.int
-    """The etcd revision of the transition; events arrive in increasing revision order."""
+    """The etcd revision of the transition: increasing for one subject; never decreasing in the stream, but
+    shared by the transitions of subjects committed together (see Watch).
+    """
     reason: _builtins.str
     """Why it ended, when the caller said (AbortSend's reason, ResolveInDoubt's note), or who took it over."""
     @_builtins.property
@@ -1252,21 +1327,27 @@ class CallError(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     code: _builtins.int
-    """A google.rpc.Code / grpc status code number (3 INVALID_ARGUMENT, 7 PERMISSION_DENIED, 14 UNAVAILABLE...)."""
+    """A google.rpc.Code / grpc status code number (3 INVALID_ARGUMENT, 7 PERMISSION_DENIED, 14 UNAVAILABLE...).
+    A Batch carries no google.rpc details per call: `reason` and `retry_after_ms` say the same.
+    """
     message: _builtins.str
     retry_after_ms: _builtins.int
     """With RESOURCE_EXHAUSTED: when to retry (the unary call's `retry-after-ms` trailer)."""
+    reason: _builtins.str
+    """The error kind, as the unary call's google.rpc.ErrorInfo `reason` (see "Error reasons" at the top)."""
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         message: _builtins.str = ...,
         retry_after_ms: _builtins.int = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "reason", b"reason", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -108,32 +108,39 @@ class CoordinatorServicer:
     def RecordDelivery(self, request, context):
         """Records that a webhook notification was seen (delivery dedup on its top-level `id`). The first call
         for a notification id answers NEW, every later one DUPLICATE, for the delivery retention (24 h by
-        default). Use ClaimReply's `notification_id` instead when the notification leads to a reply: then
-        dedup and claim are one etcd transaction.
+        default); a retry of the first call (same principal, same request id) answers NEW again. Use ClaimReply's
+        `notification_id` instead when the notification leads to a reply: then dedup and claim are one etcd
+        transaction. Errors: only the common ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ClaimReply(self, request, context):
-        """Claims the exclusive, TTL'd right to reply to a subject. Answers GRANTED with a fencing token, HELD
-        with the current holder, ALREADY_REPLIED with the reply record, or DUPLICATE_DELIVERY when
-        `notification_id` was seen before. Uncontended, it costs one etcd transaction.
+        """Claims the exclusive, TTL'd right to reply to a subject. Answers GRANTED with a fencing token (also to a
+        retry of the granting request), HELD with the current holder (which may be the caller itself, when it
+        claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
+        subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
+        Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RenewClaim(self, request, context):
-        """Pushes a held claim's expiry out by a new TTL. The token is unchanged. Refused (STALE_TOKEN) once the
-        claim expired, was released or was taken over.
+        """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
+        STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+        answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
+        (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseClaim(self, request, context):
-        """Gives a claim up without replying. The subject becomes FREE.
+        """Gives a claim up without replying. The subject becomes FREE. Answers OK (also to a retry), or STALE_TOKEN.
+        Errors: FAILED_PRECONDITION (WRONG_STATE) after BeginSend (use AbortSend); PERMISSION_DENIED (NOT_HOLDER);
+        REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,8 +148,10 @@ class CoordinatorServicer:
 
     def BeginSend(self, request, context):
         """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
-        current one; only then may the caller send. A SENDING subject never expires by itself: it ends with
-        ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT.
+        current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
+        subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+        ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
+        once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,7 +159,10 @@ class CoordinatorServicer:
 
     def ConfirmSent(self, request, context):
         """Records that the reply went out: SENDING (or IN_DOUBT) becomes REPLIED, kept for the reply retention
-        (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED.
+        (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED. Answers OK (also
+        once REPLIED with this token and this `sent_message_id`), or STALE_TOKEN. Errors: FAILED_PRECONDITION
+        (WRONG_STATE) before BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED, also for a ConfirmSent
+        with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,14 +170,16 @@ class CoordinatorServicer:
 
     def AbortSend(self, request, context):
         """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-        the mail API refused the request; when the outcome is unknown, leave the subject SENDING.
+        the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+        to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
+        ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """Reads one subject's state (FREE when nothing is recorded).
+        """Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,6 +187,12 @@ class CoordinatorServicer:
 
     def ListClaims(self, request, context):
         """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
+        Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
+        opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
+        subjects as they are when it is read, so it includes claims made after the first page when their keys
+        sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
+        one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
+        page size over 1000, or an unknown state.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,8 +200,12 @@ class CoordinatorServicer:
 
     def Watch(self, request, context):
         """Streams one mailbox: first a snapshot of every subject that is not FREE, then every transition in the
-        order etcd committed it. The stream ends with UNAVAILABLE when the coordinator shuts down or loses its
-        watch on etcd; clients reconnect and receive a fresh snapshot.
+        order etcd committed it: a subject's events arrive in the order of its transitions, with increasing
+        revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
+        calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
+        ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
+        when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
+        (TOO_MANY_WATCHES).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -190,7 +214,10 @@ class CoordinatorServicer:
     def Takeover(self, request, context):
         """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
         token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-        larger token. Only principals of kind human may take over, and never from another human.
+        larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
+        BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+        agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
+        ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -199,7 +226,10 @@ class CoordinatorServicer:
     def ResolveInDoubt(self, request, context):
         """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
         deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
-        first; the coordinator cannot know.
+        first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
+        Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
+        INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
+        REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -210,9 +240,11 @@ class CoordinatorServicer:
         handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
         and answered exactly as the same call on its own, and behaves as if made alone; calls of one batch
         run concurrently, in no promised order, and their etcd transactions are group-committed together.
-        One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer and does not fail
-        the others. The whole batch fails only for what concerns every call: authentication, the rate limit,
-        or more than 256 calls (INVALID_ARGUMENT).
+        One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer, a CallError with the
+        code, message and reason the call would have had alone (DEADLINE_EXCEEDED, CALL_DEADLINE, for a call still
+        running when the batch's deadline passed), and does not fail the others. The whole batch fails only for
+        what concerns every call: UNAUTHENTICATED, PRINCIPAL_MISMATCH, RATE_LIMITED (every call counts), more than
+        256 calls (INVALID_FIELD), or an undecodable request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,16 +11,83 @@ Python code in clients/python/inbox_claims/_proto is generated from this file by
 Conventions used throughout:
 * Business outcomes (a claim granted or held by another, a message already replied to, a duplicate
   delivery, a stale fencing token) are result values in the responses, never errors.
-* Errors are gRPC status codes whose message names the field and the limit at fault:
-  INVALID_ARGUMENT (bad input), FAILED_PRECONDITION (the call does not fit the subject's state, for example
-  ConfirmSent before BeginSend), PERMISSION_DENIED (a fencing token presented by a principal that is not
-  its holder), UNAUTHENTICATED (no principal), UNAVAILABLE (etcd cannot be reached; safe to retry).
 * The caller's identity (the claim's holder) never comes from a request field: it comes from the
-  credentials of the call. In development mode (no authentication configured) it is read from the
-  metadata keys `x-inbox-principal` and `x-inbox-principal-kind` (`agent` or `human`).
-* Every mutation carries a `request_id` chosen by the client (1 to 128 characters, unique per attempt of
-  one logical operation). Retrying with the same request id is safe: a retried ClaimReply from the same
-  holder returns the same grant and the same fencing token.
+  credentials of the call (a bearer token in `authorization: Bearer <token>`, or a client certificate),
+  mapped to a principal by the server's token file. In development mode (no token file) it is read from the
+  metadata keys `x-inbox-principal` and `x-inbox-principal-kind` (`agent` or `human`), with every right.
+* Tenancy and roles. A principal acts only in the mailboxes it is granted (exact names or globs) and only as
+  itself; every RPC naming a mailbox it is not granted is refused PERMISSION_DENIED (MAILBOX_NOT_GRANTED),
+  and the refusal says nothing about that mailbox. Takeover needs a principal of kind human with the role
+  `takeover`, ResolveInDoubt the role `resolve`; `admin` has every mailbox and every role.
+* Limits: request message 1 MiB; a unary call's time on the server 30 s (a Batch's calls share one);
+  a request message must arrive within 10 s of its call's start; 1000 concurrent calls per connection
+  (further calls wait in the client); 500 calls/s per principal, burst 1000; 64 open watches per
+  principal. All are server settings; README.md "Limits" lists them with the field limits.
+* Subject.kind must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD: UNSPECIFIED is INVALID_ARGUMENT.
+
+Request ids and retries:
+* Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
+  Takeover, ResolveInDoubt, and each of them inside a Batch) carries a `request_id` chosen by the client:
+  1 to 128 bytes, one per logical operation of a principal (a random UUID). Every retry of that operation
+  (after a timeout, UNAVAILABLE, ABORTED or DEADLINE_EXCEEDED) sends the same request id with the same
+  arguments, and is answered as the first attempt was, through any replica and after any restart: the
+  evidence is in etcd, in what the first attempt wrote. The effect is never applied twice.
+* The retry window: as long as the subject stays as the first attempt left it. A claim's grant, and its
+  renewals, while the claim lasts; a send's BeginSend while SENDING; ConfirmSent and ResolveInDoubt(SENT)
+  for the reply retention (72 h by default); ReleaseClaim, AbortSend, ResolveInDoubt(NOT_SENT) and a
+  Takeover's first step until the subject's next ending or the delivery retention (24 h by default),
+  whichever comes first; RecordDelivery and ClaimReply's delivery for the delivery retention (24 h). Once the
+  subject has moved on (the claim expired and was granted to someone else, say), a retry is answered from
+  the current state as a new call would be: STALE_TOKEN, HELD, ALREADY_REPLIED.
+* The same request id with other arguments (or for another RPC) on the same subject is refused
+  INVALID_ARGUMENT, reason REQUEST_ID_REUSED, and changes nothing: it is a client bug (an id reused for a
+  new call), and answering it as a retry would report a call that was never made. INVALID_ARGUMENT rather
+  than FAILED_PRECONDITION because no change of state makes that request valid. RecordDelivery's arguments
+  are its key (mailbox, notification id), so an id reused there is simply another delivery.
+
+Expiry, sends and IN_DOUBT:
+* A claim frees between its TTL and its TTL plus about 1.5 s after its last grant or renewal (claims share
+  one etcd lease per 1 s expiry bucket, and etcd checks leases about every 0.5 s), never earlier, as long as
+  etcd keeps its leader. An etcd leader election restarts lease TTLs, so after one a claim can free up to one
+  more TTL later. Renew well before `expires_at` (the Python client renews at a third of the TTL).
+* BeginSend gives the holder a send deadline (`SubjectStatus.send_deadline`; 2 minutes by default, the
+  server's --send-timeout) to call ConfirmSent or AbortSend. Past it the subject becomes IN_DOUBT (within
+  about a second): it never frees by itself, the holder may still ConfirmSent or AbortSend, a retried
+  BeginSend answers STALE_TOKEN (do not send), and a person settles it with ResolveInDoubt.
+
+Errors. Every error status has a message that names the field and the limit, the state problem, or the
+store; and, in the `grpc-status-details-bin` trailer, a google.rpc.Status whose details hold a
+google.rpc.ErrorInfo (domain "inbox-coordinator", a stable `reason` below; metadata "field" for
+INVALID_FIELD) and, when the server knows when a retry can succeed, a google.rpc.RetryInfo (also sent as the
+`retry-after-ms` trailer, in milliseconds). Branch on the reason, never on the message. Reasons never change
+meaning; new ones may be added. Statuses made by gRPC itself (a message over the size limit:
+RESOURCE_EXHAUSTED; a connection lost: UNAVAILABLE; the client's own deadline: DEADLINE_EXCEEDED;
+CANCELLED) carry no details.
+  INVALID_ARGUMENT    INVALID_FIELD        a field breaks its limit (metadata "field" names it)
+                      UNDECODABLE_REQUEST  the bytes are not this RPC's request message, or a string is not UTF-8
+                      MISSING_REQUEST      the call ended without its request message
+                      REQUEST_ID_REUSED    see "Request ids and retries"
+  FAILED_PRECONDITION WRONG_STATE          the call does not fit the subject's state (ConfirmSent before
+                                           BeginSend, ReleaseClaim while SENDING, ResolveInDoubt when not
+                                           IN_DOUBT): a client bug, not a race; do not retry as is
+  PERMISSION_DENIED   MAILBOX_NOT_GRANTED  the mailbox is not granted to the principal
+                      ROLE_MISSING         Takeover without `takeover`, ResolveInDoubt without `resolve`
+                      NOT_HUMAN            Takeover by a principal of kind agent
+                      NOT_HOLDER           a fencing token presented by another principal than its holder
+                      PRINCIPAL_MISMATCH   `x-inbox-principal` names another principal than the credentials
+  UNAUTHENTICATED     UNAUTHENTICATED      no credentials, an unknown or revoked token, an unmapped certificate
+  RESOURCE_EXHAUSTED  RATE_LIMITED         over the principal's call rate (RetryInfo: when to retry)
+                      TOO_MANY_WATCHES     over the principal's open watches (close one; RetryInfo 1 s)
+  UNAVAILABLE         STORE_UNAVAILABLE    etcd cannot be reached or refused the write; retry with the same
+                                           request id (another replica may answer)
+  ABORTED             STORE_CONFLICT       the subject kept changing while the call ran; retry, same request id
+  DEADLINE_EXCEEDED   CALL_DEADLINE        the call ran past the server's limit (30 s); retry, same request id
+                      REQUEST_TIMEOUT      the request message did not arrive in time (10 s)
+  INTERNAL            INTERNAL             a bug in the coordinator, logged there; retrying may not help
+Besides these, every RPC can answer UNAUTHENTICATED, PERMISSION_DENIED (MAILBOX_NOT_GRANTED,
+PRINCIPAL_MISMATCH), INVALID_ARGUMENT (INVALID_FIELD, UNDECODABLE_REQUEST, MISSING_REQUEST),
+RESOURCE_EXHAUSTED (RATE_LIMITED), UNAVAILABLE, ABORTED, DEADLINE_EXCEEDED and INTERNAL; each RPC below lists
+only what it adds.
 """
 
 from collections import abc as _abc
@@ -54,60 +121,94 @@ class CoordinatorStub:
     RecordDelivery: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RecordDeliveryRequest, _coordinator_pb2.RecordDeliveryResponse]
     """Records that a webhook notification was seen (delivery dedup on its top-level `id`). The first call
     for a notification id answers NEW, every later one DUPLICATE, for the delivery retention (24 h by
-    default). Use ClaimReply's `notification_id` instead when the notification leads to a reply: then
-    dedup and claim are one etcd transaction.
+    default); a retry of the first call (same principal, same request id) answers NEW again. Use ClaimReply's
+    `notification_id` instead when the notification leads to a reply: then dedup and claim are one etcd
+    transaction. Errors: only the common ones.
     """
     ClaimReply: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ClaimReplyRequest, _coordinator_pb2.ClaimReplyResponse]
-    """Claims the exclusive, TTL'd right to reply to a subject. Answers GRANTED with a fencing token, HELD
-    with the current holder, ALREADY_REPLIED with the reply record, or DUPLICATE_DELIVERY when
-    `notification_id` was seen before. Uncontended, it costs one etcd transaction.
+    """Claims the exclusive, TTL'd right to reply to a subject. Answers GRANTED with a fencing token (also to a
+    retry of the granting request), HELD with the current holder (which may be the caller itself, when it
+    claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
+    subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
+    Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
     """
     RenewClaim: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RenewClaimRequest, _coordinator_pb2.RenewClaimResponse]
-    """Pushes a held claim's expiry out by a new TTL. The token is unchanged. Refused (STALE_TOKEN) once the
-    claim expired, was released or was taken over.
+    """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
+    STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+    answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
+    (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
     ReleaseClaim: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReleaseClaimRequest, _coordinator_pb2.ReleaseClaimResponse]
-    """Gives a claim up without replying. The subject becomes FREE."""
+    """Gives a claim up without replying. The subject becomes FREE. Answers OK (also to a retry), or STALE_TOKEN.
+    Errors: FAILED_PRECONDITION (WRONG_STATE) after BeginSend (use AbortSend); PERMISSION_DENIED (NOT_HOLDER);
+    REQUEST_ID_REUSED.
+    """
     BeginSend: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BeginSendRequest, _coordinator_pb2.BeginSendResponse]
     """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
-    current one; only then may the caller send. A SENDING subject never expires by itself: it ends with
-    ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT.
+    current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
+    subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+    ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
+    once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
     ConfirmSent: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ConfirmSentRequest, _coordinator_pb2.ConfirmSentResponse]
     """Records that the reply went out: SENDING (or IN_DOUBT) becomes REPLIED, kept for the reply retention
-    (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED.
+    (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED. Answers OK (also
+    once REPLIED with this token and this `sent_message_id`), or STALE_TOKEN. Errors: FAILED_PRECONDITION
+    (WRONG_STATE) before BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED, also for a ConfirmSent
+    with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
     """
     AbortSend: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AbortSendRequest, _coordinator_pb2.AbortSendResponse]
     """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-    the mail API refused the request; when the outcome is unknown, leave the subject SENDING.
+    the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+    to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
+    ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.GetStatusResponse]
-    """Reads one subject's state (FREE when nothing is recorded)."""
+    """Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones."""
     ListClaims: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListClaimsRequest, _coordinator_pb2.ListClaimsResponse]
-    """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged."""
+    """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
+    Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
+    opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
+    subjects as they are when it is read, so it includes claims made after the first page when their keys
+    sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
+    one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
+    page size over 1000, or an unknown state.
+    """
     Watch: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.WatchRequest, _coordinator_pb2.WatchResponse]
     """Streams one mailbox: first a snapshot of every subject that is not FREE, then every transition in the
-    order etcd committed it. The stream ends with UNAVAILABLE when the coordinator shuts down or loses its
-    watch on etcd; clients reconnect and receive a fresh snapshot.
+    order etcd committed it: a subject's events arrive in the order of its transitions, with increasing
+    revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
+    calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
+    ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
+    when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
+    (TOO_MANY_WATCHES).
     """
     Takeover: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
     token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-    larger token. Only principals of kind human may take over, and never from another human.
+    larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
+    BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+    agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
+    ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
     """
     ResolveInDoubt: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ResolveInDoubtRequest, _coordinator_pb2.ResolveInDoubtResponse]
     """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
     deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
-    first; the coordinator cannot know.
+    first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
+    Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
+    INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
+    REQUEST_ID_REUSED.
     """
     Batch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
     handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
     and answered exactly as the same call on its own, and behaves as if made alone; calls of one batch
     run concurrently, in no promised order, and their etcd transactions are group-committed together.
-    One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer and does not fail
-    the others. The whole batch fails only for what concerns every call: authentication, the rate limit,
-    or more than 256 calls (INVALID_ARGUMENT).
+    One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer, a CallError with the
+    code, message and reason the call would have had alone (DEADLINE_EXCEEDED, CALL_DEADLINE, for a call still
+    running when the batch's deadline passed), and does not fail the others. The whole batch fails only for
+    what concerns every call: UNAUTHENTICATED, PRINCIPAL_MISMATCH, RATE_LIMITED (every call counts), more than
+    256 calls (INVALID_FIELD), or an undecodable request.
     """
 
 @_typing.type_check_only
@@ -116,60 +217,94 @@ class CoordinatorAsyncStub(CoordinatorStub):
     RecordDelivery: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RecordDeliveryRequest, _coordinator_pb2.RecordDeliveryResponse]  # type: ignore[assignment]
     """Records that a webhook notification was seen (delivery dedup on its top-level `id`). The first call
     for a notification id answers NEW, every later one DUPLICATE, for the delivery retention (24 h by
-    default). Use ClaimReply's `notification_id` instead when the notification leads to a reply: then
-    dedup and claim are one etcd transaction.
+    default); a retry of the first call (same principal, same request id) answers NEW again. Use ClaimReply's
+    `notification_id` instead when the notification leads to a reply: then dedup and claim are one etcd
+    transaction. Errors: only the common ones.
     """
     ClaimReply: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ClaimReplyRequest, _coordinator_pb2.ClaimReplyResponse]  # type: ignore[assignment]
-    """Claims the exclusive, TTL'd right to reply to a subject. Answers GRANTED with a fencing token, HELD
-    with the current holder, ALREADY_REPLIED with the reply record, or DUPLICATE_DELIVERY when
-    `notification_id` was seen before. Uncontended, it costs one etcd transaction.
+    """Claims the exclusive, TTL'd right to reply to a subject. Answers GRANTED with a fencing token (also to a
+    retry of the granting request), HELD with the current holder (which may be the caller itself, when it
+    claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
+    subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
+    Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
     """
     RenewClaim: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RenewClaimRequest, _coordinator_pb2.RenewClaimResponse]  # type: ignore[assignment]
-    """Pushes a held claim's expiry out by a new TTL. The token is unchanged. Refused (STALE_TOKEN) once the
-    claim expired, was released or was taken over.
+    """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
+    STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+    answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
+    (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
     ReleaseClaim: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReleaseClaimRequest, _coordinator_pb2.ReleaseClaimResponse]  # type: ignore[assignment]
-    """Gives a claim up without replying. The subject becomes FREE."""
+    """Gives a claim up without replying. The subject becomes FREE. Answers OK (also to a retry), or STALE_TOKEN.
+    Errors: FAILED_PRECONDITION (WRONG_STATE) after BeginSend (use AbortSend); PERMISSION_DENIED (NOT_HOLDER);
+    REQUEST_ID_REUSED.
+    """
     BeginSend: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BeginSendRequest, _coordinator_pb2.BeginSendResponse]  # type: ignore[assignment]
     """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
-    current one; only then may the caller send. A SENDING subject never expires by itself: it ends with
-    ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT.
+    current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
+    subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+    ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
+    once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
     ConfirmSent: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ConfirmSentRequest, _coordinator_pb2.ConfirmSentResponse]  # type: ignore[assignment]
     """Records that the reply went out: SENDING (or IN_DOUBT) becomes REPLIED, kept for the reply retention
-    (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED.
+    (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED. Answers OK (also
+    once REPLIED with this token and this `sent_message_id`), or STALE_TOKEN. Errors: FAILED_PRECONDITION
+    (WRONG_STATE) before BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED, also for a ConfirmSent
+    with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
     """
     AbortSend: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AbortSendRequest, _coordinator_pb2.AbortSendResponse]  # type: ignore[assignment]
     """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-    the mail API refused the request; when the outcome is unknown, leave the subject SENDING.
+    the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+    to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
+    ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.GetStatusResponse]  # type: ignore[assignment]
-    """Reads one subject's state (FREE when nothing is recorded)."""
+    """Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones."""
     ListClaims: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListClaimsRequest, _coordinator_pb2.ListClaimsResponse]  # type: ignore[assignment]
-    """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged."""
+    """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
+    Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
+    opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
+    subjects as they are when it is read, so it includes claims made after the first page when their keys
+    sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
+    one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
+    page size over 1000, or an unknown state.
+    """
     Watch: _aio.UnaryStreamMultiCallable[_coordinator_pb2.WatchRequest, _coordinator_pb2.WatchResponse]  # type: ignore[assignment]
     """Streams one mailbox: first a snapshot of every subject that is not FREE, then every transition in the
-    order etcd committed it. The stream ends with UNAVAILABLE when the coordinator shuts down or loses its
-    watch on etcd; clients reconnect and receive a fresh snapshot.
+    order etcd committed it: a subject's events arrive in the order of its transitions, with increasing
+    revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
+    calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
+    ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
+    when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
+    (TOO_MANY_WATCHES).
     """
     Takeover: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]  # type: ignore[assignment]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
     token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-    larger token. Only principals of kind human may take over, and never from another human.
+    larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
+    BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+    agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
+    ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
     """
     ResolveInDoubt: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ResolveInDoubtRequest, _coordinator_pb2.ResolveInDoubtResponse]  # type: ignore[assignment]
     """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
     deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
-    first; the coordinator cannot know.
+    first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
+    Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
+    INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
+    REQUEST_ID_REUSED.
     """
     Batch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]  # type: ignore[assignment]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
     handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
     and answered exactly as the same call on its own, and behaves as if made alone; calls of one batch
     run concurrently, in no promised order, and their etcd transactions are group-committed together.
-    One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer and does not fail
-    the others. The whole batch fails only for what concerns every call: authentication, the rate limit,
-    or more than 256 calls (INVALID_ARGUMENT).
+    One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer, a CallError with the
+    code, message and reason the call would have had alone (DEADLINE_EXCEEDED, CALL_DEADLINE, for a call still
+    running when the batch's deadline passed), and does not fail the others. The whole batch fails only for
+    what concerns every call: UNAUTHENTICATED, PRINCIPAL_MISMATCH, RATE_LIMITED (every call counts), more than
+    256 calls (INVALID_FIELD), or an undecodable request.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -181,8 +316,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.RecordDeliveryResponse, _abc.Awaitable[_coordinator_pb2.RecordDeliveryResponse]]:
         """Records that a webhook notification was seen (delivery dedup on its top-level `id`). The first call
         for a notification id answers NEW, every later one DUPLICATE, for the delivery retention (24 h by
-        default). Use ClaimReply's `notification_id` instead when the notification leads to a reply: then
-        dedup and claim are one etcd transaction.
+        default); a retry of the first call (same principal, same request id) answers NEW again. Use ClaimReply's
+        `notification_id` instead when the notification leads to a reply: then dedup and claim are one etcd
+        transaction. Errors: only the common ones.
         """
 
     @_abc_1.abstractmethod
@@ -191,9 +327,11 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ClaimReplyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ClaimReplyResponse, _abc.Awaitable[_coordinator_pb2.ClaimReplyResponse]]:
-        """Claims the exclusive, TTL'd right to reply to a subject. Answers GRANTED with a fencing token, HELD
-        with the current holder, ALREADY_REPLIED with the reply record, or DUPLICATE_DELIVERY when
-        `notification_id` was seen before. Uncontended, it costs one etcd transaction.
+        """Claims the exclusive, TTL'd right to reply to a subject. Answers GRANTED with a fencing token (also to a
+        retry of the granting request), HELD with the current holder (which may be the caller itself, when it
+        claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
+        subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
+        Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod
@@ -202,8 +340,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.RenewClaimRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.RenewClaimResponse, _abc.Awaitable[_coordinator_pb2.RenewClaimResponse]]:
-        """Pushes a held claim's expiry out by a new TTL. The token is unchanged. Refused (STALE_TOKEN) once the
-        claim expired, was released or was taken over.
+        """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
+        STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+        answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
+        (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod
@@ -212,7 +352,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ReleaseClaimRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ReleaseClaimResponse, _abc.Awaitable[_coordinator_pb2.ReleaseClaimResponse]]:
-        """Gives a claim up without replying. The subject becomes FREE."""
+        """Gives a claim up without replying. The subject becomes FREE. Answers OK (also to a retry), or STALE_TOKEN.
+        Errors: FAILED_PRECONDITION (WRONG_STATE) after BeginSend (use AbortSend); PERMISSION_DENIED (NOT_HOLDER);
+        REQUEST_ID_REUSED.
+        """
 
     @_abc_1.abstractmethod
     def BeginSend(
@@ -221,8 +364,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.BeginSendResponse, _abc.Awaitable[_coordinator_pb2.BeginSendResponse]]:
         """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
-        current one; only then may the caller send. A SENDING subject never expires by itself: it ends with
-        ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT.
+        current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
+        subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+        ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
+        once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod
@@ -232,7 +377,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ConfirmSentResponse, _abc.Awaitable[_coordinator_pb2.ConfirmSentResponse]]:
         """Records that the reply went out: SENDING (or IN_DOUBT) becomes REPLIED, kept for the reply retention
-        (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED.
+        (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED. Answers OK (also
+        once REPLIED with this token and this `sent_message_id`), or STALE_TOKEN. Errors: FAILED_PRECONDITION
+        (WRONG_STATE) before BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED, also for a ConfirmSent
+        with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
         """
 
     @_abc_1.abstractmethod
@@ -242,7 +390,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.AbortSendResponse, _abc.Awaitable[_coordinator_pb2.AbortSendResponse]]:
         """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-        the mail API refused the request; when the outcome is unknown, leave the subject SENDING.
+        the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+        to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
+        ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod
@@ -251,7 +401,7 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.GetStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.GetStatusResponse, _abc.Awaitable[_coordinator_pb2.GetStatusResponse]]:
-        """Reads one subject's state (FREE when nothing is recorded)."""
+        """Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones."""
 
     @_abc_1.abstractmethod
     def ListClaims(
@@ -259,7 +409,14 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ListClaimsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ListClaimsResponse, _abc.Awaitable[_coordinator_pb2.ListClaimsResponse]]:
-        """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged."""
+        """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
+        Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
+        opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
+        subjects as they are when it is read, so it includes claims made after the first page when their keys
+        sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
+        one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
+        page size over 1000, or an unknown state.
+        """
 
     @_abc_1.abstractmethod
     def Watch(
@@ -268,8 +425,12 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.WatchResponse], _abc.AsyncIterator[_coordinator_pb2.WatchResponse]]:
         """Streams one mailbox: first a snapshot of every subject that is not FREE, then every transition in the
-        order etcd committed it. The stream ends with UNAVAILABLE when the coordinator shuts down or loses its
-        watch on etcd; clients reconnect and receive a fresh snapshot.
+        order etcd committed it: a subject's events arrive in the order of its transitions, with increasing
+        revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
+        calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
+        ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
+        when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
+        (TOO_MANY_WATCHES).
         """
 
     @_abc_1.abstractmethod
@@ -280,7 +441,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.TakeoverResponse, _abc.Awaitable[_coordinator_pb2.TakeoverResponse]]:
         """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
         token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-        larger token. Only principals of kind human may take over, and never from another human.
+        larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
+        BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+        agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
+        ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod
@@ -291,7 +455,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.ResolveInDoubtResponse, _abc.Awaitable[_coordinator_pb2.ResolveInDoubtResponse]]:
         """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
         deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
-        first; the coordinator cannot know.
+        first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
+        Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
+        INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
+        REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod
@@ -304,9 +471,11 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
         and answered exactly as the same call on its own, and behaves as if made alone; calls of one batch
         run concurrently, in no promised order, and their etcd transactions are group-committed together.
-        One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer and does not fail
-        the others. The whole batch fails only for what concerns every call: authentication, the rate limit,
-        or more than 256 calls (INVALID_ARGUMENT).
+        One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer, a CallError with the
+        code, message and reason the call would have had alone (DEADLINE_EXCEEDED, CALL_DEADLINE, for a call still
+        running when the batch's deadline passed), and does not fail the others. The whole batch fails only for
+        what concerns every call: UNAUTHENTICATED, PRINCIPAL_MISMATCH, RATE_LIMITED (every call counts), more than
+        256 calls (INVALID_FIELD), or an undecodable request.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
