@@ -5,7 +5,8 @@ Values are kept small because etcd's quota bounds reply records times their rete
 fields are left out, and a REPLIED record keeps only what a reply record is for (who sent what, when).
 
     subject:   {"s": state, "h": holder, "k": kind, "a": acquired ms, "l": ttl s, "x": expires ms, "n": note,
-                "r": request id, "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id}
+                "r": request id, "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id,
+                "q": MarkReplied's request id (replied by hand)}
     delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id]}
     end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "t": at ms, "n": detail,
                 "u": 0 when it leaves its notification redeliverable}
@@ -57,6 +58,7 @@ def encode_record(record: SubjectRecord) -> bytes:
         "d": record.send_deadline_ms,
         "t": record.sent_ms,
         "m": record.sent_message_id,
+        "q": record.marked_request_id,
     }
     if record.state is State.REPLIED:
         for key in _CLAIM_ONLY:
@@ -79,6 +81,7 @@ def decode_record(value: bytes) -> SubjectRecord:
         send_deadline_ms=data.get("d"),
         sent_ms=data.get("t"),
         sent_message_id=data.get("m", ""),
+        marked_request_id=data.get("q", ""),
     )
 
 

@@ -54,6 +54,7 @@ class EventType(enum.Enum):
     IN_DOUBT = "in_doubt"
     RESOLVED_NOT_SENT = "resolved_not_sent"
     RETENTION_ENDED = "retention_ended"
+    MARKED_REPLIED = "marked_replied"
 
 
 class ClaimResult(enum.Enum):
@@ -139,6 +140,13 @@ class SubjectRecord:
     send_deadline_ms: int | None = None
     sent_ms: int | None = None
     sent_message_id: str = ""
+    # REPLIED by MarkReplied (a person answered outside the coordinator): that call's request id, so that its
+    # retry gets the first answer. Empty when the reply went through BeginSend.
+    marked_request_id: str = ""
+
+    @property
+    def replied_by_hand(self) -> bool:
+        return bool(self.marked_request_id)
 
 
 @dataclass(frozen=True)
@@ -426,6 +434,33 @@ def abort_send(
     )
 
 
+def mark_replied(
+    rules: Rules,
+    current: Stored | None,
+    caller: Caller,
+    *,
+    token: int,
+    sent_message_id: str,
+    note: str,
+    request_id: str,
+    now_ms: int,
+) -> Transition:
+    """The holder answered without the coordinator (in a mail client, by phone): CLAIMED becomes REPLIED.
+
+    Fenced like BeginSend, since it stands for a send: a holder whose claim lapsed or was taken over must not
+    record a reply over the new holder's claim."""
+    if not _check_token(current, caller, token):
+        return Transition(FenceResult.STALE_TOKEN)
+    assert current is not None
+    record = current.record
+    if record.state is State.REPLIED and record.marked_request_id == request_id:
+        return Transition(FenceResult.OK)  # a retry: the first attempt recorded it
+    if record.state is not State.CLAIMED:
+        raise _wrong_state("MarkReplied", token, record.state, "CLAIMED (after BeginSend use ConfirmSent)")
+    replied = _replied(rules, record, sent_message_id, now_ms)
+    return Transition(FenceResult.OK, write=replace(replied, note=note or record.note, marked_request_id=request_id))
+
+
 def mark_in_doubt(current: Stored | None, *, now_ms: int) -> Transition:
     """The sweeper's transition: a send that outlived its deadline is reported, never freed."""
     if current is None or current.record.state is not State.SENDING:
@@ -437,8 +472,13 @@ def mark_in_doubt(current: Stored | None, *, now_ms: int) -> Transition:
 
 
 def _replied(rules: Rules, record: SubjectRecord, sent_message_id: str, now_ms: int) -> SubjectRecord:
+    # Without the claim's bookkeeping, as the store keeps a reply record: the first answer and a later read
+    # (a retry's answer) are then equal.
     return replace(
         record,
+        acquired_ms=0,
+        ttl_seconds=0,
+        request_id="",
         state=State.REPLIED,
         expires_ms=rules.reply_expiry(now_ms),
         send_deadline_ms=None,
@@ -552,6 +592,8 @@ def classify_change(previous: Stored | None, now: Stored | None, end: EndMark | 
             return EventType.CLAIMED
         if now.record.state is State.CLAIMED:
             return EventType.RENEWED
+        if now.record.replied_by_hand and previous.record.state is State.CLAIMED:
+            return EventType.MARKED_REPLIED
         return _STATE_EVENTS.get(now.record.state)
     if previous is None:
         return None

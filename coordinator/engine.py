@@ -233,6 +233,36 @@ class Engine:
             from_recent_write=True,
         )
 
+    async def mark_replied(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        token: int,
+        sent_message_id: str,
+        note: str,
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_request_id(request_id)
+        _check_subject(caller, subject)
+        _check_token(token)
+        limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
+        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        return await self._apply(
+            subject,
+            lambda current, _end: domain.mark_replied(
+                self.rules,
+                current,
+                caller,
+                token=token,
+                sent_message_id=sent_message_id,
+                note=note,
+                request_id=request_id,
+                now_ms=self._clock(),
+            ),
+            from_recent_write=True,
+        )
+
     async def abort_send(
         self,
         caller: Caller,

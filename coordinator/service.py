@@ -105,6 +105,7 @@ _EVENT_TYPES = {
     EventType.IN_DOUBT: pb.EVENT_TYPE_IN_DOUBT,
     EventType.RESOLVED_NOT_SENT: pb.EVENT_TYPE_RESOLVED_NOT_SENT,
     EventType.RETENTION_ENDED: pb.EVENT_TYPE_RETENTION_ENDED,
+    EventType.MARKED_REPLIED: pb.EVENT_TYPE_MARKED_REPLIED,
 }
 _RESOLVE_OUTCOMES = {
     pb.ResolveInDoubtRequest.OUTCOME_SENT: ResolveOutcome.SENT,
@@ -150,6 +151,7 @@ def status_out(subject: Subject, stored: Stored | None) -> pb.SubjectStatus:
         sent_message_id=record.sent_message_id,
         revision=stored.revision,
         ttl_seconds=record.ttl_seconds,
+        replied_by_hand=record.replied_by_hand,
     )
 
 
@@ -356,6 +358,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return pb.AbortSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
+    async def _mark_replied(self, caller: Caller, request: pb.MarkRepliedRequest) -> pb.MarkRepliedResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.mark_replied(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+            sent_message_id=request.sent_message_id,
+            note=request.note,
+        )
+        return pb.MarkRepliedResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
     async def _get_status(self, caller: Caller, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
         subject = subject_in(request.subject)
         return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(caller, subject)))
@@ -421,6 +435,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ListClaims = _unary(_list_claims)
     Takeover = _unary(_takeover)
     ResolveInDoubt = _unary(_resolve_in_doubt)
+    MarkReplied = _unary(_mark_replied)
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -518,6 +533,7 @@ _BATCH_CALLS: dict[str, Handler[Any, Any]] = {
     "confirm_sent": CoordinatorServicer._confirm_sent,
     "abort_send": CoordinatorServicer._abort_send,
     "get_status": CoordinatorServicer._get_status,
+    "mark_replied": CoordinatorServicer._mark_replied,
 }
 # Each carried call is observed under the path of the unary RPC it stands for: /<service>/ClaimReply.
 _BATCH_PATHS = {field: f"/{SERVICE_NAME}/{field.title().replace('_', '')}" for field in _BATCH_CALLS}

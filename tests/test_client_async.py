@@ -617,3 +617,23 @@ async def test_reply_to_raises_coordinator_unavailable_when_nothing_listens(conn
             pytest.fail("claimed without a coordinator")
     assert unavailable.value.attempts == 2
     assert unavailable.value.method == "ClaimReply"
+
+
+async def test_a_claim_marked_replied_by_hand_answers_later_notifications(
+    agent: AsyncCoordinator, other: AsyncCoordinator, human: AsyncCoordinator, mailbox: str
+) -> None:
+    async with human.reply_to(nylas_notification(mailbox, "vip")) as claim:
+        await claim.mark_replied(sent_message_id="gmail-9", note="answered from Gmail")
+        assert claim.replied
+        assert claim.status is not None
+        assert claim.status.replied_by_hand
+    assert (await other.status(claim.subject)).state is SubjectState.REPLIED  # not released on exit
+    with pytest.raises(AlreadyReplied):
+        async with agent.reply_to(mailbox=mailbox, message_id=claim.subject.id, notification_id="updated-1"):
+            pytest.fail("a message answered by hand was claimed again")
+
+    async with agent.reply_to(mailbox=mailbox, message_id="taken") as lost_claim:
+        assert (await human.takeover(lost_claim.subject)).holds
+        with pytest.raises(ClaimLost):
+            await lost_claim.mark_replied(note="too late")
+    assert (await other.status(lost_claim.subject)).holder == HUMAN

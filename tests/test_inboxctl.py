@@ -78,7 +78,7 @@ def test_help_shows_every_command_with_examples_and_exit_codes(capsys: pytest.Ca
     installed = Path(sys.executable).with_name("inboxctl")
     top = subprocess.run([str(installed), "--help"], capture_output=True, text=True, timeout=30)
     assert top.returncode == 0, top.stderr
-    for command in ("status", "ls", "watch", "claim", "release", "takeover", "in-doubt", "resolve"):
+    for command in ("status", "ls", "watch", "claim", "release", "takeover", "replied", "in-doubt", "resolve"):
         assert f"inboxctl {command} grant-7f3a" in top.stdout
         with pytest.raises(SystemExit) as done:
             main([command, "--help"])
@@ -170,6 +170,41 @@ def test_takeover_fences_the_agent(ctl: Ctl, agent: Coordinator, mailbox: str) -
     assert agent.begin_send(subject, agent_token) == FenceResult(ok=False, status=agent.status(subject))
     again = ctl("takeover", mailbox, "msg-vip", env={"INBOX_PRINCIPAL": "bo@example.com"})
     assert (again.returncode, "not taken over: a human holds it" in again.stdout) == (1, True)
+
+
+def test_replied_records_a_reply_by_hand_and_the_agent_then_leaves_it(
+    ctl: Ctl, agent: Coordinator, mailbox: str
+) -> None:
+    subject = Subject.message(mailbox, "msg-vip")
+    agent.claim(subject, ttl=60)
+    held_by_agent = ctl("replied", mailbox, "msg-vip")
+    assert held_by_agent.returncode == 1
+    assert f"take it over first: inboxctl takeover {mailbox} msg-vip" in held_by_agent.stdout
+    assert ctl("takeover", mailbox, "msg-vip").returncode == 0
+    not_yours = ctl("replied", mailbox, "msg-vip", env={"INBOX_PRINCIPAL": "bo@example.com"})
+    assert not_yours.returncode == 1
+    marked = ctl("replied", mailbox, "msg-vip", "--sent-id", "gmail-1", "--note", "replied from Gmail")
+    assert marked.returncode == 0, marked.stderr
+    assert f"recorded: message msg-vip in {mailbox} was answered by hand" in marked.stdout
+    assert f"replied   by hand by {ANA} (human)" in marked.stdout
+    assert "sent id   gmail-1" in marked.stdout
+    later = agent.claim(subject, notification_id="message.updated-1")
+    assert later.outcome.name == "ALREADY_REPLIED"
+    assert later.status is not None
+    assert later.status.replied_by_hand
+
+    # Answered without claiming first: `replied` claims and marks in one go.
+    unclaimed = ctl("replied", mailbox, "msg-phone", "--note", "called them", "--json")
+    assert unclaimed.returncode == 0, unclaimed.stderr
+    document = json.loads(unclaimed.stdout)
+    assert (document["ok"], document["status"]["state"], document["status"]["replied_by_hand"]) == (
+        True,
+        "REPLIED",
+        True,
+    )
+    assert agent.claim(Subject.message(mailbox, "msg-phone")).outcome.name == "ALREADY_REPLIED"
+    twice = ctl("replied", mailbox, "msg-phone")
+    assert (twice.returncode, "it is not held: nothing to record" in twice.stdout) == (1, True)
 
 
 def test_in_doubt_and_resolve(ctl: Ctl, agent: Coordinator, mailbox: str) -> None:

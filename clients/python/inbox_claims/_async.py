@@ -343,6 +343,17 @@ class AsyncClaim(ClaimBase):
             await self._notice_loss(cancel=False)
             raise
 
+    async def mark_replied(self, *, sent_message_id: str = "", note: str = "") -> None:
+        """Records that the reply was made outside ``send`` (by a person in a mail client, by phone): the
+        subject becomes REPLIED and every later notification for it is answered ALREADY_REPLIED. Fenced like
+        ``send``: raises :class:`ClaimLost` if the claim is no longer yours (nothing is recorded then)."""
+        await self._stop_renewal()
+        try:
+            await self._client._drive(self._state.mark_replied(sent_message_id, note))
+        except ClaimLost:
+            await self._notice_loss(cancel=False)
+            raise
+
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:

@@ -275,6 +275,7 @@ def status_from_pb(message: pb.SubjectStatus) -> SubjectStatus:
         sent_message_id=message.sent_message_id,
         revision=message.revision,
         ttl_seconds=message.ttl_seconds,
+        replied_by_hand=message.replied_by_hand,
     )
 
 
@@ -556,6 +557,18 @@ class Core:
         )
         return Op("ConfirmSent", request, _fence)
 
+    def mark_replied_op(
+        self, subject: Subject, token: int, sent_message_id: str = "", note: str = ""
+    ) -> Op[FenceResult]:
+        request = pb.MarkRepliedRequest(
+            request_id=new_request_id(),
+            subject=subject_to_pb(subject),
+            fencing_token=_token(token),
+            sent_message_id=sent_message_id,
+            note=note,
+        )
+        return Op("MarkReplied", request, _fence)
+
     def abort_send_op(
         self, subject: Subject, token: int, reason: str = "", *, redeliverable: bool = False
     ) -> Op[FenceResult]:
@@ -614,6 +627,13 @@ class Core:
         """AbortSend: the send certainly did not go out (SENDING or IN_DOUBT to FREE); ``redeliverable`` as in
         ``release``."""
         return self.call(self.abort_send_op(subject, token, reason, redeliverable=redeliverable))
+
+    def mark_replied(
+        self, subject: Subject, token: int, *, sent_message_id: str = "", note: str = ""
+    ) -> Flow[FenceResult]:
+        """MarkReplied: the holder answered without the coordinator (in a mail client, by phone): CLAIMED to
+        REPLIED, so later claims answer ALREADY_REPLIED. Fenced like ``begin_send`` (``ok`` False: not yours)."""
+        return self.call(self.mark_replied_op(subject, token, sent_message_id, note))
 
     def status(self, subject: Subject) -> Flow[SubjectStatus]:
         """GetStatus: one subject's state (FREE when nothing is recorded)."""
@@ -867,6 +887,7 @@ class ClientBase:
     begin_send = rpc(Core.begin_send)
     confirm_sent = rpc(Core.confirm_sent)
     abort_send = rpc(Core.abort_send)
+    mark_replied = rpc(Core.mark_replied)
     status = rpc(Core.status)
     list_claims = rpc(Core.list_claims)
     iter_claims = stream(Core.iter_claims)

@@ -255,6 +255,27 @@ class GuardState:
         yield from self._confirm(sent)
         return sent
 
+    def mark_replied(self, sent_message_id: str, note: str) -> Flow[None]:
+        """MarkReplied (fenced): the reply was made outside ``send``; a refusal is the claim's loss."""
+        with self._lock:
+            if self.phase is Phase.LOST:
+                raise self.lost_error()
+            if self.phase is not Phase.CLAIMED:
+                raise RuntimeError(f"claim.mark_replied() needs a held claim (this claim is {self.phase.value})")
+            self.phase = Phase.BEGINNING  # renewal stops; the exit releases if the answer never comes
+        op = self.core.mark_replied_op(self.subject, self.token, sent_message_id, clean_text(note))
+        try:
+            result = yield from self.core.call(op)
+        except BaseException:
+            self.phase = Phase.CLAIMED
+            raise
+        if result.stale:
+            self._lose(self._stale_reason(result.status), result.status, Phase.BEGINNING)
+            raise self.lost_error()
+        self.status = result.status
+        self.sent_message_id = sent_message_id
+        self.phase = Phase.REPLIED
+
     def _abort(self, rejected: SendRejected) -> Flow[None]:
         op = self.core.abort_send_op(self.subject, self.token, clean_text(rejected.reason))
         try:

@@ -326,6 +326,17 @@ class Claim(ClaimBase):
             self._notice_loss()
             raise
 
+    def mark_replied(self, *, sent_message_id: str = "", note: str = "") -> None:
+        """Records that the reply was made outside ``send`` (by a person in a mail client, by phone): the
+        subject becomes REPLIED and every later notification for it is answered ALREADY_REPLIED. Fenced like
+        ``send``: raises :class:`ClaimLost` if the claim is no longer yours (nothing is recorded then)."""
+        self._stop.set()
+        try:
+            self._client._drive(self._state.mark_replied(sent_message_id, note))
+        except ClaimLost:
+            self._notice_loss()
+            raise
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:

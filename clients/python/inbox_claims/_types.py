@@ -95,6 +95,8 @@ class EventType(enum.Enum):
     IN_DOUBT = "in_doubt"
     RESOLVED_NOT_SENT = "resolved_not_sent"
     RETENTION_ENDED = "retention_ended"
+    MARKED_REPLIED = "marked_replied"
+    """The holder recorded a reply made by hand (``mark_replied``)."""
 
 
 class LossReason(enum.Enum):
@@ -169,6 +171,8 @@ class SubjectStatus:
     sent_message_id: str = ""
     revision: int = 0
     ttl_seconds: int = 0
+    replied_by_hand: bool = False
+    """REPLIED by ``mark_replied`` (a person answered outside the coordinator), not by a confirmed send."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -245,7 +245,8 @@ def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
         )
         lines.append("  check the mailbox's sent folder, then: inboxctl resolve MAILBOX ID --sent | --not-sent")
     elif state is SubjectState.REPLIED:
-        lines.append(f"  replied   by {holder_text(status)} {ago(status.sent_at, now)} ({clock(status.sent_at)})")
+        how = "by hand " if status.replied_by_hand else ""
+        lines.append(f"  replied   {how}by {holder_text(status)} {ago(status.sent_at, now)} ({clock(status.sent_at)})")
         if status.sent_message_id:
             lines.append(f"  sent id   {status.sent_message_id}")
         lines.append(f"  kept      until {clock(status.expires_at)} ({within(status.expires_at, now)})")
@@ -410,18 +411,28 @@ async def cmd_claim(ctx: Context) -> int:
     return EXIT_REFUSED
 
 
+def _is_mine(ctx: Context, status: SubjectStatus) -> bool:
+    # With a token the coordinator knows who we are and refuses another's claim (PERMISSION_DENIED).
+    return status.state is SubjectState.CLAIMED and (
+        ctx.settings["principal"] is None or status.holder == ctx.settings["principal"]
+    )
+
+
+def _refuse(ctx: Context, why: str, status: SubjectStatus) -> int:
+    if ctx.json:
+        ctx.emit({"ok": False, "status": status})
+    else:
+        ctx.say(why, *status_lines(status, now_utc()))
+    return EXIT_REFUSED
+
+
 async def cmd_release(ctx: Context) -> int:
     subject = ctx.subject()
     token = ctx.options.fencing_token
     if token is None:
         status = await ctx.client.status(subject)
-        mine = ctx.settings["principal"] is None or status.holder == ctx.settings["principal"]
-        if status.state is not SubjectState.CLAIMED or not mine:
-            if ctx.json:
-                ctx.emit({"ok": False, "status": status})
-            else:
-                ctx.say("not released: you do not hold it", *status_lines(status, now_utc()))
-            return EXIT_REFUSED
+        if not _is_mine(ctx, status):
+            return _refuse(ctx, "not released: you do not hold it", status)
         token = status.fencing_token
     result = await ctx.client.release(subject, token)
     if ctx.json:
@@ -450,6 +461,44 @@ async def cmd_takeover(ctx: Context) -> int:
         why = "a human holds it" if result.outcome is TakeoverOutcome.HELD else "the reply already began or went out"
         ctx.say(f"not taken over: {why}", *status_lines(result.status, now_utc()))
     return EXIT_OK if result.holds else EXIT_REFUSED
+
+
+# How long the claim that `replied` takes on a FREE message lasts: only the instant until it is marked.
+REPLIED_CLAIM_TTL = 30
+
+
+async def cmd_replied(ctx: Context) -> int:
+    """MarkReplied on your claim; on a FREE message, claim then mark (you answered without claiming first)."""
+    subject, options = ctx.subject(), ctx.options
+    token = options.fencing_token
+    if token is None:
+        status = await ctx.client.status(subject)
+        if status.state is SubjectState.FREE:
+            claimed = await ctx.client.claim(subject, ttl=REPLIED_CLAIM_TTL, note=options.note)
+            if not claimed.granted:
+                assert claimed.status is not None
+                return _refuse(ctx, "not recorded: someone claimed it just now", claimed.status)
+            token = claimed.token
+        elif _is_mine(ctx, status):
+            token = status.fencing_token
+        else:
+            hint = (
+                f"take it over first: inboxctl takeover {subject.mailbox} {_quote(subject.id)}"
+                if status.state is SubjectState.CLAIMED
+                else "it is not held: nothing to record"
+            )
+            return _refuse(ctx, f"not recorded: you do not hold it ({hint})", status)
+    result = await ctx.client.mark_replied(subject, token, sent_message_id=options.sent_id or "", note=options.note)
+    if ctx.json:
+        ctx.emit({"ok": result.ok, "status": result.status})
+    elif result.ok:
+        ctx.say(
+            f"recorded: {describe_subject(subject)} was answered by hand; agents will not reply to it",
+            *status_lines(result.status, now_utc()),
+        )
+    else:
+        ctx.say("not recorded: your claim ended (it lapsed or was taken over)", *status_lines(result.status, now_utc()))
+    return EXIT_OK if result.ok else EXIT_REFUSED
 
 
 async def cmd_resolve(ctx: Context) -> int:
@@ -604,6 +653,12 @@ COMMANDS: dict[str, tuple[Command, str, str]] = {
         "take a message over from an agent (humans with the takeover role): the agent cannot send any more",
         "  inboxctl takeover grant-7f3a msg-123 --note 'VIP customer, I will answer'",
     ),
+    "replied": (
+        cmd_replied,
+        "record that you answered a message yourself (mail client, phone): agents will not reply to it",
+        "  inboxctl replied grant-7f3a msg-123 --note 'replied from Gmail'\n"
+        "  inboxctl replied grant-7f3a msg-123 --sent-id 18c2f0a9e",
+    ),
     "in-doubt": (
         cmd_in_doubt,
         "list the sends whose outcome is unknown (IN_DOUBT): each needs a person to check the sent folder",
@@ -653,8 +708,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("claim", "takeover"):
             sub.add_argument("--ttl", type=int, default=DEFAULT_CLAIM_TTL, help="seconds the claim lasts (default 900)")
             sub.add_argument("--note", default="", help="shown to everyone watching the mailbox")
-        if name == "release":
+        if name in ("release", "replied"):
             sub.add_argument("--fencing-token", type=int, default=None, help="the claim's token (default: yours)")
+        if name == "replied":
+            sub.add_argument("--sent-id", default=None, help="the id of the message you sent, when you know it")
+            sub.add_argument("--note", default="", help="how it was answered (shown to everyone)")
         if name == "resolve":
             outcome = sub.add_mutually_exclusive_group(required=True)
             outcome.add_argument("--sent", dest="sent", action="store_true", help="the reply is in the sent folder")

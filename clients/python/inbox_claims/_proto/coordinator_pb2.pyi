@@ -166,6 +166,8 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """ResolveInDoubt settled the subject as not sent (as sent is reported as REPLIED)."""
     EVENT_TYPE_RETENTION_ENDED: _EventType.ValueType  # 11
     """A reply record's retention ended; the subject is FREE again."""
+    EVENT_TYPE_MARKED_REPLIED: _EventType.ValueType  # 12
+    """The holder recorded a reply made by hand (MarkReplied); the subject is REPLIED, `status.note` says how."""
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper): ...
 
@@ -185,6 +187,8 @@ EVENT_TYPE_RESOLVED_NOT_SENT: EventType.ValueType  # 10
 """ResolveInDoubt settled the subject as not sent (as sent is reported as REPLIED)."""
 EVENT_TYPE_RETENTION_ENDED: EventType.ValueType  # 11
 """A reply record's retention ended; the subject is FREE again."""
+EVENT_TYPE_MARKED_REPLIED: EventType.ValueType  # 12
+"""The holder recorded a reply made by hand (MarkReplied); the subject is REPLIED, `status.note` says how."""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 @_typing.final
@@ -241,6 +245,7 @@ class SubjectStatus(_message.Message):
     SENT_MESSAGE_ID_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    REPLIED_BY_HAND_FIELD_NUMBER: _builtins.int
     state: Global___SubjectState.ValueType
     holder: _builtins.str
     """The principal holding the claim or who sent the reply. Empty when FREE."""
@@ -257,6 +262,8 @@ class SubjectStatus(_message.Message):
     """The etcd revision of the subject's last change; 0 when FREE."""
     ttl_seconds: _builtins.int
     """The TTL in seconds the holder asked for on its last claim or renewal."""
+    replied_by_hand: _builtins.bool
+    """REPLIED: recorded by MarkReplied (a person answered outside the coordinator), not by a confirmed send."""
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     @_builtins.property
@@ -298,10 +305,11 @@ class SubjectStatus(_message.Message):
         sent_message_id: _builtins.str = ...,
         revision: _builtins.int = ...,
         ttl_seconds: _builtins.int = ...,
+        replied_by_hand: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "state", b"state", "subject", b"subject", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "replied_by_hand", b"replied_by_hand", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "state", b"state", "subject", b"subject", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1170,6 +1178,69 @@ class ResolveInDoubtResponse(_message.Message):
 Global___ResolveInDoubtResponse: _TypeAlias = ResolveInDoubtResponse  # noqa: Y015
 
 @_typing.final
+class MarkRepliedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    SENT_MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    fencing_token: _builtins.int
+    """The token of the caller's current claim (ClaimReply or Takeover granted it)."""
+    sent_message_id: _builtins.str
+    """The sent message's id when known (from the mail client). 0 to 512 bytes."""
+    note: _builtins.str
+    """How it was answered ("replied from Gmail", "called the customer"). Up to 1024 bytes; empty keeps the
+    claim's note.
+    """
+    @_builtins.property
+    def subject(self) -> Global___Subject: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        subject: Global___Subject | None = ...,
+        fencing_token: _builtins.int = ...,
+        sent_message_id: _builtins.str = ...,
+        note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "note", b"note", "request_id", b"request_id", "sent_message_id", b"sent_message_id", "subject", b"subject"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MarkRepliedRequest: _TypeAlias = MarkRepliedRequest  # noqa: Y015
+
+@_typing.final
+class MarkRepliedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    result: Global___FenceResult.ValueType
+    """OK: recorded; `status` is the reply record (REPLIED, `replied_by_hand`). STALE_TOKEN: the claim is no
+    longer the caller's; nothing was recorded.
+    """
+    @_builtins.property
+    def status(self) -> Global___SubjectStatus: ...
+    def __init__(
+        self,
+        *,
+        result: Global___FenceResult.ValueType = ...,
+        status: Global___SubjectStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MarkRepliedResponse: _TypeAlias = MarkRepliedResponse  # noqa: Y015
+
+@_typing.final
 class BatchCall(_message.Message):
     """One call of a Batch: the request of the unary RPC of the same name."""
 
@@ -1183,6 +1254,7 @@ class BatchCall(_message.Message):
     CONFIRM_SENT_FIELD_NUMBER: _builtins.int
     ABORT_SEND_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
+    MARK_REPLIED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def record_delivery(self) -> Global___RecordDeliveryRequest: ...
     @_builtins.property
@@ -1199,6 +1271,8 @@ class BatchCall(_message.Message):
     def abort_send(self) -> Global___AbortSendRequest: ...
     @_builtins.property
     def get_status(self) -> Global___GetStatusRequest: ...
+    @_builtins.property
+    def mark_replied(self) -> Global___MarkRepliedRequest: ...
     def __init__(
         self,
         *,
@@ -1210,12 +1284,13 @@ class BatchCall(_message.Message):
         confirm_sent: Global___ConfirmSentRequest | None = ...,
         abort_send: Global___AbortSendRequest | None = ...,
         get_status: Global___GetStatusRequest | None = ...,
+        mark_replied: Global___MarkRepliedRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -1287,6 +1362,7 @@ class BatchResult(_message.Message):
     CONFIRM_SENT_FIELD_NUMBER: _builtins.int
     ABORT_SEND_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
+    MARK_REPLIED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def error(self) -> Global___CallError: ...
     @_builtins.property
@@ -1305,6 +1381,8 @@ class BatchResult(_message.Message):
     def abort_send(self) -> Global___AbortSendResponse: ...
     @_builtins.property
     def get_status(self) -> Global___GetStatusResponse: ...
+    @_builtins.property
+    def mark_replied(self) -> Global___MarkRepliedResponse: ...
     def __init__(
         self,
         *,
@@ -1317,12 +1395,13 @@ class BatchResult(_message.Message):
         confirm_sent: Global___ConfirmSentResponse | None = ...,
         abort_send: Global___AbortSendResponse | None = ...,
         get_status: Global___GetStatusResponse | None = ...,
+        mark_replied: Global___MarkRepliedResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
