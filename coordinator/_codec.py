@@ -6,7 +6,7 @@ fields are left out, and a REPLIED record keeps only what a reply record is for 
 
     subject:   {"s": state, "h": holder, "k": kind, "a": acquired ms, "l": ttl s, "x": expires ms, "n": note,
                 "r": request id, "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id,
-                "q": MarkReplied's request id (replied by hand)}
+                "q": MarkReplied's request id (replied by hand), "v": [subject line, sender, received ms]}
     delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id]}
     end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "t": at ms, "n": detail,
                 "u": 0 when it leaves its notification redeliverable}
@@ -26,6 +26,7 @@ from .domain import (
     Subject,
     SubjectKind,
     SubjectRecord,
+    Summary,
 )
 
 _STATES = {State.CLAIMED: "c", State.SENDING: "s", State.REPLIED: "r", State.IN_DOUBT: "d"}
@@ -59,6 +60,7 @@ def encode_record(record: SubjectRecord) -> bytes:
         "t": record.sent_ms,
         "m": record.sent_message_id,
         "q": record.marked_request_id,
+        "v": _summary(record.summary),
     }
     if record.state is State.REPLIED:
         for key in _CLAIM_ONLY:
@@ -82,7 +84,12 @@ def decode_record(value: bytes) -> SubjectRecord:
         sent_ms=data.get("t"),
         sent_message_id=data.get("m", ""),
         marked_request_id=data.get("q", ""),
+        summary=Summary(*data["v"]) if "v" in data else None,
     )
+
+
+def _summary(summary: Summary | None) -> list[Any] | None:
+    return [summary.subject_line, summary.sender, summary.received_ms] if summary else None
 
 
 def encode_end_mark(mark: EndMark) -> bytes:

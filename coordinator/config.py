@@ -232,6 +232,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("reply_retention", _duration, 72 * 3600.0, "how long a reply record is kept", "DURATION"),
     Setting("delivery_retention", _duration, 24 * 3600.0, "how long a delivery record is kept", "DURATION"),
     Setting(
+        "store_summaries",
+        _boolean,
+        True,
+        "keep the subject line and sender a claim gives (personal data, docs/security.md); false drops them",
+    ),
+    Setting(
         "claim_lease_bucket",
         _duration,
         1.0,
@@ -303,6 +309,7 @@ class Config:
     send_timeout: float
     reply_retention: float
     delivery_retention: float
+    store_summaries: bool
     claim_lease_bucket: float
     record_lease_bucket: float
     metrics_listen: str
@@ -375,6 +382,7 @@ class Config:
             reply_retention_ms=_ms(self.reply_retention),
             delivery_retention_ms=_ms(self.delivery_retention),
             send_timeout_ms=_ms(self.send_timeout),
+            store_summaries=self.store_summaries,
         )
 
 

@@ -123,6 +123,19 @@ def require_role(caller: Caller, role: str, call: str) -> None:
 
 
 @dataclass(frozen=True)
+class Summary:
+    """What a person tells one email from another by: personal data, stored only when the operator allows
+    (``Rules.store_summaries``) and deleted with the record that carries it."""
+
+    subject_line: str = ""
+    sender: str = ""
+    received_ms: int | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.subject_line or self.sender or self.received_ms)
+
+
+@dataclass(frozen=True)
 class SubjectRecord:
     """What the store keeps under a subject's key while it is not FREE."""
 
@@ -143,6 +156,8 @@ class SubjectRecord:
     # REPLIED by MarkReplied (a person answered outside the coordinator): that call's request id, so that its
     # retry gets the first answer. Empty when the reply went through BeginSend.
     marked_request_id: str = ""
+    # Kept from the claim to its reply record, so that every row a person sees names its email.
+    summary: Summary | None = None
 
     @property
     def replied_by_hand(self) -> bool:
@@ -207,6 +222,8 @@ class Rules:
     delivery_retention_ms: int = 24 * 3600 * 1000
     # How long BeginSend gives the holder to confirm or abort before the subject is reported IN_DOUBT.
     send_timeout_ms: int = 120_000
+    # Whether a claim keeps the caller's summary of its email (subject line, sender): personal data.
+    store_summaries: bool = True
 
     def claim_expiry(self, now_ms: int, ttl_seconds: int) -> int:
         return _round_up(now_ms + ttl_seconds * 1000, self.claim_bucket_ms)
@@ -234,9 +251,17 @@ def state_of(stored: Stored | None) -> State:
 
 
 def new_claim(
-    rules: Rules, caller: Caller, *, ttl_seconds: int, note: str, request_id: str, now_ms: int
+    rules: Rules,
+    caller: Caller,
+    *,
+    ttl_seconds: int,
+    note: str,
+    request_id: str,
+    now_ms: int,
+    summary: Summary | None = None,
 ) -> SubjectRecord:
     return SubjectRecord(
+        summary=summary if summary and rules.store_summaries else None,
         state=State.CLAIMED,
         holder=caller.principal,
         holder_kind=caller.kind,

@@ -23,6 +23,7 @@ from .domain import (
     State,
     Stored,
     Subject,
+    Summary,
     TakeoverResult,
     Transition,
 )
@@ -81,6 +82,17 @@ def _check_request_id(request_id: str) -> None:
     limits.check_text("request_id", request_id, limits.REQUEST_ID_MAX_BYTES, required=True)
 
 
+def _check_summary(summary: Summary | None) -> None:
+    if summary is None:
+        return
+    limits.check_text(
+        "summary.subject_line", summary.subject_line, limits.SUMMARY_SUBJECT_LINE_MAX_BYTES, required=False
+    )
+    limits.check_text("summary.sender", summary.sender, limits.SUMMARY_SENDER_MAX_BYTES, required=False)
+    if summary.received_ms is not None and summary.received_ms < 0:
+        raise InvalidArgument("summary.received_at", "is before 1970; leave it unset when unknown")
+
+
 def _check_token(token: int) -> None:
     if token <= 0:
         raise InvalidArgument("fencing_token", "is required: pass the token ClaimReply granted (a positive number)")
@@ -128,14 +140,18 @@ class Engine:
         notification_id: str,
         ttl_seconds: int,
         note: str,
+        summary: Summary | None = None,
     ) -> ClaimOutcome:
         _check_request_id(request_id)
         _check_subject(caller, subject)
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        _check_summary(summary)
         ttl = self.rules.limits.ttl(ttl_seconds)
         now = self._clock()
-        record = domain.new_claim(self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=now)
+        record = domain.new_claim(
+            self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=now, summary=summary
+        )
         delivery = (
             domain.new_delivery(
                 caller,
@@ -338,16 +354,34 @@ class Engine:
     # --- humans --------------------------------------------------------------------------------------------
 
     async def takeover(
-        self, caller: Caller, *, request_id: str, subject: Subject, ttl_seconds: int, note: str
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        ttl_seconds: int,
+        note: str,
+        summary: Summary | None = None,
     ) -> TakeoverOutcome:
         domain.require_human(caller)
         domain.require_role(caller, "takeover", "Takeover")
         _check_request_id(request_id)
         _check_subject(caller, subject)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        _check_summary(summary)
         ttl = self.rules.limits.ttl(ttl_seconds)
+        if not summary:
+            # A person taking over from a terminal rarely knows the subject line; the agent's claim does.
+            before = await self.store.status(subject)
+            summary = before.record.summary if before is not None else None
         record = domain.new_claim(
-            self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=self._clock()
+            self.rules,
+            caller,
+            ttl_seconds=ttl,
+            note=note,
+            request_id=request_id,
+            now_ms=self._clock(),
+            summary=summary,
         )
         previous: EndMark | None = None
         outcome: TakeoverOutcome | None = None

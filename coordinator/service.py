@@ -38,6 +38,7 @@ from .domain import (
     Stored,
     Subject,
     SubjectKind,
+    Summary,
     TakeoverResult,
 )
 from .engine import Engine, Event, Snapshot
@@ -128,6 +129,21 @@ def subject_in(message: pb.Subject, field: str = "subject") -> Subject:
     return Subject(message.mailbox, kind, message.id)
 
 
+def summary_in(message: pb.MessageSummary) -> Summary:
+    received = message.received_at
+    if received.nanos < 0 or received.nanos > 999_999_999:
+        raise InvalidArgument("summary.received_at.nanos", "must be 0..999999999")
+    return Summary(message.subject_line, message.sender, received.ToMilliseconds() if received.seconds else None)
+
+
+def summary_out(summary: Summary | None) -> pb.MessageSummary | None:
+    if not summary:
+        return None
+    return pb.MessageSummary(
+        subject_line=summary.subject_line, sender=summary.sender, received_at=_timestamp(summary.received_ms)
+    )
+
+
 def subject_out(subject: Subject) -> pb.Subject:
     return pb.Subject(mailbox=subject.mailbox, kind=_KINDS_OUT[subject.kind], id=subject.id)
 
@@ -152,6 +168,7 @@ def status_out(subject: Subject, stored: Stored | None) -> pb.SubjectStatus:
         revision=stored.revision,
         ttl_seconds=record.ttl_seconds,
         replied_by_hand=record.replied_by_hand,
+        summary=summary_out(record.summary),
     )
 
 
@@ -296,6 +313,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             notification_id=request.notification_id,
             ttl_seconds=request.ttl_seconds,
             note=request.note,
+            summary=summary_in(request.summary),
         )
         return pb.ClaimReplyResponse(
             result=_CLAIM_RESULTS[outcome.result],
@@ -401,6 +419,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             subject=subject,
             ttl_seconds=request.ttl_seconds,
             note=request.note,
+            summary=summary_in(request.summary),
         )
         return pb.TakeoverResponse(
             result=_TAKEOVER_RESULTS[outcome.result],

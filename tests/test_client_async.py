@@ -28,6 +28,7 @@ from inbox_claims import (
     HolderKind,
     InvalidRequest,
     LossReason,
+    MessageSummary,
     Notification,
     PermissionDenied,
     ReplyHeld,
@@ -40,6 +41,7 @@ from inbox_claims import (
     Unauthenticated,
     WatchEvent,
     WatchSnapshot,
+    parse_notification,
 )
 
 from .conftest import StartCoordinator, test_rules
@@ -637,3 +639,42 @@ async def test_a_claim_marked_replied_by_hand_answers_later_notifications(
         with pytest.raises(ClaimLost):
             await lost_claim.mark_replied(note="too late")
     assert (await other.status(lost_claim.subject)).holder == HUMAN
+
+
+async def test_reply_to_describes_the_email_from_the_notification(
+    agent: AsyncCoordinator, human: AsyncCoordinator, mailbox: str
+) -> None:
+    document = {
+        "specversion": "1.0",
+        "type": "message.created",
+        "id": "notif-summary-1",
+        "data": {
+            "object": {
+                "id": "msg-described",
+                "grant_id": mailbox,
+                "object": "message",
+                "subject": "Where is my order?\r\n" + "x" * 600,
+                "from": [{"name": "Bea Costa", "email": "bea@example.org"}],
+                "date": 1796000000,
+            }
+        },
+    }
+    async with agent.reply_to(parse_notification(document)) as claim:
+        held = await human.status(claim.subject)
+    assert held.summary is not None
+    assert held.summary.subject_line.startswith("Where is my order?  xxx")
+    assert len(held.summary.subject_line.encode()) == 512  # cut to the coordinator's limit, never refused
+    assert held.summary.sender == "Bea Costa <bea@example.org>"
+    assert held.summary.received_at == datetime.fromtimestamp(1796000000, tz=UTC)
+
+    # A notification without those fields (or with odd ones) claims as before, with no summary.
+    document["id"], document["data"]["object"] = (  # type: ignore[index]
+        "notif-summary-2",
+        {"id": "msg-bare", "grant_id": mailbox, "from": "not-a-list", "date": "yesterday"},
+    )
+    async with agent.reply_to(parse_notification(document)) as claim:
+        assert (await human.status(claim.subject)).summary is None
+
+    summary = MessageSummary("Invoice", "carl@example.net")
+    taken = await human.takeover(Subject.message(mailbox, "msg-by-hand"), summary=summary)
+    assert taken.status.summary == summary

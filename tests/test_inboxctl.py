@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import pty
 import select
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from coordinator.etcd_process import EtcdServer
-from inbox_claims import Coordinator, FenceResult, Subject, SubjectState
+from inbox_claims import Coordinator, FenceResult, MessageSummary, Subject, SubjectState
 from inbox_claims.cli import main
 from inbox_claims.testing import RunningCoordinator, running_coordinator
 
@@ -366,3 +370,53 @@ def test_tokens_are_sent_and_refusals_exit_4(ctl: Ctl, shared_etcd: EtcdServer, 
         assert (other_tenant.returncode, "not permitted" in other_tenant.stderr) == (4, True)
         no_role = ctl("--token", TOKENS["bo"], "takeover", "acme-1", "m-2", env=as_ana)  # the flag wins over env
         assert no_role.returncode == 4
+
+
+def test_ls_status_and_watch_show_which_email_and_watch_fits_the_terminal(
+    running: RunningCoordinator, home: Path, ctl: Ctl, agent: Coordinator, mailbox: str
+) -> None:
+    refund = MessageSummary("Refund for order 1182?", "Bea Costa <bea@example.org>", datetime.now(UTC))
+    agent.claim(Subject.message(mailbox, "msg-00"), ttl=600, summary=refund)
+    for number in range(1, 30):
+        agent.claim(Subject.message(mailbox, f"msg-{number:02d}"), ttl=600)
+    replied = Subject.message(mailbox, "msg-done")
+    agent.mark_replied(replied, agent.claim(replied, summary=MessageSummary("Invoice 77", "carl@example.net")).token)
+
+    status = ctl("status", mailbox, "msg-00")
+    assert "  subject   Refund for order 1182?" in status.stdout
+    assert "  from      Bea Costa <bea@example.org> (received " in status.stdout
+    header, *rows = ctl("ls", mailbox, "--limit", "2").stdout.splitlines()
+    assert header.split()[:4] == ["KIND", "ID", "SUBJECT", "FROM"]
+    assert "Refund for order 1182?  Bea Costa <bea@example.org>  CLAIMED" in rows[0]
+
+    env = clean_env(home, INBOX_COORDINATOR_TARGET=running.target, INBOX_PRINCIPAL=ANA)
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 16, 120, 0, 0))
+    command = [sys.executable, "-m", "inbox_claims.cli", "watch", mailbox, "--state", "replied", "--state", "claimed"]
+    with subprocess.Popen([*command, "--count", "1"], env=env, stdout=terminal, stderr=subprocess.PIPE) as watch:
+        os.close(terminal)
+        screen = read_until(controller, b"Ctrl-C to stop")
+        agent.release(
+            Subject.message(mailbox, "msg-01"), agent.status(Subject.message(mailbox, "msg-01")).fencing_token
+        )
+        screen += read_until(controller, b"last event: ")
+        watch.wait(timeout=20)
+    os.close(controller)
+    assert watch.returncode == 0
+    last = screen.decode().rsplit("\x1b[H\x1b[J", 1)[1]
+    lines = last.rstrip("\r\n").splitlines()
+    assert len(lines) <= 16  # the terminal's height
+    assert "30 subject(s) CLAIMED or REPLIED" in lines[0]
+    assert "… and " in last
+    assert "more (narrow it with --state" in last
+    assert "RELEASED message msg-01" in last
+    assert "msg-00" in last  # claims sort before replies, so the live ones are the ones shown
+
+    # Line mode with a filter: the snapshot and the events of REPLIED subjects only.
+    only_replied = subprocess.run(
+        [*command[:-2], "--timeout", "1"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert only_replied.returncode == 0, only_replied.stderr
+    out = only_replied.stdout.splitlines()
+    assert f"watching {mailbox}: 1 subject(s) REPLIED" in out[0]
+    assert out[1].split()[1:3] == ["REPLIED", "message"]

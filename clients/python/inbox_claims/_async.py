@@ -29,7 +29,7 @@ from ._core import (
 )
 from ._envelope import Notification
 from ._errors import ClaimLost
-from ._guard import ClaimBase, GuardState, Scope, resolve_subject
+from ._guard import ClaimBase, GuardState, Scope, resolve_subject, summary_of
 from ._proto import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncClaim", "AsyncCoordinator"]
@@ -232,7 +232,9 @@ class AsyncCoordinator(ClientBase):
             notification_id=notification_id,
             scope=scope,
         )
-        state = GuardState(self._core, subject, notification_id=dedup_id, ttl=ttl, note=note)
+        state = GuardState(
+            self._core, subject, notification_id=dedup_id, ttl=ttl, note=note, summary=summary_of(notification)
+        )
         return AsyncClaim(self, state, on_lost, cancel_on_loss)
 
     def guarded(

@@ -37,6 +37,7 @@ from ._types import (
     EventType,
     FenceResult,
     HolderKind,
+    MessageSummary,
     RetryPolicy,
     Subject,
     SubjectKind,
@@ -246,6 +247,24 @@ def _time(message: Any, name: str) -> datetime | None:
     return datetime.fromtimestamp(stamp.seconds + stamp.nanos / 1e9, tz=UTC)
 
 
+def summary_to_pb(summary: MessageSummary | None) -> pb.MessageSummary | None:
+    if summary is None:
+        return None
+    if not isinstance(summary, MessageSummary):
+        raise TypeError(f"summary must be an inbox_claims.MessageSummary, not {type(summary).__name__}")
+    message = pb.MessageSummary(subject_line=summary.subject_line, sender=summary.sender)
+    if summary.received_at is not None:
+        message.received_at.FromDatetime(summary.received_at.astimezone(UTC))
+    return message
+
+
+def summary_from_pb(message: pb.SubjectStatus) -> MessageSummary | None:
+    if not message.HasField("summary"):
+        return None
+    summary = message.summary
+    return MessageSummary(summary.subject_line, summary.sender, _time(summary, "received_at"))
+
+
 def subject_to_pb(subject: Subject) -> pb.Subject:
     if not isinstance(subject, Subject):
         raise TypeError(f"subject must be an inbox_claims.Subject, not {type(subject).__name__}")
@@ -276,6 +295,7 @@ def status_from_pb(message: pb.SubjectStatus) -> SubjectStatus:
         revision=message.revision,
         ttl_seconds=message.ttl_seconds,
         replied_by_hand=message.replied_by_hand,
+        summary=summary_from_pb(message),
     )
 
 
@@ -514,13 +534,22 @@ class Core:
 
     # -- operations (the guard builds these once and runs them with call(), keeping their request ids) -----
 
-    def claim_op(self, subject: Subject, *, ttl: int = 0, notification_id: str = "", note: str = "") -> Op[ClaimResult]:
+    def claim_op(
+        self,
+        subject: Subject,
+        *,
+        ttl: int = 0,
+        notification_id: str = "",
+        note: str = "",
+        summary: MessageSummary | None = None,
+    ) -> Op[ClaimResult]:
         request = pb.ClaimReplyRequest(
             request_id=new_request_id(),
             subject=subject_to_pb(subject),
             notification_id=notification_id,
             ttl_seconds=_ttl(ttl),
             note=note,
+            summary=summary_to_pb(summary),
         )
         return Op("ClaimReply", request, _claim_result)
 
@@ -594,13 +623,21 @@ class Core:
         )
         return self.call(Op("RecordDelivery", request, _delivery_result))
 
-    def claim(self, subject: Subject, *, ttl: int = 0, notification_id: str = "", note: str = "") -> Flow[ClaimResult]:
+    def claim(
+        self,
+        subject: Subject,
+        *,
+        ttl: int = 0,
+        notification_id: str = "",
+        note: str = "",
+        summary: MessageSummary | None = None,
+    ) -> Flow[ClaimResult]:
         """ClaimReply: the exclusive, TTL'd right to reply to ``subject`` (``ttl`` 0: the server's default).
 
         Answers a :class:`ClaimResult` (GRANTED, HELD, ALREADY_REPLIED, DUPLICATE_DELIVERY); nothing is
         renewed for you. Agents should use ``reply_to``, which renews, fences the send and cleans up.
         """
-        return self.call(self.claim_op(subject, ttl=ttl, notification_id=notification_id, note=note))
+        return self.call(self.claim_op(subject, ttl=ttl, notification_id=notification_id, note=note, summary=summary))
 
     def renew(self, subject: Subject, token: int, *, ttl: int = 0) -> Flow[FenceResult]:
         """RenewClaim: pushes the claim's expiry ``ttl`` seconds out (``ok`` False: the token is stale)."""
@@ -696,11 +733,17 @@ class Core:
                 log.info("Watch of %r ended with %s; watching again in %.2f s", mailbox, failure.code.name, delay)
                 yield Sleep(delay)
 
-    def takeover(self, subject: Subject, *, ttl: int = 0, note: str = "") -> Flow[TakeoverResult]:
+    def takeover(
+        self, subject: Subject, *, ttl: int = 0, note: str = "", summary: MessageSummary | None = None
+    ) -> Flow[TakeoverResult]:
         """Takeover (humans only): ends an agent's claim (its token goes stale at once) and gives the caller a
         new one. Never takes from a human (HELD) nor after the send began (ALREADY_REPLIED)."""
         request = pb.TakeoverRequest(
-            request_id=new_request_id(), subject=subject_to_pb(subject), ttl_seconds=_ttl(ttl), note=note
+            request_id=new_request_id(),
+            subject=subject_to_pb(subject),
+            ttl_seconds=_ttl(ttl),
+            note=note,
+            summary=summary_to_pb(summary),
         )
         return self.call(Op("Takeover", request, _takeover_result))
 

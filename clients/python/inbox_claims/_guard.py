@@ -20,7 +20,7 @@ import threading
 import time
 import unicodedata
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from ._core import Core, Flow, Invoke, Op, Sleep
@@ -36,7 +36,17 @@ from ._errors import (
     SendRejected,
     SentButUnconfirmed,
 )
-from ._types import ClaimOutcome, ClaimResult, FenceResult, HolderKind, LossReason, Subject, SubjectState, SubjectStatus
+from ._types import (
+    ClaimOutcome,
+    ClaimResult,
+    FenceResult,
+    HolderKind,
+    LossReason,
+    MessageSummary,
+    Subject,
+    SubjectState,
+    SubjectStatus,
+)
 
 log = logging.getLogger("inbox_claims")
 
@@ -96,6 +106,37 @@ def resolve_subject(
     raise ValueError(f"scope must be 'message' or 'thread', not {scope!r}")
 
 
+# The coordinator's limits on a summary's texts (coordinator/limits.py): longer ones are cut, not refused.
+SUMMARY_SUBJECT_LINE_MAX_BYTES = 512
+SUMMARY_SENDER_MAX_BYTES = 512
+
+
+def summary_of(notification: Notification | None) -> MessageSummary | None:
+    """Which email a notification is about, from the Nylas message object it carries (``subject``, ``from``,
+    ``date``), when it has them; anything missing or of another shape is left out."""
+    if notification is None or not notification.is_message_event:
+        return None
+    message = notification.object
+    subject_line = message.get("subject")
+    senders = message.get("from")
+    date = message.get("date")
+    sender = ""
+    if isinstance(senders, list) and senders and isinstance(senders[0], dict):
+        name, email = senders[0].get("name"), senders[0].get("email")
+        name = name if isinstance(name, str) else ""
+        email = email if isinstance(email, str) else ""
+        sender = f"{name} <{email}>" if name and email else name or email
+    received = None
+    if isinstance(date, int) and not isinstance(date, bool) and 0 <= date < 253402300800:  # before year 10000
+        received = datetime.fromtimestamp(date, tz=UTC)
+    summary = MessageSummary(
+        clean_text(subject_line, SUMMARY_SUBJECT_LINE_MAX_BYTES) if isinstance(subject_line, str) else "",
+        clean_text(sender, SUMMARY_SENDER_MAX_BYTES),
+        received,
+    )
+    return summary if summary.subject_line or summary.sender or summary.received_at else None
+
+
 def granted_status(result: ClaimResult, subject: Subject, notification_id: str) -> SubjectStatus:
     """The granted claim's status, or the refusal as an exception."""
     if result.outcome is ClaimOutcome.DUPLICATE_DELIVERY:
@@ -120,7 +161,16 @@ class GuardState:
     Thread-safe: in the sync client the renewal runs in its own thread while the caller drafts and sends.
     """
 
-    def __init__(self, core: Core, subject: Subject, *, notification_id: str, ttl: int, note: str) -> None:
+    def __init__(
+        self,
+        core: Core,
+        subject: Subject,
+        *,
+        notification_id: str,
+        ttl: int,
+        note: str,
+        summary: MessageSummary | None = None,
+    ) -> None:
         self.core = core
         self.subject = subject
         self.notification_id = notification_id
@@ -134,7 +184,9 @@ class GuardState:
         # when it handled the last claim or renewal, which is after we sent it.
         self._valid_until = 0.0
         self._token = 0
-        self._claim_op = core.claim_op(subject, ttl=ttl, notification_id=notification_id, note=clean_text(note))
+        self._claim_op = core.claim_op(
+            subject, ttl=ttl, notification_id=notification_id, note=clean_text(note), summary=summary
+        )
 
     @property
     def token(self) -> int:

@@ -30,7 +30,7 @@ from ._core import (
 )
 from ._envelope import Notification
 from ._errors import ClaimLost, SendRejected
-from ._guard import ClaimBase, GuardState, Scope, resolve_subject
+from ._guard import ClaimBase, GuardState, Scope, resolve_subject, summary_of
 from ._proto import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["Claim", "Coordinator"]
@@ -247,7 +247,9 @@ class Coordinator(ClientBase):
             notification_id=notification_id,
             scope=scope,
         )
-        state = GuardState(self._core, subject, notification_id=dedup_id, ttl=ttl, note=note)
+        state = GuardState(
+            self._core, subject, notification_id=dedup_id, ttl=ttl, note=note, summary=summary_of(notification)
+        )
         return Claim(self, state, on_lost)
 
     def guarded(

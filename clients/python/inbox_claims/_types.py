@@ -151,6 +151,20 @@ class Subject:
 
 
 @dataclass(frozen=True, slots=True)
+class MessageSummary:
+    """Which email a claim is about, shown to the people watching the mailbox (``inboxctl``, the claims board).
+
+    Personal data: the coordinator keeps it with the claim and its reply record only, and not at all when its
+    ``store_summaries`` setting is off. ``reply_to(notification)`` fills it from the notification's message.
+    """
+
+    subject_line: str = ""
+    sender: str = ""
+    """As people read it: ``Bea Costa <bea@example.org>``."""
+    received_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SubjectStatus:
     """Everything recorded about one subject. Times are timezone-aware UTC datetimes, ``None`` when unset."""
 
@@ -173,6 +187,8 @@ class SubjectStatus:
     ttl_seconds: int = 0
     replied_by_hand: bool = False
     """REPLIED by ``mark_replied`` (a person answered outside the coordinator), not by a confirmed send."""
+    summary: MessageSummary | None = None
+    """Which email this is (subject line, sender), when the claim gave one and the coordinator keeps them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ import enum
 import getpass
 import json
 import os
+import shutil
 import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Sequence
@@ -230,6 +231,13 @@ def holder_text(status: SubjectStatus) -> str:
 def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
     """A person-readable account of one subject."""
     lines = [f"{describe_subject(status.subject)}: {status.state.name}"]
+    summary = status.summary
+    if summary is not None:
+        if summary.subject_line:
+            lines.append(f"  subject   {summary.subject_line}")
+        received = f" (received {clock(summary.received_at)})" if summary.received_at else ""
+        if summary.sender or received:
+            lines.append(f"  from      {summary.sender or '?'}{received}")
     state = status.state
     if state is SubjectState.CLAIMED:
         lines.append(
@@ -258,8 +266,12 @@ def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
 
 
 def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
-    """One row per subject: kind, id, state, holder, since, expires."""
-    header = ("KIND", "ID", "STATE", "HOLDER", "SINCE", "EXPIRES", "NOTE")
+    """One row per subject: kind, id, (subject line and sender, when any row has them,) state, holder, since,
+    expires, note."""
+    described = any(status.summary is not None for status in statuses)
+    header: tuple[str, ...] = ("KIND", "ID", "STATE", "HOLDER", "SINCE", "EXPIRES", "NOTE")
+    if described:
+        header = (*header[:2], "SUBJECT", "FROM", *header[2:])
     rows = [header]
     for status in statuses:
         sending = status.state in (SubjectState.SENDING, SubjectState.IN_DOUBT)
@@ -267,17 +279,20 @@ def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
         if status.state is SubjectState.REPLIED:
             since = status.sent_at
         expires = status.send_deadline if status.state is SubjectState.SENDING else status.expires_at
-        rows.append(
-            (
-                status.subject.kind.value,
-                _cut(status.subject.id, 40),
-                status.state.name,
-                _cut(holder_text(status), 36),
-                ago(since, now),
-                "never" if status.state is SubjectState.IN_DOUBT else within(expires, now),
-                _cut(status.note, 40),
-            )
+        row: tuple[str, ...] = (
+            status.subject.kind.value,
+            _cut(status.subject.id, 40),
+            status.state.name,
+            _cut(holder_text(status), 36),
+            ago(since, now),
+            "never" if status.state is SubjectState.IN_DOUBT else within(expires, now),
+            _cut(status.note, 40),
         )
+        if described:
+            summary = status.summary
+            email = (_cut(summary.subject_line, 40), _cut(summary.sender, 30)) if summary else ("", "")
+            row = (*row[:2], *email, *row[2:])
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
 
@@ -289,6 +304,8 @@ def _cut(text: str, width: int) -> str:
 def event_line(event: WatchEvent, now: datetime) -> str:
     status = event.status
     parts = [clock(now), event.type.name, describe_subject(status.subject)]
+    if status.summary is not None and status.summary.subject_line:
+        parts.append(json.dumps(_cut(status.summary.subject_line, 60), ensure_ascii=False))
     if status.holder:
         parts.append(f"by {holder_text(status)}")
     if event.previous_holder and event.previous_holder != status.holder:
@@ -513,34 +530,46 @@ async def cmd_resolve(ctx: Context) -> int:
     return EXIT_OK
 
 
+# The live table lists what needs a person first: unsettled sends, then sends, claims, replies.
+_URGENCY = {SubjectState.IN_DOUBT: 0, SubjectState.SENDING: 1, SubjectState.CLAIMED: 2, SubjectState.REPLIED: 3}
+
+
 class WatchView:
-    """The watched mailbox as a table (redrawn in place on a terminal) or as one line per event."""
+    """The watched mailbox as a table (redrawn in place on a terminal, cut to its height) or as one line per
+    event; ``--state`` keeps only subjects in those states (an event that moves one out is still shown)."""
 
     def __init__(self, ctx: Context, live: bool) -> None:
         self.ctx = ctx
         self.live = live
+        self.states = frozenset(SubjectState[name.upper()] for name in ctx.options.state or ())
         self.subjects: dict[Subject, SubjectStatus] = {}
         self.last = ""
         self.events = 0
 
+    def wanted(self, status: SubjectStatus) -> bool:
+        return not self.states or status.state in self.states
+
     def take(self, item: WatchItem) -> None:
         ctx, now = self.ctx, now_utc()
         if isinstance(item, WatchSnapshot):
-            self.subjects = {status.subject: status for status in item.subjects}
+            self.subjects = {status.subject: status for status in item.subjects if self.wanted(status)}
             if ctx.json:
                 ctx.emit({"snapshot": item})
             elif not self.live:
-                ctx.say(f"{clock(now)} watching {ctx.options.mailbox}: {len(item.subjects)} subject(s) not free")
-                for status in item.subjects:
+                ctx.say(f"{clock(now)} watching {ctx.options.mailbox}: {len(self.subjects)} subject(s) {self.what()}")
+                for status in self.subjects.values():
                     ctx.say(
                         f"{clock(now)} {status.state.name} {describe_subject(status.subject)} by {holder_text(status)}"
                     )
         else:
-            self.events += 1
-            if item.status.state is SubjectState.FREE:
+            shown = item.status.subject in self.subjects
+            if not self.wanted(item.status):
                 self.subjects.pop(item.status.subject, None)
+                if not shown:
+                    return  # neither in the filter nor leaving it
             else:
                 self.subjects[item.status.subject] = item.status
+            self.events += 1
             self.last = event_line(item, now)
             if ctx.json:
                 ctx.emit({"event": item})
@@ -549,13 +578,20 @@ class WatchView:
         if self.live and not ctx.json:
             self.draw()
 
+    def what(self) -> str:
+        return " or ".join(state.name for state in sorted(self.states, key=_URGENCY.__getitem__)) or "not free"
+
     def draw(self) -> None:
         now = now_utc()
-        rows = sorted(self.subjects.values(), key=lambda s: (s.subject.kind.value, s.subject.id))
-        lines = [f"inboxctl watch {self.ctx.options.mailbox}   {clock(now)}   {len(rows)} subject(s) not free", ""]
-        lines += table(rows, now) if rows else ["(nothing held)"]
-        lines += ["", f"last event: {self.last or '-'}", "Ctrl-C to stop"]
-        self.ctx.out.write("\x1b[H\x1b[J" + "\n".join(lines) + "\n")
+        rows = sorted(self.subjects.values(), key=lambda s: (_URGENCY[s.state], s.subject.kind.value, s.subject.id))
+        head = [f"inboxctl watch {self.ctx.options.mailbox}   {clock(now)}   {len(rows)} subject(s) {self.what()}", ""]
+        foot = ["", f"last event: {self.last or '-'}", "Ctrl-C to stop"]
+        # Fit the terminal: the table's header row and what is around it, then as many rows as fit.
+        room = max(shutil.get_terminal_size().lines - len(head) - len(foot) - 2, 1)
+        shown = table(rows[:room], now) if rows else ["(nothing held)"]
+        if len(rows) > room:
+            shown.append(f"… and {len(rows) - room} more (narrow it with --state, or list them all with ls)")
+        self.ctx.out.write("\x1b[H\x1b[J" + "\n".join(head + shown + foot) + "\n")
         self.ctx.out.flush()
 
 
@@ -634,7 +670,8 @@ COMMANDS: dict[str, tuple[Command, str, str]] = {
     "watch": (
         cmd_watch,
         "follow a mailbox live: a table on a terminal, one line per event otherwise",
-        "  inboxctl watch grant-7f3a\n  inboxctl watch grant-7f3a --count 10 > events.log\n"
+        "  inboxctl watch grant-7f3a\n  inboxctl watch grant-7f3a --state claimed --state in_doubt\n"
+        "  inboxctl watch grant-7f3a --count 10 > events.log\n"
         "  inboxctl watch grant-7f3a --json --timeout 60",
     ),
     "claim": (
@@ -699,7 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
             _subject_arguments(sub)
         if name in ("ls", "in-doubt"):
             sub.add_argument("--limit", type=int, default=0, help="show at most this many (default: all)")
-        if name == "ls":
+        if name in ("ls", "watch"):
             states = [state.name.lower() for state in SubjectState if state is not SubjectState.FREE]
             sub.add_argument("--state", action="append", choices=states, help="only this state (repeatable)")
         if name == "watch":

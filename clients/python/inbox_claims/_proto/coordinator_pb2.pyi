@@ -246,6 +246,7 @@ class SubjectStatus(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     REPLIED_BY_HAND_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     state: Global___SubjectState.ValueType
     holder: _builtins.str
     """The principal holding the claim or who sent the reply. Empty when FREE."""
@@ -288,6 +289,12 @@ class SubjectStatus(_message.Message):
     def sent_at(self) -> _timestamp_pb2.Timestamp:
         """REPLIED: when ConfirmSent (or ResolveInDoubt) recorded the reply."""
 
+    @_builtins.property
+    def summary(self) -> Global___MessageSummary:
+        """Which email this is, as the claim's ClaimReply (or Takeover) described it; kept on the reply record.
+        Unset when none was given or the coordinator does not store summaries (--no-store-summaries).
+        """
+
     def __init__(
         self,
         *,
@@ -306,14 +313,53 @@ class SubjectStatus(_message.Message):
         revision: _builtins.int = ...,
         ttl_seconds: _builtins.int = ...,
         replied_by_hand: _builtins.bool = ...,
+        summary: Global___MessageSummary | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "replied_by_hand", b"replied_by_hand", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "state", b"state", "subject", b"subject", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "replied_by_hand", b"replied_by_hand", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "state", b"state", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubjectStatus: _TypeAlias = SubjectStatus  # noqa: Y015
+
+@_typing.final
+class MessageSummary(_message.Message):
+    """What a person tells one email from another by, shown by inboxctl and the claims board. Optional on
+    ClaimReply and Takeover (the Python client fills it from the notification). It is personal data: stored in
+    the claim's etcd record only while the coordinator's store_summaries setting is on (the default), and
+    deleted with the claim or its reply record (docs/security.md).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBJECT_LINE_FIELD_NUMBER: _builtins.int
+    SENDER_FIELD_NUMBER: _builtins.int
+    RECEIVED_AT_FIELD_NUMBER: _builtins.int
+    subject_line: _builtins.str
+    """The subject line. Up to 512 bytes of UTF-8 (SUMMARY_SUBJECT_LINE_MAX_BYTES), no control characters."""
+    sender: _builtins.str
+    """The sender as people read it ("Ana Lima <ana@example.com>"). Up to 512 bytes (SUMMARY_SENDER_MAX_BYTES),
+    no control characters.
+    """
+    @_builtins.property
+    def received_at(self) -> _timestamp_pb2.Timestamp:
+        """When the message was received; unset when unknown. Not before 1970."""
+
+    def __init__(
+        self,
+        *,
+        subject_line: _builtins.str = ...,
+        sender: _builtins.str = ...,
+        received_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["received_at", b"received_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["received_at", b"received_at", "sender", b"sender", "subject_line", b"subject_line"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MessageSummary: _TypeAlias = MessageSummary  # noqa: Y015
 
 @_typing.final
 class DeliveryRecord(_message.Message):
@@ -432,6 +478,7 @@ class ClaimReplyRequest(_message.Message):
     NOTIFICATION_ID_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     notification_id: _builtins.str
     """Optional: the webhook notification that led to this claim. When set, the delivery is recorded in the
@@ -446,6 +493,12 @@ class ClaimReplyRequest(_message.Message):
     """Optional, up to 1024 bytes. Shown to humans watching the mailbox."""
     @_builtins.property
     def subject(self) -> Global___Subject: ...
+    @_builtins.property
+    def summary(self) -> Global___MessageSummary:
+        """Optional: which email this is (subject line, sender, received time), shown to the people watching.
+        Over a limit: INVALID_ARGUMENT naming `summary.subject_line` or `summary.sender` and the limit.
+        """
+
     def __init__(
         self,
         *,
@@ -454,10 +507,11 @@ class ClaimReplyRequest(_message.Message):
         notification_id: _builtins.str = ...,
         ttl_seconds: _builtins.int = ...,
         note: _builtins.str = ...,
+        summary: Global___MessageSummary | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "notification_id", b"notification_id", "request_id", b"request_id", "subject", b"subject", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "notification_id", b"notification_id", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1022,12 +1076,17 @@ class TakeoverRequest(_message.Message):
     SUBJECT_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     ttl_seconds: _builtins.int
     """As in ClaimReplyRequest."""
     note: _builtins.str
     @_builtins.property
     def subject(self) -> Global___Subject: ...
+    @_builtins.property
+    def summary(self) -> Global___MessageSummary:
+        """As in ClaimReplyRequest; when unset, the summary of the claim taken over is kept."""
+
     def __init__(
         self,
         *,
@@ -1035,10 +1094,11 @@ class TakeoverRequest(_message.Message):
         subject: Global___Subject | None = ...,
         ttl_seconds: _builtins.int = ...,
         note: _builtins.str = ...,
+        summary: Global___MessageSummary | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "request_id", b"request_id", "subject", b"subject", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
