@@ -214,6 +214,9 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
         tls=config.tls(),
         quotas=config.quotas(),
         max_message_bytes=config.max_message_bytes,
+        http_listen=config.http_address,
+        # The default port may be taken by another development coordinator: then there is no HTTP face.
+        http_optional=config.origin("http_listen") == "default",
     )
 
 
@@ -223,6 +226,13 @@ async def _serve(settings: ServerSettings) -> None:
     print(f"inbox-coordinator: serving gRPC on {server.address}; stop with Ctrl-C or SIGTERM", flush=True)
     if server.metrics_server is not None:
         print(f"inbox-coordinator: metrics on http://{server.metrics_server.address}/metrics", flush=True)
+    if server.http is not None:
+        scheme = "https" if settings.tls is not None else "http"
+        print(
+            f"inbox-coordinator: claims board on {scheme}://{server.http.address}/ "
+            f"(HTTP/JSON API under /{SERVICE_NAME}/)",
+            flush=True,
+        )
     log.info(
         "serving",
         extra={
