@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -245,10 +246,9 @@ class HttpFace:
         self, app: ASGIApp, listen: str, *, ssl_certfile: str | None = None, ssl_keyfile: str | None = None
     ) -> None:
         host, _, port = listen.rpartition(":")
+        self._host, self._port = host.strip("[]"), int(port)
         config = uvicorn.Config(
             app,
-            host=host.strip("[]"),
-            port=int(port),
             lifespan="off",
             log_config=None,
             access_log=False,  # the RpcObserver logs every call, as for gRPC
@@ -257,20 +257,24 @@ class HttpFace:
             timeout_graceful_shutdown=1,
         )
         self._server = _EmbeddedServer(config)
+        self._socket: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._server.serve(), name="http face")
+        # Bound here, not by uvicorn, whose bind failure is a SystemExit that would end the whole process.
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        self._socket = socket.create_server((self._host, self._port), family=family)
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="http face")
         while not self._server.started:
             if self._task.done():
-                self._task.result()  # the bind failed: raise its error
+                self._task.result()
                 raise OSError("the HTTP face stopped before it started")
             await asyncio.sleep(0.01)
 
     @property
     def address(self) -> str:
-        (server,) = self._server.servers
-        host, port = server.sockets[0].getsockname()[:2]
+        assert self._socket is not None
+        host, port = self._socket.getsockname()[:2]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     async def stop(self) -> None:
@@ -279,3 +283,5 @@ class HttpFace:
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        if self._socket is not None:
+            self._socket.close()

@@ -169,8 +169,8 @@ class CoordinatorServer:
         self._start_metrics_server()
         self.health.set(LIVENESS_SERVICE, _SERVING)
         self._set_serving(await self._etcd_reachable())
+        await self._start_http()  # before gRPC: a port that was asked for and is taken stops the start
         await self._server.start()
-        await self._start_http()
         settings = self.settings
         self._tasks = [
             asyncio.create_task(self.engine.run_sweeper(settings.sweep_interval_s), name="in-doubt sweeper"),
@@ -186,7 +186,7 @@ class CoordinatorServer:
             return
         try:
             await self.http.start()
-        except (OSError, SystemExit) as error:  # uvicorn exits when it cannot bind
+        except OSError as error:
             self.http = None
             if not self.settings.http_optional:
                 raise OSError(f"cannot serve HTTP on {self.settings.http_listen}: {error}") from None

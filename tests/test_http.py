@@ -42,8 +42,7 @@ async def serve(etcd: EtcdServer, prefix: str, **options: Any) -> CoordinatorSer
             sweep_interval_s=0.2,
             health_interval_s=0.3,
             shutdown_grace_s=1.0,
-            http_listen="127.0.0.1:0",
-            **options,
+            **{"http_listen": "127.0.0.1:0", **options},
         )
     )
     await server.start()
@@ -349,3 +348,17 @@ async def test_fuzzed_json_bodies_never_get_a_5xx(server: CoordinatorServer, mai
 
     await asyncio.to_thread(probe)
     assert failures == []
+
+
+async def test_a_taken_default_port_is_a_warning_and_an_asked_for_one_an_error(
+    etcd: EtcdServer, prefix: str, server: CoordinatorServer
+) -> None:
+    assert server.http is not None
+    taken = server.http.address
+    with pytest.raises(OSError, match=f"cannot serve HTTP on {taken}"):
+        await serve(etcd, prefix, http_listen=taken)
+    quiet = await serve(etcd, prefix, http_listen=taken, http_optional=True)
+    try:
+        assert quiet.http is None  # serving gRPC without the HTTP face
+    finally:
+        await quiet.stop(grace=0.5)
