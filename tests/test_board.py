@@ -4,6 +4,7 @@ refused sign-in, and a screenshot of a 50-row board written as a test artifact."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -225,3 +226,30 @@ async def test_a_board_of_50_rows_is_readable_and_written_as_a_screenshot(
     assert "token" not in text.lower()  # words for people: what a claim means for them, not how it works
     shot = await page.screenshot(path=str(ARTIFACTS / "board-50-rows.png"), full_page=False)
     assert len(shot) > 20_000
+
+
+async def test_a_board_of_1000_rows_stays_live_and_filterable(
+    server: CoordinatorServer, browser: Browser, mailbox: str
+) -> None:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agents = [Actor(channel, f"agent-{n}") for n in range(8)]
+
+        async def claim_many(agent: Actor, first: int) -> None:
+            for n in range(first, 1000, len(agents)):
+                await claim(
+                    agent, message(mailbox, f"bulk-{n:04d}"), SUBJECT_LINES[n % 10], SENDERS[n % 4], ttl_seconds=600
+                )
+
+        await asyncio.gather(*(claim_many(agent, i) for i, agent in enumerate(agents)))
+        page = await open_board(browser, board_url(server, mailbox), name="ana")
+        await expect(page.locator("#claims tbody tr")).to_have_count(1000, timeout=10_000)
+        # One more claim among a thousand rows still shows within a second, countdown running.
+        await claim(
+            agents[0], message(mailbox, "the-new-one"), "Brand new question", "new@example.org", ttl_seconds=600
+        )
+        await expect(row(page, "the-new-one")).to_contain_text("Brand new question", timeout=LIVE)
+        # Find narrows a thousand rows to what a person is looking for.
+        await page.keyboard.press("/")
+        await page.keyboard.type("brand new")
+        await expect(page.locator("#claims tbody tr:not([hidden])")).to_have_count(1)
+        await expect(page.locator("[data-count=SUBJECT_STATE_CLAIMED]")).to_have_text("(1001)")
