@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from . import domain, limits
@@ -96,6 +96,13 @@ def _check_summary(summary: Summary | None) -> None:
 def _check_token(token: int) -> None:
     if token <= 0:
         raise InvalidArgument("fencing_token", "is required: pass the token ClaimReply granted (a positive number)")
+
+
+def _events(changes: Iterable[Change]) -> Iterator[Event]:
+    for change in changes:
+        event_type = domain.classify_change(change.previous, change.now, change.end)
+        if event_type is not None:
+            yield Event(event_type, change)
 
 
 # How often a takeover takes over again when an agent claimed between its two steps.
@@ -445,21 +452,28 @@ class Engine:
 
     # --- watch and upkeep ----------------------------------------------------------------------------------
 
-    async def watch(self, caller: Caller, mailbox: str) -> AsyncIterator[Snapshot | Event]:
+    async def watch(self, caller: Caller, mailbox: str, after_revision: int = 0) -> AsyncIterator[Snapshot | Event]:
+        """A snapshot, then every transition; with ``after_revision`` (a reconnecting watcher's last revision),
+        the transitions since then instead of the snapshot, while etcd still has them."""
         _check_mailbox(caller, mailbox)
+        if after_revision < 0:
+            raise InvalidArgument("after_revision", "must be 0 (start with a snapshot) or a revision the stream sent")
         async with self.store.feeds.subscribe(mailbox) as queue:
-            subjects, revision = await self.store.snapshot(mailbox)
-            yield Snapshot(subjects, revision)
+            # Subscribed first: every change after the revision read below reaches the queue.
+            history = await self.store.changes_since(mailbox, after_revision) if after_revision else None
+            if history is not None:
+                changes, revision = history
+                for event in _events(changes):
+                    yield event
+            else:
+                subjects, revision = await self.store.snapshot(mailbox)
+                yield Snapshot(subjects, revision)
             while True:
                 batch = await queue.get()
                 if isinstance(batch, FeedLost):
                     raise StoreUnavailable(f"the watch of mailbox {mailbox!r} ended: {batch}; watch again")
-                for change in batch:
-                    if change.revision <= revision:
-                        continue  # already in the snapshot
-                    event_type = domain.classify_change(change.previous, change.now, change.end)
-                    if event_type is not None:
-                        yield Event(event_type, change)
+                for event in _events(change for change in batch if change.revision > revision):
+                    yield event  # (what is not newer is in the snapshot or the history already)
 
     async def sweep_in_doubt(self) -> int:
         """Moves every SENDING subject past its deadline to IN_DOUBT; returns how many it moved."""

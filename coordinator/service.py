@@ -468,7 +468,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     1.0,
                 )
             try:
-                async for item in self._engine.watch(caller, request.mailbox):
+                async for item in self._engine.watch(caller, request.mailbox, request.after_revision):
                     if isinstance(item, Snapshot):
                         yield pb.WatchResponse(
                             snapshot=pb.WatchSnapshot(

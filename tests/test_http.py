@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from aetcd import rpc
 from google.protobuf import json_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -80,9 +81,9 @@ class Json:
         answer: dict[str, Any] = response.json()
         return answer
 
-    async def watch(self, mailbox: str) -> AsyncGenerator[dict[str, Any], None]:
+    async def watch(self, mailbox: str, after_revision: int = 0) -> AsyncGenerator[dict[str, Any], None]:
         """The Watch stream's messages (Connect's streaming framing: a flags byte, a length, the JSON)."""
-        request = json.dumps({"mailbox": mailbox}).encode()
+        request = json.dumps({"mailbox": mailbox, "afterRevision": after_revision}).encode()
         headers = {**self.headers, "content-type": "application/connect+json"}
         body = struct.pack(">BI", 0, len(request)) + request
         async with self.client.stream("POST", PATH + "Watch", content=body, headers=headers) as response:
@@ -362,3 +363,49 @@ async def test_a_taken_default_port_is_a_warning_and_an_asked_for_one_an_error(
         assert quiet.http is None  # serving gRPC without the HTTP face
     finally:
         await quiet.stop(grace=0.5)
+
+
+async def test_watch_resumes_after_a_reconnect_from_the_last_revision_it_sent(
+    http: httpx.AsyncClient, etcd: EtcdServer, mailbox: str
+) -> None:
+    agent = Json(http, DEV_AGENT)
+    held = await agent.call("ClaimReply", {"requestId": "a", "subject": subject_json(mailbox, "a")})
+    stream = agent.watch(mailbox)
+    last = int((await anext(stream))["snapshot"]["revision"])
+    await stream.aclose()
+    # While the page is away: a release, a new claim, and a claim made and released (no net change).
+    token = int(held["status"]["fencingToken"])
+    await agent.call("ReleaseClaim", {"requestId": "b", "subject": subject_json(mailbox, "a"), "fencingToken": token})
+    await agent.call("ClaimReply", {"requestId": "c", "subject": subject_json(mailbox, "b")})
+    brief = await agent.call("ClaimReply", {"requestId": "d", "subject": subject_json(mailbox, "brief")})
+    token = int(brief["status"]["fencingToken"])
+    await agent.call(
+        "ReleaseClaim", {"requestId": "e", "subject": subject_json(mailbox, "brief"), "fencingToken": token}
+    )
+    resumed = agent.watch(mailbox, after_revision=last)
+    missed = [(await asyncio.wait_for(anext(resumed), 5))["event"] for _ in range(2)]
+    assert [(e["type"], e["status"]["subject"]["id"]) for e in missed] == [
+        ("EVENT_TYPE_RELEASED", "a"),
+        ("EVENT_TYPE_CLAIMED", "b"),
+    ]
+    assert last < int(missed[0]["revision"]) < int(missed[1]["revision"])
+    # Then live, with nothing repeated.
+    await agent.call("ClaimReply", {"requestId": "f", "subject": subject_json(mailbox, "c")})
+    live = (await asyncio.wait_for(anext(resumed), 5))["event"]
+    assert (live["type"], live["status"]["subject"]["id"]) == ("EVENT_TYPE_CLAIMED", "c")
+    await resumed.aclose()
+
+    # A revision etcd compacted away: a snapshot, as for a first connection.
+    async with grpc.aio.insecure_channel(etcd.endpoint) as channel:
+        kv = rpc.KVStub(channel)
+        now = (await kv.Range(rpc.RangeRequest(key=b"x", count_only=True))).header.revision
+        await kv.Compact(rpc.CompactionRequest(revision=now, physical=True))
+    compacted = agent.watch(mailbox, after_revision=last)
+    snapshot = (await asyncio.wait_for(anext(compacted), 5))["snapshot"]
+    assert sorted(s["subject"]["id"] for s in snapshot["subjects"]) == ["b", "c"]
+    await compacted.aclose()
+    ahead = agent.watch(mailbox, after_revision=int(snapshot["revision"]) + 1000)
+    ended = await asyncio.wait_for(anext(ahead), 5)
+    assert ended["end"]["error"]["code"] == "invalid_argument"
+    assert "after_revision" in ended["end"]["error"]["message"]
+    await ahead.aclose()

@@ -11,6 +11,7 @@ const CLAIM_SECONDS = 900; // a person's claim: long enough to write a reply; gi
 const $ = (selector) => document.querySelector(selector);
 const session = { token: "", name: "", me: "", mailboxes: [] };
 const rows = new Map(); // "mailbox\u0000kind\u0000id" -> { status, tr }
+const seen = new Map(); // mailbox -> the revision of the last snapshot or event: a reconnection resumes there
 const shown = new Set([IN_DOUBT, CLAIMED, SENDING, REPLIED]);
 let search = "";
 let reorderPending = false;
@@ -49,7 +50,7 @@ async function watch(mailbox) {
   let delay = 500;
   for (;;) {
     try {
-      const request = new TextEncoder().encode(JSON.stringify({ mailbox }));
+      const request = new TextEncoder().encode(JSON.stringify({ mailbox, afterRevision: seen.get(mailbox) || "0" }));
       const frame = new Uint8Array(5 + request.length);
       new DataView(frame.buffer).setUint32(1, request.length);
       frame.set(request, 5);
@@ -93,6 +94,8 @@ async function watch(mailbox) {
 const keyOf = (subject) => [subject.mailbox, subject.kind, subject.id].join("\u0000");
 
 function take(mailbox, message) {
+  const revision = (message.snapshot || message.event || {}).revision;
+  if (revision) seen.set(mailbox, revision);
   if (message.snapshot) {
     for (const [key, row] of rows) if (row.status.subject.mailbox === mailbox) { row.tr.remove(); rows.delete(key); }
     for (const status of message.snapshot.subjects || []) upsert(status, false);

@@ -959,15 +959,25 @@ class WatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MAILBOX_FIELD_NUMBER: _builtins.int
+    AFTER_REVISION_FIELD_NUMBER: _builtins.int
     mailbox: _builtins.str
+    after_revision: _builtins.int
+    """Resuming after a reconnect: the `revision` of the last snapshot or event this watcher received. The
+    stream then starts, instead of a snapshot, with one event for each subject whose state differs from what
+    it was at that revision (the net change, in revision order: a claim made and released meanwhile is not
+    sent), then goes on live. When etcd no longer has that revision (compacted, docs/operations.md), the
+    stream starts with a snapshot as usual: a watcher must always be ready for one. 0: start with a snapshot.
+    Ahead of etcd: INVALID_ARGUMENT.
+    """
     def __init__(
         self,
         *,
         mailbox: _builtins.str = ...,
+        after_revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mailbox", b"mailbox"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_revision", b"after_revision", "mailbox", b"mailbox"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
