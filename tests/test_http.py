@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from coordinator.auth import TokenAuthenticator
 from coordinator.etcd_process import EtcdServer
+from coordinator.quotas import QuotaSettings
 from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
 from inbox_claims._proto import coordinator_pb2 as pb
@@ -409,3 +410,19 @@ async def test_watch_resumes_after_a_reconnect_from_the_last_revision_it_sent(
     assert ended["end"]["error"]["code"] == "invalid_argument"
     assert "after_revision" in ended["end"]["error"]["message"]
     await ahead.aclose()
+
+
+async def test_the_rate_limit_answers_429_with_when_to_retry(etcd: EtcdServer, prefix: str, mailbox: str) -> None:
+    limited = await serve(etcd, prefix, quotas=QuotaSettings(calls_per_second=1, burst=1))
+    try:
+        assert limited.http is not None
+        async with httpx.AsyncClient(base_url=f"http://{limited.http.address}") as client:
+            agent = Json(client, DEV_AGENT)
+            answers = [await agent.post("GetStatus", {"subject": subject_json(mailbox, "m")}) for _ in range(3)]
+        refused = answers[-1]
+        assert refused.status_code == 429
+        assert refused.json()["code"] == "resource_exhausted"
+        assert "over its limit of 1 calls/s" in refused.json()["message"]
+        assert 0 < int(refused.headers["retry-after-ms"]) <= 1000
+    finally:
+        await limited.stop(grace=0.5)
