@@ -694,7 +694,9 @@ COMMANDS: dict[str, tuple[Command, str, str]] = {
         cmd_replied,
         "record that you answered a message yourself (mail client, phone): agents will not reply to it",
         "  inboxctl replied grant-7f3a msg-123 --note 'replied from Gmail'\n"
-        "  inboxctl replied grant-7f3a msg-123 --sent-id 18c2f0a9e",
+        "  inboxctl replied grant-7f3a msg-123 --sent-id 18c2f0a9e\n"
+        "(on a message you hold; one nobody holds is claimed and recorded in one go; one an agent holds: take it\n"
+        " over first)",
     ),
     "in-doubt": (
         cmd_in_doubt,
