@@ -253,3 +253,33 @@ async def test_a_board_of_1000_rows_stays_live_and_filterable(
         await page.keyboard.type("brand new")
         await expect(page.locator("#claims tbody tr:not([hidden])")).to_have_count(1)
         await expect(page.locator("[data-count=SUBJECT_STATE_CLAIMED]")).to_have_text("(1001)")
+
+
+async def test_the_board_catches_up_after_the_coordinator_restarts(
+    etcd: EtcdServer, prefix: str, browser: Browser, mailbox: str
+) -> None:
+    first = await serve(etcd, prefix)
+    assert first.http is not None
+    address = first.http.address
+    page = await open_board(browser, f"http://{address}/?mailbox={mailbox}", name="ana")
+    async with grpc.aio.insecure_channel(first.address) as channel:
+        agent = Actor(channel, "agent-a")
+        before = await claim(agent, message(mailbox, "before"), "Before the restart", "a@example.org")
+        await expect(row(page, "before")).to_be_visible(timeout=LIVE)
+    await first.stop(grace=0.5)
+    await expect(page.locator("#status-line")).to_contain_text("reconnecting", timeout=5_000)
+    # While no HTTP face is up, another coordinator changes the mailbox.
+    writer = await serve(etcd, prefix, http_listen="")
+    async with grpc.aio.insecure_channel(writer.address) as channel:
+        agent = Actor(channel, "agent-a")
+        await agent.release(message(mailbox, "before"), before.status.fencing_token)
+        await claim(agent, message(mailbox, "during"), "While the board was away", "b@example.org")
+    await writer.stop(grace=0.5)
+    second = await serve(etcd, prefix, http_listen=address)
+    try:
+        # It resumes from the last revision it saw: the release and the new claim, no reload.
+        await expect(row(page, "during")).to_contain_text("While the board was away", timeout=15_000)
+        await expect(row(page, "before")).to_have_count(0)
+        await expect(page.locator("#status-line")).to_have_text("")
+    finally:
+        await second.stop(grace=0.5)

@@ -99,16 +99,34 @@ function take(mailbox, message) {
   if (message.snapshot) {
     for (const [key, row] of rows) if (row.status.subject.mailbox === mailbox) { row.tr.remove(); rows.delete(key); }
     for (const status of message.snapshot.subjects || []) upsert(status, false);
+    scheduleReorder(); // one sort for the whole snapshot
   } else if (message.event) {
     const status = message.event.status;
+    const row = rows.get(keyOf(status.subject));
     if (status.state === FREE) {
-      const row = rows.get(keyOf(status.subject));
       if (row) { row.tr.remove(); rows.delete(keyOf(status.subject)); }
     } else {
-      upsert(status, true);
+      place(upsert(status, true));
     }
+    refreshCounts();
+    rovingFocus();
   }
-  scheduleReorder();
+}
+
+const before = (a, b) =>
+  URGENCY[a.status.state] - URGENCY[b.status.state] || (since(b.status) || 0) - (since(a.status) || 0);
+
+// One changed row moves to its place among the others, without touching them (a thousand rows stay cheap).
+function place(row) {
+  const body = $("#claims tbody");
+  row.tr.remove();
+  const others = body.children;
+  let low = 0, high = others.length;
+  while (low < high) {
+    const middle = (low + high) >> 1;
+    if (before(rows.get(others[middle].dataset.key), row) <= 0) low = middle + 1; else high = middle;
+  }
+  body.insertBefore(row.tr, others[low] || null);
 }
 
 function upsert(status, fresh) {
@@ -122,7 +140,8 @@ function upsert(status, fresh) {
   }
   row.status = status;
   render(row);
-  if (fresh) { row.tr.classList.remove("fresh"); void row.tr.offsetWidth; row.tr.classList.add("fresh"); }
+  if (fresh && row.tr.animate) row.tr.animate([{ background: "#fff7d6" }, { background: "transparent" }], 1500);
+  return row;
 }
 
 // --- plain words ------------------------------------------------------------------------------------------
@@ -283,8 +302,7 @@ function scheduleReorder() {
   reorderPending = true;
   requestAnimationFrame(() => {
     reorderPending = false;
-    const ordered = [...rows.values()].sort((a, b) =>
-      URGENCY[a.status.state] - URGENCY[b.status.state] || (since(b.status) || 0) - (since(a.status) || 0));
+    const ordered = [...rows.values()].sort(before);
     const body = $("#claims tbody");
     const focused = document.activeElement;
     const fragment = document.createDocumentFragment();
