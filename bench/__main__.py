@@ -12,7 +12,7 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims, embedded_db, memory, profile, watch
+from . import calls, claims, embedded_db, http, memory, profile, watch
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -43,6 +43,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         watch.add_arguments,
         watch.run,
     ),
+    "http": (
+        "the HTTP/JSON face: Watch fan-out to 200 browser-style streams vs gRPC; coordinator CPU per call vs gRPC",
+        http.add_arguments,
+        http.run,
+    ),
     "memory": (
         "coordinator RSS with 100,000 live claims and 1,000 watchers; claim cost as claims pile up",
         memory.add_arguments,
@@ -70,6 +75,7 @@ QUICK: dict[str, list[str]] = {
     "watch": ["--watchers", "50", "--events", "5", "--rounds", "1"],
     "memory": ["--claims", "1000", "--mailboxes", "20", "--watchers", "50"],
     "embedded-db": ["--cycles", "2000", "--subjects", "500"],
+    "http": ["--watchers", "20", "--events", "3", "--calls", "100", "--rounds", "1"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
 

@@ -336,6 +336,7 @@ class CoordinatorProcess:
         empty: bool = False,
         uvloop: bool = False,
         rate_limit: float | None = None,
+        http: bool = False,
     ) -> None:
         name = f"serve-{uuid.uuid4().hex[:8]}"
         self.status_path = workdir / f"{name}.status"
@@ -354,6 +355,8 @@ class CoordinatorProcess:
             command.append("--uvloop")
         if rate_limit is not None:
             command += ["--rate-limit", str(rate_limit)]
+        if http:
+            command += ["--http-listen", f"127.0.0.1:{free_port()}"]
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         serving = self._next_status(0, timeout=30.0)
@@ -361,6 +364,7 @@ class CoordinatorProcess:
             self.stop()
             raise SetupError(f"the coordinator did not start; its log:\n{_log_tail(self.log_path)}")
         self.address = str(serving["address"])
+        self.http_address = str(serving.get("http", ""))
         self._lines = 1
 
     @property

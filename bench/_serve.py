@@ -64,9 +64,12 @@ async def _serve_coordinator(options: argparse.Namespace, status: _StatusFile) -
         max_batches_in_flight=options.in_flight,
     )
     quotas = QuotaSettings(calls_per_second=options.rate_limit)
-    server = CoordinatorServer(ServerSettings(etcd, listen=options.listen, quotas=quotas))
+    server = CoordinatorServer(
+        ServerSettings(etcd, listen=options.listen, quotas=quotas, http_listen=options.http_listen)
+    )
     await server.start()
-    status.write(event="serving", address=server.address, pid=os.getpid())
+    http = server.http.address if server.http is not None else ""
+    status.write(event="serving", address=server.address, http=http, pid=os.getpid())
 
     def stats() -> dict[str, Any]:
         requests, transactions = server.store.batch_stats
@@ -109,6 +112,7 @@ def main() -> int:
         help="calls/s per principal, 0 = off (default %(default)s, as inbox-coordinator serve)",
     )
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's own loop")
+    parser.add_argument("--http-listen", default="", help="HOST:PORT for the HTTP/JSON face (default: none)")
     parser.add_argument("--log-level", default="WARNING")
     options = parser.parse_args()
     logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -5,8 +5,9 @@ Values are kept small because etcd's quota bounds reply records times their rete
 fields are left out, and a REPLIED record keeps only what a reply record is for (who sent what, when).
 
     subject:   {"s": state, "h": holder, "k": kind, "a": acquired ms, "l": ttl s, "x": expires ms, "n": note,
-                "r": request id, "f": its arguments' fingerprint, "q": last request id, "g": its fingerprint,
-                "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id}
+                 "r": request id, "f": its arguments' fingerprint, "q": last request id, "g": its fingerprint,
+                 "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id,
+                 "y": 1 when replied by hand (MarkReplied), "v": [subject line, sender, received ms]}
     delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id]}
     end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "g": its fingerprint,
                 "t": at ms, "n": detail, "u": 0 when it leaves its notification redeliverable}
@@ -26,6 +27,7 @@ from .domain import (
     Subject,
     SubjectKind,
     SubjectRecord,
+    Summary,
 )
 
 _STATES = {State.CLAIMED: "c", State.SENDING: "s", State.REPLIED: "r", State.IN_DOUBT: "d"}
@@ -62,6 +64,8 @@ def encode_record(record: SubjectRecord) -> bytes:
         "d": record.send_deadline_ms,
         "t": record.sent_ms,
         "m": record.sent_message_id,
+        "y": 1 if record.replied_by_hand else None,
+        "v": _summary(record.summary),
     }
     if record.state is State.REPLIED:
         for key in _CLAIM_ONLY:
@@ -87,7 +91,13 @@ def decode_record(value: bytes) -> SubjectRecord:
         send_deadline_ms=data.get("d"),
         sent_ms=data.get("t"),
         sent_message_id=data.get("m", ""),
+        replied_by_hand=bool(data.get("y")),
+        summary=Summary(*data["v"]) if "v" in data else None,
     )
+
+
+def _summary(summary: Summary | None) -> list[Any] | None:
+    return [summary.subject_line, summary.sender, summary.received_ms] if summary else None
 
 
 def encode_end_mark(mark: EndMark) -> bytes:

@@ -198,6 +198,9 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
         max_message_bytes=config.max_message_bytes,
         request_timeout_s=config.request_timeout,
         max_streams_per_connection=config.max_streams_per_connection,
+        http_listen=config.http_address,
+        # The default port may be taken by another development coordinator: then there is no HTTP face.
+        http_optional=config.origin("http_listen") == "default",
     )
 
 
@@ -214,6 +217,13 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
     print(f"inbox-coordinator: serving gRPC on {server.address}; stop with Ctrl-C or SIGTERM", flush=True)
     if server.metrics_server is not None:
         print(f"inbox-coordinator: metrics on http://{server.metrics_server.address}/metrics", flush=True)
+    if server.http is not None:
+        scheme = "https" if settings.tls is not None else "http"
+        print(
+            f"inbox-coordinator: claims board on {scheme}://{server.http.address}/ "
+            f"(HTTP/JSON API under /{SERVICE_NAME}/)",
+            flush=True,
+        )
     log.info(
         "serving",
         extra={

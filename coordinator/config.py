@@ -103,6 +103,15 @@ def _optional_address(value: object) -> str:
     return _address(text) if text else ""
 
 
+# The HTTP face's address in development mode, when http_listen is left at "auto".
+DEVELOPMENT_HTTP_LISTEN = "127.0.0.1:8080"
+
+
+def _http_address(value: object) -> str:
+    text = _text(value)
+    return text if text.lower() == "auto" else _optional_address(text)
+
+
 def _endpoints(value: object) -> tuple[str, ...]:
     items = [_text(item) for item in value] if isinstance(value, list) else _text(value).split(",")
     endpoints = tuple(item.strip() for item in items if item.strip())
@@ -271,6 +280,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("reply_retention", _duration, 72 * 3600.0, "how long a reply record is kept", "DURATION"),
     Setting("delivery_retention", _duration, 24 * 3600.0, "how long a delivery record is kept", "DURATION"),
     Setting(
+        "store_summaries",
+        _boolean,
+        True,
+        "keep the subject line and sender a claim gives (personal data, docs/security.md); false drops them",
+    ),
+    Setting(
         "claim_lease_bucket",
         _duration,
         1.0,
@@ -279,6 +294,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("record_lease_bucket", _duration, 10.0, "the same for reply and delivery records (hours long)", "DURATION"),
     Setting("metrics_listen", _optional_address, "127.0.0.1:9464", "HOST:PORT for Prometheus /metrics; empty disables"),
+    Setting(
+        "http_listen",
+        _http_address,
+        "auto",
+        f"HOST:PORT for the HTTP/JSON API (Connect protocol) and the claims board; auto: {DEVELOPMENT_HTTP_LISTEN} "
+        "in development mode (no token_file), none otherwise; empty: none",
+        "HOST:PORT",
+    ),
     Setting(
         "key_count_interval",
         _duration,
@@ -357,9 +380,11 @@ class Config:
     send_timeout: float
     reply_retention: float
     delivery_retention: float
+    store_summaries: bool
     claim_lease_bucket: float
     record_lease_bucket: float
     metrics_listen: str
+    http_listen: str
     key_count_interval: float
     log_level: str
     log_format: str
@@ -391,6 +416,13 @@ class Config:
 
     def origin(self, name: str) -> str:
         return self.origins.get(name, "default")
+
+    @property
+    def http_address(self) -> str:
+        """Where the HTTP face listens; empty: nowhere."""
+        if self.http_listen.lower() != "auto":
+            return self.http_listen
+        return DEVELOPMENT_HTTP_LISTEN if self.token_file is None else ""
 
     @property
     def embedded_etcd(self) -> bool:
@@ -431,6 +463,7 @@ class Config:
             reply_retention_ms=_ms(self.reply_retention),
             delivery_retention_ms=_ms(self.delivery_retention),
             send_timeout_ms=_ms(self.send_timeout),
+            store_summaries=self.store_summaries,
         )
 
 
@@ -577,6 +610,15 @@ def _check(config: Config) -> None:
             "proxy or mesh terminates TLS",
             "listen",
         )
+    http = config.http_address
+    if http and config.tls_cert is None and not config.allow_plaintext and not _is_loopback(parse_host_port(http)[0]):
+        fail(
+            "serving HTTP without TLS on a non-loopback address: give tls_cert and tls_key (the HTTP face uses them "
+            "too), or allow_plaintext when a proxy terminates TLS",
+            "http_listen",
+        )
+    if http and http in (config.listen, config.metrics_listen):
+        fail("the HTTP face needs an address of its own", "http_listen")
     if (config.etcd_cert_file is None) != (config.etcd_key_file is None):
         fail("an etcd client certificate and its key go together", "etcd_cert_file", "etcd_key_file")
     if config.etcd_username and config.etcd_password is None:

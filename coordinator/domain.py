@@ -56,6 +56,7 @@ class EventType(enum.Enum):
     IN_DOUBT = "in_doubt"
     RESOLVED_NOT_SENT = "resolved_not_sent"
     RETENTION_ENDED = "retention_ended"
+    MARKED_REPLIED = "marked_replied"
 
 
 class ClaimResult(enum.Enum):
@@ -129,6 +130,19 @@ def require_role(caller: Caller, role: str, call: str) -> None:
 
 
 @dataclass(frozen=True)
+class Summary:
+    """What a person tells one email from another by: personal data, stored only when the operator allows
+    (``Rules.store_summaries``) and deleted with the record that carries it."""
+
+    subject_line: str = ""
+    sender: str = ""
+    received_ms: int | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.subject_line or self.sender or self.received_ms)
+
+
+@dataclass(frozen=True)
 class SubjectRecord:
     """What the store keeps under a subject's key while it is not FREE."""
 
@@ -153,6 +167,11 @@ class SubjectRecord:
     send_deadline_ms: int | None = None
     sent_ms: int | None = None
     sent_message_id: str = ""
+    # REPLIED by MarkReplied (a person answered outside the coordinator), not through BeginSend. Its retry is
+    # recognised by last_request_id and last_fingerprint, which a reply record by hand keeps.
+    replied_by_hand: bool = False
+    # Kept from the claim to its reply record, so that every row a person sees names its email.
+    summary: Summary | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +233,8 @@ class Rules:
     delivery_retention_ms: int = 24 * 3600 * 1000
     # How long BeginSend gives the holder to confirm or abort before the subject is reported IN_DOUBT.
     send_timeout_ms: int = 120_000
+    # Whether a claim keeps the caller's summary of its email (subject line, sender): personal data.
+    store_summaries: bool = True
 
     def claim_expiry(self, now_ms: int, ttl_seconds: int) -> int:
         return _round_up(now_ms + ttl_seconds * 1000, self.claim_bucket_ms)
@@ -274,8 +295,10 @@ def new_claim(
     request_id: str,
     now_ms: int,
     fingerprint: str = "",
+    summary: Summary | None = None,
 ) -> SubjectRecord:
     return SubjectRecord(
+        summary=summary if summary and rules.store_summaries else None,
         state=State.CLAIMED,
         holder=caller.principal,
         holder_kind=caller.kind,
@@ -541,6 +564,35 @@ def abort_send(
     )
 
 
+def mark_replied(
+    rules: Rules,
+    current: Stored | None,
+    caller: Caller,
+    *,
+    token: int,
+    sent_message_id: str,
+    note: str,
+    request_id: str,
+    now_ms: int,
+    request_fingerprint: str = "",
+) -> Transition:
+    """The holder answered without the coordinator (in a mail client, by phone): CLAIMED becomes REPLIED.
+
+    Fenced like BeginSend, since it stands for a send: a holder whose claim lapsed or was taken over must not
+    record a reply over the new holder's claim."""
+    retried = _repeats_holders_last(current, caller, request_id, request_fingerprint, "MarkReplied")
+    if not _check_token(current, caller, token):
+        return Transition(FenceResult.STALE_TOKEN)
+    assert current is not None
+    record = current.record
+    if record.state is State.REPLIED and retried:
+        return Transition(FenceResult.OK)  # a retry: the first attempt recorded it
+    if record.state is not State.CLAIMED:
+        raise _wrong_state("MarkReplied", token, record.state, "CLAIMED (after BeginSend use ConfirmSent)")
+    replied = replace(_replied(rules, record, sent_message_id, now_ms), note=note or record.note, replied_by_hand=True)
+    return Transition(FenceResult.OK, write=_stamped(replied, request_id, request_fingerprint))
+
+
 def mark_in_doubt(current: Stored | None, *, now_ms: int) -> Transition:
     """The sweeper's transition: a send that outlived its deadline is reported, never freed."""
     if current is None or current.record.state is not State.SENDING:
@@ -715,6 +767,8 @@ def classify_change(previous: Stored | None, now: Stored | None, end: EndMark | 
             return EventType.CLAIMED
         if now.record.state is State.CLAIMED:
             return EventType.RENEWED
+        if now.record.replied_by_hand and previous.record.state is State.CLAIMED:
+            return EventType.MARKED_REPLIED
         return _STATE_EVENTS.get(now.record.state)
     if previous is None:
         return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from . import domain, limits
@@ -23,6 +23,7 @@ from .domain import (
     State,
     Stored,
     Subject,
+    Summary,
     TakeoverResult,
     Transition,
 )
@@ -81,9 +82,27 @@ def _check_request_id(request_id: str) -> None:
     limits.check_text("request_id", request_id, limits.REQUEST_ID_MAX_BYTES, required=True)
 
 
+def _check_summary(summary: Summary | None) -> None:
+    if summary is None:
+        return
+    limits.check_text(
+        "summary.subject_line", summary.subject_line, limits.SUMMARY_SUBJECT_LINE_MAX_BYTES, required=False
+    )
+    limits.check_text("summary.sender", summary.sender, limits.SUMMARY_SENDER_MAX_BYTES, required=False)
+    if summary.received_ms is not None and summary.received_ms < 0:
+        raise InvalidArgument("summary.received_at", "is before 1970; leave it unset when unknown")
+
+
 def _check_token(token: int) -> None:
     if token <= 0:
         raise InvalidArgument("fencing_token", "is required: pass the token ClaimReply granted (a positive number)")
+
+
+def _events(changes: Iterable[Change]) -> Iterator[Event]:
+    for change in changes:
+        event_type = domain.classify_change(change.previous, change.now, change.end)
+        if event_type is not None:
+            yield Event(event_type, change)
 
 
 # How often a takeover takes over again when an agent claimed between its two steps.
@@ -128,16 +147,25 @@ class Engine:
         notification_id: str,
         ttl_seconds: int,
         note: str,
+        summary: Summary | None = None,
     ) -> ClaimOutcome:
         _check_request_id(request_id)
         _check_subject(caller, subject)
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        _check_summary(summary)
         ttl = self.rules.limits.ttl(ttl_seconds)
         now = self._clock()
         arguments = domain.fingerprint("ClaimReply", subject, notification_id, ttl, note)
         record = domain.new_claim(
-            self.rules, caller, ttl_seconds=ttl, note=note, request_id=request_id, now_ms=now, fingerprint=arguments
+            self.rules,
+            caller,
+            ttl_seconds=ttl,
+            note=note,
+            request_id=request_id,
+            now_ms=now,
+            fingerprint=arguments,
+            summary=summary,
         )
         delivery = (
             domain.new_delivery(
@@ -258,6 +286,38 @@ class Engine:
             from_recent_write=True,
         )
 
+    async def mark_replied(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        token: int,
+        sent_message_id: str,
+        note: str,
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_request_id(request_id)
+        _check_subject(caller, subject)
+        _check_token(token)
+        limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
+        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        arguments = domain.fingerprint("MarkReplied", subject, token, sent_message_id, note)
+        return await self._apply(
+            subject,
+            lambda current, _end: domain.mark_replied(
+                self.rules,
+                current,
+                caller,
+                token=token,
+                sent_message_id=sent_message_id,
+                note=note,
+                request_id=request_id,
+                now_ms=self._clock(),
+                request_fingerprint=arguments,
+            ),
+            from_recent_write=True,
+        )
+
     async def abort_send(
         self,
         caller: Caller,
@@ -335,15 +395,27 @@ class Engine:
     # --- humans --------------------------------------------------------------------------------------------
 
     async def takeover(
-        self, caller: Caller, *, request_id: str, subject: Subject, ttl_seconds: int, note: str
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        ttl_seconds: int,
+        note: str,
+        summary: Summary | None = None,
     ) -> TakeoverOutcome:
         domain.require_human(caller)
         domain.require_role(caller, "takeover", "Takeover")
         _check_request_id(request_id)
         _check_subject(caller, subject)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        _check_summary(summary)
         ttl = self.rules.limits.ttl(ttl_seconds)
         arguments = domain.fingerprint("Takeover", subject, ttl, note)
+        if not summary:
+            # A person taking over from a terminal rarely knows the subject line; the agent's claim does.
+            before = await self.store.status(subject)
+            summary = before.record.summary if before is not None else None
         record = domain.new_claim(
             self.rules,
             caller,
@@ -352,6 +424,7 @@ class Engine:
             request_id=request_id,
             now_ms=self._clock(),
             fingerprint=arguments,
+            summary=summary,
         )
         previous: EndMark | None = None
         outcome: TakeoverOutcome | None = None
@@ -429,21 +502,28 @@ class Engine:
 
     # --- watch and upkeep ----------------------------------------------------------------------------------
 
-    async def watch(self, caller: Caller, mailbox: str) -> AsyncIterator[Snapshot | Event]:
+    async def watch(self, caller: Caller, mailbox: str, after_revision: int = 0) -> AsyncIterator[Snapshot | Event]:
+        """A snapshot, then every transition; with ``after_revision`` (a reconnecting watcher's last revision),
+        the transitions since then instead of the snapshot, while etcd still has them."""
         _check_mailbox(caller, mailbox)
+        if after_revision < 0:
+            raise InvalidArgument("after_revision", "must be 0 (start with a snapshot) or a revision the stream sent")
         async with self.store.feeds.subscribe(mailbox) as queue:
-            subjects, revision = await self.store.snapshot(mailbox)
-            yield Snapshot(subjects, revision)
+            # Subscribed first: every change after the revision read below reaches the queue.
+            history = await self.store.changes_since(mailbox, after_revision) if after_revision else None
+            if history is not None:
+                changes, revision = history
+                for event in _events(changes):
+                    yield event
+            else:
+                subjects, revision = await self.store.snapshot(mailbox)
+                yield Snapshot(subjects, revision)
             while True:
                 batch = await queue.get()
                 if isinstance(batch, FeedLost):
                     raise StoreUnavailable(f"the watch of mailbox {mailbox!r} ended: {batch}; watch again")
-                for change in batch:
-                    if change.revision <= revision:
-                        continue  # already in the snapshot
-                    event_type = domain.classify_change(change.previous, change.now, change.end)
-                    if event_type is not None:
-                        yield Event(event_type, change)
+                for event in _events(change for change in batch if change.revision > revision):
+                    yield event  # (what is not newer is in the snapshot or the history already)
 
     async def sweep_in_doubt(self) -> int:
         """Moves every SENDING subject past its deadline to IN_DOUBT; returns how many it moved."""

@@ -269,6 +269,14 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         details = error.message if error is not None else ""
         _record(self._metrics, observed, request, context, code, response, details, seconds, timed=True)
 
+    def observe(self, path: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """``inner``, the servicer's method of ``path``, counted, timed and logged as a gRPC call to it is: for
+        the HTTP face, whose calls reach the same methods."""
+        method = self._method(path)
+        if inspect.isasyncgenfunction(inner):
+            return self._stream(method, inner)
+        return self._unary(method, inner, timed=True)
+
     def _method(self, path: str) -> _Method:
         service, _, name = path.lstrip("/").rpartition("/")
         return _Method(

@@ -14,6 +14,9 @@ REQUEST_ID_MAX_BYTES = 128
 PRINCIPAL_MAX_BYTES = 128
 NOTE_MAX_BYTES = 1024
 SENT_MESSAGE_ID_MAX_BYTES = 512
+# The summary a person tells one email from another by (ClaimReply's and Takeover's `summary`).
+SUMMARY_SUBJECT_LINE_MAX_BYTES = 512  # RFC 5322 allows 998 per line; a row on a screen shows far less
+SUMMARY_SENDER_MAX_BYTES = 512  # a display name and an address (at most 254)
 PAGE_SIZE_DEFAULT = 100
 PAGE_SIZE_MAX = 1000
 

@@ -19,6 +19,7 @@ from .auth import Authenticator, TlsSettings, server_credentials
 from .domain import Rules
 from .engine import Engine
 from .errors import StoreUnavailable
+from .http import BOARD_DIR, HttpFace, build_app
 from .interceptor import RpcObserver
 from .limits import Limits
 from .metrics import Metrics, MetricsServer, refresh_gauges
@@ -61,6 +62,9 @@ class ServerSettings:
     request_timeout_s: float = 10.0
     # HTTP/2 streams (calls) one client connection may have open at once; a client queues those beyond it.
     max_streams_per_connection: int = 1000
+    # HOST:PORT for the HTTP/JSON face (Connect protocol) and the claims board; empty serves none.
+    http_listen: str = ""
+    http_optional: bool = False
 
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -165,6 +169,16 @@ class CoordinatorServer:
         )
         if self.port == 0:
             raise OSError(f"cannot listen on {settings.listen}: the address is taken or not local")
+        self.http: HttpFace | None = None
+        if settings.http_listen:
+            app = build_app(self.servicer, observer, max_message_bytes=settings.max_message_bytes, board_dir=BOARD_DIR)
+            tls = settings.tls
+            self.http = HttpFace(
+                app,
+                settings.http_listen,
+                ssl_certfile=str(tls.cert_file) if tls is not None else None,
+                ssl_keyfile=str(tls.key_file) if tls is not None else None,
+            )
         self.metrics_server: MetricsServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped: asyncio.Event | None = None
@@ -178,6 +192,7 @@ class CoordinatorServer:
         self._start_metrics_server()
         self.health.set(LIVENESS_SERVICE, _SERVING)
         self._set_serving(await self._etcd_reachable())
+        await self._start_http()  # before gRPC: a port that was asked for and is taken stops the start
         await self._server.start()
         settings = self.settings
         self._tasks = [
@@ -188,6 +203,17 @@ class CoordinatorServer:
                 name="metrics gauges",
             ),
         ]
+
+    async def _start_http(self) -> None:
+        if self.http is None:
+            return
+        try:
+            await self.http.start()
+        except OSError as error:
+            self.http = None
+            if not self.settings.http_optional:
+                raise OSError(f"cannot serve HTTP on {self.settings.http_listen}: {error}") from None
+            log.warning("cannot serve HTTP on %s (%s); going on without it", self.settings.http_listen, error)
 
     def _start_metrics_server(self) -> None:
         if not self.settings.metrics_listen:
@@ -239,6 +265,9 @@ class CoordinatorServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             grace = self.settings.shutdown_grace_s if grace is None else grace
+            if self.http is not None:
+                # Its Watch streams end with the feeds closed below; uvicorn then waits for nothing.
+                http_stopping = asyncio.create_task(self.http.stop(), name="http stop")
             draining = asyncio.create_task(self._server.stop(grace), name="drain")
             await asyncio.sleep(0)  # the server refuses new calls before any watcher is told to come back
             while not draining.done():
@@ -246,6 +275,8 @@ class CoordinatorServer:
                 await self.store.feeds.close()
                 await asyncio.wait({draining}, timeout=0.05)
             await draining
+            if self.http is not None:
+                await http_stopping
             await self.store.close()
             if self.metrics_server is not None:
                 await asyncio.to_thread(self.metrics_server.close)

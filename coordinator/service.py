@@ -38,6 +38,7 @@ from .domain import (
     Stored,
     Subject,
     SubjectKind,
+    Summary,
     TakeoverResult,
 )
 from .engine import Engine, Event, Snapshot
@@ -106,6 +107,7 @@ _EVENT_TYPES = {
     EventType.IN_DOUBT: pb.EVENT_TYPE_IN_DOUBT,
     EventType.RESOLVED_NOT_SENT: pb.EVENT_TYPE_RESOLVED_NOT_SENT,
     EventType.RETENTION_ENDED: pb.EVENT_TYPE_RETENTION_ENDED,
+    EventType.MARKED_REPLIED: pb.EVENT_TYPE_MARKED_REPLIED,
 }
 _RESOLVE_OUTCOMES = {
     pb.ResolveInDoubtRequest.OUTCOME_SENT: ResolveOutcome.SENT,
@@ -126,6 +128,21 @@ def subject_in(message: pb.Subject, field: str = "subject") -> Subject:
     if kind is None:
         raise InvalidArgument(f"{field}.kind", "must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD")
     return Subject(message.mailbox, kind, message.id)
+
+
+def summary_in(message: pb.MessageSummary) -> Summary:
+    received = message.received_at
+    if received.nanos < 0 or received.nanos > 999_999_999:
+        raise InvalidArgument("summary.received_at.nanos", "must be 0..999999999")
+    return Summary(message.subject_line, message.sender, received.ToMilliseconds() if received.seconds else None)
+
+
+def summary_out(summary: Summary | None) -> pb.MessageSummary | None:
+    if not summary:
+        return None
+    return pb.MessageSummary(
+        subject_line=summary.subject_line, sender=summary.sender, received_at=_timestamp(summary.received_ms)
+    )
 
 
 def subject_out(subject: Subject) -> pb.Subject:
@@ -151,6 +168,8 @@ def status_out(subject: Subject, stored: Stored | None) -> pb.SubjectStatus:
         sent_message_id=record.sent_message_id,
         revision=stored.revision,
         ttl_seconds=record.ttl_seconds,
+        replied_by_hand=record.replied_by_hand,
+        summary=summary_out(record.summary),
     )
 
 
@@ -298,6 +317,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             notification_id=request.notification_id,
             ttl_seconds=request.ttl_seconds,
             note=request.note,
+            summary=summary_in(request.summary),
         )
         return pb.ClaimReplyResponse(
             result=_CLAIM_RESULTS[outcome.result],
@@ -360,6 +380,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return pb.AbortSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
+    async def _mark_replied(self, caller: Caller, request: pb.MarkRepliedRequest) -> pb.MarkRepliedResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.mark_replied(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+            sent_message_id=request.sent_message_id,
+            note=request.note,
+        )
+        return pb.MarkRepliedResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
     async def _get_status(self, caller: Caller, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
         subject = subject_in(request.subject)
         return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(caller, subject)))
@@ -391,6 +423,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             subject=subject,
             ttl_seconds=request.ttl_seconds,
             note=request.note,
+            summary=summary_in(request.summary),
         )
         return pb.TakeoverResponse(
             result=_TAKEOVER_RESULTS[outcome.result],
@@ -425,6 +458,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ListClaims = _unary(_list_claims)
     Takeover = _unary(_takeover)
     ResolveInDoubt = _unary(_resolve_in_doubt)
+    MarkReplied = _unary(_mark_replied)
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -439,7 +473,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     reason="TOO_MANY_WATCHES",
                 )
             try:
-                async for item in self._engine.watch(caller, request.mailbox):
+                async for item in self._engine.watch(caller, request.mailbox, request.after_revision):
                     if isinstance(item, Snapshot):
                         yield pb.WatchResponse(
                             snapshot=pb.WatchSnapshot(
@@ -528,6 +562,7 @@ _BATCH_CALLS: dict[str, Handler[Any, Any]] = {
     "confirm_sent": CoordinatorServicer._confirm_sent,
     "abort_send": CoordinatorServicer._abort_send,
     "get_status": CoordinatorServicer._get_status,
+    "mark_replied": CoordinatorServicer._mark_replied,
 }
 # Each carried call is observed under the path of the unary RPC it stands for: /<service>/ClaimReply.
 _BATCH_PATHS = {field: f"/{SERVICE_NAME}/{field.title().replace('_', '')}" for field in _BATCH_CALLS}

@@ -25,7 +25,7 @@ from aetcd import rpc
 from . import _codec
 from ._keys import Keys, prefix_end
 from .domain import DeliveryRecord, EndMark, State, Stored, Subject, SubjectRecord, Transition
-from .errors import CoordinatorError, StoreConflict, StoreUnavailable
+from .errors import CoordinatorError, InvalidArgument, StoreConflict, StoreUnavailable
 from .etcd_channels import EtcdChannels
 from .etcd_channels import open_channel as open_channel  # where tests and tools have always found it
 
@@ -525,13 +525,49 @@ class EtcdStore:
         last = response.kvs[-1].key if response.more and response.kvs else None
         return items, last, int(response.header.revision)
 
-    async def snapshot(self, mailbox: str) -> tuple[list[tuple[Subject, Stored]], int]:
-        """Every subject of a mailbox, all read at one revision."""
-        items, last, revision = await self.list_subjects(mailbox, after=None, limit=_RANGE_PAGE)
+    async def snapshot(self, mailbox: str, revision: int = 0) -> tuple[list[tuple[Subject, Stored]], int]:
+        """Every subject of a mailbox, all read at one revision (``revision``, or the current one)."""
+        items, last, revision = await self.list_subjects(mailbox, after=None, limit=_RANGE_PAGE, revision=revision)
         while last is not None:
             more, last, _ = await self.list_subjects(mailbox, after=last, limit=_RANGE_PAGE, revision=revision)
             items.extend(more)
         return items, revision
+
+    async def changes_since(self, mailbox: str, after_revision: int) -> tuple[list[Change], int] | None:
+        """What changed in a mailbox after ``after_revision``, one Change per subject whose record differs now
+        (the two states compared, not every step between), in revision order, and the revision read; None
+        when etcd no longer has the mailbox as of ``after_revision`` (compacted)."""
+        now, revision = await self.snapshot(mailbox)
+        try:
+            before, _ = await self.snapshot(mailbox, after_revision)
+        except StoreUnavailable as error:
+            if "compacted" in str(error):
+                return None
+            if "future revision" in str(error):
+                raise InvalidArgument("after_revision", f"{after_revision} is ahead of etcd's {revision}") from None
+            raise
+        prefix = self.keys.mailbox(mailbox)
+        marks = await self._call(
+            self._kv.Range,
+            rpc.RangeRequest(key=prefix + b"e/", range_end=prefix_end(prefix + b"e/"), revision=revision),
+        )
+        ends: dict[Subject, tuple[EndMark, int]] = {}
+        for kv in marks.kvs:
+            parsed = self.keys.parse_mailbox_key(mailbox, kv.key)
+            if parsed is not None:
+                ends[parsed[1]] = (_codec.decode_end_mark(kv.value), int(kv.mod_revision))
+        then, current = dict(before), dict(now)
+        changes = []
+        for subject in then.keys() | current.keys():
+            previous, present = then.get(subject), current.get(subject)
+            if previous is not None and present is not None and previous.revision == present.revision:
+                continue
+            end, at = ends.get(subject, (None, revision))
+            if present is not None or end is None or previous is None or end.token != previous.token:
+                end, at = None, present.revision if present is not None else revision
+            changes.append(Change(subject=subject, previous=previous, now=present, end=end, revision=at))
+        changes.sort(key=lambda change: change.revision)
+        return changes, revision
 
     async def due_sends(self, now_ms: int, limit: int = 256) -> list[Subject]:
         """SENDING subjects whose deadline has passed (candidates for IN_DOUBT)."""

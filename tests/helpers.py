@@ -132,6 +132,25 @@ class Actor:
             metadata=self.metadata,
         )
 
+    async def mark_replied(
+        self,
+        subject: pb.Subject,
+        token: int,
+        sent_message_id: str = "",
+        note: str = "",
+        request_id: str | None = None,
+    ) -> pb.MarkRepliedResponse:
+        return await self.stub.MarkReplied(
+            pb.MarkRepliedRequest(
+                request_id=request_id or new_request_id(),
+                subject=subject,
+                fencing_token=token,
+                sent_message_id=sent_message_id,
+                note=note,
+            ),
+            metadata=self.metadata,
+        )
+
     async def status(self, subject: pb.Subject) -> pb.SubjectStatus:
         response = await self.stub.GetStatus(pb.GetStatusRequest(subject=subject), metadata=self.metadata)
         return response.status

@@ -36,10 +36,12 @@ from inbox_claims.types import (
     EventType,
     HolderKind,
     LossReason,
+    MessageSummary,
     TakeoverOutcome,
     WatchEvent,
     WatchSnapshot,
 )
+from inbox_claims.webhooks import parse_notification
 
 from .conftest import StartCoordinator, test_rules
 from .test_client_support import HUMAN, SendLog, nylas_notification, wait_for_event, watching
@@ -616,3 +618,62 @@ async def test_reply_to_raises_coordinator_unavailable_when_nothing_listens(conn
             pytest.fail("claimed without a coordinator")
     assert unavailable.value.attempts == 2
     assert unavailable.value.method == "ClaimReply"
+
+
+async def test_a_claim_marked_replied_by_hand_answers_later_notifications(
+    agent: AsyncCoordinator, other: AsyncCoordinator, human: AsyncCoordinator, mailbox: str
+) -> None:
+    async with human.reply_to(nylas_notification(mailbox, "vip")) as claim:
+        await claim.mark_replied(sent_message_id="gmail-9", note="answered from Gmail")
+        assert claim.replied
+        assert claim.status is not None
+        assert claim.status.replied_by_hand
+    assert (await other.status(claim.subject)).state is SubjectState.REPLIED  # not released on exit
+    with pytest.raises(AlreadyReplied):
+        async with agent.reply_to(mailbox=mailbox, message_id=claim.subject.id, notification_id="updated-1"):
+            pytest.fail("a message answered by hand was claimed again")
+
+    async with agent.reply_to(mailbox=mailbox, message_id="taken") as lost_claim:
+        assert (await human.takeover(lost_claim.subject)).holds
+        with pytest.raises(ClaimLost):
+            await lost_claim.mark_replied(note="too late")
+    assert (await other.status(lost_claim.subject)).holder == HUMAN
+
+
+async def test_reply_to_describes_the_email_from_the_notification(
+    agent: AsyncCoordinator, human: AsyncCoordinator, mailbox: str
+) -> None:
+    document = {
+        "specversion": "1.0",
+        "type": "message.created",
+        "id": "notif-summary-1",
+        "data": {
+            "object": {
+                "id": "msg-described",
+                "grant_id": mailbox,
+                "object": "message",
+                "subject": "Where is my order?\r\n" + "x" * 600,
+                "from": [{"name": "Bea Costa", "email": "bea@example.org"}],
+                "date": 1796000000,
+            }
+        },
+    }
+    async with agent.reply_to(parse_notification(document)) as claim:
+        held = await human.status(claim.subject)
+    assert held.summary is not None
+    assert held.summary.subject_line.startswith("Where is my order?  xxx")
+    assert len(held.summary.subject_line.encode()) == 512  # cut to the coordinator's limit, never refused
+    assert held.summary.sender == "Bea Costa <bea@example.org>"
+    assert held.summary.received_at == datetime.fromtimestamp(1796000000, tz=UTC)
+
+    # A notification without those fields (or with odd ones) claims as before, with no summary.
+    document["id"], document["data"]["object"] = (  # type: ignore[index]
+        "notif-summary-2",
+        {"id": "msg-bare", "grant_id": mailbox, "from": "not-a-list", "date": "yesterday"},
+    )
+    async with agent.reply_to(parse_notification(document)) as claim:
+        assert (await human.status(claim.subject)).summary is None
+
+    summary = MessageSummary("Invoice", "carl@example.net")
+    taken = await human.takeover(Subject.message(mailbox, "msg-by-hand"), summary=summary)
+    assert taken.status.summary == summary

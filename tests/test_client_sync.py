@@ -300,3 +300,19 @@ async def test_guarded_decorator_and_threads_racing_for_one_message(
     assert results.count("sent") == 1
     assert len(sends.calls) == 1
     assert set(results) <= {"sent", "DuplicateDelivery", "ReplyHeld", "AlreadyReplied"}
+
+
+async def test_a_blocking_claim_marked_replied_by_hand_stops_the_agents(
+    agent: Coordinator, other: Coordinator, human: Coordinator, mailbox: str
+) -> None:
+    def scenario() -> None:
+        with human.reply_to(nylas_notification(mailbox, "vip")) as claim:
+            claim.mark_replied(sent_message_id="gmail-3", note="answered from Gmail")
+            assert claim.replied
+        status = other.status(claim.subject)
+        assert (status.state, status.replied_by_hand, status.sent_message_id) == (SubjectState.REPLIED, True, "gmail-3")
+        updated = nylas_notification(mailbox, "vip", type_="message.updated")
+        with pytest.raises(AlreadyReplied), agent.reply_to(updated):
+            pytest.fail("a message answered by hand was claimed again")
+
+    await asyncio.to_thread(scenario)

@@ -134,3 +134,28 @@ async def test_retried_release_is_ok_and_other_transitions_are_idempotent(
     abort_id = new_request_id()
     assert (await a.abort(subject, token, request_id=abort_id)).result == OK
     assert (await a.abort(subject, token, request_id=abort_id)).result == OK
+
+
+async def test_a_reply_by_hand_racing_a_takeover_ends_one_way_per_message(
+    channel: grpc.aio.Channel, mailbox: str
+) -> None:
+    """An agent's holder marking replied while a person takes the message over: for each of many messages
+    exactly one wins, and the final state says which."""
+    agent = Actor(channel, "agent-a")
+    human = Actor(channel, "ana", kind="human")
+    subjects = [message(mailbox, f"race-{n}") for n in range(40)]
+    tokens = [(await agent.claim(subject)).status.fencing_token for subject in subjects]
+
+    async def race(subject: pb.Subject, token: int) -> tuple[int, int, pb.SubjectStatus]:
+        marked, taken = await asyncio.gather(agent.mark_replied(subject, token), human.takeover(subject))
+        return marked.result, taken.result, await agent.status(subject)
+
+    outcomes = await asyncio.gather(*(race(s, t) for s, t in zip(subjects, tokens, strict=True)))
+    for marked, taken, final in outcomes:
+        if marked == pb.FENCE_RESULT_OK:
+            assert taken == pb.TakeoverResponse.ALREADY_REPLIED
+            assert (final.state, final.replied_by_hand, final.holder) == (pb.SUBJECT_STATE_REPLIED, True, "agent-a")
+        else:
+            assert marked == pb.FENCE_RESULT_STALE_TOKEN
+            assert taken == pb.TakeoverResponse.TAKEN_OVER
+            assert (final.state, final.holder) == (pb.SUBJECT_STATE_CLAIMED, "ana")

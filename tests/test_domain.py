@@ -119,3 +119,45 @@ def test_classify_change_names_every_transition() -> None:
     # A mark left from an earlier claim of the subject does not explain this deletion.
     assert domain.classify_change(claimed, None, mark(EndReason.RELEASED, token=3)) is EventType.EXPIRED
     assert domain.classify_change(None, None, None) is None
+
+
+def test_mark_replied_is_fenced_and_a_retry_gets_the_first_answer() -> None:
+    current = _claimed(caller=HUMAN)
+
+    def mark(
+        stored: Stored | None, caller: Caller = HUMAN, token: int = 10, request_id: str = "m-1"
+    ) -> domain.Transition:
+        return domain.mark_replied(
+            RULES,
+            stored,
+            caller,
+            token=token,
+            sent_message_id="g-1",
+            note="by phone",
+            request_id=request_id,
+            now_ms=NOW,
+        )
+
+    assert mark(current, token=9).result is FenceResult.STALE_TOKEN
+    assert mark(None).result is FenceResult.STALE_TOKEN
+    with pytest.raises(PermissionDenied):
+        mark(current, caller=AGENT)
+    marked = mark(current).write
+    assert marked is not None
+    assert (marked.state, marked.replied_by_hand, marked.sent_message_id, marked.note) == (
+        State.REPLIED,
+        True,
+        "g-1",
+        "by phone",
+    )
+    assert marked.expires_ms == RULES.reply_expiry(NOW)
+    replied = Stored(marked, 10, 11)
+    retry = mark(replied)
+    assert (retry.result, retry.write, retry.end) == (FenceResult.OK, None, None)
+    with pytest.raises(FailedPrecondition):
+        mark(replied, request_id="m-2")  # another request on an answered subject
+    begun = domain.begin_send(RULES, current, HUMAN, token=10, now_ms=NOW).write
+    assert begun is not None
+    with pytest.raises(FailedPrecondition, match="ConfirmSent"):
+        mark(Stored(begun, 10, 11))
+    assert domain.classify_change(current, replied, None) is EventType.MARKED_REPLIED

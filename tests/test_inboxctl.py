@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import pty
 import select
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -26,7 +30,7 @@ from coordinator.etcd_process import EtcdServer
 from inbox_claims import Coordinator, Subject, SubjectState
 from inbox_claims.cli import main
 from inbox_claims.testing import RunningCoordinator, running_coordinator
-from inbox_claims.types import FenceResult
+from inbox_claims.types import FenceResult, MessageSummary
 
 from .test_auth import TOKENS, _serve, _token_file
 
@@ -79,7 +83,7 @@ def test_help_shows_every_command_with_examples_and_exit_codes(capsys: pytest.Ca
     installed = Path(sys.executable).with_name("inboxctl")
     top = subprocess.run([str(installed), "--help"], capture_output=True, text=True, timeout=30)
     assert top.returncode == 0, top.stderr
-    for command in ("status", "ls", "watch", "claim", "release", "takeover", "in-doubt", "resolve"):
+    for command in ("status", "ls", "watch", "claim", "release", "takeover", "replied", "in-doubt", "resolve"):
         assert f"inboxctl {command} grant-7f3a" in top.stdout
         with pytest.raises(SystemExit) as done:
             main([command, "--help"])
@@ -171,6 +175,41 @@ def test_takeover_fences_the_agent(ctl: Ctl, agent: Coordinator, mailbox: str) -
     assert agent.begin_send(subject, agent_token) == FenceResult(ok=False, status=agent.status(subject))
     again = ctl("takeover", mailbox, "msg-vip", env={"INBOX_PRINCIPAL": "bo@example.com"})
     assert (again.returncode, "not taken over: a human holds it" in again.stdout) == (1, True)
+
+
+def test_replied_records_a_reply_by_hand_and_the_agent_then_leaves_it(
+    ctl: Ctl, agent: Coordinator, mailbox: str
+) -> None:
+    subject = Subject.message(mailbox, "msg-vip")
+    agent.claim(subject, ttl=60)
+    held_by_agent = ctl("replied", mailbox, "msg-vip")
+    assert held_by_agent.returncode == 1
+    assert f"take it over first: inboxctl takeover {mailbox} msg-vip" in held_by_agent.stdout
+    assert ctl("takeover", mailbox, "msg-vip").returncode == 0
+    not_yours = ctl("replied", mailbox, "msg-vip", env={"INBOX_PRINCIPAL": "bo@example.com"})
+    assert not_yours.returncode == 1
+    marked = ctl("replied", mailbox, "msg-vip", "--sent-id", "gmail-1", "--note", "replied from Gmail")
+    assert marked.returncode == 0, marked.stderr
+    assert f"recorded: message msg-vip in {mailbox} was answered by hand" in marked.stdout
+    assert f"replied   by hand by {ANA} (human)" in marked.stdout
+    assert "sent id   gmail-1" in marked.stdout
+    later = agent.claim(subject, notification_id="message.updated-1")
+    assert later.outcome.name == "ALREADY_REPLIED"
+    assert later.status is not None
+    assert later.status.replied_by_hand
+
+    # Answered without claiming first: `replied` claims and marks in one go.
+    unclaimed = ctl("replied", mailbox, "msg-phone", "--note", "called them", "--json")
+    assert unclaimed.returncode == 0, unclaimed.stderr
+    document = json.loads(unclaimed.stdout)
+    assert (document["ok"], document["status"]["state"], document["status"]["replied_by_hand"]) == (
+        True,
+        "REPLIED",
+        True,
+    )
+    assert agent.claim(Subject.message(mailbox, "msg-phone")).outcome.name == "ALREADY_REPLIED"
+    twice = ctl("replied", mailbox, "msg-phone")
+    assert (twice.returncode, "it is not held: nothing to record" in twice.stdout) == (1, True)
 
 
 def test_in_doubt_and_resolve(ctl: Ctl, agent: Coordinator, mailbox: str) -> None:
@@ -332,3 +371,53 @@ def test_tokens_are_sent_and_refusals_exit_4(ctl: Ctl, shared_etcd: EtcdServer, 
         assert (other_tenant.returncode, "not permitted" in other_tenant.stderr) == (4, True)
         no_role = ctl("--token", TOKENS["bo"], "takeover", "acme-1", "m-2", env=as_ana)  # the flag wins over env
         assert no_role.returncode == 4
+
+
+def test_ls_status_and_watch_show_which_email_and_watch_fits_the_terminal(
+    running: RunningCoordinator, home: Path, ctl: Ctl, agent: Coordinator, mailbox: str
+) -> None:
+    refund = MessageSummary("Refund for order 1182?", "Bea Costa <bea@example.org>", datetime.now(UTC))
+    agent.claim(Subject.message(mailbox, "msg-00"), ttl=600, summary=refund)
+    for number in range(1, 30):
+        agent.claim(Subject.message(mailbox, f"msg-{number:02d}"), ttl=600)
+    replied = Subject.message(mailbox, "msg-done")
+    agent.mark_replied(replied, agent.claim(replied, summary=MessageSummary("Invoice 77", "carl@example.net")).token)
+
+    status = ctl("status", mailbox, "msg-00")
+    assert "  subject   Refund for order 1182?" in status.stdout
+    assert "  from      Bea Costa <bea@example.org> (received " in status.stdout
+    header, *rows = ctl("ls", mailbox, "--limit", "2").stdout.splitlines()
+    assert header.split()[:4] == ["KIND", "ID", "SUBJECT", "FROM"]
+    assert "Refund for order 1182?  Bea Costa <bea@example.org>  CLAIMED" in rows[0]
+
+    env = clean_env(home, INBOX_COORDINATOR_TARGET=running.target, INBOX_PRINCIPAL=ANA)
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 16, 120, 0, 0))
+    command = [sys.executable, "-m", "inbox_claims.cli", "watch", mailbox, "--state", "replied", "--state", "claimed"]
+    with subprocess.Popen([*command, "--count", "1"], env=env, stdout=terminal, stderr=subprocess.PIPE) as watch:
+        os.close(terminal)
+        screen = read_until(controller, b"Ctrl-C to stop")
+        agent.release(
+            Subject.message(mailbox, "msg-01"), agent.status(Subject.message(mailbox, "msg-01")).fencing_token
+        )
+        screen += read_until(controller, b"last event: ")
+        watch.wait(timeout=20)
+    os.close(controller)
+    assert watch.returncode == 0
+    last = screen.decode().rsplit("\x1b[H\x1b[J", 1)[1]
+    lines = last.rstrip("\r\n").splitlines()
+    assert len(lines) <= 16  # the terminal's height
+    assert "30 subject(s) CLAIMED or REPLIED" in lines[0]
+    assert "… and " in last
+    assert "more (narrow it with --state" in last
+    assert "RELEASED message msg-01" in last
+    assert "msg-00" in last  # claims sort before replies, so the live ones are the ones shown
+
+    # Line mode with a filter: the snapshot and the events of REPLIED subjects only.
+    only_replied = subprocess.run(
+        [*command[:-2], "--timeout", "1"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert only_replied.returncode == 0, only_replied.stderr
+    out = only_replied.stdout.splitlines()
+    assert f"watching {mailbox}: 1 subject(s) REPLIED" in out[0]
+    assert out[1].split()[1:3] == ["REPLIED", "message"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -288,3 +289,94 @@ async def test_begin_send_retried_after_the_deadline_is_refused(
         retried = await agent.begin(subject, token)
         assert retried.result == STALE
         assert retried.status.state == pb.SUBJECT_STATE_IN_DOUBT
+
+
+async def test_a_reply_by_hand_after_a_takeover_stops_the_agent_replying_on_top(
+    start_coordinator: StartCoordinator, mailbox: str
+) -> None:
+    """The reproduction of issue 14: takeover, the human answers in their mail client and says so, the claim
+    would have lapsed, then a `message.updated` notification for the same message reaches the agent."""
+    server = await start_coordinator()
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agent = Actor(channel, "agent-a")
+        human = Actor(channel, "ana", kind="human")
+        subject = message(mailbox, "msg-1")
+        agent_claim = await agent.claim(subject, notification_id="created-1", ttl=5)
+        taken = await human.takeover(subject, ttl=5, note="VIP, I'll answer")
+        assert taken.result == pb.TakeoverResponse.TAKEN_OVER
+        token = taken.status.fencing_token
+        watch = agent.watch(mailbox)
+        assert (await anext(watch)).HasField("snapshot")
+        request_id = "mark-1"
+        marked = await human.mark_replied(
+            subject, token, sent_message_id="gmail-77", note="replied from Gmail", request_id=request_id
+        )
+        assert marked.result == OK
+        status = marked.status
+        assert status.state == pb.SUBJECT_STATE_REPLIED
+        assert status.replied_by_hand
+        assert status.holder == "ana"
+        assert status.holder_kind == pb.HOLDER_KIND_HUMAN
+        assert status.sent_message_id == "gmail-77"
+        assert status.note == "replied from Gmail"
+        assert status.fencing_token == token
+        assert status.expires_at.ToMilliseconds() >= status.sent_at.ToMilliseconds() + 72 * 3600 * 1000
+        # Watchers see it as its own event: answered by hand.
+        event = (await anext(watch)).event
+        assert event.type == pb.EVENT_TYPE_MARKED_REPLIED
+        assert event.status.replied_by_hand
+        # A retry of the same request (its first answer lost) gets the first answer and changes nothing.
+        again = await human.mark_replied(subject, token, "gmail-77", "replied from Gmail", request_id=request_id)
+        assert again.result == OK
+        assert again.status == status
+        # Past the claim's TTL and bucket: the reply record stays, where the claim would have lapsed.
+        await asyncio.sleep(5 + 1 + 1.5)
+        assert await human.status(subject) == status
+        # The agent's old token stays stale, and the notification for the same message is answered.
+        assert (await agent.begin(subject, agent_claim.status.fencing_token)).result == STALE
+        updated = await agent.claim(subject, notification_id="updated-1")
+        assert updated.result == ALREADY_REPLIED
+        assert updated.status.replied_by_hand
+        assert updated.status.holder == "ana"
+
+
+async def test_mark_replied_is_fenced_like_begin_send(agent: Actor, other_agent: Actor, mailbox: str) -> None:
+    subject = message(mailbox, "msg-1")
+    token = (await agent.claim(subject)).status.fencing_token
+    # Not the holder: refused outright, nothing recorded.
+    error = await rpc_error(other_agent.mark_replied(subject, token))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    # A stale token (released, then claimed by another): STALE_TOKEN, the new claim untouched.
+    assert (await agent.release(subject, token)).result == OK
+    newer = (await other_agent.claim(subject)).status
+    stale = await agent.mark_replied(subject, token)
+    assert stale.result == STALE
+    assert stale.status == newer
+    # After BeginSend the send path owns the outcome: ConfirmSent, not MarkReplied.
+    assert (await other_agent.begin(subject, newer.fencing_token)).result == OK
+    error = await rpc_error(other_agent.mark_replied(subject, newer.fencing_token))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "ConfirmSent" in (error.details() or "")
+    # A second, different request on a subject already marked is refused as not CLAIMED.
+    other = message(mailbox, "msg-2")
+    mine = (await agent.claim(other)).status.fencing_token
+    assert (await agent.mark_replied(other, mine)).result == OK
+    error = await rpc_error(agent.mark_replied(other, mine))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # Bad input names the field.
+    error = await rpc_error(agent.mark_replied(message(mailbox, "m3"), 0))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fencing_token" in (error.details() or "")
+    error = await rpc_error(agent.mark_replied(other, mine, note="x" * 1025))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "note" in (error.details() or "")
+
+
+async def test_mark_replied_in_a_batch(agent: Actor, mailbox: str) -> None:
+    subject = message(mailbox, "msg-1")
+    token = (await agent.claim(subject)).status.fencing_token
+    call = pb.MarkRepliedRequest(request_id="b-1", subject=subject, fencing_token=token, note="by phone")
+    (result,) = await agent.batch(pb.BatchCall(mark_replied=call))
+    assert result.mark_replied.result == OK
+    assert result.mark_replied.status.replied_by_hand
+    assert (await agent.claim(subject)).result == ALREADY_REPLIED

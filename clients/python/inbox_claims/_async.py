@@ -29,7 +29,7 @@ from ._core import (
 )
 from ._envelope import Notification
 from ._errors import ClaimLost
-from ._guard import ClaimBase, Event, EventT, GuardOptions, GuardState, ReplyPolicy, Scope, resolve_subject
+from ._guard import ClaimBase, Event, EventT, GuardOptions, GuardState, ReplyPolicy, Scope, resolve_subject, summary_of
 from ._proto import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncClaim", "AsyncCoordinator"]
@@ -233,7 +233,9 @@ class AsyncCoordinator(ClientBase):
             notification_id=notification_id,
             scope=scope,
         )
-        state = GuardState(self._core, subject, notification_id=dedup_id, ttl=ttl, note=note)
+        state = GuardState(
+            self._core, subject, notification_id=dedup_id, ttl=ttl, note=note, summary=summary_of(notification)
+        )
         return AsyncClaim(self, state, on_lost, cancel_on_loss)
 
     @overload
@@ -406,6 +408,17 @@ class AsyncClaim(ClaimBase):
         finally:
             if inspect.iscoroutine(awaitable) and inspect.getcoroutinestate(awaitable) == inspect.CORO_CREATED:
                 awaitable.close()  # never started (BeginSend refused): no "never awaited" warning
+
+    async def mark_replied(self, *, sent_message_id: str = "", note: str = "") -> None:
+        """Records that the reply was made outside ``send`` (by a person in a mail client, by phone): the
+        subject becomes REPLIED and every later notification for it is answered ALREADY_REPLIED. Fenced like
+        ``send``: raises :class:`ClaimLost` if the claim is no longer yours (nothing is recorded then)."""
+        await self._stop_renewal()
+        try:
+            await self._client._drive(self._state.mark_replied(sent_message_id, note))
+        except ClaimLost:
+            await self._notice_loss(cancel=False)
+            raise
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

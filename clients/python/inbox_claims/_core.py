@@ -50,6 +50,7 @@ from ._types import (
     EventType,
     FenceResult,
     HolderKind,
+    MessageSummary,
     RetryPolicy,
     Subject,
     SubjectKind,
@@ -259,6 +260,24 @@ def _time(message: Any, name: str) -> datetime | None:
     return datetime.fromtimestamp(stamp.seconds + stamp.nanos / 1e9, tz=UTC)
 
 
+def summary_to_pb(summary: MessageSummary | None) -> pb.MessageSummary | None:
+    if summary is None:
+        return None
+    if not isinstance(summary, MessageSummary):
+        raise TypeError(f"summary must be an inbox_claims.MessageSummary, not {type(summary).__name__}")
+    message = pb.MessageSummary(subject_line=summary.subject_line, sender=summary.sender)
+    if summary.received_at is not None:
+        message.received_at.FromDatetime(summary.received_at.astimezone(UTC))
+    return message
+
+
+def summary_from_pb(message: pb.SubjectStatus) -> MessageSummary | None:
+    if not message.HasField("summary"):
+        return None
+    summary = message.summary
+    return MessageSummary(summary.subject_line, summary.sender, _time(summary, "received_at"))
+
+
 def subject_to_pb(subject: Subject) -> pb.Subject:
     if not isinstance(subject, Subject):
         raise TypeError(f"subject must be an inbox_claims.Subject, not {type(subject).__name__}")
@@ -288,6 +307,8 @@ def status_from_pb(message: pb.SubjectStatus) -> SubjectStatus:
         sent_message_id=message.sent_message_id,
         revision=message.revision,
         ttl_seconds=message.ttl_seconds,
+        replied_by_hand=message.replied_by_hand,
+        summary=summary_from_pb(message),
     )
 
 
@@ -532,13 +553,22 @@ class Core:
 
     # -- operations (the guard builds these once and runs them with call(), keeping their request ids) -----
 
-    def claim_op(self, subject: Subject, *, ttl: int = 0, notification_id: str = "", note: str = "") -> Op[ClaimResult]:
+    def claim_op(
+        self,
+        subject: Subject,
+        *,
+        ttl: int = 0,
+        notification_id: str = "",
+        note: str = "",
+        summary: MessageSummary | None = None,
+    ) -> Op[ClaimResult]:
         request = pb.ClaimReplyRequest(
             request_id=new_request_id(),
             subject=subject_to_pb(subject),
             notification_id=notification_id,
             ttl_seconds=_ttl(ttl),
             note=note,
+            summary=summary_to_pb(summary),
         )
         return Op("ClaimReply", request, _claim_result)
 
@@ -575,6 +605,18 @@ class Core:
         )
         return Op("ConfirmSent", request, _fence)
 
+    def mark_replied_op(
+        self, subject: Subject, token: int, sent_message_id: str = "", note: str = ""
+    ) -> Op[FenceResult]:
+        request = pb.MarkRepliedRequest(
+            request_id=new_request_id(),
+            subject=subject_to_pb(subject),
+            fencing_token=_token(token),
+            sent_message_id=sent_message_id,
+            note=note,
+        )
+        return Op("MarkReplied", request, _fence)
+
     def abort_send_op(
         self, subject: Subject, token: int, reason: str = "", *, redeliverable: bool = False
     ) -> Op[FenceResult]:
@@ -603,14 +645,24 @@ class Core:
         return self.call(Op("RecordDelivery", request, _delivery_result), timeout=timeout)
 
     def claim(
-        self, subject: Subject, *, ttl: int = 0, notification_id: str = "", note: str = "", timeout: float | None = None
+        self,
+        subject: Subject,
+        *,
+        ttl: int = 0,
+        notification_id: str = "",
+        note: str = "",
+        summary: MessageSummary | None = None,
+        timeout: float | None = None,
     ) -> Flow[ClaimResult]:
         """ClaimReply: the exclusive, TTL'd right to reply to ``subject`` (``ttl`` 0: the server's default).
 
         Answers a :class:`ClaimResult` (GRANTED, HELD, ALREADY_REPLIED, DUPLICATE_DELIVERY); nothing is
         renewed for you. Agents should use ``reply_to``, which renews, fences the send and cleans up.
         """
-        return self.call(self.claim_op(subject, ttl=ttl, notification_id=notification_id, note=note), timeout=timeout)
+        return self.call(
+            self.claim_op(subject, ttl=ttl, notification_id=notification_id, note=note, summary=summary),
+            timeout=timeout,
+        )
 
     def renew(self, subject: Subject, token: int, *, ttl: int = 0, timeout: float | None = None) -> Flow[FenceResult]:
         """RenewClaim: pushes the claim's expiry ``ttl`` seconds out (``ok`` False: the token is stale)."""
@@ -647,6 +699,13 @@ class Core:
         """AbortSend: the send certainly did not go out (SENDING or IN_DOUBT to FREE); ``redeliverable`` as in
         ``release``."""
         return self.call(self.abort_send_op(subject, token, reason, redeliverable=redeliverable), timeout=timeout)
+
+    def mark_replied(
+        self, subject: Subject, token: int, *, sent_message_id: str = "", note: str = "", timeout: float | None = None
+    ) -> Flow[FenceResult]:
+        """MarkReplied: the holder answered without the coordinator (in a mail client, by phone): CLAIMED to
+        REPLIED, so later claims answer ALREADY_REPLIED. Fenced like ``begin_send`` (``ok`` False: not yours)."""
+        return self.call(self.mark_replied_op(subject, token, sent_message_id, note), timeout=timeout)
 
     def status(self, subject: Subject, *, timeout: float | None = None) -> Flow[SubjectStatus]:
         """GetStatus: one subject's state (FREE when nothing is recorded)."""
@@ -716,12 +775,22 @@ class Core:
                 yield Sleep(delay)
 
     def takeover(
-        self, subject: Subject, *, ttl: int = 0, note: str = "", timeout: float | None = None
+        self,
+        subject: Subject,
+        *,
+        ttl: int = 0,
+        note: str = "",
+        summary: MessageSummary | None = None,
+        timeout: float | None = None,
     ) -> Flow[TakeoverResult]:
         """Takeover (humans only): ends an agent's claim (its token goes stale at once) and gives the caller a
         new one. Never takes from a human (HELD) nor after the send began (ALREADY_REPLIED)."""
         request = pb.TakeoverRequest(
-            request_id=new_request_id(), subject=subject_to_pb(subject), ttl_seconds=_ttl(ttl), note=note
+            request_id=new_request_id(),
+            subject=subject_to_pb(subject),
+            ttl_seconds=_ttl(ttl),
+            note=note,
+            summary=summary_to_pb(summary),
         )
         return self.call(Op("Takeover", request, _takeover_result), timeout=timeout)
 
@@ -933,6 +1002,7 @@ class ClientBase:
     begin_send = rpc(Core.begin_send)
     confirm_sent = rpc(Core.confirm_sent)
     abort_send = rpc(Core.abort_send)
+    mark_replied = rpc(Core.mark_replied)
     status = rpc(Core.status)
     list_claims = rpc(Core.list_claims)
     iter_claims = stream(Core.iter_claims)

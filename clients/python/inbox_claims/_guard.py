@@ -23,7 +23,7 @@ import time
 import unicodedata
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal, TypeAlias, TypedDict, TypeVar
 
 from ._core import Core, Flow, Invoke, Op, Sleep
@@ -40,7 +40,17 @@ from ._errors import (
     SendRejected,
     SentButUnconfirmed,
 )
-from ._types import ClaimOutcome, ClaimResult, FenceResult, HolderKind, LossReason, Subject, SubjectState, SubjectStatus
+from ._types import (
+    ClaimOutcome,
+    ClaimResult,
+    FenceResult,
+    HolderKind,
+    LossReason,
+    MessageSummary,
+    Subject,
+    SubjectState,
+    SubjectStatus,
+)
 
 log = logging.getLogger("inbox_claims")
 
@@ -203,6 +213,40 @@ def resolve_subject(
     raise ValueError(f"scope must be 'message' or 'thread', not {scope!r}")
 
 
+# The coordinator's limits on a summary's texts (coordinator/limits.py): longer ones are cut, not refused.
+SUMMARY_SUBJECT_LINE_MAX_BYTES = 512
+SUMMARY_SENDER_MAX_BYTES = 512
+
+
+def summary_of(event: Event | None) -> MessageSummary | None:
+    """Which email a notification is about, from the Nylas message object it carries (``subject``, ``from``,
+    ``date``), when it has them; anything missing or of another shape is left out."""
+    if event is None:
+        return None
+    notification = as_notification(event)
+    if not notification.is_message_event:
+        return None
+    message = notification.object
+    subject_line = message.get("subject")
+    senders = message.get("from")
+    date = message.get("date")
+    sender = ""
+    if isinstance(senders, list) and senders and isinstance(senders[0], dict):
+        name, email = senders[0].get("name"), senders[0].get("email")
+        name = name if isinstance(name, str) else ""
+        email = email if isinstance(email, str) else ""
+        sender = f"{name} <{email}>" if name and email else name or email
+    received = None
+    if isinstance(date, int) and not isinstance(date, bool) and 0 <= date < 253402300800:  # before year 10000
+        received = datetime.fromtimestamp(date, tz=UTC)
+    summary = MessageSummary(
+        clean_text(subject_line, SUMMARY_SUBJECT_LINE_MAX_BYTES) if isinstance(subject_line, str) else "",
+        clean_text(sender, SUMMARY_SENDER_MAX_BYTES),
+        received,
+    )
+    return summary if summary.subject_line or summary.sender or summary.received_at else None
+
+
 def granted_status(result: ClaimResult, subject: Subject, notification_id: str) -> SubjectStatus:
     """The granted claim's status, or the refusal as an exception."""
     if result.outcome is ClaimOutcome.DUPLICATE_DELIVERY:
@@ -227,7 +271,16 @@ class GuardState:
     Thread-safe: in the sync client the renewal runs in its own thread while the caller drafts and sends.
     """
 
-    def __init__(self, core: Core, subject: Subject, *, notification_id: str, ttl: int, note: str) -> None:
+    def __init__(
+        self,
+        core: Core,
+        subject: Subject,
+        *,
+        notification_id: str,
+        ttl: int,
+        note: str,
+        summary: MessageSummary | None = None,
+    ) -> None:
         self.core = core
         self.subject = subject
         self.notification_id = notification_id
@@ -241,7 +294,9 @@ class GuardState:
         # when it handled the last claim or renewal, which is after we sent it.
         self._valid_until = 0.0
         self._token = 0
-        self._claim_op = core.claim_op(subject, ttl=ttl, notification_id=notification_id, note=clean_text(note))
+        self._claim_op = core.claim_op(
+            subject, ttl=ttl, notification_id=notification_id, note=clean_text(note), summary=summary
+        )
 
     @property
     def token(self) -> int:
@@ -361,6 +416,27 @@ class GuardState:
             raise
         yield from self._confirm(sent)
         return sent
+
+    def mark_replied(self, sent_message_id: str, note: str) -> Flow[None]:
+        """MarkReplied (fenced): the reply was made outside ``send``; a refusal is the claim's loss."""
+        with self._lock:
+            if self.phase is Phase.LOST:
+                raise self.lost_error()
+            if self.phase is not Phase.CLAIMED:
+                raise RuntimeError(f"claim.mark_replied() needs a held claim (this claim is {self.phase.value})")
+            self.phase = Phase.BEGINNING  # renewal stops; the exit releases if the answer never comes
+        op = self.core.mark_replied_op(self.subject, self.token, sent_message_id, clean_text(note))
+        try:
+            result = yield from self.core.call(op)
+        except BaseException:
+            self.phase = Phase.CLAIMED
+            raise
+        if result.stale:
+            self._lose(self._stale_reason(result.status), result.status, Phase.BEGINNING)
+            raise self.lost_error()
+        self.status = result.status
+        self.sent_message_id = sent_message_id
+        self.phase = Phase.REPLIED
 
     def _abort(self, rejected: SendRejected) -> Flow[None]:
         op = self.core.abort_send_op(self.subject, self.token, clean_text(rejected.reason))

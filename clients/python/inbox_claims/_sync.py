@@ -30,7 +30,7 @@ from ._core import (
 )
 from ._envelope import Notification
 from ._errors import ClaimLost, SendRejected
-from ._guard import ClaimBase, Event, EventT, GuardOptions, GuardState, ReplyPolicy, Scope, resolve_subject
+from ._guard import ClaimBase, Event, EventT, GuardOptions, GuardState, ReplyPolicy, Scope, resolve_subject, summary_of
 from ._proto import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["Claim", "Coordinator"]
@@ -248,7 +248,9 @@ class Coordinator(ClientBase):
             notification_id=notification_id,
             scope=scope,
         )
-        state = GuardState(self._core, subject, notification_id=dedup_id, ttl=ttl, note=note)
+        state = GuardState(
+            self._core, subject, notification_id=dedup_id, ttl=ttl, note=note, summary=summary_of(notification)
+        )
         return Claim(self, state, on_lost)
 
     @overload
@@ -356,6 +358,17 @@ class Claim(ClaimBase):
         self._stop.set()
         try:
             return self._client._drive(self._state.send(fn, args, kwargs))  # type: ignore[no-any-return]
+        except ClaimLost:
+            self._notice_loss()
+            raise
+
+    def mark_replied(self, *, sent_message_id: str = "", note: str = "") -> None:
+        """Records that the reply was made outside ``send`` (by a person in a mail client, by phone): the
+        subject becomes REPLIED and every later notification for it is answered ALREADY_REPLIED. Fenced like
+        ``send``: raises :class:`ClaimLost` if the claim is no longer yours (nothing is recorded then)."""
+        self._stop.set()
+        try:
+            self._client._drive(self._state.mark_replied(sent_message_id, note))
         except ClaimLost:
             self._notice_loss()
             raise

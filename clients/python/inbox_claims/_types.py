@@ -23,6 +23,7 @@ __all__ = [
     "FenceResult",
     "HolderKind",
     "LossReason",
+    "MessageSummary",
     "RetryPolicy",
     "Subject",
     "SubjectKind",
@@ -95,6 +96,8 @@ class EventType(enum.Enum):
     IN_DOUBT = "in_doubt"
     RESOLVED_NOT_SENT = "resolved_not_sent"
     RETENTION_ENDED = "retention_ended"
+    MARKED_REPLIED = "marked_replied"
+    """The holder recorded a reply made by hand (``mark_replied``)."""
 
 
 class LossReason(enum.Enum):
@@ -149,6 +152,20 @@ class Subject:
 
 
 @dataclass(frozen=True, slots=True)
+class MessageSummary:
+    """Which email a claim is about, shown to the people watching the mailbox (``inboxctl``, the claims board).
+
+    Personal data: the coordinator keeps it with the claim and its reply record only, and not at all when its
+    ``store_summaries`` setting is off. ``reply_to(notification)`` fills it from the notification's message.
+    """
+
+    subject_line: str = ""
+    sender: str = ""
+    """As people read it: ``Bea Costa <bea@example.org>``."""
+    received_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SubjectStatus:
     """Everything recorded about one subject. Times are timezone-aware UTC datetimes, ``None`` when unset."""
 
@@ -169,6 +186,10 @@ class SubjectStatus:
     sent_message_id: str = ""
     revision: int = 0
     ttl_seconds: int = 0
+    replied_by_hand: bool = False
+    """REPLIED by ``mark_replied`` (a person answered outside the coordinator), not by a confirmed send."""
+    summary: MessageSummary | None = None
+    """Which email this is (subject line, sender), when the claim gave one and the coordinator keeps them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ import enum
 import getpass
 import json
 import os
+import shutil
 import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Sequence
@@ -185,6 +186,13 @@ def holder_text(status: SubjectStatus) -> str:
 def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
     """A person-readable account of one subject."""
     lines = [f"{describe_subject(status.subject)}: {status.state.name}"]
+    summary = status.summary
+    if summary is not None:
+        if summary.subject_line:
+            lines.append(f"  subject   {summary.subject_line}")
+        received = f" (received {clock(summary.received_at)})" if summary.received_at else ""
+        if summary.sender or received:
+            lines.append(f"  from      {summary.sender or '?'}{received}")
     state = status.state
     if state is SubjectState.CLAIMED:
         lines.append(
@@ -200,7 +208,8 @@ def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
         )
         lines.append("  check the mailbox's sent folder, then: inboxctl resolve MAILBOX ID --sent | --not-sent")
     elif state is SubjectState.REPLIED:
-        lines.append(f"  replied   by {holder_text(status)} {ago(status.sent_at, now)} ({clock(status.sent_at)})")
+        how = "by hand " if status.replied_by_hand else ""
+        lines.append(f"  replied   {how}by {holder_text(status)} {ago(status.sent_at, now)} ({clock(status.sent_at)})")
         if status.sent_message_id:
             lines.append(f"  sent id   {status.sent_message_id}")
         lines.append(f"  kept      until {clock(status.expires_at)} ({within(status.expires_at, now)})")
@@ -212,8 +221,12 @@ def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
 
 
 def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
-    """One row per subject: kind, id, state, holder, since, expires."""
-    header = ("KIND", "ID", "STATE", "HOLDER", "SINCE", "EXPIRES", "NOTE")
+    """One row per subject: kind, id, (subject line and sender, when any row has them,) state, holder, since,
+    expires, note."""
+    described = any(status.summary is not None for status in statuses)
+    header: tuple[str, ...] = ("KIND", "ID", "STATE", "HOLDER", "SINCE", "EXPIRES", "NOTE")
+    if described:
+        header = (*header[:2], "SUBJECT", "FROM", *header[2:])
     rows = [header]
     for status in statuses:
         sending = status.state in (SubjectState.SENDING, SubjectState.IN_DOUBT)
@@ -221,17 +234,20 @@ def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
         if status.state is SubjectState.REPLIED:
             since = status.sent_at
         expires = status.send_deadline if status.state is SubjectState.SENDING else status.expires_at
-        rows.append(
-            (
-                status.subject.kind.value,
-                _cut(status.subject.id, 40),
-                status.state.name,
-                _cut(holder_text(status), 36),
-                ago(since, now),
-                "never" if status.state is SubjectState.IN_DOUBT else within(expires, now),
-                _cut(status.note, 40),
-            )
+        row: tuple[str, ...] = (
+            status.subject.kind.value,
+            _cut(status.subject.id, 40),
+            status.state.name,
+            _cut(holder_text(status), 36),
+            ago(since, now),
+            "never" if status.state is SubjectState.IN_DOUBT else within(expires, now),
+            _cut(status.note, 40),
         )
+        if described:
+            summary = status.summary
+            email = (_cut(summary.subject_line, 40), _cut(summary.sender, 30)) if summary else ("", "")
+            row = (*row[:2], *email, *row[2:])
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
 
@@ -243,6 +259,8 @@ def _cut(text: str, width: int) -> str:
 def event_line(event: WatchEvent, now: datetime) -> str:
     status = event.status
     parts = [clock(now), event.type.name, describe_subject(status.subject)]
+    if status.summary is not None and status.summary.subject_line:
+        parts.append(json.dumps(_cut(status.summary.subject_line, 60), ensure_ascii=False))
     if status.holder:
         parts.append(f"by {holder_text(status)}")
     if event.previous_holder and event.previous_holder != status.holder:
@@ -365,18 +383,28 @@ async def cmd_claim(ctx: Context) -> int:
     return EXIT_REFUSED
 
 
+def _is_mine(ctx: Context, status: SubjectStatus) -> bool:
+    # With a token the coordinator knows who we are and refuses another's claim (PERMISSION_DENIED).
+    return status.state is SubjectState.CLAIMED and (
+        ctx.settings["principal"] is None or status.holder == ctx.settings["principal"]
+    )
+
+
+def _refuse(ctx: Context, why: str, status: SubjectStatus) -> int:
+    if ctx.json:
+        ctx.emit({"ok": False, "status": status})
+    else:
+        ctx.say(why, *status_lines(status, now_utc()))
+    return EXIT_REFUSED
+
+
 async def cmd_release(ctx: Context) -> int:
     subject = ctx.subject()
     token = ctx.options.fencing_token
     if token is None:
         status = await ctx.client.status(subject)
-        mine = ctx.settings["principal"] is None or status.holder == ctx.settings["principal"]
-        if status.state is not SubjectState.CLAIMED or not mine:
-            if ctx.json:
-                ctx.emit({"ok": False, "status": status})
-            else:
-                ctx.say("not released: you do not hold it", *status_lines(status, now_utc()))
-            return EXIT_REFUSED
+        if not _is_mine(ctx, status):
+            return _refuse(ctx, "not released: you do not hold it", status)
         token = status.fencing_token
     result = await ctx.client.release(subject, token)
     if ctx.json:
@@ -407,6 +435,44 @@ async def cmd_takeover(ctx: Context) -> int:
     return EXIT_OK if result.holds else EXIT_REFUSED
 
 
+# How long the claim that `replied` takes on a FREE message lasts: only the instant until it is marked.
+REPLIED_CLAIM_TTL = 30
+
+
+async def cmd_replied(ctx: Context) -> int:
+    """MarkReplied on your claim; on a FREE message, claim then mark (you answered without claiming first)."""
+    subject, options = ctx.subject(), ctx.options
+    token = options.fencing_token
+    if token is None:
+        status = await ctx.client.status(subject)
+        if status.state is SubjectState.FREE:
+            claimed = await ctx.client.claim(subject, ttl=REPLIED_CLAIM_TTL, note=options.note)
+            if not claimed.granted:
+                assert claimed.status is not None
+                return _refuse(ctx, "not recorded: someone claimed it just now", claimed.status)
+            token = claimed.token
+        elif _is_mine(ctx, status):
+            token = status.fencing_token
+        else:
+            hint = (
+                f"take it over first: inboxctl takeover {subject.mailbox} {_quote(subject.id)}"
+                if status.state is SubjectState.CLAIMED
+                else "it is not held: nothing to record"
+            )
+            return _refuse(ctx, f"not recorded: you do not hold it ({hint})", status)
+    result = await ctx.client.mark_replied(subject, token, sent_message_id=options.sent_id or "", note=options.note)
+    if ctx.json:
+        ctx.emit({"ok": result.ok, "status": result.status})
+    elif result.ok:
+        ctx.say(
+            f"recorded: {describe_subject(subject)} was answered by hand; agents will not reply to it",
+            *status_lines(result.status, now_utc()),
+        )
+    else:
+        ctx.say("not recorded: your claim ended (it lapsed or was taken over)", *status_lines(result.status, now_utc()))
+    return EXIT_OK if result.ok else EXIT_REFUSED
+
+
 async def cmd_resolve(ctx: Context) -> int:
     options = ctx.options
     status = await ctx.client.resolve_in_doubt(
@@ -419,34 +485,46 @@ async def cmd_resolve(ctx: Context) -> int:
     return EXIT_OK
 
 
+# The live table lists what needs a person first: unsettled sends, then sends, claims, replies.
+_URGENCY = {SubjectState.IN_DOUBT: 0, SubjectState.SENDING: 1, SubjectState.CLAIMED: 2, SubjectState.REPLIED: 3}
+
+
 class WatchView:
-    """The watched mailbox as a table (redrawn in place on a terminal) or as one line per event."""
+    """The watched mailbox as a table (redrawn in place on a terminal, cut to its height) or as one line per
+    event; ``--state`` keeps only subjects in those states (an event that moves one out is still shown)."""
 
     def __init__(self, ctx: Context, live: bool) -> None:
         self.ctx = ctx
         self.live = live
+        self.states = frozenset(SubjectState[name.upper()] for name in ctx.options.state or ())
         self.subjects: dict[Subject, SubjectStatus] = {}
         self.last = ""
         self.events = 0
 
+    def wanted(self, status: SubjectStatus) -> bool:
+        return not self.states or status.state in self.states
+
     def take(self, item: WatchItem) -> None:
         ctx, now = self.ctx, now_utc()
         if isinstance(item, WatchSnapshot):
-            self.subjects = {status.subject: status for status in item.subjects}
+            self.subjects = {status.subject: status for status in item.subjects if self.wanted(status)}
             if ctx.json:
                 ctx.emit({"snapshot": item})
             elif not self.live:
-                ctx.say(f"{clock(now)} watching {ctx.options.mailbox}: {len(item.subjects)} subject(s) not free")
-                for status in item.subjects:
+                ctx.say(f"{clock(now)} watching {ctx.options.mailbox}: {len(self.subjects)} subject(s) {self.what()}")
+                for status in self.subjects.values():
                     ctx.say(
                         f"{clock(now)} {status.state.name} {describe_subject(status.subject)} by {holder_text(status)}"
                     )
         else:
-            self.events += 1
-            if item.status.state is SubjectState.FREE:
+            shown = item.status.subject in self.subjects
+            if not self.wanted(item.status):
                 self.subjects.pop(item.status.subject, None)
+                if not shown:
+                    return  # neither in the filter nor leaving it
             else:
                 self.subjects[item.status.subject] = item.status
+            self.events += 1
             self.last = event_line(item, now)
             if ctx.json:
                 ctx.emit({"event": item})
@@ -455,13 +533,20 @@ class WatchView:
         if self.live and not ctx.json:
             self.draw()
 
+    def what(self) -> str:
+        return " or ".join(state.name for state in sorted(self.states, key=_URGENCY.__getitem__)) or "not free"
+
     def draw(self) -> None:
         now = now_utc()
-        rows = sorted(self.subjects.values(), key=lambda s: (s.subject.kind.value, s.subject.id))
-        lines = [f"inboxctl watch {self.ctx.options.mailbox}   {clock(now)}   {len(rows)} subject(s) not free", ""]
-        lines += table(rows, now) if rows else ["(nothing held)"]
-        lines += ["", f"last event: {self.last or '-'}", "Ctrl-C to stop"]
-        self.ctx.out.write("\x1b[H\x1b[J" + "\n".join(lines) + "\n")
+        rows = sorted(self.subjects.values(), key=lambda s: (_URGENCY[s.state], s.subject.kind.value, s.subject.id))
+        head = [f"inboxctl watch {self.ctx.options.mailbox}   {clock(now)}   {len(rows)} subject(s) {self.what()}", ""]
+        foot = ["", f"last event: {self.last or '-'}", "Ctrl-C to stop"]
+        # Fit the terminal: the table's header row and what is around it, then as many rows as fit.
+        room = max(shutil.get_terminal_size().lines - len(head) - len(foot) - 2, 1)
+        shown = table(rows[:room], now) if rows else ["(nothing held)"]
+        if len(rows) > room:
+            shown.append(f"… and {len(rows) - room} more (narrow it with --state, or list them all with ls)")
+        self.ctx.out.write("\x1b[H\x1b[J" + "\n".join(head + shown + foot) + "\n")
         self.ctx.out.flush()
 
 
@@ -540,7 +625,8 @@ COMMANDS: dict[str, tuple[Command, str, str]] = {
     "watch": (
         cmd_watch,
         "follow a mailbox live: a table on a terminal, one line per event otherwise",
-        "  inboxctl watch grant-7f3a\n  inboxctl watch grant-7f3a --count 10 > events.log\n"
+        "  inboxctl watch grant-7f3a\n  inboxctl watch grant-7f3a --state claimed --state in_doubt\n"
+        "  inboxctl watch grant-7f3a --count 10 > events.log\n"
         "  inboxctl watch grant-7f3a --json --timeout 60",
     ),
     "claim": (
@@ -558,6 +644,14 @@ COMMANDS: dict[str, tuple[Command, str, str]] = {
         cmd_takeover,
         "take a message over from an agent (humans with the takeover role): the agent cannot send any more",
         "  inboxctl takeover grant-7f3a msg-123 --note 'VIP customer, I will answer'",
+    ),
+    "replied": (
+        cmd_replied,
+        "record that you answered a message yourself (mail client, phone): agents will not reply to it",
+        "  inboxctl replied grant-7f3a msg-123 --note 'replied from Gmail'\n"
+        "  inboxctl replied grant-7f3a msg-123 --sent-id 18c2f0a9e\n"
+        "(on a message you hold; one nobody holds is claimed and recorded in one go; one an agent holds: take it\n"
+        " over first)",
     ),
     "in-doubt": (
         cmd_in_doubt,
@@ -599,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
             _subject_arguments(sub)
         if name in ("ls", "in-doubt"):
             sub.add_argument("--limit", type=int, default=0, help="show at most this many (default: all)")
-        if name == "ls":
+        if name in ("ls", "watch"):
             states = [state.name.lower() for state in SubjectState if state is not SubjectState.FREE]
             sub.add_argument("--state", action="append", choices=states, help="only this state (repeatable)")
         if name == "watch":
@@ -608,8 +702,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("claim", "takeover"):
             sub.add_argument("--ttl", type=int, default=DEFAULT_CLAIM_TTL, help="seconds the claim lasts (default 900)")
             sub.add_argument("--note", default="", help="shown to everyone watching the mailbox")
-        if name == "release":
+        if name in ("release", "replied"):
             sub.add_argument("--fencing-token", type=int, default=None, help="the claim's token (default: yours)")
+        if name == "replied":
+            sub.add_argument("--sent-id", default=None, help="the id of the message you sent, when you know it")
+            sub.add_argument("--note", default="", help="how it was answered (shown to everyone)")
         if name == "resolve":
             outcome = sub.add_mutually_exclusive_group(required=True)
             outcome.add_argument("--sent", dest="sent", action="store_true", help="the reply is in the sent folder")

@@ -233,6 +233,8 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """ResolveInDoubt settled the subject as not sent (as sent is reported as REPLIED)."""
     EVENT_TYPE_RETENTION_ENDED: _EventType.ValueType  # 11
     """A reply record's retention ended; the subject is FREE again."""
+    EVENT_TYPE_MARKED_REPLIED: _EventType.ValueType  # 12
+    """The holder recorded a reply made by hand (MarkReplied); the subject is REPLIED, `status.note` says how."""
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper): ...
 
@@ -252,6 +254,8 @@ EVENT_TYPE_RESOLVED_NOT_SENT: EventType.ValueType  # 10
 """ResolveInDoubt settled the subject as not sent (as sent is reported as REPLIED)."""
 EVENT_TYPE_RETENTION_ENDED: EventType.ValueType  # 11
 """A reply record's retention ended; the subject is FREE again."""
+EVENT_TYPE_MARKED_REPLIED: EventType.ValueType  # 12
+"""The holder recorded a reply made by hand (MarkReplied); the subject is REPLIED, `status.note` says how."""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 @_typing.final
@@ -308,6 +312,8 @@ class SubjectStatus(_message.Message):
     SENT_MESSAGE_ID_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    REPLIED_BY_HAND_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     state: Global___SubjectState.ValueType
     holder: _builtins.str
     """The principal holding the claim or who sent the reply. Empty when FREE."""
@@ -324,6 +330,8 @@ class SubjectStatus(_message.Message):
     """The etcd revision of the subject's last change; 0 when FREE."""
     ttl_seconds: _builtins.int
     """The TTL in seconds the holder asked for on its last claim or renewal."""
+    replied_by_hand: _builtins.bool
+    """REPLIED: recorded by MarkReplied (a person answered outside the coordinator), not by a confirmed send."""
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     @_builtins.property
@@ -348,6 +356,12 @@ class SubjectStatus(_message.Message):
     def sent_at(self) -> _timestamp_pb2.Timestamp:
         """REPLIED: when ConfirmSent (or ResolveInDoubt) recorded the reply."""
 
+    @_builtins.property
+    def summary(self) -> Global___MessageSummary:
+        """Which email this is, as the claim's ClaimReply (or Takeover) described it; kept on the reply record.
+        Unset when none was given or the coordinator does not store summaries (--no-store-summaries).
+        """
+
     def __init__(
         self,
         *,
@@ -365,14 +379,54 @@ class SubjectStatus(_message.Message):
         sent_message_id: _builtins.str = ...,
         revision: _builtins.int = ...,
         ttl_seconds: _builtins.int = ...,
+        replied_by_hand: _builtins.bool = ...,
+        summary: Global___MessageSummary | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "state", b"state", "subject", b"subject", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "replied_by_hand", b"replied_by_hand", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "state", b"state", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubjectStatus: _TypeAlias = SubjectStatus  # noqa: Y015
+
+@_typing.final
+class MessageSummary(_message.Message):
+    """What a person tells one email from another by, shown by inboxctl and the claims board. Optional on
+    ClaimReply and Takeover (the Python client fills it from the notification). It is personal data: stored in
+    the claim's etcd record only while the coordinator's store_summaries setting is on (the default), and
+    deleted with the claim or its reply record (docs/security.md).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBJECT_LINE_FIELD_NUMBER: _builtins.int
+    SENDER_FIELD_NUMBER: _builtins.int
+    RECEIVED_AT_FIELD_NUMBER: _builtins.int
+    subject_line: _builtins.str
+    """The subject line. Up to 512 bytes of UTF-8 (SUMMARY_SUBJECT_LINE_MAX_BYTES), no control characters."""
+    sender: _builtins.str
+    """The sender as people read it ("Ana Lima <ana@example.com>"). Up to 512 bytes (SUMMARY_SENDER_MAX_BYTES),
+    no control characters.
+    """
+    @_builtins.property
+    def received_at(self) -> _timestamp_pb2.Timestamp:
+        """When the message was received; unset when unknown. Not before 1970."""
+
+    def __init__(
+        self,
+        *,
+        subject_line: _builtins.str = ...,
+        sender: _builtins.str = ...,
+        received_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["received_at", b"received_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["received_at", b"received_at", "sender", b"sender", "subject_line", b"subject_line"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MessageSummary: _TypeAlias = MessageSummary  # noqa: Y015
 
 @_typing.final
 class DeliveryRecord(_message.Message):
@@ -493,6 +547,7 @@ class ClaimReplyRequest(_message.Message):
     NOTIFICATION_ID_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     notification_id: _builtins.str
     """Optional: the webhook notification that led to this claim. When set, the delivery is recorded in the
@@ -507,6 +562,12 @@ class ClaimReplyRequest(_message.Message):
     """Optional, up to 1024 bytes. Shown to humans watching the mailbox."""
     @_builtins.property
     def subject(self) -> Global___Subject: ...
+    @_builtins.property
+    def summary(self) -> Global___MessageSummary:
+        """Optional: which email this is (subject line, sender, received time), shown to the people watching.
+        Over a limit: INVALID_ARGUMENT naming `summary.subject_line` or `summary.sender` and the limit.
+        """
+
     def __init__(
         self,
         *,
@@ -515,10 +576,11 @@ class ClaimReplyRequest(_message.Message):
         notification_id: _builtins.str = ...,
         ttl_seconds: _builtins.int = ...,
         note: _builtins.str = ...,
+        summary: Global___MessageSummary | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "notification_id", b"notification_id", "request_id", b"request_id", "subject", b"subject", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "notification_id", b"notification_id", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -970,15 +1032,25 @@ class WatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MAILBOX_FIELD_NUMBER: _builtins.int
+    AFTER_REVISION_FIELD_NUMBER: _builtins.int
     mailbox: _builtins.str
+    after_revision: _builtins.int
+    """Resuming after a reconnect: the `revision` of the last snapshot or event this watcher received. The
+    stream then starts, instead of a snapshot, with one event for each subject whose state differs from what
+    it was at that revision (the net change, in revision order: a claim made and released meanwhile is not
+    sent), then goes on live. When etcd no longer has that revision (compacted, docs/operations.md), the
+    stream starts with a snapshot as usual: a watcher must always be ready for one. 0: start with a snapshot.
+    Ahead of etcd: INVALID_ARGUMENT.
+    """
     def __init__(
         self,
         *,
         mailbox: _builtins.str = ...,
+        after_revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mailbox", b"mailbox"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_revision", b"after_revision", "mailbox", b"mailbox"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1089,12 +1161,17 @@ class TakeoverRequest(_message.Message):
     SUBJECT_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     ttl_seconds: _builtins.int
     """As in ClaimReplyRequest."""
     note: _builtins.str
     @_builtins.property
     def subject(self) -> Global___Subject: ...
+    @_builtins.property
+    def summary(self) -> Global___MessageSummary:
+        """As in ClaimReplyRequest; when unset, the summary of the claim taken over is kept."""
+
     def __init__(
         self,
         *,
@@ -1102,10 +1179,11 @@ class TakeoverRequest(_message.Message):
         subject: Global___Subject | None = ...,
         ttl_seconds: _builtins.int = ...,
         note: _builtins.str = ...,
+        summary: Global___MessageSummary | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "request_id", b"request_id", "subject", b"subject", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1245,6 +1323,69 @@ class ResolveInDoubtResponse(_message.Message):
 Global___ResolveInDoubtResponse: _TypeAlias = ResolveInDoubtResponse  # noqa: Y015
 
 @_typing.final
+class MarkRepliedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    SENT_MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    fencing_token: _builtins.int
+    """The token of the caller's current claim (ClaimReply or Takeover granted it)."""
+    sent_message_id: _builtins.str
+    """The sent message's id when known (from the mail client). 0 to 512 bytes."""
+    note: _builtins.str
+    """How it was answered ("replied from Gmail", "called the customer"). Up to 1024 bytes; empty keeps the
+    claim's note.
+    """
+    @_builtins.property
+    def subject(self) -> Global___Subject: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        subject: Global___Subject | None = ...,
+        fencing_token: _builtins.int = ...,
+        sent_message_id: _builtins.str = ...,
+        note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "note", b"note", "request_id", b"request_id", "sent_message_id", b"sent_message_id", "subject", b"subject"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MarkRepliedRequest: _TypeAlias = MarkRepliedRequest  # noqa: Y015
+
+@_typing.final
+class MarkRepliedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    result: Global___FenceResult.ValueType
+    """OK: recorded; `status` is the reply record (REPLIED, `replied_by_hand`). STALE_TOKEN: the claim is no
+    longer the caller's; nothing was recorded.
+    """
+    @_builtins.property
+    def status(self) -> Global___SubjectStatus: ...
+    def __init__(
+        self,
+        *,
+        result: Global___FenceResult.ValueType = ...,
+        status: Global___SubjectStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MarkRepliedResponse: _TypeAlias = MarkRepliedResponse  # noqa: Y015
+
+@_typing.final
 class BatchCall(_message.Message):
     """One call of a Batch: the request of the unary RPC of the same name."""
 
@@ -1258,6 +1399,7 @@ class BatchCall(_message.Message):
     CONFIRM_SENT_FIELD_NUMBER: _builtins.int
     ABORT_SEND_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
+    MARK_REPLIED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def record_delivery(self) -> Global___RecordDeliveryRequest: ...
     @_builtins.property
@@ -1274,6 +1416,8 @@ class BatchCall(_message.Message):
     def abort_send(self) -> Global___AbortSendRequest: ...
     @_builtins.property
     def get_status(self) -> Global___GetStatusRequest: ...
+    @_builtins.property
+    def mark_replied(self) -> Global___MarkRepliedRequest: ...
     def __init__(
         self,
         *,
@@ -1285,12 +1429,13 @@ class BatchCall(_message.Message):
         confirm_sent: Global___ConfirmSentRequest | None = ...,
         abort_send: Global___AbortSendRequest | None = ...,
         get_status: Global___GetStatusRequest | None = ...,
+        mark_replied: Global___MarkRepliedRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -1368,6 +1513,7 @@ class BatchResult(_message.Message):
     CONFIRM_SENT_FIELD_NUMBER: _builtins.int
     ABORT_SEND_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
+    MARK_REPLIED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def error(self) -> Global___CallError: ...
     @_builtins.property
@@ -1386,6 +1532,8 @@ class BatchResult(_message.Message):
     def abort_send(self) -> Global___AbortSendResponse: ...
     @_builtins.property
     def get_status(self) -> Global___GetStatusResponse: ...
+    @_builtins.property
+    def mark_replied(self) -> Global___MarkRepliedResponse: ...
     def __init__(
         self,
         *,
@@ -1398,12 +1546,13 @@ class BatchResult(_message.Message):
         confirm_sent: Global___ConfirmSentResponse | None = ...,
         abort_send: Global___AbortSendResponse | None = ...,
         get_status: Global___GetStatusResponse | None = ...,
+        mark_replied: Global___MarkRepliedResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

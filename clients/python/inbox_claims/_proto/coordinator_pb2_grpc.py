@@ -95,6 +95,11 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse.FromString,
                 _registered_method=True)
+        self.MarkReplied = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/MarkReplied',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse.FromString,
+                _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/inbox.coordinator.v1.Coordinator/Batch',
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest.SerializeToString,
@@ -235,6 +240,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MarkReplied(self, request, context):
+        """Records a reply the holder made without the coordinator ("I answered this one myself", in a mail client
+        or by phone): CLAIMED becomes REPLIED, kept for the reply retention like a confirmed send, so every later
+        ClaimReply on the subject (a `message.updated` notification, a redelivery) answers ALREADY_REPLIED.
+        Fenced like BeginSend: OK only while the token is current and the caller is its holder; STALE_TOKEN
+        once the claim lapsed, was released or was taken over (nothing recorded: claim again first).
+        PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
+        ConfirmSent). A retry with the same request id gets the first answer. Watchers see
+        EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Batch(self, request, context):
         """Several independent calls in one round trip: what a client sends when many of its callers (the
         handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
@@ -312,6 +331,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ResolveInDoubt,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse.SerializeToString,
+            ),
+            'MarkReplied': grpc.unary_unary_rpc_method_handler(
+                    servicer.MarkReplied,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -643,6 +667,33 @@ class Coordinator:
             '/inbox.coordinator.v1.Coordinator/ResolveInDoubt',
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest.SerializeToString,
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MarkReplied(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/MarkReplied',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse.FromString,
             options,
             channel_credentials,
             insecure,

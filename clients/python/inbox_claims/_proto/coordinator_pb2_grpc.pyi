@@ -199,6 +199,16 @@ class CoordinatorStub:
     INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
     REQUEST_ID_REUSED.
     """
+    MarkReplied: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.MarkRepliedRequest, _coordinator_pb2.MarkRepliedResponse]
+    """Records a reply the holder made without the coordinator ("I answered this one myself", in a mail client
+    or by phone): CLAIMED becomes REPLIED, kept for the reply retention like a confirmed send, so every later
+    ClaimReply on the subject (a `message.updated` notification, a redelivery) answers ALREADY_REPLIED.
+    Fenced like BeginSend: OK only while the token is current and the caller is its holder; STALE_TOKEN
+    once the claim lapsed, was released or was taken over (nothing recorded: claim again first).
+    PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
+    ConfirmSent). A retry with the same request id gets the first answer. Watchers see
+    EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
+    """
     Batch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
     handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
@@ -294,6 +304,16 @@ class CoordinatorAsyncStub(CoordinatorStub):
     Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
     INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
     REQUEST_ID_REUSED.
+    """
+    MarkReplied: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.MarkRepliedRequest, _coordinator_pb2.MarkRepliedResponse]  # type: ignore[assignment]
+    """Records a reply the holder made without the coordinator ("I answered this one myself", in a mail client
+    or by phone): CLAIMED becomes REPLIED, kept for the reply retention like a confirmed send, so every later
+    ClaimReply on the subject (a `message.updated` notification, a redelivery) answers ALREADY_REPLIED.
+    Fenced like BeginSend: OK only while the token is current and the caller is its holder; STALE_TOKEN
+    once the claim lapsed, was released or was taken over (nothing recorded: claim again first).
+    PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
+    ConfirmSent). A retry with the same request id gets the first answer. Watchers see
+    EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
     """
     Batch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]  # type: ignore[assignment]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
@@ -459,6 +479,22 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
         INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
         REQUEST_ID_REUSED.
+        """
+
+    @_abc_1.abstractmethod
+    def MarkReplied(
+        self,
+        request: _coordinator_pb2.MarkRepliedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.MarkRepliedResponse, _abc.Awaitable[_coordinator_pb2.MarkRepliedResponse]]:
+        """Records a reply the holder made without the coordinator ("I answered this one myself", in a mail client
+        or by phone): CLAIMED becomes REPLIED, kept for the reply retention like a confirmed send, so every later
+        ClaimReply on the subject (a `message.updated` notification, a redelivery) answers ALREADY_REPLIED.
+        Fenced like BeginSend: OK only while the token is current and the caller is its holder; STALE_TOKEN
+        once the claim lapsed, was released or was taken over (nothing recorded: claim again first).
+        PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
+        ConfirmSent). A retry with the same request id gets the first answer. Watchers see
+        EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,301 @@
+"""The HTTP/JSON face: the same API over the Connect protocol, for browsers, helpdesk sidebars and ``curl``.
+
+``POST /inbox.coordinator.v1.Coordinator/ClaimReply`` with ``Content-Type: application/json`` and the request
+message in protobuf's JSON mapping answers the response message as JSON; ``Watch`` is a Connect server stream
+(``application/connect+json``). The routes and messages are generated from the same .proto as the gRPC API
+(``coordinator_connect.py``, by scripts/gen_proto.py), and no call is implemented twice: each Connect method
+runs the gRPC servicer's own method, wrapped by the same RpcObserver, with an ``HttpCall`` standing in for the
+gRPC call context. So authentication (``Authorization: Bearer``, or the development-mode principal headers),
+authorization, limits, the rate limit, the deadline, metrics and the log line are the gRPC call's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+import uvicorn
+from connectrpc import _codec as connect_codecs
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from google.protobuf import json_format
+
+from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_claims._proto.coordinator_connect import CoordinatorASGIApplication
+
+from .interceptor import RpcObserver
+from .service import SERVICE_NAME, CoordinatorServicer
+
+log = logging.getLogger(__name__)
+
+# The claims board: plain HTML, CSS and JavaScript, served as they are (no build step, nothing from a CDN).
+BOARD_DIR = Path(__file__).resolve().parent / "board"
+
+ASGIApp = Callable[[dict[str, Any], Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]]
+
+
+class _StrictJsonCodec(connect_codecs.ProtoJSONCodec):  # type: ignore[type-arg]
+    """protobuf's JSON mapping, whose failures (not JSON, not an object, an unknown field, a value of the wrong
+    type) are the caller's: INVALID_ARGUMENT naming the problem, where connect-python 0.9.0 answers UNKNOWN
+    (HTTP 500) for them."""
+
+    def decode(self, data: bytes | bytearray, message: Any) -> Any:
+        name = message.DESCRIPTOR.name
+        try:
+            document = json.loads(data)
+        except (ValueError, RecursionError) as error:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"the body is not JSON: {error}") from None
+        if not isinstance(document, dict):
+            raise ConnectError(Code.INVALID_ARGUMENT, f"the body must be a JSON object (a {name})") from None
+        try:
+            json_format.ParseDict(document, message)
+        except (json_format.ParseError, ValueError, TypeError, RecursionError) as error:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"the body is not a {name}: {error}") from None
+        return message
+
+    def encode(self, message: Any) -> bytes:
+        # Compact: the library's indented JSON is a third larger and slower to write.
+        return _COMPACT.encode(json_format.MessageToDict(message)).encode()
+
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
+# connect-python keeps one codec per name in a module registry (customizing per handler is not offered yet).
+for _name, _codec in list(connect_codecs._codecs.items()):
+    if isinstance(_codec, connect_codecs.ProtoJSONCodec):
+        connect_codecs._codecs[_name] = _StrictJsonCodec()
+
+_CONNECT_CODES = {
+    code: Code[code.name.replace("CANCELLED", "CANCELED")] for code in grpc.StatusCode if code.name != "OK"
+}
+
+
+class HttpCall:
+    """What the servicer and the observer read of a gRPC call, taken from an HTTP request: its headers as
+    metadata (lower-case names, as gRPC gives them), its peer, and the status it was aborted with."""
+
+    def __init__(self, headers: Iterable[tuple[str, str]], peer: str) -> None:
+        self._metadata = tuple((name.lower(), value) for name, value in headers)
+        self._peer = peer
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self.trailers: tuple[tuple[str, str], ...] = ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def auth_context(self) -> Mapping[str, Iterable[bytes]]:
+        return {}  # no client certificates over HTTP: a token or (development mode) the principal headers
+
+    def peer(self) -> str:
+        return self._peer
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def set_trailing_metadata(self, metadata: Iterable[tuple[str, str]]) -> None:
+        self.trailers = tuple(metadata)
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+        raise grpc.aio.AbortError()
+
+    def error(self) -> ConnectError:
+        return ConnectError(_CONNECT_CODES.get(self._code or grpc.StatusCode.UNKNOWN, Code.UNKNOWN), self._details)
+
+
+def _call_of(ctx: RequestContext[Any, Any]) -> HttpCall:
+    return HttpCall(ctx.request_headers().allitems(), f"http:{ctx.client_address() or '?'}")
+
+
+class ConnectFace:
+    """The generated Connect service protocol, every method delegating to the gRPC servicer's method of the
+    same RPC through the observer (built from the .proto's service descriptor, so no RPC can be left out)."""
+
+    def __init__(self, servicer: CoordinatorServicer, observer: RpcObserver) -> None:
+        for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
+            inner = observer.observe(f"/{SERVICE_NAME}/{method.name}", getattr(servicer, method.name))
+            handler = _stream(inner) if method.server_streaming else _unary(inner)
+            setattr(self, _snake(method.name), handler)
+
+
+def _snake(name: str) -> str:
+    return "".join(f"_{ch.lower()}" if ch.isupper() else ch for ch in name).lstrip("_")
+
+
+def _unary(inner: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, RequestContext[Any, Any]], Awaitable[Any]]:
+    async def call(request: Any, ctx: RequestContext[Any, Any]) -> Any:
+        http_call = _call_of(ctx)
+        try:
+            return await inner(request, http_call)
+        except grpc.aio.AbortError:
+            for name, value in http_call.trailers:
+                ctx.response_headers()[name] = value  # retry-after-ms on RESOURCE_EXHAUSTED, as gRPC's trailer
+            raise http_call.error() from None
+
+    return call
+
+
+def _stream(inner: Callable[[Any, Any], AsyncIterator[Any]]) -> Callable[[Any, RequestContext[Any, Any]], Any]:
+    async def call(request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
+        http_call = _call_of(ctx)
+        try:
+            async for item in inner(request, http_call):
+                yield item
+        except grpc.aio.AbortError:
+            raise http_call.error() from None
+
+    return call
+
+
+def build_app(
+    servicer: CoordinatorServicer, observer: RpcObserver, *, max_message_bytes: int, board_dir: Path | None = None
+) -> ASGIApp:
+    """The ASGI application: the Connect routes, and the claims board's files (``/``) when ``board_dir``."""
+    connect = CoordinatorASGIApplication(
+        cast(Any, ConnectFace(servicer, observer)),
+        read_max_bytes=max_message_bytes,
+        # Answers are a few hundred bytes: compressing them costs more CPU than it saves on the wire.
+        compressions=(),
+    )
+    prefix = f"/{SERVICE_NAME}/"
+    board = _load_board(board_dir) if board_dir is not None else {}
+
+    async def app(
+        scope: dict[str, Any], receive: Callable[..., Awaitable[Any]], send: Callable[..., Awaitable[Any]]
+    ) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(prefix):
+            size = _content_length(scope)
+            if size is not None and size > max_message_bytes:
+                # Said before the body is read, and as what it is: too large, not "retry later" (Connect's 429).
+                message = f"the request body is {size} bytes; the limit is {max_message_bytes} (--max-message-bytes)"
+                await _send(
+                    send, 413, b"application/json", json.dumps({"code": "resource_exhausted", "message": message})
+                )
+                return
+            await connect(cast(Any, scope), cast(Any, receive), cast(Any, send))
+            return
+        if scope["type"] == "http":
+            await _static(board, scope, send)
+
+    return app
+
+
+_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8", ".js": "text/javascript"}
+_STATIC_HEADERS = [
+    (b"cache-control", b"no-cache"),
+    (b"content-security-policy", b"default-src 'self'; connect-src 'self'; frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+]
+
+
+def _load_board(root: Path) -> dict[str, tuple[bytes, bytes]]:
+    """The board's files by URL path, read once: a handful of small files, served from memory."""
+    files = {
+        f"/{path.name}": (path.read_bytes(), _TYPES.get(path.suffix, "application/octet-stream").encode())
+        for path in root.iterdir()
+        if path.is_file()
+    }
+    if "/index.html" in files:
+        files["/"] = files["/index.html"]
+    return files
+
+
+async def _static(
+    files: dict[str, tuple[bytes, bytes]], scope: dict[str, Any], send: Callable[..., Awaitable[Any]]
+) -> None:
+    found = files.get(scope["path"])
+    if scope["method"] not in ("GET", "HEAD") or found is None:
+        await _plain(send, 404, "not found")
+        return
+    body, content_type = found
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type), *_STATIC_HEADERS]}
+    )
+    await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
+
+
+def _content_length(scope: dict[str, Any]) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit():
+            return int(value)
+    return None
+
+
+async def _plain(send: Callable[..., Awaitable[Any]], status: int, text: str) -> None:
+    await _send(send, status, b"text/plain; charset=utf-8", text)
+
+
+async def _send(send: Callable[..., Awaitable[Any]], status: int, content_type: bytes, text: str) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+    await send({"type": "http.response.body", "body": text.encode()})
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside the coordinator's loop: the coordinator owns the signals and the shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+class HttpFace:
+    """Serves ``build_app`` on ``host:port`` with uvicorn, on the running event loop."""
+
+    def __init__(
+        self, app: ASGIApp, listen: str, *, ssl_certfile: str | None = None, ssl_keyfile: str | None = None
+    ) -> None:
+        host, _, port = listen.rpartition(":")
+        self._host, self._port = host.strip("[]"), int(port)
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            http="httptools",  # C parser: h11 (pure Python) doubled the CPU of a call (docs/performance.md)
+            log_config=None,
+            access_log=False,  # the RpcObserver logs every call, as for gRPC
+            proxy_headers=False,  # the peer logged is the connection's; X-Forwarded-For is anyone's to write
+            ssl_certfile=ssl_certfile,
+            ssl_keyfile=ssl_keyfile,
+            timeout_graceful_shutdown=1,
+        )
+        self._server = _EmbeddedServer(config)
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        # Bound here, not by uvicorn, whose bind failure is a SystemExit that would end the whole process.
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        self._socket = socket.create_server((self._host, self._port), family=family)
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="http face")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError("the HTTP face stopped before it started")
+            await asyncio.sleep(0.01)
+
+    @property
+    def address(self) -> str:
+        assert self._socket is not None
+        host, port = self._socket.getsockname()[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        if self._socket is not None:
+            self._socket.close()
