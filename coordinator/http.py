@@ -27,6 +27,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from google.protobuf import json_format
+from google.rpc import status_pb2
 
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto.coordinator_connect import CoordinatorASGIApplication
@@ -83,12 +84,18 @@ class HttpCall:
     """What the servicer and the observer read of a gRPC call, taken from an HTTP request: its headers as
     metadata (lower-case names, as gRPC gives them), its peer, and the status it was aborted with."""
 
-    def __init__(self, headers: Iterable[tuple[str, str]], peer: str) -> None:
+    def __init__(self, headers: Iterable[tuple[str, str]], peer: str, request: Any) -> None:
         self._metadata = tuple((name.lower(), value) for name, value in headers)
         self._peer = peer
+        self._request = request
         self._code: grpc.StatusCode | None = None
         self._details = ""
+        self._status_details: tuple[Any, ...] = ()
         self.trailers: tuple[tuple[str, str], ...] = ()
+
+    async def read(self) -> Any:
+        """The request message: already decoded by the Connect codec (a body it cannot decode never gets here)."""
+        return self._request
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -105,19 +112,38 @@ class HttpCall:
     def details(self) -> str:
         return self._details
 
-    def set_trailing_metadata(self, metadata: Iterable[tuple[str, str]]) -> None:
-        self.trailers = tuple(metadata)
+    def set_trailing_metadata(self, metadata: Iterable[tuple[str, str | bytes]]) -> None:
+        # Text trailers become response headers (retry-after-ms); the binary status details travel in the
+        # Connect error body instead (see abort).
+        self.trailers = tuple((name, value) for name, value in metadata if isinstance(value, str))
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(
+        self, code: grpc.StatusCode, details: str, trailing_metadata: Iterable[tuple[str, str | bytes]] = ()
+    ) -> None:
+        trailing_metadata = tuple(trailing_metadata)
+        self.set_trailing_metadata(trailing_metadata)
         self._code, self._details = code, details
+        self._status_details = tuple(
+            detail
+            for name, value in trailing_metadata
+            if name == _STATUS_DETAILS_METADATA and isinstance(value, bytes)
+            for detail in status_pb2.Status.FromString(value).details
+        )
         raise grpc.aio.AbortError()
 
     def error(self) -> ConnectError:
-        return ConnectError(_CONNECT_CODES.get(self._code or grpc.StatusCode.UNKNOWN, Code.UNKNOWN), self._details)
+        """The Connect error for the status the call was aborted with, with its google.rpc details (ErrorInfo,
+        RetryInfo) as the Connect error's details."""
+        code = _CONNECT_CODES.get(self._code or grpc.StatusCode.UNKNOWN, Code.UNKNOWN)
+        return ConnectError(code, self._details, self._status_details)
 
 
-def _call_of(ctx: RequestContext[Any, Any]) -> HttpCall:
-    return HttpCall(ctx.request_headers().allitems(), f"http:{ctx.client_address() or '?'}")
+# Where gRPC carries a google.rpc.Status (coordinator.status puts ErrorInfo and RetryInfo in it).
+_STATUS_DETAILS_METADATA = "grpc-status-details-bin"
+
+
+def _call_of(ctx: RequestContext[Any, Any], request: Any) -> HttpCall:
+    return HttpCall(ctx.request_headers().allitems(), f"http:{ctx.client_address() or '?'}", request)
 
 
 class ConnectFace:
@@ -137,7 +163,7 @@ def _snake(name: str) -> str:
 
 def _unary(inner: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, RequestContext[Any, Any]], Awaitable[Any]]:
     async def call(request: Any, ctx: RequestContext[Any, Any]) -> Any:
-        http_call = _call_of(ctx)
+        http_call = _call_of(ctx, request)
         try:
             return await inner(request, http_call)
         except grpc.aio.AbortError:
@@ -150,7 +176,7 @@ def _unary(inner: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Reques
 
 def _stream(inner: Callable[[Any, Any], AsyncIterator[Any]]) -> Callable[[Any, RequestContext[Any, Any]], Any]:
     async def call(request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
-        http_call = _call_of(ctx)
+        http_call = _call_of(ctx, request)
         try:
             async for item in inner(request, http_call):
                 yield item

@@ -4,6 +4,7 @@ every RPC, the same answers as gRPC, the same refusals, bad bodies answered 4xx,
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import struct
@@ -16,6 +17,7 @@ import httpx
 import pytest
 from aetcd import rpc
 from google.protobuf import json_format
+from google.rpc import error_details_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -424,5 +426,32 @@ async def test_the_rate_limit_answers_429_with_when_to_retry(etcd: EtcdServer, p
         assert refused.json()["code"] == "resource_exhausted"
         assert "over its limit of 1 calls/s" in refused.json()["message"]
         assert 0 < int(refused.headers["retry-after-ms"]) <= 1000
+        assert _error_reasons(refused) == ["RATE_LIMITED"]
     finally:
         await limited.stop(grace=0.5)
+
+
+def _error_reasons(response: httpx.Response) -> list[str]:
+    """The google.rpc.ErrorInfo reasons a Connect error body carries in its details."""
+    reasons = []
+    for detail in response.json().get("details", []):
+        assert detail["type"] in ("google.rpc.ErrorInfo", "google.rpc.RetryInfo"), detail
+        if detail["type"] == "google.rpc.ErrorInfo":
+            value = base64.b64decode(detail["value"] + "=" * (-len(detail["value"]) % 4))
+            reasons.append(error_details_pb2.ErrorInfo.FromString(value).reason)
+    return reasons
+
+
+async def test_an_error_over_http_carries_the_same_machine_readable_reason_as_over_grpc(
+    http: httpx.AsyncClient, mailbox: str
+) -> None:
+    agent = Json(http, DEV_AGENT)
+    await agent.call("ClaimReply", {"requestId": "c1", "subject": subject_json(mailbox, "m"), "ttlSeconds": 30})
+    reused = await agent.post(
+        "ClaimReply", {"requestId": "c1", "subject": subject_json(mailbox, "m"), "ttlSeconds": 40}
+    )
+    assert reused.status_code == 400
+    assert _error_reasons(reused) == ["REQUEST_ID_REUSED"]
+    too_long = await agent.post("GetStatus", {"subject": subject_json(mailbox, "m" * 600)})
+    assert too_long.status_code == 400
+    assert _error_reasons(too_long) == ["INVALID_FIELD"]
