@@ -75,7 +75,7 @@ export interface CoordinatorOptions {
   maxBatch?: number;
 }
 
-interface Op<R> {
+export interface Op<R> {
   readonly method: string;
   readonly request: Message;
   readonly decode: (response: Message) => R;
@@ -135,7 +135,7 @@ export class Coordinator {
     this.principal = options.principal;
     this.kind = options.kind ?? "agent";
     if (this.kind !== "agent" && this.kind !== "human") throw new TypeError(`kind must be "agent" or "human", not ${JSON.stringify(this.kind)}`);
-    this.timeoutMs = options.timeoutMs ?? 10_000;
+    this.timeoutMs = Math.ceil(options.timeoutMs ?? 10_000);
     if (!(this.timeoutMs > 0)) throw new RangeError(`timeoutMs must be a positive number of milliseconds, not ${this.timeoutMs}`);
     this.retry = { ...DEFAULT_RETRY, ...options.retry };
     if (!(this.retry.attempts >= 1) || this.retry.initialBackoffMs < 0 || this.retry.maxBackoffMs < this.retry.initialBackoffMs || this.retry.multiplier < 1) {
@@ -188,7 +188,8 @@ export class Coordinator {
   async call<R>(op: Op<R>, deadline?: number): Promise<R> {
     for (let attempt = 1; ; attempt++) {
       let timeoutMs = this.timeoutMs;
-      if (deadline !== undefined) timeoutMs = Math.max(Math.min(timeoutMs, deadline - performance.now()), 1);
+      // grpc-timeout takes whole units: a fractional millisecond count is refused by the server (INTERNAL).
+      if (deadline !== undefined) timeoutMs = Math.max(Math.floor(Math.min(timeoutMs, deadline - performance.now())), 1);
       let response: Message;
       try {
         response = await this.perform({ method: op.method, request: op.request, timeoutMs });
@@ -273,7 +274,7 @@ export class Coordinator {
 
   // -- operations (the guard builds these once and runs them with call(), keeping their request ids) -----
 
-  claimOp(subject: Subject, options: { ttl?: number; notificationId?: string; note?: string } = {}): Op<ClaimResult> {
+  claimOp(subject: Subject, options: { ttl?: number; notificationId?: string; note?: string } = {}): Op<ClaimResult> & { subject: Subject } {
     const request = create(pb.ClaimReplyRequestSchema, {
       requestId: newRequestId(),
       subject: subjectToPb(subject),
@@ -281,7 +282,7 @@ export class Coordinator {
       ttlSeconds: ttlSeconds(options.ttl ?? 0),
       note: options.note ?? "",
     });
-    return { method: "ClaimReply", request, decode: (r) => claimResultFromPb(r as pb.ClaimReplyResponse) };
+    return { method: "ClaimReply", request, decode: (r) => claimResultFromPb(r as pb.ClaimReplyResponse), subject };
   }
 
   renewOp(subject: Subject, token: bigint, ttl = 0): Op<FenceResult> {
