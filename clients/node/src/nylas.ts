@@ -92,7 +92,7 @@ export interface SendRequest {
 export function buildSendRequest(apiBase: string, apiKey: string, grantId: string, reply: NylasReply, idempotencyKey: string): SendRequest {
   if (!apiKey) throw new TypeError("the Nylas API key is empty");
   if (!grantId) throw new TypeError("grantId is empty: pass the notification's grantId");
-  if (!idempotencyKey || idempotencyKey.length > MAX_IDEMPOTENCY_KEY_LENGTH || !/^[\x00-\x7f]+$/.test(idempotencyKey)) {
+  if (!idempotencyKey || idempotencyKey.length > MAX_IDEMPOTENCY_KEY_LENGTH || ![...idempotencyKey].every((ch) => ch.charCodeAt(0) < 0x80)) {
     throw new TypeError(`idempotencyKey must be 1 to ${MAX_IDEMPOTENCY_KEY_LENGTH} ASCII characters (pass claim.idempotencyKey)`);
   }
   const document: Record<string, unknown> = {

@@ -13,7 +13,7 @@ const here = dirname(fileURLToPath(import.meta.url));
 /** The repository root (this file runs from clients/node/dist/test/). */
 export const REPO = resolve(here, "..", "..", "..", "..");
 export const PYTHON = process.env["PYTHON"] ?? join(REPO, ".venv", "bin", "python");
-const COORDINATOR_BIN = join(dirname(PYTHON), "inbox-coordinator");
+export const COORDINATOR_BIN = join(dirname(PYTHON), "inbox-coordinator");
 
 export function freePort(): Promise<number> {
   return new Promise((ok, fail) => {
@@ -56,6 +56,7 @@ export interface ClusterOptions {
 /** One etcd and `replicas` coordinators on it (one key prefix), each on its own port. */
 export class Cluster {
   readonly targets: string[] = [];
+  readonly coordinatorBin = COORDINATOR_BIN;
   private readonly processes: ChildProcess[] = [];
   private readonly clients: Coordinator[] = [];
   private readonly dir = mkdtempSync(join(tmpdir(), "inbox-claims-node-"));
@@ -90,28 +91,36 @@ export class Cluster {
       "--initial-cluster", `node-tests=http://127.0.0.1:${peer}`, "--log-level", "error",
     ]);
     await waitFor("etcd", etcd.log, etcd.child, async () => (await fetch(`http://${endpoint}/health`)).ok);
-    const prefix = `node-tests-${process.pid}-${Date.now()}/`;
-    const starting = [];
-    for (let i = 0; i < (options.replicas ?? 1); i++) {
-      const listen = `127.0.0.1:${await freePort()}`;
-      const coordinator = this.spawnLogged(`coordinator-${i}`, COORDINATOR_BIN, [
-        "serve", "--listen", listen, "--etcd-endpoints", endpoint, "--etcd-prefix", prefix,
-        "--min-ttl", String(options.minTtl ?? 2), "--send-timeout", options.sendTimeout ?? "2m",
-        "--metrics-listen", "", "--log-level", "warning", "--log-format", "text", "--rate-limit", "0",
-      ]);
-      this.targets.push(listen);
-      const probe = new Coordinator({ target: listen, principal: "probe", retry: { attempts: 1 } });
-      this.clients.push(probe);
-      starting.push(waitFor(`coordinator ${listen}`, coordinator.log, coordinator.child, async () => {
-        await probe.status({ mailbox: "probe", kind: "message", id: "probe" });
-        return true;
-      }));
-    }
-    await Promise.all(starting);
+    this.endpoint = endpoint;
+    this.options = options;
+    await Promise.all(Array.from({ length: options.replicas ?? 1 }, () => this.addReplica()));
+  }
+
+  private endpoint = "";
+  private options: ClusterOptions = {};
+  private readonly prefix = `node-tests-${process.pid}-${Date.now()}/`;
+
+  /** Starts one more coordinator (on `listen`, default a free port, with `extra` flags); resolves once it answers. */
+  async addReplica(listen?: string, extra: string[] = []): Promise<string> {
+    const where = listen ?? `127.0.0.1:${await freePort()}`;
+    const coordinator = this.spawnLogged(`coordinator-${this.targets.length}`, COORDINATOR_BIN, [
+      "serve", "--listen", where, "--etcd-endpoints", this.endpoint, "--etcd-prefix", this.prefix,
+      "--min-ttl", String(this.options.minTtl ?? 2), "--send-timeout", this.options.sendTimeout ?? "2m",
+      "--metrics-listen", "", "--log-level", "warning", "--log-format", "text", "--rate-limit", "0", ...extra,
+    ]);
+    this.targets.push(where);
+    if (extra.some((flag) => flag.startsWith("--tls") || flag === "--token-file")) return where; // the caller probes with its credentials
+    const probe = new Coordinator({ target: where, principal: "probe", retry: { attempts: 1 } });
+    this.clients.push(probe);
+    await waitFor(`coordinator ${where}`, coordinator.log, coordinator.child, async () => {
+      await probe.status({ mailbox: "probe", kind: "message", id: "probe" });
+      return true;
+    });
+    return where;
   }
 
   /** A client of replica `replica` (closed by stop()). */
-  client(principal: string, options: CoordinatorOptions & { replica?: number } = {}): Coordinator {
+  client(principal: string | undefined, options: CoordinatorOptions & { replica?: number } = {}): Coordinator {
     const coordinator = new Coordinator({ target: this.targets[options.replica ?? 0], principal, ...options });
     this.clients.push(coordinator);
     return coordinator;
