@@ -15,7 +15,7 @@ import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { setTimeout as sleep } from "node:timers/promises";
 import { signNylas } from "inbox-claims";
-import { Cluster, freePort } from "../../clients/node/dist/test/harness.js";
+import { Cluster, freePort } from "inbox-claims/testing";
 import { startFakeNylas } from "./fake-nylas.mjs";
 
 const here = dirname(fileURLToPath(import.meta.url));

@@ -17,6 +17,7 @@ import {
   statusFromPb,
   subjectToPb,
   takeoverFromPb,
+  watchItemFromPb,
   type ClaimResult,
   type ClaimsPage,
   type DeliveryResult,
@@ -26,6 +27,7 @@ import {
   type SubjectState,
   type SubjectStatus,
   type TakeoverResult,
+  type WatchItem,
 } from "./types.js";
 import { Claim, resolveSubject, type ReplyOptions, type ReplyTarget } from "./claim.js";
 import type { Notification } from "./envelope.js";
@@ -377,6 +379,42 @@ export class Coordinator {
       pageToken: options.pageToken ?? "",
     });
     return this.call({ method: "ListClaims", request, decode: (r) => pageFromPb(r as pb.ListClaimsResponse) });
+  }
+
+  /** Every subject listClaims would list, page after page (each page read at its own revision). */
+  async *iterClaims(mailbox: string, options: { states?: SubjectState[]; pageSize?: number } = {}): AsyncGenerator<SubjectStatus> {
+    let pageToken = "";
+    do {
+      const page = await this.listClaims(mailbox, { ...options, pageToken });
+      yield* page.subjects;
+      pageToken = page.nextPageToken;
+    } while (pageToken);
+  }
+
+  /**
+   * Watch: a snapshot of the mailbox, then an event for every transition, until you stop iterating (or
+   * `signal` aborts). With `reconnect` (the default) a stream that ends with UNAVAILABLE is opened again with
+   * the retry policy's backoff and starts over with a fresh snapshot; every item received renews the budget.
+   */
+  async *watch(mailbox: string, options: { reconnect?: boolean; signal?: AbortSignal } = {}): AsyncGenerator<WatchItem> {
+    const request = create(pb.WatchRequestSchema, { mailbox });
+    let failures = 0;
+    for (;;) {
+      try {
+        for await (const message of this.client.watch(request, { headers: this.headers, signal: options.signal })) {
+          failures = 0;
+          yield watchItemFromPb(message);
+        }
+        return;
+      } catch (error) {
+        if (options.signal?.aborted) return;
+        const failure = RpcFailure.from(error);
+        failures += 1;
+        const delay = options.reconnect === false ? undefined : this.retryDelay(failure, failures);
+        if (delay === undefined) throw failure.error("Watch", failures);
+        await sleep(delay);
+      }
+    }
   }
 
   /** Takeover (humans only): the agent's token goes stale at once and the caller holds the subject. */

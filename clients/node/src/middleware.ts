@@ -141,7 +141,7 @@ export function nylasWebhook(options: WebhookOptions): ((req: IncomingMessage & 
   const middleware = (req: IncomingMessage & { body?: unknown }, res: ServerResponse, next: (error?: unknown) => void): void => {
     webhook.handle(req, res, req.body).catch(next);
   };
-  return Object.assign(middleware, { get running() { return webhook.running; }, drain: () => webhook.drain() });
+  return withHandler(middleware, webhook);
 }
 
 /** The same for node:http: `http.createServer(nylasWebhookListener({ secret, coordinator, work }))`. */
@@ -153,5 +153,13 @@ export function nylasWebhookListener(options: WebhookOptions): ((req: IncomingMe
       process.emitWarning(`the webhook handler failed: ${String(error)}`);
     });
   };
-  return Object.assign(listener, { get running() { return webhook.running; }, drain: () => webhook.drain() });
+  return withHandler(listener, webhook);
+}
+
+// Object.assign would copy `running` once, as a number: define it as a getter of the live count.
+function withHandler<F extends object>(fn: F, webhook: Webhook): F & WebhookHandler {
+  return Object.defineProperties(fn, {
+    running: { get: () => webhook.running },
+    drain: { value: () => webhook.drain() },
+  }) as F & WebhookHandler;
 }

@@ -119,6 +119,51 @@ export interface TakeoverResult {
   readonly previousToken: bigint;
 }
 
+export type EventType =
+  | "CLAIMED"
+  | "RENEWED"
+  | "RELEASED"
+  | "EXPIRED"
+  | "SENDING"
+  | "REPLIED"
+  | "ABORTED"
+  | "TAKEN_OVER"
+  | "IN_DOUBT"
+  | "RESOLVED_NOT_SENT"
+  | "RETENTION_ENDED";
+
+/** What Watch sends: first a snapshot of the mailbox, then an event for every transition. */
+export type WatchItem =
+  | { readonly kind: "snapshot"; readonly subjects: readonly SubjectStatus[]; readonly revision: bigint }
+  | {
+      readonly kind: "event";
+      readonly type: EventType;
+      readonly status: SubjectStatus;
+      readonly previousHolder: string;
+      readonly previousToken: bigint;
+      readonly revision: bigint;
+      readonly reason: string;
+    };
+
+export function watchItemFromPb(response: pb.WatchResponse): WatchItem {
+  if (response.kind.case === "snapshot") {
+    return { kind: "snapshot", subjects: response.kind.value.subjects.map(statusFromPb), revision: response.kind.value.revision };
+  }
+  if (response.kind.case === "event") {
+    const event = response.kind.value;
+    return {
+      kind: "event",
+      type: enumName(pb.EventType, event.type, "", "EventType") as EventType,
+      status: statusFromPb(event.status),
+      previousHolder: event.previousHolder,
+      previousToken: event.previousToken,
+      revision: event.revision,
+      reason: event.reason,
+    };
+  }
+  throw new Error("the coordinator sent a WatchResponse with neither a snapshot nor an event");
+}
+
 export interface ClaimsPage {
   readonly subjects: readonly SubjectStatus[];
   readonly nextPageToken: string;

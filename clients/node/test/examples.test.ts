@@ -6,7 +6,7 @@ import { execFile } from "node:child_process";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { promisify } from "node:util";
-import { REPO } from "./harness.js";
+import { REPO } from "../src/testing.js";
 
 const EXAMPLES = join(REPO, "examples", "node");
 

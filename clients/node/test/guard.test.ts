@@ -2,7 +2,7 @@
 import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
 import { setTimeout as sleep } from "node:timers/promises";
-import { Cluster } from "./harness.js";
+import { Cluster } from "../src/testing.js";
 import {
   AlreadyReplied,
   ClaimLost,
@@ -226,4 +226,29 @@ test("batched calls answer exactly what unary calls answer", async () => {
   assert.deepEqual(viaBatch, viaUnary);
   assert.ok(viaBatch.includes("InvalidRequest"));
   assert.ok(viaBatch.includes("DUPLICATE_DELIVERY"));
+});
+
+test("watch: a snapshot, then the transitions of a guarded reply; iterClaims pages through what is held", async () => {
+  const mailbox = unique("watch");
+  const watcher = cluster.client("ana@example.com", { kind: "human", replica: 1 });
+  const agent = cluster.client("agent-w");
+  const stop = new AbortController();
+  const seen: string[] = [];
+  const watching = (async () => {
+    for await (const item of watcher.watch(mailbox, { signal: stop.signal })) {
+      seen.push(item.kind === "snapshot" ? `snapshot:${item.subjects.length}` : `${item.type}:${item.status.subject.id}`);
+      if (item.kind === "event" && item.type === "REPLIED") return;
+    }
+  })();
+  await agent.claim(messageSubject(mailbox, "held"), { ttl: 30 });
+  while (seen.length === 0 || !seen.includes("CLAIMED:held")) await sleep(20);
+  await agent.replyTo({ mailbox, messageId: "m" }, { ttl: 30 }, (claim) => claim.send(() => "id-1"));
+  await watching;
+  stop.abort();
+  assert.deepEqual(seen.slice(0, 2), ["snapshot:0", "CLAIMED:held"]);
+  assert.deepEqual(seen.slice(2), ["CLAIMED:m", "SENDING:m", "REPLIED:m"]);
+  for (let i = 0; i < 5; i++) await agent.claim(messageSubject(mailbox, `p${i}`), { ttl: 30 });
+  const held: string[] = [];
+  for await (const status of watcher.iterClaims(mailbox, { states: ["CLAIMED"], pageSize: 2 })) held.push(status.subject.id);
+  assert.deepEqual(held.sort(), ["held", "p0", "p1", "p2", "p3", "p4"]);
 });

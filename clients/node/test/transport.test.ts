@@ -6,7 +6,7 @@ import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
-import { Cluster, freePort } from "./harness.js";
+import { Cluster, freePort } from "../src/testing.js";
 import { Coordinator, CoordinatorError, CoordinatorUnavailable, QuotaExceeded, Unauthenticated, PermissionDenied, messageSubject } from "../src/index.js";
 
 let cluster: Cluster;

