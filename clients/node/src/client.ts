@@ -169,7 +169,10 @@ export class Coordinator {
       url.protocol === "https:"
         ? { ca: options.rootCertificates, cert: options.clientCertificate, key: options.clientKey }
         : {};
-    this.sessions = new Http2SessionManager(url, { pingIntervalMs: 30_000, idleConnectionTimeoutMs: 60_000 }, nodeOptions);
+    // No HTTP/2 keepalive pings (the Python client sends none either): a gRPC server allows one ping per 5 minutes
+    // on a connection without data by default and answers more with GOAWAY ENHANCE_YOUR_CALM, which would end
+    // a quiet Watch stream.
+    this.sessions = new Http2SessionManager(url, {}, nodeOptions);
     const transport = createGrpcTransport({ baseUrl: url.toString().replace(/\/$/, ""), sessionManager: this.sessions });
     this.client = createClient(pb.Coordinator, transport);
     this.coalescer = new Coalescer(this.maxBatch);

@@ -240,10 +240,13 @@ test("watch: a snapshot, then the transitions of a guarded reply; iterClaims pag
       if (item.kind === "event" && item.type === "REPLIED") return;
     }
   })();
+  const giveUp = setTimeout(() => stop.abort(), 30_000); // a lost event fails the assertions below, never hangs
+  for (let i = 0; i < 500 && seen.length === 0; i++) await sleep(20); // the snapshot first: a claim before it would be in it, not an event
   await agent.claim(messageSubject(mailbox, "held"), { ttl: 30 });
-  while (seen.length === 0 || !seen.includes("CLAIMED:held")) await sleep(20);
+  for (let i = 0; i < 500 && !seen.includes("CLAIMED:held"); i++) await sleep(20);
   await agent.replyTo({ mailbox, messageId: "m" }, { ttl: 30 }, (claim) => claim.send(() => "id-1"));
   await watching;
+  clearTimeout(giveUp);
   stop.abort();
   assert.deepEqual(seen.slice(0, 2), ["snapshot:0", "CLAIMED:held"]);
   assert.deepEqual(seen.slice(2), ["CLAIMED:m", "SENDING:m", "REPLIED:m"]);
