@@ -73,9 +73,9 @@ for (const variant of ["express", "node:http"] as const) {
       assert.equal(worked[0]!.notification.messageId, "m1");
       assert.equal((await cluster.client("probe").status(messageSubject(mailbox, "m1"))).state, "CLAIMED");
       assert.equal((await post(good)).status, 200); // a redelivery is answered 200 and dropped by the claim
-      release();
       for (let i = 0; i < 200 && handler.running > 1; i++) await new Promise((ok) => setTimeout(ok, 10)); // the redelivery's refusal
       assert.equal(handler.running, 1); // the first delivery's work, still waiting on the gate
+      release();
       await handler.drain();
       assert.equal(handler.running, 0);
       let state = "";
