@@ -17,7 +17,7 @@ export default tseslint.config(
   // node:test's test() returns a promise the runner itself awaits.
   { files: ["test/**/*.ts"], rules: { "@typescript-eslint/no-floating-promises": "off" } },
   {
-    files: ["**/*.mjs", "../../examples/node/**/*.mjs"],
+    files: ["**/*.mjs"],
     languageOptions: { globals: { process: "readonly", console: "readonly", Buffer: "readonly", URL: "readonly", setTimeout: "readonly", fetch: "readonly" } },
   },
 );
