@@ -40,6 +40,11 @@ export interface ReplyOptions {
   scope?: Scope;
   /** Shown to humans watching the mailbox (e.g. "support-agent-1 is drafting"). */
   note?: string;
+  /**
+   * Coordinate on this mailbox instead of the notification's grant id: several grants that see one inbox
+   * (each agent connected with its own grant) then claim the same subject for the same message.
+   */
+  mailbox?: string;
 }
 
 type Phase = "claiming" | "claimed" | "lost" | "beginning" | "sending" | "replied" | "aborted" | "unknown" | "released";
@@ -48,7 +53,7 @@ const REASON_MAX_BYTES = 1024;
 // After a failed renewal, try again after a third of the time left, but not more often than this.
 const RENEWAL_RETRY_FLOOR_MS = 200;
 
-export function resolveSubject(target: Notification | ReplyTarget, scope: Scope): { subject: Subject; notificationId: string } {
+export function resolveSubject(target: Notification | ReplyTarget, scope: Scope, mailboxOverride?: string): { subject: Subject; notificationId: string } {
   let mailbox: string | undefined;
   let messageId: string | undefined;
   let threadId: string | undefined;
@@ -59,6 +64,7 @@ export function resolveSubject(target: Notification | ReplyTarget, scope: Scope)
   } else {
     ({ mailbox, messageId, threadId, notificationId } = target);
   }
+  mailbox = mailboxOverride || mailbox;
   if (!mailbox) throw new TypeError("replyTo needs a mailbox (the notification carries no grant_id): pass { mailbox }");
   if (scope === "message") {
     if (!messageId) throw new TypeError("replyTo with scope 'message' needs a message id");

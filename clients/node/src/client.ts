@@ -461,7 +461,7 @@ export class Coordinator {
    * (a redelivery of the notification may claim again). Resolves to what `work` returned.
    */
   async replyTo<T>(target: Notification | ReplyTarget, options: ReplyOptions, work: (claim: Claim) => Promise<T>): Promise<T> {
-    const { subject, notificationId } = resolveSubject(target, options.scope ?? "message");
+    const { subject, notificationId } = resolveSubject(target, options.scope ?? "message", options.mailbox);
     const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "");
     await claim.enter();
     let failed = false;

@@ -91,9 +91,9 @@ class Webhook implements WebhookHandler {
 
   spawn(notification: Notification): void {
     if (!this.events.has(notification.baseType) || !notification.isMessageEvent) return;
-    const { coordinator, work, ttl, scope, note } = this.options;
+    const { coordinator, work, ttl, scope, note, mailbox } = this.options;
     const task = coordinator
-      .replyTo(notification, { ttl, scope, note }, (claim) => work(notification, claim))
+      .replyTo(notification, { ttl, scope, note, mailbox }, (claim) => work(notification, claim))
       .then(
         () => undefined,
         (error: unknown) => {

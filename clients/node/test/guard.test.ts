@@ -12,6 +12,7 @@ import {
   SendOutcomeUnknown,
   SendRejected,
   messageSubject,
+  parseNotification,
   type Claim,
 } from "../src/index.js";
 
@@ -254,4 +255,23 @@ test("watch: a snapshot, then the transitions of a guarded reply; iterClaims pag
   const held: string[] = [];
   for await (const status of watcher.iterClaims(mailbox, { states: ["CLAIMED"], pageSize: 2 })) held.push(status.subject.id);
   assert.deepEqual(held.sort(), ["held", "p0", "p1", "p2", "p3", "p4"]);
+});
+
+test("a parsed notification: claim on its grant's message, or on a shared mailbox across grants; scope thread", async () => {
+  const agent = cluster.client("agent-n");
+  const shared = unique("support@example.com");
+  const notification = (id: string, grant: string) =>
+    parseNotification({ id, type: "message.created", data: { object: { id: "msg-9", grant_id: grant, thread_id: "thr-9" } } });
+  await agent.replyTo(notification(unique("n"), "grant-a"), { ttl: 30, mailbox: shared }, async (claim) => {
+    assert.deepEqual(claim.subject, { mailbox: shared, kind: "message", id: "msg-9" });
+    // the same message seen through another grant, coordinated on the shared mailbox: held
+    const other = cluster.client("agent-other-grant", { replica: 1 });
+    await assert.rejects(other.replyTo(notification(unique("n"), "grant-b"), { mailbox: shared }, async () => undefined), ReplyHeld);
+  });
+  const grant = unique("grant");
+  await agent.replyTo(notification(unique("n"), grant), { ttl: 30, scope: "thread" }, async (claim) => {
+    assert.deepEqual(claim.subject, { mailbox: grant, kind: "thread", id: "thr-9" });
+  });
+  const grantEvent = parseNotification({ id: unique("n"), type: "grant.expired", data: { object: { grant_id: grant } } });
+  await assert.rejects(agent.replyTo(grantEvent, {}, async () => undefined), /not about a message/);
 });
