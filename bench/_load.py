@@ -63,6 +63,13 @@ def etcd_workload(env: Environment, name: str, clients: int, operation: Operatio
     return Workload(name, run, ETCD_DURABILITY)
 
 
+def group_commit_note(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """How many transactions each etcd request of the coordinator's group commit carried between two stats()."""
+    requests = after["batch_requests"] - before["batch_requests"]
+    transactions = after["batch_transactions"] - before["batch_transactions"]
+    return f"{transactions / requests:.1f} txn per etcd request" if requests else "unbatched"
+
+
 def coordinator_workload(
     env: Environment, coordinator: CoordinatorProcess, name: str, clients: int, operation: Operation
 ) -> Workload:
@@ -73,10 +80,7 @@ def coordinator_workload(
         before = coordinator.stats()
         meter = CpuMeter(coordinator.cpu_seconds, env.etcd)
         result = meter.stamp(await closed_loop(name, clients, seconds, operation))
-        after = coordinator.stats()
-        requests = after["batch_requests"] - before["batch_requests"]
-        transactions = after["batch_transactions"] - before["batch_transactions"]
-        note = f"{transactions / requests:.1f} txn per etcd request" if requests else "unbatched"
+        note = group_commit_note(before, coordinator.stats())
         return Result(
             result.name,
             result.ops,

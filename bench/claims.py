@@ -9,7 +9,9 @@
   called by one raw gRPC stub call per claim, each client a principal of its own;
 - the same default coordinator called through the Python client (``inbox_claims.AsyncCoordinator``.claim), the
   clients shared among ``--shims`` client objects (agent processes' worth; each a principal): the client sends
-  the calls its tasks make at the same time together, in one Batch RPC.
+  the calls its tasks make at the same time together, in one Batch RPC;
+- and through the Node client (``--node``, clients/node): the same number of concurrent claims through one
+  ``inbox-claims`` Coordinator object, in a node process (bench/node.py).
 
 Every claim is on a fresh subject. Every client library runs in this one process, with the same number of
 concurrent clients, one connection per server for gRPC (HTTP/2 multiplexes) and one per client for Redis and
@@ -61,6 +63,7 @@ from ._load import (
     shim_counts,
     subject,
 )
+from .node import node_claims_workload, node_problem
 
 BASELINES = ("grpc", "redis", "redis-everysec", "redis-always", "postgres")
 # Long enough that no claim expires during a run: etcd revoking the leases of an earlier round's claims would
@@ -81,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=COORDINATORS_HELP,
     )
     add_shim_arguments(parser)
+    parser.add_argument(
+        "--node",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="the Node client's row (one inbox-claims object in a node process): auto runs it when Node and "
+        "clients/node are installed; default %(default)s",
+    )
 
 
 def available_baselines() -> tuple[list[str], list[str]]:
@@ -220,6 +230,13 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
             operation = await shim_claim_operation(stack, process.address, shims, f"bench-{run}-shim{shims}")
             name = f"coordinator via inbox_claims, {shims} client object(s), {label}"
             workloads.append(coordinator_workload(env, process, name, clients, operation))
+
+        if options.node == "yes" or (options.node == "auto" and node_problem() is None):
+            label, process = coordinators.processes[0]
+            name = f"coordinator via Node inbox-claims, 1 client object, {label}"
+            workloads.append(node_claims_workload(env, process, name, clients, f"bench-{run}-node"))
+        elif options.node == "auto":
+            print(f"claims: skipping the Node client row ({node_problem()})")
 
         if "grpc" in baselines:
             empty = CoordinatorProcess(env.tmp, empty=True)

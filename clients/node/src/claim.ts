@@ -1,0 +1,368 @@
+// The send-path guard, the phases of the Python client's inbox_claims._guard:
+//
+//   CLAIMING --ClaimReply GRANTED--> CLAIMED --renewal finds it gone--> LOST
+//   CLAIMED --send()--> BEGINNING --BeginSend OK--> SENDING --fn returned, ConfirmSent--> REPLIED
+//                                 --BeginSend STALE--> LOST        --fn threw SendRejected, AbortSend--> ABORTED
+//                                                                  --fn threw anything else--> UNKNOWN (left SENDING)
+//   CLAIMED (or LOST after failed renewals, or BEGINNING with an unknown answer) --work ends--> RELEASED
+//
+// Renewal only ever acts in CLAIMED: a renewal answer that arrives after send() started is ignored, so the
+// renewal can never declare a loss the commit point has already settled.
+import type { Coordinator } from "./client.js";
+import type { Notification } from "./envelope.js";
+import {
+  AlreadyReplied,
+  ClaimLost,
+  DuplicateDelivery,
+  FailedPrecondition,
+  InboxClaimsError,
+  ReplyHeld,
+  SendOutcomeUnknown,
+  SendRejected,
+  SentButUnconfirmed,
+} from "./errors.js";
+import { idempotencyKey, type ClaimResult, type LossReason, type Subject, type SubjectStatus } from "./types.js";
+
+export type Scope = "message" | "thread";
+
+/** What to claim when there is no parsed notification (explicit ids win over a notification's). */
+export interface ReplyTarget {
+  mailbox: string;
+  messageId?: string;
+  threadId?: string;
+  notificationId?: string;
+}
+
+export interface ReplyOptions {
+  /** Claim TTL in seconds (default 60); renewed every third of it. */
+  ttl?: number;
+  /** "message" (default): one reply per message; "thread": one per conversation. */
+  scope?: Scope;
+  /** Shown to humans watching the mailbox (e.g. "support-agent-1 is drafting"). */
+  note?: string;
+  /**
+   * Coordinate on this mailbox instead of the notification's grant id: several grants that see one inbox
+   * (each agent connected with its own grant) then claim the same subject for the same message.
+   */
+  mailbox?: string;
+}
+
+type Phase = "claiming" | "claimed" | "lost" | "beginning" | "sending" | "replied" | "aborted" | "unknown" | "released";
+
+const REASON_MAX_BYTES = 1024;
+// After a failed renewal, try again after a third of the time left, but not more often than this.
+const RENEWAL_RETRY_FLOOR_MS = 200;
+
+export function resolveSubject(target: Notification | ReplyTarget, scope: Scope, mailboxOverride?: string): { subject: Subject; notificationId: string } {
+  let mailbox: string | undefined;
+  let messageId: string | undefined;
+  let threadId: string | undefined;
+  let notificationId: string | undefined;
+  if ("notificationId" in target && "objectKind" in target) {
+    if (target.objectKind !== "message") throw new TypeError(`a ${target.type} notification is not about a message: there is nothing to reply to`);
+    ({ mailbox, messageId, threadId, notificationId } = target);
+  } else {
+    ({ mailbox, messageId, threadId, notificationId } = target);
+  }
+  mailbox = mailboxOverride || mailbox;
+  if (!mailbox) throw new TypeError("replyTo needs a mailbox (the notification carries no grant_id): pass { mailbox }");
+  if (scope === "message") {
+    if (!messageId) throw new TypeError("replyTo with scope 'message' needs a message id");
+    return { subject: { mailbox, kind: "message", id: messageId }, notificationId: notificationId ?? "" };
+  }
+  if (scope === "thread") {
+    if (!threadId) throw new TypeError("replyTo with scope 'thread' needs a thread id (none in the notification)");
+    return { subject: { mailbox, kind: "thread", id: threadId }, notificationId: notificationId ?? "" };
+  }
+  throw new TypeError(`scope must be "message" or "thread", not ${JSON.stringify(scope)}`);
+}
+
+function grantedStatus(result: ClaimResult, subject: Subject, notificationId: string): SubjectStatus {
+  if (result.outcome === "DUPLICATE_DELIVERY") throw new DuplicateDelivery(subject, notificationId, result.delivery);
+  const status = result.status!;
+  if (result.outcome === "HELD") throw new ReplyHeld(status);
+  if (result.outcome === "ALREADY_REPLIED") throw new AlreadyReplied(status);
+  return status;
+}
+
+/** A free-form text the coordinator accepts: control characters become spaces, cut to maxBytes of UTF-8. */
+export function cleanText(text: string, maxBytes = REASON_MAX_BYTES): string {
+  // eslint-disable-next-line no-control-regex
+  const bytes = Buffer.from(text.replace(/[\x00-\x1f\x7f-\x9f]/g, " "), "utf8");
+  if (bytes.length <= maxBytes) return bytes.toString("utf8");
+  let cut = maxBytes;
+  while (cut > 0 && ((bytes[cut] ?? 0) & 0xc0) === 0x80) cut--; // never cut a character in two
+  return bytes.subarray(0, cut).toString("utf8");
+}
+
+/** One guarded claim, made by Coordinator.replyTo and handed to its work function. */
+export class Claim {
+  private phase: Phase = "claiming";
+  private token_ = 0n;
+  private status_: SubjectStatus | undefined;
+  private loss_: ClaimLost | undefined;
+  private sentMessageId_: string | undefined;
+  // Until this performance.now() value the claim certainly holds: the coordinator counts the TTL from when it
+  // handled the last claim or renewal, which is after we sent it.
+  private validUntil = 0;
+  private ttl_: number;
+  private readonly lostController = new AbortController();
+  private readonly stopRenewal = new AbortController();
+  private readonly claimOp;
+
+  constructor(
+    private readonly coordinator: Coordinator,
+    /** The message (or thread, with scope "thread") this claim is on. */
+    readonly subject: Subject,
+    /** The notification this claim recorded as delivered (empty when none was given). */
+    readonly notificationId: string,
+    ttl: number,
+    note: string,
+  ) {
+    this.ttl_ = ttl;
+    this.claimOp = coordinator.claimOp(subject, { ttl, notificationId, note: cleanText(note) });
+  }
+
+  /** The fencing token (0n until the claim is granted). */
+  get token(): bigint {
+    return this.token_;
+  }
+  /** The claim's TTL in seconds; it is renewed every third of it. */
+  get ttl(): number {
+    return this.ttl_;
+  }
+  /** The subject's status as last answered by the coordinator. */
+  get status(): SubjectStatus | undefined {
+    return this.status_;
+  }
+  /** When the claim frees unless renewed, as of the last grant or renewal (the coordinator's clock). */
+  get expiresAt(): Date | undefined {
+    return this.status_?.expiresAt;
+  }
+  /** Aborts (its reason is a ClaimLost) once the claim is found lost: taken over, expired, or unrenewable past its TTL. */
+  get signal(): AbortSignal {
+    return this.lostController.signal;
+  }
+  /** Why the claim was lost, once it was. */
+  get loss(): ClaimLost | undefined {
+    return this.loss_;
+  }
+  get lost(): boolean {
+    return this.loss_ !== undefined;
+  }
+  /** What the send function returned, once the reply is recorded. */
+  get sentMessageId(): string | undefined {
+    return this.sentMessageId_;
+  }
+  /** True once send() went through and the coordinator recorded the reply (REPLIED). */
+  get replied(): boolean {
+    return this.phase === "replied";
+  }
+  /**
+   * "ic1-" + 64 hex digits from (mailbox, kind, id) only, equal to the Python client's claim.idempotency_key.
+   * Send it as the mail API's Idempotency-Key: every agent computes the same key for the same subject.
+   */
+  get idempotencyKey(): string {
+    return idempotencyKey(this.subject);
+  }
+
+  /** Throws ClaimLost if the claim was lost: call it between long steps of drafting. */
+  throwIfLost(): void {
+    if (this.loss_ !== undefined) throw this.lostError();
+  }
+
+  toString(): string {
+    return `<Claim ${this.subject.kind} ${this.subject.id} token=${this.token_} ${this.phase}>`;
+  }
+
+  private lostError(): ClaimLost {
+    const loss = this.loss_!;
+    return new ClaimLost(loss.subject, loss.token, loss.reason, loss.status);
+  }
+
+  // -- claim ------------------------------------------------------------------------------------------
+
+  /** @internal ClaimReply with the notification id: dedup and claim in one call; a refusal is thrown. */
+  async enter(): Promise<void> {
+    if (this.phase !== "claiming") throw new Error("a claim can be entered only once; call replyTo() again for a new one");
+    const started = performance.now();
+    const result = await this.coordinator.call(this.claimOp);
+    const status = grantedStatus(result, this.subject, this.notificationId);
+    this.status_ = status;
+    this.token_ = status.fencingToken;
+    this.ttl_ = status.ttlSeconds || this.ttl_;
+    this.validUntil = started + this.ttl_ * 1000;
+    this.phase = "claimed";
+    void this.renewal().catch((error: unknown) => process.emitWarning(`the renewal of ${this.toString()} stopped: ${String(error)}`));
+  }
+
+  // -- renewal -----------------------------------------------------------------------------------------
+
+  private async renewal(): Promise<void> {
+    const interval = (this.ttl_ * 1000) / 3;
+    let nextAt = this.validUntil - this.ttl_ * 1000 + interval;
+    const stop = this.stopRenewal.signal;
+    for (;;) {
+      await wait(nextAt - performance.now(), stop);
+      if (stop.aborted || this.phase !== "claimed") return;
+      const started = performance.now();
+      const op = this.coordinator.renewOp(this.subject, this.token_, this.ttl_);
+      // A renewal must land before the expiry counted from the last grant; a grant that came after retries
+      // longer than the TTL is past that already: ask once anyway. The renewal is fenced, so OK proves it holds.
+      const deadline = this.validUntil > started ? this.validUntil : started + interval;
+      let result;
+      try {
+        result = await this.coordinator.call(op, deadline);
+      } catch (error) {
+        const now = performance.now();
+        if (this.phase !== "claimed") return; // work ended (or the send began) meanwhile
+        if (now >= this.validUntil) return this.lose("renewal_failed", undefined, "claimed");
+        process.emitWarning(`renewing claim ${this.token_} on ${this.subject.id} failed: ${String(error)}; trying again`);
+        nextAt = now + Math.max(RENEWAL_RETRY_FLOOR_MS, Math.min(interval, (this.validUntil - now) / 3));
+        continue;
+      }
+      if (!result.ok) return this.lose(this.staleReason(result.status), result.status, "claimed");
+      if (this.phase === "claimed") {
+        this.status_ = result.status;
+        this.validUntil = started + this.ttl_ * 1000;
+      }
+      nextAt = started + interval;
+    }
+  }
+
+  private staleReason(status: SubjectStatus): LossReason {
+    if (status.state === "CLAIMED" && status.holderKind === "human") return "taken_over";
+    if (performance.now() >= this.validUntil) return "expired"; // we were paused past the TTL
+    return "stale_token"; // renewed in time, yet gone: released or taken over meanwhile
+  }
+
+  private lose(reason: LossReason, status: SubjectStatus | undefined, expected: Phase): void {
+    if (this.phase !== expected) return; // the send (or the end of work) got there first
+    this.phase = "lost";
+    this.loss_ = new ClaimLost(this.subject, this.token_, reason, status);
+    this.lostController.abort(this.loss_);
+  }
+
+  // -- send --------------------------------------------------------------------------------------------
+
+  /**
+   * Sends the reply through the fenced commit point, once: BeginSend (refused: ClaimLost, and `fn` is never
+   * called), then `fn()`, which must return the sent message's id (a string) or undefined/null, then
+   * ConfirmSent. If `fn` throws SendRejected, AbortSend frees the subject and the error is rethrown; any other
+   * error leaves the subject SENDING (reported IN_DOUBT later) and throws SendOutcomeUnknown (its cause).
+   * Resolves to what `fn` returned.
+   */
+  async send(fn: () => Promise<string | null | undefined> | string | null | undefined): Promise<string | undefined> {
+    if (this.phase === "lost") throw this.lostError();
+    if (this.phase !== "claimed") throw new Error(`claim.send() runs once, inside replyTo's work (this claim is ${this.phase})`);
+    this.phase = "beginning"; // renewal stops acting; until BeginSend answers, the end of work aborts
+    this.stopRenewal.abort();
+    const begin = await this.coordinator.call(this.coordinator.beginSendOp(this.subject, this.token_));
+    if (!begin.ok) {
+      this.lose(this.staleReason(begin.status), begin.status, "beginning");
+      throw this.lostError();
+    }
+    this.status_ = begin.status;
+    this.phase = "sending";
+    let sent: unknown;
+    try {
+      sent = await fn();
+    } catch (error) {
+      if (error instanceof SendRejected) {
+        await this.abort(error);
+        throw error;
+      }
+      this.phase = "unknown";
+      throw new SendOutcomeUnknown(this.subject, this.token_, error);
+    }
+    await this.confirm(sent);
+    return (sent as string | null | undefined) ?? undefined;
+  }
+
+  private async abort(rejected: SendRejected): Promise<void> {
+    const op = this.coordinator.abortSendOp(this.subject, this.token_, cleanText(rejected.reason));
+    try {
+      const result = await this.coordinator.call(op);
+      this.status_ = result.status;
+      this.phase = result.ok ? "aborted" : "unknown";
+    } catch (error) {
+      if (!(error instanceof InboxClaimsError)) throw error;
+      this.phase = "unknown";
+      process.emitWarning(`AbortSend for ${this.subject.id} failed (${error.message}): it stays SENDING and will be reported IN_DOUBT`);
+    }
+  }
+
+  private async confirm(sent: unknown): Promise<void> {
+    const wrongType = sent !== undefined && sent !== null && typeof sent !== "string";
+    const sentId = typeof sent === "string" ? sent : undefined;
+    let result;
+    try {
+      result = await this.coordinator.call(this.coordinator.confirmSentOp(this.subject, this.token_, sentId ?? ""));
+    } catch (error) {
+      this.phase = "unknown";
+      if (!(error instanceof InboxClaimsError)) throw error;
+      throw new SentButUnconfirmed(this.subject, this.token_, sentId, `ConfirmSent failed: ${error.message}`, error);
+    }
+    if (!result.ok) {
+      this.phase = "unknown";
+      throw new SentButUnconfirmed(this.subject, this.token_, sentId, `the coordinator no longer knows this send (${result.status.state})`);
+    }
+    this.status_ = result.status;
+    this.sentMessageId_ = sentId;
+    this.phase = "replied";
+    if (wrongType) {
+      throw new TypeError(
+        `the send function returned ${typeof sent}; return the sent message id (a string) or undefined. The reply was sent and is recorded as REPLIED without an id.`,
+      );
+    }
+  }
+
+  // -- the end of work ---------------------------------------------------------------------------------
+
+  /**
+   * @internal Best effort, never throws a coordinator error: release an unsent claim; abort a BeginSend whose
+   * answer was lost (the send function was never called). `failed`: work threw, so giving the claim up is no
+   * decision about the message: released as redeliverable, as after a lost renewal or a lost BeginSend answer.
+   */
+  async exit(failed: boolean): Promise<void> {
+    this.stopRenewal.abort();
+    const phase = this.phase;
+    const unsure = phase === "lost" && this.loss_?.reason === "renewal_failed";
+    if (phase === "claimed" || phase === "beginning" || unsure) this.phase = "released";
+    try {
+      if (phase === "claimed" || unsure) {
+        await this.release(failed || unsure);
+      } else if (phase === "beginning") {
+        const reason = "BeginSend's answer was lost; the send function was never called";
+        try {
+          await this.coordinator.call(this.coordinator.abortSendOp(this.subject, this.token_, reason, true));
+        } catch (error) {
+          if (!(error instanceof FailedPrecondition)) throw error;
+          await this.release(true); // BeginSend never committed: the subject is still CLAIMED
+        }
+      }
+    } catch (error) {
+      if (!(error instanceof InboxClaimsError)) throw error;
+      process.emitWarning(`could not release ${this.subject.id} (${error.message}); it frees when its TTL runs out`);
+    }
+  }
+
+  private async release(redeliverable: boolean): Promise<void> {
+    const result = await this.coordinator.call(this.coordinator.releaseOp(this.subject, this.token_, redeliverable));
+    this.status_ = result.status;
+  }
+}
+
+/** Resolves after `ms`, or at once when `signal` aborts. */
+function wait(ms: number, signal: AbortSignal): Promise<void> {
+  if (signal.aborted || ms <= 0) return Promise.resolve();
+  return new Promise((resolve) => {
+    const timer = setTimeout(done, ms);
+    function done(): void {
+      clearTimeout(timer);
+      signal.removeEventListener("abort", done);
+      resolve();
+    }
+    signal.addEventListener("abort", done, { once: true });
+  });
+}

@@ -1,0 +1,477 @@
+// The coordinator client: connect-es over real gRPC (HTTP/2), retries with backoff, request ids, and the Batch coalescing.
+import { randomUUID } from "node:crypto";
+import { isIP } from "node:net";
+import { setTimeout as sleep } from "node:timers/promises";
+import { create, type Message } from "@bufbuild/protobuf";
+import { createClient, type Client } from "@connectrpc/connect";
+import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
+import * as pb from "./gen/inbox/coordinator/v1/coordinator_pb.js";
+import { BATCH_MAX_CALLS, BATCHABLE, batchOf, answers, Coalescer, RESEND, type Rpc } from "./batch.js";
+import { RpcFailure } from "./rpc.js";
+import {
+  claimResultFromPb,
+  deliveryResultFromPb,
+  fenceFromPb,
+  pageFromPb,
+  stateToPb,
+  statusFromPb,
+  subjectToPb,
+  takeoverFromPb,
+  watchItemFromPb,
+  type ClaimResult,
+  type ClaimsPage,
+  type DeliveryResult,
+  type FenceResult,
+  type HolderKind,
+  type Subject,
+  type SubjectState,
+  type SubjectStatus,
+  type TakeoverResult,
+  type WatchItem,
+} from "./types.js";
+import { Claim, resolveSubject, type ReplyOptions, type ReplyTarget } from "./claim.js";
+import type { Notification } from "./envelope.js";
+
+export const DEFAULT_TARGET = "127.0.0.1:50051";
+export const PRINCIPAL_METADATA = "x-inbox-principal";
+export const PRINCIPAL_KIND_METADATA = "x-inbox-principal-kind";
+
+/** Every call is safe to repeat (its retries carry its request id); these codes say "try again". */
+const RETRYABLE = new Set(["UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED"]);
+
+/**
+ * How calls are retried on UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED and CANCELLED, and on RESOURCE_EXHAUSTED that
+ * carries a `retry-after-ms` hint. `attempts` counts the first try; the wait before retry n (from 0) is drawn
+ * uniformly from [cap/2, cap] with cap = min(maxBackoffMs, initialBackoffMs * multiplier^n), and is never
+ * shorter than the coordinator's hint. The Python client's RetryPolicy, in milliseconds.
+ */
+export interface RetryPolicy {
+  attempts: number;
+  initialBackoffMs: number;
+  maxBackoffMs: number;
+  multiplier: number;
+}
+
+export const DEFAULT_RETRY: RetryPolicy = { attempts: 6, initialBackoffMs: 100, maxBackoffMs: 2000, multiplier: 2 };
+
+export interface CoordinatorOptions {
+  /** HOST:PORT of the coordinator (default 127.0.0.1:50051), or an http:// / https:// URL. */
+  target?: string;
+  /** Development mode: the principal named in the `x-inbox-principal` metadata. */
+  principal?: string;
+  /** "agent" (default) or "human" (`x-inbox-principal-kind`). */
+  kind?: HolderKind;
+  /** A bearer token (`authorization: Bearer <token>`), for a coordinator with a token file. */
+  token?: string;
+  /** TLS with the system's roots (implied by the certificate options). */
+  tls?: boolean;
+  /** PEM of the CA that signed the coordinator's certificate. */
+  rootCertificates?: string | Buffer;
+  /** Mutual TLS: this client's certificate chain and key (PEM), both or neither. */
+  clientCertificate?: string | Buffer;
+  clientKey?: string | Buffer;
+  /** The deadline of each attempt of each call (default 10 000 ms). */
+  timeoutMs?: number;
+  retry?: Partial<RetryPolicy>;
+  /** Concurrent calls sent together in one Batch RPC, at most (1..256, default 64); 1 sends every call alone. */
+  maxBatch?: number;
+}
+
+export interface Op<R> {
+  readonly method: string;
+  readonly request: Message;
+  readonly decode: (response: Message) => R;
+}
+
+export function newRequestId(): string {
+  return randomUUID().replaceAll("-", "");
+}
+
+function ttlSeconds(ttl: number): number {
+  if (!Number.isInteger(ttl) || ttl < 0) {
+    throw new RangeError(`ttl must be a whole number of seconds >= 0 (0 means the server's default), not ${ttl}`);
+  }
+  return ttl;
+}
+
+function fencingToken(token: bigint): bigint {
+  if (typeof token !== "bigint" || token <= 0n) {
+    throw new RangeError(`fencing token must be a positive bigint (the one a claim granted), not ${String(token)}`);
+  }
+  return token;
+}
+
+function asciiMetadata(name: string, value: string): string {
+  if (!value || !/^[\x20-\x7e]+$/.test(value)) {
+    throw new TypeError(`${name} must be non-empty printable ASCII (it travels in gRPC metadata), not ${JSON.stringify(value)}`);
+  }
+  return value;
+}
+
+function isLoopback(host: string): boolean {
+  const bare = host.replace(/^\[|\]$/g, "");
+  if (bare === "localhost") return true;
+  if (isIP(bare) === 4) return bare.startsWith("127.");
+  return bare === "::1";
+}
+
+const lowerFirst = (name: string): string => name.charAt(0).toLowerCase() + name.slice(1);
+
+/** A client of the Inbox Coordinator. One per process is enough: concurrent calls share Batch RPCs. Call close() when done. */
+export class Coordinator {
+  readonly target: string;
+  readonly principal: string | undefined;
+  readonly kind: HolderKind;
+  readonly timeoutMs: number;
+  readonly retry: RetryPolicy;
+  readonly maxBatch: number;
+  private readonly headers: Record<string, string> = {};
+  private readonly sessions: Http2SessionManager;
+  private readonly client: Client<typeof pb.Coordinator>;
+  private readonly coalescer: Coalescer;
+  private flushScheduled = false;
+  private closed = false;
+
+  constructor(options: CoordinatorOptions = {}) {
+    this.target = options.target ?? DEFAULT_TARGET;
+    this.principal = options.principal;
+    this.kind = options.kind ?? "agent";
+    if (this.kind !== "agent" && this.kind !== "human") throw new TypeError(`kind must be "agent" or "human", not ${JSON.stringify(this.kind)}`);
+    this.timeoutMs = Math.ceil(options.timeoutMs ?? 10_000);
+    if (!(this.timeoutMs > 0)) throw new RangeError(`timeoutMs must be a positive number of milliseconds, not ${this.timeoutMs}`);
+    this.retry = { ...DEFAULT_RETRY, ...options.retry };
+    if (!(this.retry.attempts >= 1) || this.retry.initialBackoffMs < 0 || this.retry.maxBackoffMs < this.retry.initialBackoffMs || this.retry.multiplier < 1) {
+      throw new RangeError("retry needs attempts >= 1, 0 <= initialBackoffMs <= maxBackoffMs and multiplier >= 1");
+    }
+    this.maxBatch = options.maxBatch ?? 64;
+    if (!Number.isInteger(this.maxBatch) || this.maxBatch < 1 || this.maxBatch > BATCH_MAX_CALLS) {
+      throw new RangeError(`maxBatch must be 1..${BATCH_MAX_CALLS} (the coordinator's limit per batch), not ${this.maxBatch}`);
+    }
+    if ((options.clientCertificate === undefined) !== (options.clientKey === undefined)) {
+      throw new TypeError("mutual TLS needs both clientCertificate and clientKey (PEM)");
+    }
+    const wantsTls = options.tls === true || options.rootCertificates !== undefined || options.clientCertificate !== undefined;
+    let url: URL;
+    if (/^https?:\/\//.test(this.target)) url = new URL(this.target);
+    else if (this.target) url = new URL(`${wantsTls ? "https" : "http"}://${this.target}`);
+    else throw new TypeError("target must be HOST:PORT, e.g. '127.0.0.1:50051'");
+    if (this.principal !== undefined) {
+      this.headers[PRINCIPAL_METADATA] = asciiMetadata("principal", this.principal);
+      this.headers[PRINCIPAL_KIND_METADATA] = this.kind;
+    }
+    if (options.token !== undefined) {
+      this.headers["authorization"] = "Bearer " + asciiMetadata("token", options.token);
+      if (url.protocol === "http:" && !isLoopback(url.hostname)) {
+        process.emitWarning(`sending a bearer token to ${this.target} over a plaintext channel; pass tls: true`);
+      }
+    }
+    const nodeOptions =
+      url.protocol === "https:"
+        ? { ca: options.rootCertificates, cert: options.clientCertificate, key: options.clientKey }
+        : {};
+    // No HTTP/2 keepalive pings (the Python client sends none either): a gRPC server allows one ping per 5 minutes
+    // on a connection without data by default and answers more with GOAWAY ENHANCE_YOUR_CALM, which would end
+    // a quiet Watch stream.
+    this.sessions = new Http2SessionManager(url, {}, nodeOptions);
+    const transport = createGrpcTransport({ baseUrl: url.toString().replace(/\/$/, ""), sessionManager: this.sessions });
+    this.client = createClient(pb.Coordinator, transport);
+    this.coalescer = new Coalescer(this.maxBatch);
+  }
+
+  /** Closes the connection. Claims still open stop renewing (their renewal fails) and expire by TTL. */
+  close(): void {
+    this.closed = true;
+    this.sessions.abort();
+  }
+
+  // -- the retry loop ------------------------------------------------------------------------------------
+
+  /**
+   * Runs `op` with retries (the same request, so the same request id). `deadline` (a performance.now() value)
+   * bounds every attempt and the waits.
+   */
+  async call<R>(op: Op<R>, deadline?: number): Promise<R> {
+    for (let attempt = 1; ; attempt++) {
+      let timeoutMs = this.timeoutMs;
+      // grpc-timeout takes whole units: a fractional millisecond count is refused by the server (INTERNAL).
+      if (deadline !== undefined) timeoutMs = Math.max(Math.floor(Math.min(timeoutMs, deadline - performance.now())), 1);
+      let response: Message;
+      try {
+        response = await this.perform({ method: op.method, request: op.request, timeoutMs });
+      } catch (error) {
+        if (!(error instanceof RpcFailure)) throw error;
+        const delay = this.retryDelay(error, attempt, deadline);
+        if (delay === undefined) throw error.error(op.method, attempt);
+        await sleep(delay);
+        continue;
+      }
+      return op.decode(response);
+    }
+  }
+
+  /** Milliseconds to wait before trying again after `attempt` failed attempts; undefined: give up. */
+  retryDelay(failure: RpcFailure, attempt: number, deadline?: number): number | undefined {
+    const policy = this.retry;
+    const retryable = RETRYABLE.has(failure.code) || (failure.code === "RESOURCE_EXHAUSTED" && failure.retryAfterMs !== undefined);
+    if (!retryable || attempt >= policy.attempts) return undefined;
+    const cap = Math.min(policy.maxBackoffMs, policy.initialBackoffMs * policy.multiplier ** Math.min(attempt - 1, 64));
+    const delay = Math.max(cap / 2 + Math.random() * (cap / 2), failure.retryAfterMs ?? 0);
+    if (deadline !== undefined && performance.now() + delay >= deadline) return undefined;
+    return delay;
+  }
+
+  // -- one attempt: alone, or with the calls made at the same time -------------------------------------
+
+  private perform(rpc: Rpc): Promise<Message> {
+    if (this.closed) return Promise.reject(new Error("this Coordinator is closed; make a new one"));
+    if (this.maxBatch > 1 && BATCHABLE.has(rpc.method) && this.coalescer.supported) return this.batched(rpc);
+    return this.unary(rpc);
+  }
+
+  private async unary(rpc: Rpc): Promise<Message> {
+    const method = (this.client as unknown as Record<string, (request: Message, options: object) => Promise<Message>>)[lowerFirst(rpc.method)];
+    if (method === undefined) throw new TypeError(`no RPC ${rpc.method}`);
+    try {
+      return await method(rpc.request, { timeoutMs: rpc.timeoutMs, headers: this.headers });
+    } catch (error) {
+      throw RpcFailure.from(error);
+    }
+  }
+
+  private async batched(rpc: Rpc): Promise<Message> {
+    const answer = await new Promise<Message | typeof RESEND>((resolve, reject) => {
+      this.coalescer.add(rpc, { resolve, reject });
+      this.flushSoon();
+    });
+    return answer === RESEND ? this.unary(rpc) : answer;
+  }
+
+  private flushSoon(): void {
+    // After the current turn's promise callbacks, not now: the callers woken together by the last batch's
+    // answers all get to queue their next call first, and go in one batch rather than one alone and the rest.
+    if (this.flushScheduled) return;
+    this.flushScheduled = true;
+    setImmediate(() => {
+      this.flushScheduled = false;
+      for (let batch = this.coalescer.nextBatch(); batch !== undefined; batch = this.coalescer.nextBatch()) {
+        void this.sendBatch(batch);
+      }
+    });
+  }
+
+  private async sendBatch(batch: [Rpc, { resolve(value: Message | typeof RESEND): void; reject(error: unknown): void }][]): Promise<void> {
+    const calls = batch.map(([rpc]) => rpc);
+    let results: (Message | RpcFailure | typeof RESEND)[];
+    try {
+      results = answers(calls, await this.unary(batchOf(calls)));
+    } catch (error) {
+      results = error instanceof RpcFailure ? this.coalescer.failed(calls, error) : calls.map(() => error as RpcFailure);
+    } finally {
+      this.coalescer.finished();
+      if (this.coalescer.pending.length > 0) this.flushSoon();
+    }
+    batch.forEach(([, waiter], index) => {
+      const result = results[index];
+      if (result instanceof Error) waiter.reject(result);
+      else waiter.resolve(result as Message | typeof RESEND);
+    });
+  }
+
+  // -- operations (the guard builds these once and runs them with call(), keeping their request ids) -----
+
+  claimOp(subject: Subject, options: { ttl?: number; notificationId?: string; note?: string } = {}): Op<ClaimResult> & { subject: Subject } {
+    const request = create(pb.ClaimReplyRequestSchema, {
+      requestId: newRequestId(),
+      subject: subjectToPb(subject),
+      notificationId: options.notificationId ?? "",
+      ttlSeconds: ttlSeconds(options.ttl ?? 0),
+      note: options.note ?? "",
+    });
+    return { method: "ClaimReply", request, decode: (r) => claimResultFromPb(r as pb.ClaimReplyResponse), subject };
+  }
+
+  renewOp(subject: Subject, token: bigint, ttl = 0): Op<FenceResult> {
+    const request = create(pb.RenewClaimRequestSchema, {
+      requestId: newRequestId(),
+      subject: subjectToPb(subject),
+      fencingToken: fencingToken(token),
+      ttlSeconds: ttlSeconds(ttl),
+    });
+    return { method: "RenewClaim", request, decode: (r) => fenceFromPb(r as pb.RenewClaimResponse) };
+  }
+
+  releaseOp(subject: Subject, token: bigint, redeliverable = false): Op<FenceResult> {
+    const request = create(pb.ReleaseClaimRequestSchema, {
+      requestId: newRequestId(),
+      subject: subjectToPb(subject),
+      fencingToken: fencingToken(token),
+      redeliverable,
+    });
+    return { method: "ReleaseClaim", request, decode: (r) => fenceFromPb(r as pb.ReleaseClaimResponse) };
+  }
+
+  beginSendOp(subject: Subject, token: bigint): Op<FenceResult> {
+    const request = create(pb.BeginSendRequestSchema, { requestId: newRequestId(), subject: subjectToPb(subject), fencingToken: fencingToken(token) });
+    return { method: "BeginSend", request, decode: (r) => fenceFromPb(r as pb.BeginSendResponse) };
+  }
+
+  confirmSentOp(subject: Subject, token: bigint, sentMessageId = ""): Op<FenceResult> {
+    const request = create(pb.ConfirmSentRequestSchema, {
+      requestId: newRequestId(),
+      subject: subjectToPb(subject),
+      fencingToken: fencingToken(token),
+      sentMessageId,
+    });
+    return { method: "ConfirmSent", request, decode: (r) => fenceFromPb(r as pb.ConfirmSentResponse) };
+  }
+
+  abortSendOp(subject: Subject, token: bigint, reason = "", redeliverable = false): Op<FenceResult> {
+    const request = create(pb.AbortSendRequestSchema, {
+      requestId: newRequestId(),
+      subject: subjectToPb(subject),
+      fencingToken: fencingToken(token),
+      reason,
+      redeliverable,
+    });
+    return { method: "AbortSend", request, decode: (r) => fenceFromPb(r as pb.AbortSendResponse) };
+  }
+
+  // -- the RPCs --------------------------------------------------------------------------------------------
+
+  /** Delivery dedup on its own: isNew on the first sighting. Prefer replyTo, which dedups and claims in one call. */
+  recordDelivery(mailbox: string, notificationId: string): Promise<DeliveryResult> {
+    const request = create(pb.RecordDeliveryRequestSchema, { requestId: newRequestId(), mailbox, notificationId });
+    return this.call({ method: "RecordDelivery", request, decode: (r) => deliveryResultFromPb(r as pb.RecordDeliveryResponse) });
+  }
+
+  /** ClaimReply: GRANTED, HELD, ALREADY_REPLIED or DUPLICATE_DELIVERY; nothing is renewed for you (agents use replyTo). */
+  claim(subject: Subject, options: { ttl?: number; notificationId?: string; note?: string } = {}): Promise<ClaimResult> {
+    return this.call(this.claimOp(subject, options));
+  }
+
+  renew(subject: Subject, token: bigint, ttl = 0): Promise<FenceResult> {
+    return this.call(this.renewOp(subject, token, ttl));
+  }
+
+  release(subject: Subject, token: bigint, options: { redeliverable?: boolean } = {}): Promise<FenceResult> {
+    return this.call(this.releaseOp(subject, token, options.redeliverable ?? false));
+  }
+
+  beginSend(subject: Subject, token: bigint): Promise<FenceResult> {
+    return this.call(this.beginSendOp(subject, token));
+  }
+
+  confirmSent(subject: Subject, token: bigint, sentMessageId = ""): Promise<FenceResult> {
+    return this.call(this.confirmSentOp(subject, token, sentMessageId));
+  }
+
+  abortSend(subject: Subject, token: bigint, reason = "", options: { redeliverable?: boolean } = {}): Promise<FenceResult> {
+    return this.call(this.abortSendOp(subject, token, reason, options.redeliverable ?? false));
+  }
+
+  status(subject: Subject): Promise<SubjectStatus> {
+    const request = create(pb.GetStatusRequestSchema, { subject: subjectToPb(subject) });
+    return this.call({ method: "GetStatus", request, decode: (r) => statusFromPb((r as pb.GetStatusResponse).status) });
+  }
+
+  listClaims(mailbox: string, options: { states?: SubjectState[]; pageSize?: number; pageToken?: string } = {}): Promise<ClaimsPage> {
+    const request = create(pb.ListClaimsRequestSchema, {
+      mailbox,
+      states: (options.states ?? []).map(stateToPb),
+      pageSize: options.pageSize ?? 0,
+      pageToken: options.pageToken ?? "",
+    });
+    return this.call({ method: "ListClaims", request, decode: (r) => pageFromPb(r as pb.ListClaimsResponse) });
+  }
+
+  /** Every subject listClaims would list, page after page (each page read at its own revision). */
+  async *iterClaims(mailbox: string, options: { states?: SubjectState[]; pageSize?: number } = {}): AsyncGenerator<SubjectStatus> {
+    let pageToken = "";
+    do {
+      const page = await this.listClaims(mailbox, { ...options, pageToken });
+      yield* page.subjects;
+      pageToken = page.nextPageToken;
+    } while (pageToken);
+  }
+
+  /**
+   * Watch: a snapshot of the mailbox, then an event for every transition, until you stop iterating (or
+   * `signal` aborts). With `reconnect` (the default) a stream that ends with UNAVAILABLE is opened again with
+   * the retry policy's backoff and starts over with a fresh snapshot; every item received renews the budget.
+   */
+  async *watch(mailbox: string, options: { reconnect?: boolean; signal?: AbortSignal } = {}): AsyncGenerator<WatchItem> {
+    const request = create(pb.WatchRequestSchema, { mailbox });
+    let failures = 0;
+    for (;;) {
+      try {
+        for await (const message of this.client.watch(request, { headers: this.headers, signal: options.signal })) {
+          failures = 0;
+          yield watchItemFromPb(message);
+        }
+        return;
+      } catch (error) {
+        if (options.signal?.aborted) return;
+        const failure = RpcFailure.from(error);
+        failures += 1;
+        const delay = options.reconnect === false ? undefined : this.retryDelay(failure, failures);
+        if (delay === undefined) throw failure.error("Watch", failures);
+        await sleep(delay);
+      }
+    }
+  }
+
+  /** Takeover (humans only): the agent's token goes stale at once and the caller holds the subject. */
+  takeover(subject: Subject, options: { ttl?: number; note?: string } = {}): Promise<TakeoverResult> {
+    const request = create(pb.TakeoverRequestSchema, {
+      requestId: newRequestId(),
+      subject: subjectToPb(subject),
+      ttlSeconds: ttlSeconds(options.ttl ?? 0),
+      note: options.note ?? "",
+    });
+    return this.call({ method: "Takeover", request, decode: (r) => takeoverFromPb(r as pb.TakeoverResponse) });
+  }
+
+  /** ResolveInDoubt: after someone checked the sent folder, sent: true records REPLIED, false frees the subject. */
+  resolveInDoubt(subject: Subject, options: { sent: boolean; sentMessageId?: string; note?: string }): Promise<SubjectStatus> {
+    const request = create(pb.ResolveInDoubtRequestSchema, {
+      requestId: newRequestId(),
+      subject: subjectToPb(subject),
+      outcome: options.sent ? pb.ResolveInDoubtRequest_Outcome.SENT : pb.ResolveInDoubtRequest_Outcome.NOT_SENT,
+      sentMessageId: options.sentMessageId ?? "",
+      note: options.note ?? "",
+    });
+    return this.call({ method: "ResolveInDoubt", request, decode: (r) => statusFromPb((r as pb.ResolveInDoubtResponse).status) });
+  }
+
+  // -- the guard -------------------------------------------------------------------------------------------
+
+  /**
+   * A guarded claim on the message a notification is about, for as long as `work` runs:
+   *
+   *     await coord.replyTo(notification, { ttl: 60 }, async (claim) => {
+   *       const draft = await writeReply(notification, { signal: claim.signal });
+   *       await claim.send(() => nylas.send(grantId, reply, { idempotencyKey: claim.idempotencyKey }));
+   *     });
+   *
+   * ONE ClaimReply records the delivery (the notification id) and claims the message (scope "thread": the
+   * thread); a refusal rejects with DuplicateDelivery, ReplyHeld or AlreadyReplied (all ClaimNotGranted) and
+   * `work` never runs. While `work` runs the claim is renewed every ttl/3; `claim.signal` aborts (reason: a
+   * ClaimLost) when the claim is found lost or taken over. `claim.send(fn)` passes the fenced commit point.
+   * When `work` returns without sending, the claim is released; when it throws, released as redeliverable
+   * (a redelivery of the notification may claim again). Resolves to what `work` returned.
+   */
+  async replyTo<T>(target: Notification | ReplyTarget, options: ReplyOptions, work: (claim: Claim) => Promise<T>): Promise<T> {
+    const { subject, notificationId } = resolveSubject(target, options.scope ?? "message", options.mailbox);
+    const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "");
+    await claim.enter();
+    let failed = false;
+    try {
+      return await work(claim);
+    } catch (error) {
+      failed = true;
+      throw error;
+    } finally {
+      await claim.exit(failed);
+    }
+  }
+}

@@ -1,0 +1,226 @@
+// The client's errors, the same tree as the Python client's (inbox_claims._errors):
+//
+//   InboxClaimsError
+//   ├── ClaimNotGranted            the claim was refused: do not reply (answer the webhook 200 and move on)
+//   │   ├── DuplicateDelivery      this notification id was seen before
+//   │   ├── ReplyHeld              someone else holds the subject now
+//   │   └── AlreadyReplied         a reply was sent, is being sent, or is in doubt
+//   ├── ClaimLost                  you held the claim and no longer do (fenced): never send
+//   ├── SendRejected               thrown BY YOU from a send function: "the mail API refused, nothing went out"
+//   ├── SendOutcomeUnknown         the send function threw something else: it may have gone out (IN_DOUBT)
+//   ├── SentButUnconfirmed         the reply went out but the coordinator could not record it
+//   └── CoordinatorError           a gRPC status from the coordinator (.code, .details)
+//       ├── InvalidRequest, FailedPrecondition, PermissionDenied, Unauthenticated, QuotaExceeded
+//       └── CoordinatorUnavailable UNAVAILABLE / DEADLINE_EXCEEDED / ABORTED after every retry
+import { describe, type DeliveryRecord, type HolderKind, type LossReason, type Subject, type SubjectState, type SubjectStatus } from "./types.js";
+
+export class InboxClaimsError extends Error {
+  override name = "InboxClaimsError";
+}
+
+/** The claim was refused: this agent must not reply. Nothing is held, nothing needs cleaning up. */
+export class ClaimNotGranted extends InboxClaimsError {
+  override name = "ClaimNotGranted";
+  constructor(
+    message: string,
+    readonly subject: Subject,
+  ) {
+    super(message);
+  }
+}
+
+/** The notification id was seen before (a webhook redelivery): drop it. `first` is its first sighting. */
+export class DuplicateDelivery extends ClaimNotGranted {
+  override name = "DuplicateDelivery";
+  constructor(
+    subject: Subject,
+    readonly notificationId: string,
+    readonly first: DeliveryRecord | undefined,
+  ) {
+    const by = first?.recordedAt ? ` by ${JSON.stringify(first.recordedBy)} at ${first.recordedAt.toISOString()}` : "";
+    super(`notification ${JSON.stringify(notificationId)} was already delivered${by}; nothing was claimed`, subject);
+  }
+  get recordedBy(): string {
+    return this.first?.recordedBy ?? "";
+  }
+}
+
+/** Someone else holds the subject (`holder`, of `holderKind`, until `expiresAt`): do not reply. */
+export class ReplyHeld extends ClaimNotGranted {
+  override name = "ReplyHeld";
+  constructor(readonly status: SubjectStatus) {
+    const until = status.expiresAt ? ` until ${status.expiresAt.toISOString()}` : "";
+    super(`${describe(status.subject)} is held by ${JSON.stringify(status.holder)} (${status.holderKind ?? "unknown"})${until}`, status.subject);
+  }
+  get holder(): string {
+    return this.status.holder;
+  }
+  get holderKind(): HolderKind | undefined {
+    return this.status.holderKind;
+  }
+  get expiresAt(): Date | undefined {
+    return this.status.expiresAt;
+  }
+}
+
+/** A reply was sent (REPLIED), is being sent (SENDING) or may have been sent (IN_DOUBT): do not reply. */
+export class AlreadyReplied extends ClaimNotGranted {
+  override name = "AlreadyReplied";
+  constructor(readonly status: SubjectStatus) {
+    const sent = status.sentMessageId ? ` (sent message ${JSON.stringify(status.sentMessageId)})` : "";
+    super(`${describe(status.subject)} is ${status.state}: replied by ${JSON.stringify(status.holder)}${sent}`, status.subject);
+  }
+  get state(): SubjectState {
+    return this.status.state;
+  }
+  get holder(): string {
+    return this.status.holder;
+  }
+}
+
+const LOSS_DETAIL: Record<LossReason, string> = {
+  taken_over: "taken over",
+  expired: "its TTL ran out before it was renewed",
+  stale_token: "the coordinator refused its fencing token",
+  renewal_failed: "the coordinator could not be reached to renew it before its TTL ran out",
+};
+
+/**
+ * You held the claim and no longer do: stop drafting and never send. `reason` says why; `status` is the
+ * subject's state as last seen (undefined when the coordinator could not be reached).
+ */
+export class ClaimLost extends InboxClaimsError {
+  override name = "ClaimLost";
+  constructor(
+    readonly subject: Subject,
+    readonly token: bigint,
+    readonly reason: LossReason,
+    readonly status: SubjectStatus | undefined,
+  ) {
+    const detail = reason === "taken_over" && status ? `taken over by ${JSON.stringify(status.holder)}` : LOSS_DETAIL[reason];
+    super(`claim ${token} on ${describe(subject)} was lost: ${detail}`);
+  }
+}
+
+/**
+ * Throw this (or a subclass) from your send function when the mail API certainly did NOT send (it refused
+ * the request, a 4xx). `claim.send` then calls AbortSend (the subject is FREE again) and rethrows it. A
+ * timeout or a dropped connection proves nothing: let those propagate (they become SendOutcomeUnknown).
+ */
+export class SendRejected extends InboxClaimsError {
+  override name = "SendRejected";
+  constructor(readonly reason: string = "the mail API refused the send") {
+    super(reason);
+  }
+}
+
+/**
+ * The send function threw something other than SendRejected: the reply may have gone out. The subject
+ * stays SENDING and is reported IN_DOUBT after the send timeout; do not retry the send. `cause` is the error.
+ */
+export class SendOutcomeUnknown extends InboxClaimsError {
+  override name = "SendOutcomeUnknown";
+  constructor(
+    readonly subject: Subject,
+    readonly token: bigint,
+    cause: unknown,
+  ) {
+    super(
+      `the send for ${describe(subject)} threw an error that does not prove it failed; the subject stays SENDING and will be reported IN_DOUBT`,
+      { cause },
+    );
+  }
+}
+
+/** The send function returned (the reply went out) but ConfirmSent could not be recorded. Never send again. */
+export class SentButUnconfirmed extends InboxClaimsError {
+  override name = "SentButUnconfirmed";
+  constructor(
+    readonly subject: Subject,
+    readonly token: bigint,
+    readonly sentMessageId: string | undefined,
+    detail: string,
+    cause?: unknown,
+  ) {
+    super(`the reply for ${describe(subject)} was sent but not recorded: ${detail}`, { cause });
+  }
+}
+
+/** gRPC status codes by number (the same numbers in every gRPC implementation). */
+export const StatusCode = {
+  OK: 0,
+  CANCELLED: 1,
+  UNKNOWN: 2,
+  INVALID_ARGUMENT: 3,
+  DEADLINE_EXCEEDED: 4,
+  NOT_FOUND: 5,
+  ALREADY_EXISTS: 6,
+  PERMISSION_DENIED: 7,
+  RESOURCE_EXHAUSTED: 8,
+  FAILED_PRECONDITION: 9,
+  ABORTED: 10,
+  OUT_OF_RANGE: 11,
+  UNIMPLEMENTED: 12,
+  INTERNAL: 13,
+  UNAVAILABLE: 14,
+  DATA_LOSS: 15,
+  UNAUTHENTICATED: 16,
+} as const;
+export type StatusCodeName = keyof typeof StatusCode;
+
+export function codeName(code: number): StatusCodeName {
+  const entry = Object.entries(StatusCode).find(([, value]) => value === code);
+  return (entry?.[0] ?? "UNKNOWN") as StatusCodeName;
+}
+
+/** The coordinator answered with an error status: `code` (a gRPC status name) and `details`. */
+export class CoordinatorError extends InboxClaimsError {
+  override name = "CoordinatorError";
+  constructor(
+    readonly code: StatusCodeName,
+    readonly details: string,
+    readonly method: string = "",
+    readonly attempts: number = 1,
+    /** Milliseconds the coordinator asked to wait before trying again (its `retry-after-ms` hint), if any. */
+    readonly retryAfterMs: number | undefined = undefined,
+  ) {
+    super(`${method ? method + ": " : ""}${code}: ${details}${attempts > 1 ? ` (after ${attempts} attempts)` : ""}`);
+  }
+}
+
+export class InvalidRequest extends CoordinatorError {
+  override name = "InvalidRequest";
+}
+export class FailedPrecondition extends CoordinatorError {
+  override name = "FailedPrecondition";
+}
+export class PermissionDenied extends CoordinatorError {
+  override name = "PermissionDenied";
+}
+export class Unauthenticated extends CoordinatorError {
+  override name = "Unauthenticated";
+}
+export class CoordinatorUnavailable extends CoordinatorError {
+  override name = "CoordinatorUnavailable";
+}
+export class QuotaExceeded extends CoordinatorError {
+  override name = "QuotaExceeded";
+}
+
+const BY_CODE: Partial<Record<StatusCodeName, typeof CoordinatorError>> = {
+  INVALID_ARGUMENT: InvalidRequest,
+  OUT_OF_RANGE: InvalidRequest,
+  FAILED_PRECONDITION: FailedPrecondition,
+  PERMISSION_DENIED: PermissionDenied,
+  UNAUTHENTICATED: Unauthenticated,
+  UNAVAILABLE: CoordinatorUnavailable,
+  DEADLINE_EXCEEDED: CoordinatorUnavailable,
+  ABORTED: CoordinatorUnavailable,
+  RESOURCE_EXHAUSTED: QuotaExceeded,
+};
+
+/** The error for a gRPC status; codes without a class of their own give CoordinatorError. */
+export function errorFor(code: StatusCodeName, details: string, method = "", attempts = 1, retryAfterMs?: number): CoordinatorError {
+  const cls = BY_CODE[code] ?? CoordinatorError;
+  return new cls(code, details, method, attempts, retryAfterMs);
+}

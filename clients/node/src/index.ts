@@ -1,0 +1,15 @@
+export { Coordinator, DEFAULT_RETRY, DEFAULT_TARGET, newRequestId, type CoordinatorOptions, type RetryPolicy } from "./client.js";
+export { Claim, cleanText, type ReplyOptions, type ReplyTarget, type Scope } from "./claim.js";
+export * from "./errors.js";
+export * from "./types.js";
+export { EnvelopeError, parseNotification, type Notification, type NotificationVariant } from "./envelope.js";
+export {
+  NYLAS_SIGNATURE_HEADER,
+  WebhookVerificationError,
+  nylasChallengeResponse,
+  signNylas,
+  signStandardWebhook,
+  verifyNylasSignature,
+  verifyStandardWebhook,
+} from "./webhooks.js";
+export { DEFAULT_EVENTS, DEFAULT_MAX_BODY_BYTES, nylasWebhook, nylasWebhookListener, type WebhookHandler, type WebhookOptions } from "./middleware.js";

@@ -1,0 +1,175 @@
+// Replies through the Nylas v3 send API with fetch, with outcomes that fit claim.send (the Python client's
+// inbox_claims.nylas):
+//
+//   Nylas answers                         send() does, and so claim.send leaves the subject
+//   2xx                                   returns data.id: REPLIED
+//   409 (the idempotency key was used)    throws NylasDuplicateSend: a reply with this key went out or is in
+//                                         flight, so never "not sent": SENDING, then IN_DOUBT
+//   any other 4xx                         throws NylasSendRejected (a SendRejected): nothing went out; FREE again
+//   5xx, timeout, connection error        throws NylasSendUnknown: it may have gone out: SENDING, then IN_DOUBT
+//
+// send() never retries by itself: a second attempt is a decision for whoever resolves the subject.
+import { InboxClaimsError, SendRejected } from "./errors.js";
+import type { Notification } from "./envelope.js";
+
+export const DEFAULT_API_BASE = "https://api.us.nylas.com";
+export const MAX_IDEMPOTENCY_KEY_LENGTH = 256;
+
+/** The send may or may not have gone out. `statusCode` is undefined when no answer came. */
+export class NylasSendUnknown extends InboxClaimsError {
+  override name = "NylasSendUnknown";
+  constructor(
+    message: string,
+    readonly statusCode?: number,
+    readonly requestId = "",
+    cause?: unknown,
+  ) {
+    super(message, { cause });
+  }
+}
+
+/** 409: Nylas already took a request with this idempotency key: a reply went out or is in flight. */
+export class NylasDuplicateSend extends NylasSendUnknown {
+  override name = "NylasDuplicateSend";
+}
+
+/** A 4xx other than 409: Nylas refused the request, nothing was sent (claim.send aborts: FREE). */
+export class NylasSendRejected extends SendRejected {
+  override name = "NylasSendRejected";
+  constructor(
+    reason: string,
+    readonly statusCode: number,
+    readonly requestId = "",
+    readonly errorType = "",
+  ) {
+    super(reason);
+  }
+}
+
+export type Recipient = string | { email: string; name?: string };
+
+export interface NylasReply {
+  replyToMessageId: string;
+  to: Recipient[];
+  subject: string;
+  body: string;
+  cc?: Recipient[];
+  bcc?: Recipient[];
+  /** More fields of the Nylas send body, sent as given. */
+  fields?: Record<string, unknown>;
+}
+
+/** A reply to the message a notification is about: to its sender (its reply_to when set), "Re: " + its subject. */
+export function replyTo(notification: Notification, options: { body: string; subject?: string }): NylasReply {
+  if (notification.messageId === undefined) throw new TypeError(`a ${notification.type} notification is not about a message`);
+  const message = notification.object;
+  const pick = (name: string): unknown[] => (Array.isArray(message[name]) ? (message[name] as unknown[]) : []);
+  const senders = pick("reply_to").length > 0 ? pick("reply_to") : pick("from");
+  const to = senders.filter((p): p is { email: string } => typeof p === "object" && p !== null && typeof (p as { email?: unknown }).email === "string" && (p as { email: string }).email !== "");
+  if (to.length === 0) throw new TypeError(`message ${JSON.stringify(notification.messageId)} has no sender address to reply to`);
+  let subject = options.subject;
+  if (subject === undefined) {
+    const original = typeof message["subject"] === "string" ? message["subject"] : "";
+    subject = original.toLowerCase().startsWith("re:") ? original : `Re: ${original}`.trimEnd();
+  }
+  return { replyToMessageId: notification.messageId, to: to.map((p) => ({ ...p })), subject, body: options.body };
+}
+
+function participants(recipients: Recipient[], name: string): { email: string; name?: string }[] {
+  const list = recipients.map((r) => (typeof r === "string" ? { email: r } : { ...r }));
+  if (name === "to" && list.length === 0) throw new TypeError("a reply needs at least one recipient in to");
+  for (const participant of list) if (!participant.email) throw new TypeError(`every recipient in ${name} needs an email address`);
+  return list;
+}
+
+export interface SendRequest {
+  url: string;
+  headers: Record<string, string>;
+  body: string;
+}
+
+/** The POST .../v3/grants/{grantId}/messages/send request for `reply`. */
+export function buildSendRequest(apiBase: string, apiKey: string, grantId: string, reply: NylasReply, idempotencyKey: string): SendRequest {
+  if (!apiKey) throw new TypeError("the Nylas API key is empty");
+  if (!grantId) throw new TypeError("grantId is empty: pass the notification's grantId");
+  if (!idempotencyKey || idempotencyKey.length > MAX_IDEMPOTENCY_KEY_LENGTH || ![...idempotencyKey].every((ch) => ch.charCodeAt(0) < 0x80)) {
+    throw new TypeError(`idempotencyKey must be 1 to ${MAX_IDEMPOTENCY_KEY_LENGTH} ASCII characters (pass claim.idempotencyKey)`);
+  }
+  const document: Record<string, unknown> = {
+    ...reply.fields,
+    reply_to_message_id: reply.replyToMessageId,
+    to: participants(reply.to, "to"),
+    subject: reply.subject,
+    body: reply.body,
+  };
+  if (reply.cc?.length) document["cc"] = participants(reply.cc, "cc");
+  if (reply.bcc?.length) document["bcc"] = participants(reply.bcc, "bcc");
+  return {
+    url: `${apiBase.replace(/\/+$/, "")}/v3/grants/${encodeURIComponent(grantId)}/messages/send`,
+    headers: {
+      authorization: `Bearer ${apiKey}`,
+      "idempotency-key": idempotencyKey,
+      "content-type": "application/json",
+      accept: "application/json",
+    },
+    body: JSON.stringify(document),
+  };
+}
+
+/** The sent message's id from a 2xx answer (undefined when it has none: still sent), or the error for any other. */
+export function interpretSendResponse(statusCode: number, text: string): string | undefined {
+  let document: Record<string, unknown> = {};
+  try {
+    const parsed: unknown = text ? JSON.parse(text) : {};
+    if (typeof parsed === "object" && parsed !== null && !Array.isArray(parsed)) document = parsed as Record<string, unknown>;
+  } catch {
+    // an unreadable answer: the status code alone decides
+  }
+  const requestId = typeof document["request_id"] === "string" ? document["request_id"] : "";
+  const error = (typeof document["error"] === "object" && document["error"] !== null ? document["error"] : {}) as Record<string, unknown>;
+  const detail = String(error["message"] || text.slice(0, 200)).trim();
+  if (statusCode >= 200 && statusCode < 300) {
+    const data = document["data"] as Record<string, unknown> | undefined;
+    const id = data?.["id"];
+    return typeof id === "string" && id ? id : undefined;
+  }
+  if (statusCode === 409) {
+    throw new NylasDuplicateSend(`Nylas answered 409: a send with this idempotency key went out or is in flight (${detail})`, 409, requestId);
+  }
+  if (statusCode >= 400 && statusCode < 500) {
+    throw new NylasSendRejected(`Nylas refused the send (HTTP ${statusCode}): ${detail}`, statusCode, requestId, String(error["type"] ?? ""));
+  }
+  throw new NylasSendUnknown(`Nylas answered HTTP ${statusCode}; the message may have been sent: ${detail}`, statusCode, requestId);
+}
+
+/** The Nylas send adapter: `await claim.send(() => nylas.send(grantId, reply, { idempotencyKey: claim.idempotencyKey }))`. */
+export class Nylas {
+  readonly apiBase: string;
+  readonly timeoutMs: number;
+
+  constructor(
+    private readonly apiKey: string,
+    options: { apiBase?: string; timeoutMs?: number } = {},
+  ) {
+    if (!apiKey) throw new TypeError("the Nylas API key is empty");
+    this.apiBase = options.apiBase ?? DEFAULT_API_BASE;
+    if (!/^https?:\/\//.test(this.apiBase)) throw new TypeError(`apiBase must be an http(s) URL such as ${DEFAULT_API_BASE}, not ${this.apiBase}`);
+    this.timeoutMs = options.timeoutMs ?? 60_000;
+  }
+
+  /** Sends `reply` from `grantId`; resolves to the sent message id. Throws as the table at the top of this module says. */
+  async send(grantId: string, reply: NylasReply, options: { idempotencyKey: string }): Promise<string | undefined> {
+    const request = buildSendRequest(this.apiBase, this.apiKey, grantId, reply, options.idempotencyKey);
+    let status: number;
+    let text: string;
+    try {
+      const response = await fetch(request.url, { method: "POST", headers: request.headers, body: request.body, signal: AbortSignal.timeout(this.timeoutMs) });
+      status = response.status;
+      text = await response.text();
+    } catch (error) {
+      const kind = (error as Error).name === "TimeoutError" ? "timed out" : `failed (${(error as Error).name})`;
+      throw new NylasSendUnknown(`the Nylas send request ${kind}; the message may have been sent: ${(error as Error).message}`, undefined, "", error);
+    }
+    return interpretSendResponse(status, text);
+  }
+}

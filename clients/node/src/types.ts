@@ -1,0 +1,275 @@
+// Subjects, statuses and results as plain TypeScript values, and their conversions from the wire messages.
+import { createHash } from "node:crypto";
+import { create } from "@bufbuild/protobuf";
+import { timestampDate, type Timestamp } from "@bufbuild/protobuf/wkt";
+import * as pb from "./gen/inbox/coordinator/v1/coordinator_pb.js";
+
+export type SubjectKind = "message" | "thread";
+export type HolderKind = "agent" | "human";
+export type SubjectState = "FREE" | "CLAIMED" | "SENDING" | "REPLIED" | "IN_DOUBT";
+export type ClaimOutcome = "GRANTED" | "HELD" | "ALREADY_REPLIED" | "DUPLICATE_DELIVERY";
+export type LossReason = "taken_over" | "expired" | "stale_token" | "renewal_failed";
+
+/** What is claimed: a message or a thread inside one mailbox (a Nylas grant id, or the mailbox address). */
+export interface Subject {
+  readonly mailbox: string;
+  readonly kind: SubjectKind;
+  readonly id: string;
+}
+
+export function messageSubject(mailbox: string, messageId: string): Subject {
+  return { mailbox, kind: "message", id: messageId };
+}
+
+export function threadSubject(mailbox: string, threadId: string): Subject {
+  return { mailbox, kind: "thread", id: threadId };
+}
+
+export const IDEMPOTENCY_KEY_PREFIX = "ic1-";
+
+/**
+ * The deterministic send idempotency key of one subject: "ic1-" and 64 hex digits, derived only from
+ * (mailbox, kind, id), byte for byte what the Python client computes: SHA-256 of the UTF-8 of
+ * `json.dumps([mailbox, kind, id], ensure_ascii=False, separators=(",", ":"))`. Pass it as the mail API's
+ * `Idempotency-Key`: every agent, in either language, computes the same key for the same subject.
+ */
+export function idempotencyKey(subject: Subject): string {
+  const canonical = `[${pythonJsonString(subject.mailbox)},${pythonJsonString(subject.kind)},${pythonJsonString(subject.id)}]`;
+  return IDEMPOTENCY_KEY_PREFIX + createHash("sha256").update(pythonUtf8(canonical)).digest("hex");
+}
+
+// Python's json.dumps(ensure_ascii=False) escapes only '"', '\\' and the C0 controls (with the short forms
+// \b \f \n \r \t, else \u00xx in lower case); JSON.stringify differs on lone surrogates, so write it out.
+const SHORT_ESCAPES: Record<string, string> = { '"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t" };
+
+function pythonJsonString(text: string): string {
+  let out = '"';
+  for (const ch of text) {
+    const code = ch.charCodeAt(0);
+    const short = SHORT_ESCAPES[ch];
+    if (short !== undefined) out += short;
+    else if (code < 0x20) out += "\\u" + code.toString(16).padStart(4, "0");
+    else out += ch;
+  }
+  return out + '"';
+}
+
+// Python encodes with "surrogatepass": a lone surrogate becomes its 3-byte form, where Buffer.from would
+// substitute U+FFFD. Valid text (all a coordinator accepts) encodes the same either way.
+function pythonUtf8(text: string): Buffer {
+  const bytes: number[] = [];
+  for (const ch of text) {
+    const cp = ch.codePointAt(0)!;
+    if (cp < 0x80) bytes.push(cp);
+    else if (cp < 0x800) bytes.push(0xc0 | (cp >> 6), 0x80 | (cp & 0x3f));
+    else if (cp < 0x10000) bytes.push(0xe0 | (cp >> 12), 0x80 | ((cp >> 6) & 0x3f), 0x80 | (cp & 0x3f));
+    else bytes.push(0xf0 | (cp >> 18), 0x80 | ((cp >> 12) & 0x3f), 0x80 | ((cp >> 6) & 0x3f), 0x80 | (cp & 0x3f));
+  }
+  return Buffer.from(bytes);
+}
+
+/** Everything recorded about one subject. Times are Dates, undefined when unset. */
+export interface SubjectStatus {
+  readonly subject: Subject;
+  readonly state: SubjectState;
+  readonly holder: string;
+  readonly holderKind: HolderKind | undefined;
+  readonly fencingToken: bigint;
+  readonly acquiredAt: Date | undefined;
+  readonly expiresAt: Date | undefined;
+  readonly note: string;
+  readonly sendStartedAt: Date | undefined;
+  readonly sendDeadline: Date | undefined;
+  readonly sentAt: Date | undefined;
+  readonly sentMessageId: string;
+  readonly revision: bigint;
+  readonly ttlSeconds: number;
+}
+
+export interface DeliveryRecord {
+  readonly mailbox: string;
+  readonly notificationId: string;
+  readonly recordedBy: string;
+  readonly recordedAt: Date | undefined;
+  readonly subject: Subject | undefined;
+}
+
+export interface ClaimResult {
+  readonly outcome: ClaimOutcome;
+  /** Undefined for DUPLICATE_DELIVERY. */
+  readonly status: SubjectStatus | undefined;
+  readonly delivery: DeliveryRecord | undefined;
+}
+
+export interface FenceResult {
+  /** False: the fencing token is stale (the claim is gone); never send. */
+  readonly ok: boolean;
+  readonly status: SubjectStatus;
+}
+
+export interface DeliveryResult {
+  readonly isNew: boolean;
+  readonly first: DeliveryRecord | undefined;
+}
+
+export interface TakeoverResult {
+  readonly outcome: "TAKEN_OVER" | "GRANTED" | "HELD" | "ALREADY_REPLIED";
+  readonly status: SubjectStatus;
+  readonly previousHolder: string;
+  readonly previousToken: bigint;
+}
+
+export type EventType =
+  | "CLAIMED"
+  | "RENEWED"
+  | "RELEASED"
+  | "EXPIRED"
+  | "SENDING"
+  | "REPLIED"
+  | "ABORTED"
+  | "TAKEN_OVER"
+  | "IN_DOUBT"
+  | "RESOLVED_NOT_SENT"
+  | "RETENTION_ENDED";
+
+/** What Watch sends: first a snapshot of the mailbox, then an event for every transition. */
+export type WatchItem =
+  | { readonly kind: "snapshot"; readonly subjects: readonly SubjectStatus[]; readonly revision: bigint }
+  | {
+      readonly kind: "event";
+      readonly type: EventType;
+      readonly status: SubjectStatus;
+      readonly previousHolder: string;
+      readonly previousToken: bigint;
+      readonly revision: bigint;
+      readonly reason: string;
+    };
+
+export function watchItemFromPb(response: pb.WatchResponse): WatchItem {
+  if (response.kind.case === "snapshot") {
+    return { kind: "snapshot", subjects: response.kind.value.subjects.map(statusFromPb), revision: response.kind.value.revision };
+  }
+  if (response.kind.case === "event") {
+    const event = response.kind.value;
+    return {
+      kind: "event",
+      type: enumName(pb.EventType, event.type, "", "EventType") as EventType,
+      status: statusFromPb(event.status),
+      previousHolder: event.previousHolder,
+      previousToken: event.previousToken,
+      revision: event.revision,
+      reason: event.reason,
+    };
+  }
+  throw new Error("the coordinator sent a WatchResponse with neither a snapshot nor an event");
+}
+
+export interface ClaimsPage {
+  readonly subjects: readonly SubjectStatus[];
+  readonly nextPageToken: string;
+  readonly revision: bigint;
+}
+
+// ------------------------------------------------------------------------------------------- conversions
+
+function enumName<E extends Record<number, string>>(values: E, value: number, prefix: string, what: string): string {
+  const name = values[value];
+  if (name === undefined || name.endsWith("UNSPECIFIED")) {
+    throw new Error(`the coordinator sent ${what} ${value}, unknown to this client`);
+  }
+  return name.startsWith(prefix) ? name.slice(prefix.length) : name;
+}
+
+const date = (stamp: Timestamp | undefined): Date | undefined => (stamp === undefined ? undefined : timestampDate(stamp));
+
+export function subjectToPb(subject: Subject): pb.Subject {
+  if (subject.kind !== "message" && subject.kind !== "thread") {
+    throw new TypeError(`subject.kind must be "message" or "thread", not ${JSON.stringify(subject.kind)}`);
+  }
+  const kind = subject.kind === "thread" ? pb.SubjectKind.THREAD : pb.SubjectKind.MESSAGE;
+  return create(pb.SubjectSchema, { mailbox: subject.mailbox, kind, id: subject.id });
+}
+
+export function subjectFromPb(message: pb.Subject | undefined): Subject {
+  return {
+    mailbox: message?.mailbox ?? "",
+    kind: message?.kind === pb.SubjectKind.THREAD ? "thread" : "message",
+    id: message?.id ?? "",
+  };
+}
+
+export function statusFromPb(message: pb.SubjectStatus | undefined): SubjectStatus {
+  if (message === undefined) throw new Error("the coordinator answered without a subject status");
+  const holderKind = { [pb.HolderKind.AGENT]: "agent", [pb.HolderKind.HUMAN]: "human" } as Record<number, HolderKind>;
+  return {
+    subject: subjectFromPb(message.subject),
+    state: enumName(pb.SubjectState, message.state, "", "SubjectState") as SubjectState,
+    holder: message.holder,
+    holderKind: holderKind[message.holderKind],
+    fencingToken: message.fencingToken,
+    acquiredAt: date(message.acquiredAt),
+    expiresAt: date(message.expiresAt),
+    note: message.note,
+    sendStartedAt: date(message.sendStartedAt),
+    sendDeadline: date(message.sendDeadline),
+    sentAt: date(message.sentAt),
+    sentMessageId: message.sentMessageId,
+    revision: message.revision,
+    ttlSeconds: message.ttlSeconds,
+  };
+}
+
+export function deliveryFromPb(message: pb.DeliveryRecord | undefined): DeliveryRecord | undefined {
+  if (message === undefined) return undefined;
+  return {
+    mailbox: message.mailbox,
+    notificationId: message.notificationId,
+    recordedBy: message.recordedBy,
+    recordedAt: date(message.recordedAt),
+    subject: message.subject === undefined ? undefined : subjectFromPb(message.subject),
+  };
+}
+
+export function claimResultFromPb(response: pb.ClaimReplyResponse): ClaimResult {
+  const outcome = enumName(pb.ClaimReplyResponse_Result, response.result, "", "ClaimReplyResponse.Result") as ClaimOutcome;
+  return {
+    outcome,
+    status: outcome === "DUPLICATE_DELIVERY" ? undefined : statusFromPb(response.status),
+    delivery: deliveryFromPb(response.delivery),
+  };
+}
+
+export function fenceFromPb(response: { result: pb.FenceResult; status?: pb.SubjectStatus | undefined }): FenceResult {
+  return { ok: response.result === pb.FenceResult.OK, status: statusFromPb(response.status) };
+}
+
+export function deliveryResultFromPb(response: pb.RecordDeliveryResponse): DeliveryResult {
+  return { isNew: response.result === pb.RecordDeliveryResponse_Result.NEW, first: deliveryFromPb(response.first) };
+}
+
+export function takeoverFromPb(response: pb.TakeoverResponse): TakeoverResult {
+  return {
+    outcome: enumName(pb.TakeoverResponse_Result, response.result, "", "TakeoverResponse.Result") as TakeoverResult["outcome"],
+    status: statusFromPb(response.status),
+    previousHolder: response.previousHolder,
+    previousToken: response.previousToken,
+  };
+}
+
+export function pageFromPb(response: pb.ListClaimsResponse): ClaimsPage {
+  return {
+    subjects: response.subjects.map(statusFromPb),
+    nextPageToken: response.nextPageToken,
+    revision: response.revision,
+  };
+}
+
+export function stateToPb(state: SubjectState): pb.SubjectState {
+  const value = (pb.SubjectState as unknown as Record<string, number>)[state];
+  if (value === undefined) throw new TypeError(`unknown subject state ${JSON.stringify(state)}`);
+  return value as pb.SubjectState;
+}
+
+export function describe(subject: Subject): string {
+  return `${subject.kind} ${JSON.stringify(subject.id)} of mailbox ${JSON.stringify(subject.mailbox)}`;
+}

@@ -1,0 +1,49 @@
+// examples/node: the guarded agent differs from the unguarded one by at most 5 lines of code, and the demo (two
+// agents, two coordinator replicas, redeliveries, a created+updated pair, a human claim) sends once per message.
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { execFile } from "node:child_process";
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
+import { promisify } from "node:util";
+import { REPO } from "../src/testing.js";
+
+const EXAMPLES = join(REPO, "examples", "node");
+
+/** The code lines (the leading comment block left out) of an example file. */
+function code(name: string): string[] {
+  const lines = readFileSync(join(EXAMPLES, name), "utf8").split("\n");
+  return lines.slice(lines.findIndex((line) => !line.startsWith("//")));
+}
+
+test("the guarded Express agent changes at most 5 lines of the unguarded one", () => {
+  const unguarded = code("agent-unguarded.mjs");
+  const guarded = code("agent-guarded.mjs");
+  // Lines of each that the other lacks (a line-multiset difference: what a diff shows as - and +).
+  const missing = (from: string[], to: string[]): string[] => {
+    const pool = [...to];
+    return from.filter((line) => {
+      const at = pool.indexOf(line);
+      if (at < 0) return true;
+      pool.splice(at, 1);
+      return false;
+    });
+  };
+  const added = missing(guarded, unguarded);
+  const removed = missing(unguarded, guarded);
+  assert.ok(added.length <= 5, `added lines:\n${added.join("\n")}`);
+  assert.ok(removed.length <= 1, `removed lines:\n${removed.join("\n")}`);
+  assert.ok(added.some((line) => line.includes("coord.replyTo(")));
+  assert.ok(added.some((line) => line.includes("claim.send(")));
+});
+
+test("the Node demo: one send per message across two agents and two coordinator replicas", async () => {
+  const { stdout } = await promisify(execFile)(process.execPath, [join(EXAMPLES, "demo.mjs")], {
+    env: { ...process.env, LLM_DELAY_MS: "500" },
+    timeout: 120_000,
+  });
+  assert.match(stdout, /OK: exactly one reply per message/);
+  assert.match(stdout, /msg-redelivered-\w+: 1 send\(s\), expected 1/);
+  assert.match(stdout, /msg-created-updated-\w+: 1 send\(s\), expected 1/);
+  assert.match(stdout, /msg-human-\w+: 0 send\(s\), expected 0/);
+});
