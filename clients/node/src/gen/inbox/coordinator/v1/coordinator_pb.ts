@@ -8,16 +8,83 @@
 // Conventions used throughout:
 // * Business outcomes (a claim granted or held by another, a message already replied to, a duplicate
 //   delivery, a stale fencing token) are result values in the responses, never errors.
-// * Errors are gRPC status codes whose message names the field and the limit at fault:
-//   INVALID_ARGUMENT (bad input), FAILED_PRECONDITION (the call does not fit the subject's state, for example
-//   ConfirmSent before BeginSend), PERMISSION_DENIED (a fencing token presented by a principal that is not
-//   its holder), UNAUTHENTICATED (no principal), UNAVAILABLE (etcd cannot be reached; safe to retry).
 // * The caller's identity (the claim's holder) never comes from a request field: it comes from the
-//   credentials of the call. In development mode (no authentication configured) it is read from the
-//   metadata keys `x-inbox-principal` and `x-inbox-principal-kind` (`agent` or `human`).
-// * Every mutation carries a `request_id` chosen by the client (1 to 128 characters, unique per attempt of
-//   one logical operation). Retrying with the same request id is safe: a retried ClaimReply from the same
-//   holder returns the same grant and the same fencing token.
+//   credentials of the call (a bearer token in `authorization: Bearer <token>`, or a client certificate),
+//   mapped to a principal by the server's token file. In development mode (no token file) it is read from the
+//   metadata keys `x-inbox-principal` and `x-inbox-principal-kind` (`agent` or `human`), with every right.
+// * Tenancy and roles. A principal acts only in the mailboxes it is granted (exact names or globs) and only as
+//   itself; every RPC naming a mailbox it is not granted is refused PERMISSION_DENIED (MAILBOX_NOT_GRANTED),
+//   and the refusal says nothing about that mailbox. Takeover needs a principal of kind human with the role
+//   `takeover`, ResolveInDoubt the role `resolve`; `admin` has every mailbox and every role.
+// * Limits: request message 1 MiB; a unary call's time on the server 30 s (a Batch's calls share one);
+//   a request message must arrive within 10 s of its call's start; 1000 concurrent calls per connection
+//   (further calls wait in the client); 500 calls/s per principal, burst 1000; 64 open watches per
+//   principal. All are server settings; README.md "Limits" lists them with the field limits.
+// * Subject.kind must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD: UNSPECIFIED is INVALID_ARGUMENT.
+//
+// Request ids and retries:
+// * Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
+//   Takeover, ResolveInDoubt, and each of them inside a Batch) carries a `request_id` chosen by the client:
+//   1 to 128 bytes, one per logical operation of a principal (a random UUID). Every retry of that operation
+//   (after a timeout, UNAVAILABLE, ABORTED or DEADLINE_EXCEEDED) sends the same request id with the same
+//   arguments, and is answered as the first attempt was, through any replica and after any restart: the
+//   evidence is in etcd, in what the first attempt wrote. The effect is never applied twice.
+// * The retry window: as long as the subject stays as the first attempt left it. A claim's grant, and its
+//   renewals, while the claim lasts; a send's BeginSend while SENDING; ConfirmSent and ResolveInDoubt(SENT)
+//   for the reply retention (72 h by default); ReleaseClaim, AbortSend, ResolveInDoubt(NOT_SENT) and a
+//   Takeover's first step until the subject's next ending or the delivery retention (24 h by default),
+//   whichever comes first; RecordDelivery and ClaimReply's delivery for the delivery retention (24 h). Once the
+//   subject has moved on (the claim expired and was granted to someone else, say), a retry is answered from
+//   the current state as a new call would be: STALE_TOKEN, HELD, ALREADY_REPLIED.
+// * The same request id with other arguments (or for another RPC) on the same subject is refused
+//   INVALID_ARGUMENT, reason REQUEST_ID_REUSED, and changes nothing: it is a client bug (an id reused for a
+//   new call), and answering it as a retry would report a call that was never made. INVALID_ARGUMENT rather
+//   than FAILED_PRECONDITION because no change of state makes that request valid. RecordDelivery's arguments
+//   are its key (mailbox, notification id), so an id reused there is simply another delivery.
+//
+// Expiry, sends and IN_DOUBT:
+// * A claim frees between its TTL and its TTL plus about 1.5 s after its last grant or renewal (claims share
+//   one etcd lease per 1 s expiry bucket, and etcd checks leases about every 0.5 s), never earlier, as long as
+//   etcd keeps its leader. An etcd leader election restarts lease TTLs, so after one a claim can free up to one
+//   more TTL later. Renew well before `expires_at` (the Python client renews at a third of the TTL).
+// * BeginSend gives the holder a send deadline (`SubjectStatus.send_deadline`; 2 minutes by default, the
+//   server's --send-timeout) to call ConfirmSent or AbortSend. Past it the subject becomes IN_DOUBT (within
+//   about a second): it never frees by itself, the holder may still ConfirmSent or AbortSend, a retried
+//   BeginSend answers STALE_TOKEN (do not send), and a person settles it with ResolveInDoubt.
+//
+// Errors. Every error status has a message that names the field and the limit, the state problem, or the
+// store; and, in the `grpc-status-details-bin` trailer, a google.rpc.Status whose details hold a
+// google.rpc.ErrorInfo (domain "inbox-coordinator", a stable `reason` below; metadata "field" for
+// INVALID_FIELD) and, when the server knows when a retry can succeed, a google.rpc.RetryInfo (also sent as the
+// `retry-after-ms` trailer, in milliseconds). Branch on the reason, never on the message. Reasons never change
+// meaning; new ones may be added. Statuses made by gRPC itself (a message over the size limit:
+// RESOURCE_EXHAUSTED; a connection lost: UNAVAILABLE; the client's own deadline: DEADLINE_EXCEEDED;
+// CANCELLED) carry no details.
+//   INVALID_ARGUMENT    INVALID_FIELD        a field breaks its limit (metadata "field" names it)
+//                       UNDECODABLE_REQUEST  the bytes are not this RPC's request message, or a string is not UTF-8
+//                       MISSING_REQUEST      the call ended without its request message
+//                       REQUEST_ID_REUSED    see "Request ids and retries"
+//   FAILED_PRECONDITION WRONG_STATE          the call does not fit the subject's state (ConfirmSent before
+//                                            BeginSend, ReleaseClaim while SENDING, ResolveInDoubt when not
+//                                            IN_DOUBT): a client bug, not a race; do not retry as is
+//   PERMISSION_DENIED   MAILBOX_NOT_GRANTED  the mailbox is not granted to the principal
+//                       ROLE_MISSING         Takeover without `takeover`, ResolveInDoubt without `resolve`
+//                       NOT_HUMAN            Takeover by a principal of kind agent
+//                       NOT_HOLDER           a fencing token presented by another principal than its holder
+//                       PRINCIPAL_MISMATCH   `x-inbox-principal` names another principal than the credentials
+//   UNAUTHENTICATED     UNAUTHENTICATED      no credentials, an unknown or revoked token, an unmapped certificate
+//   RESOURCE_EXHAUSTED  RATE_LIMITED         over the principal's call rate (RetryInfo: when to retry)
+//                       TOO_MANY_WATCHES     over the principal's open watches (close one; RetryInfo 1 s)
+//   UNAVAILABLE         STORE_UNAVAILABLE    etcd cannot be reached or refused the write; retry with the same
+//                                            request id (another replica may answer)
+//   ABORTED             STORE_CONFLICT       the subject kept changing while the call ran; retry, same request id
+//   DEADLINE_EXCEEDED   CALL_DEADLINE        the call ran past the server's limit (30 s); retry, same request id
+//                       REQUEST_TIMEOUT      the request message did not arrive in time (10 s)
+//   INTERNAL            INTERNAL             a bug in the coordinator, logged there; retrying may not help
+// Besides these, every RPC can answer UNAUTHENTICATED, PERMISSION_DENIED (MAILBOX_NOT_GRANTED,
+// PRINCIPAL_MISMATCH), INVALID_ARGUMENT (INVALID_FIELD, UNDECODABLE_REQUEST, MISSING_REQUEST),
+// RESOURCE_EXHAUSTED (RATE_LIMITED), UNAVAILABLE, ABORTED, DEADLINE_EXCEEDED and INTERNAL; each RPC below lists
+// only what it adds.
 
 // @generated by protoc-gen-es v2.13.0 with parameter "target=ts,import_extension=js"
 // @generated from file inbox/coordinator/v1/coordinator.proto (package inbox.coordinator.v1, syntax proto3)
@@ -33,7 +100,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file inbox/coordinator/v1/coordinator.proto.
  */
 export const file_inbox_coordinator_v1_coordinator: GenFile = /*@__PURE__*/
-  fileDesc("CiZpbmJveC9jb29yZGluYXRvci92MS9jb29yZGluYXRvci5wcm90bxIUaW5ib3guY29vcmRpbmF0b3IudjEiVwoHU3ViamVjdBIPCgdtYWlsYm94GAEgASgJEi8KBGtpbmQYAiABKA4yIS5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0S2luZBIKCgJpZBgDIAEoCSKUBAoNU3ViamVjdFN0YXR1cxIuCgdzdWJqZWN0GAEgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdBIxCgVzdGF0ZRgCIAEoDjIiLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0ZRIOCgZob2xkZXIYAyABKAkSNQoLaG9sZGVyX2tpbmQYBCABKA4yIC5pbmJveC5jb29yZGluYXRvci52MS5Ib2xkZXJLaW5kEhUKDWZlbmNpbmdfdG9rZW4YBSABKAMSLwoLYWNxdWlyZWRfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmV4cGlyZXNfYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEgwKBG5vdGUYCCABKAkSMwoPc2VuZF9zdGFydGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIxCg1zZW5kX2RlYWRsaW5lGAogASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIrCgdzZW50X2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIXCg9zZW50X21lc3NhZ2VfaWQYDCABKAkSEAoIcmV2aXNpb24YDSABKAMSEwoLdHRsX3NlY29uZHMYDiABKA0isAEKDkRlbGl2ZXJ5UmVjb3JkEg8KB21haWxib3gYASABKAkSFwoPbm90aWZpY2F0aW9uX2lkGAIgASgJEhMKC3JlY29yZGVkX2J5GAMgASgJEi8KC3JlY29yZGVkX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgdzdWJqZWN0GAUgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdCJVChVSZWNvcmREZWxpdmVyeVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIPCgdtYWlsYm94GAIgASgJEhcKD25vdGlmaWNhdGlvbl9pZBgDIAEoCSLMAQoWUmVjb3JkRGVsaXZlcnlSZXNwb25zZRJDCgZyZXN1bHQYASABKA4yMy5pbmJveC5jb29yZGluYXRvci52MS5SZWNvcmREZWxpdmVyeVJlc3BvbnNlLlJlc3VsdBIzCgVmaXJzdBgCIAEoCzIkLmluYm94LmNvb3JkaW5hdG9yLnYxLkRlbGl2ZXJ5UmVjb3JkIjgKBlJlc3VsdBIWChJSRVNVTFRfVU5TUEVDSUZJRUQQABIHCgNORVcQARINCglEVVBMSUNBVEUQAiKTAQoRQ2xhaW1SZXBseVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIuCgdzdWJqZWN0GAIgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdBIXCg9ub3RpZmljYXRpb25faWQYAyABKAkSEwoLdHRsX3NlY29uZHMYBCABKA0SDAoEbm90ZRgFIAEoCSKoAgoSQ2xhaW1SZXBseVJlc3BvbnNlEj8KBnJlc3VsdBgBIAEoDjIvLmluYm94LmNvb3JkaW5hdG9yLnYxLkNsYWltUmVwbHlSZXNwb25zZS5SZXN1bHQSMwoGc3RhdHVzGAIgASgLMiMuaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdFN0YXR1cxI2CghkZWxpdmVyeRgDIAEoCzIkLmluYm94LmNvb3JkaW5hdG9yLnYxLkRlbGl2ZXJ5UmVjb3JkImQKBlJlc3VsdBIWChJSRVNVTFRfVU5TUEVDSUZJRUQQABILCgdHUkFOVEVEEAESCAoESEVMRBACEhMKD0FMUkVBRFlfUkVQTElFRBADEhYKEkRVUExJQ0FURV9ERUxJVkVSWRAEIoMBChFSZW5ld0NsYWltUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEi4KB3N1YmplY3QYAiABKAsyHS5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0EhUKDWZlbmNpbmdfdG9rZW4YAyABKAMSEwoLdHRsX3NlY29uZHMYBCABKA0ifAoSUmVuZXdDbGFpbVJlc3BvbnNlEjEKBnJlc3VsdBgBIAEoDjIhLmluYm94LmNvb3JkaW5hdG9yLnYxLkZlbmNlUmVzdWx0EjMKBnN0YXR1cxgCIAEoCzIjLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0dXMihwEKE1JlbGVhc2VDbGFpbVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIuCgdzdWJqZWN0GAIgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdBIVCg1mZW5jaW5nX3Rva2VuGAMgASgDEhUKDXJlZGVsaXZlcmFibGUYBCABKAgifgoUUmVsZWFzZUNsYWltUmVzcG9uc2USMQoGcmVzdWx0GAEgASgOMiEuaW5ib3guY29vcmRpbmF0b3IudjEuRmVuY2VSZXN1bHQSMwoGc3RhdHVzGAIgASgLMiMuaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdFN0YXR1cyJtChBCZWdpblNlbmRSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSLgoHc3ViamVjdBgCIAEoCzIdLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3QSFQoNZmVuY2luZ190b2tlbhgDIAEoAyJ7ChFCZWdpblNlbmRSZXNwb25zZRIxCgZyZXN1bHQYASABKA4yIS5pbmJveC5jb29yZGluYXRvci52MS5GZW5jZVJlc3VsdBIzCgZzdGF0dXMYAiABKAsyIy5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0U3RhdHVzIogBChJDb25maXJtU2VudFJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIuCgdzdWJqZWN0GAIgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdBIVCg1mZW5jaW5nX3Rva2VuGAMgASgDEhcKD3NlbnRfbWVzc2FnZV9pZBgEIAEoCSJ9ChNDb25maXJtU2VudFJlc3BvbnNlEjEKBnJlc3VsdBgBIAEoDjIhLmluYm94LmNvb3JkaW5hdG9yLnYxLkZlbmNlUmVzdWx0EjMKBnN0YXR1cxgCIAEoCzIjLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0dXMilAEKEEFib3J0U2VuZFJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIuCgdzdWJqZWN0GAIgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdBIVCg1mZW5jaW5nX3Rva2VuGAMgASgDEg4KBnJlYXNvbhgEIAEoCRIVCg1yZWRlbGl2ZXJhYmxlGAUgASgIInsKEUFib3J0U2VuZFJlc3BvbnNlEjEKBnJlc3VsdBgBIAEoDjIhLmluYm94LmNvb3JkaW5hdG9yLnYxLkZlbmNlUmVzdWx0EjMKBnN0YXR1cxgCIAEoCzIjLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0dXMiQgoQR2V0U3RhdHVzUmVxdWVzdBIuCgdzdWJqZWN0GAEgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdCJIChFHZXRTdGF0dXNSZXNwb25zZRIzCgZzdGF0dXMYASABKAsyIy5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0U3RhdHVzIn8KEUxpc3RDbGFpbXNSZXF1ZXN0Eg8KB21haWxib3gYASABKAkSMgoGc3RhdGVzGAIgAygOMiIuaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdFN0YXRlEhEKCXBhZ2Vfc2l6ZRgDIAEoDRISCgpwYWdlX3Rva2VuGAQgASgJInYKEkxpc3RDbGFpbXNSZXNwb25zZRI1CghzdWJqZWN0cxgBIAMoCzIjLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0dXMSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhAKCHJldmlzaW9uGAMgASgDIh8KDFdhdGNoUmVxdWVzdBIPCgdtYWlsYm94GAEgASgJIlgKDVdhdGNoU25hcHNob3QSNQoIc3ViamVjdHMYASADKAsyIy5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0U3RhdHVzEhAKCHJldmlzaW9uGAIgASgDIsMBCgpXYXRjaEV2ZW50Ei0KBHR5cGUYASABKA4yHy5pbmJveC5jb29yZGluYXRvci52MS5FdmVudFR5cGUSMwoGc3RhdHVzGAIgASgLMiMuaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdFN0YXR1cxIXCg9wcmV2aW91c19ob2xkZXIYAyABKAkSFgoOcHJldmlvdXNfdG9rZW4YBCABKAMSEAoIcmV2aXNpb24YBSABKAMSDgoGcmVhc29uGAYgASgJIoMBCg1XYXRjaFJlc3BvbnNlEjcKCHNuYXBzaG90GAEgASgLMiMuaW5ib3guY29vcmRpbmF0b3IudjEuV2F0Y2hTbmFwc2hvdEgAEjEKBWV2ZW50GAIgASgLMiAuaW5ib3guY29vcmRpbmF0b3IudjEuV2F0Y2hFdmVudEgAQgYKBGtpbmQieAoPVGFrZW92ZXJSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSLgoHc3ViamVjdBgCIAEoCzIdLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3QSEwoLdHRsX3NlY29uZHMYAyABKA0SDAoEbm90ZRgEIAEoCSKVAgoQVGFrZW92ZXJSZXNwb25zZRI9CgZyZXN1bHQYASABKA4yLS5pbmJveC5jb29yZGluYXRvci52MS5UYWtlb3ZlclJlc3BvbnNlLlJlc3VsdBIzCgZzdGF0dXMYAiABKAsyIy5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0U3RhdHVzEhcKD3ByZXZpb3VzX2hvbGRlchgDIAEoCRIWCg5wcmV2aW91c190b2tlbhgEIAEoAyJcCgZSZXN1bHQSFgoSUkVTVUxUX1VOU1BFQ0lGSUVEEAASDgoKVEFLRU5fT1ZFUhABEgsKB0dSQU5URUQQAhIICgRIRUxEEAMSEwoPQUxSRUFEWV9SRVBMSUVEEAQilAIKFVJlc29sdmVJbkRvdWJ0UmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEi4KB3N1YmplY3QYAiABKAsyHS5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0EkQKB291dGNvbWUYAyABKA4yMy5pbmJveC5jb29yZGluYXRvci52MS5SZXNvbHZlSW5Eb3VidFJlcXVlc3QuT3V0Y29tZRIXCg9zZW50X21lc3NhZ2VfaWQYBCABKAkSDAoEbm90ZRgFIAEoCSJKCgdPdXRjb21lEhcKE09VVENPTUVfVU5TUEVDSUZJRUQQABIQCgxPVVRDT01FX1NFTlQQARIUChBPVVRDT01FX05PVF9TRU5UEAIiTQoWUmVzb2x2ZUluRG91YnRSZXNwb25zZRIzCgZzdGF0dXMYASABKAsyIy5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0U3RhdHVzIpsECglCYXRjaENhbGwSRgoPcmVjb3JkX2RlbGl2ZXJ5GAEgASgLMisuaW5ib3guY29vcmRpbmF0b3IudjEuUmVjb3JkRGVsaXZlcnlSZXF1ZXN0SAASPgoLY2xhaW1fcmVwbHkYAiABKAsyJy5pbmJveC5jb29yZGluYXRvci52MS5DbGFpbVJlcGx5UmVxdWVzdEgAEj4KC3JlbmV3X2NsYWltGAMgASgLMicuaW5ib3guY29vcmRpbmF0b3IudjEuUmVuZXdDbGFpbVJlcXVlc3RIABJCCg1yZWxlYXNlX2NsYWltGAQgASgLMikuaW5ib3guY29vcmRpbmF0b3IudjEuUmVsZWFzZUNsYWltUmVxdWVzdEgAEjwKCmJlZ2luX3NlbmQYBSABKAsyJi5pbmJveC5jb29yZGluYXRvci52MS5CZWdpblNlbmRSZXF1ZXN0SAASQAoMY29uZmlybV9zZW50GAYgASgLMiguaW5ib3guY29vcmRpbmF0b3IudjEuQ29uZmlybVNlbnRSZXF1ZXN0SAASPAoKYWJvcnRfc2VuZBgHIAEoCzImLmluYm94LmNvb3JkaW5hdG9yLnYxLkFib3J0U2VuZFJlcXVlc3RIABI8CgpnZXRfc3RhdHVzGAggASgLMiYuaW5ib3guY29vcmRpbmF0b3IudjEuR2V0U3RhdHVzUmVxdWVzdEgAQgYKBGNhbGwiPgoMQmF0Y2hSZXF1ZXN0Ei4KBWNhbGxzGAEgAygLMh8uaW5ib3guY29vcmRpbmF0b3IudjEuQmF0Y2hDYWxsIkIKCUNhbGxFcnJvchIMCgRjb2RlGAEgASgFEg8KB21lc3NhZ2UYAiABKAkSFgoOcmV0cnlfYWZ0ZXJfbXMYAyABKAMi2QQKC0JhdGNoUmVzdWx0EjAKBWVycm9yGAEgASgLMh8uaW5ib3guY29vcmRpbmF0b3IudjEuQ2FsbEVycm9ySAASRwoPcmVjb3JkX2RlbGl2ZXJ5GAIgASgLMiwuaW5ib3guY29vcmRpbmF0b3IudjEuUmVjb3JkRGVsaXZlcnlSZXNwb25zZUgAEj8KC2NsYWltX3JlcGx5GAMgASgLMiguaW5ib3guY29vcmRpbmF0b3IudjEuQ2xhaW1SZXBseVJlc3BvbnNlSAASPwoLcmVuZXdfY2xhaW0YBCABKAsyKC5pbmJveC5jb29yZGluYXRvci52MS5SZW5ld0NsYWltUmVzcG9uc2VIABJDCg1yZWxlYXNlX2NsYWltGAUgASgLMiouaW5ib3guY29vcmRpbmF0b3IudjEuUmVsZWFzZUNsYWltUmVzcG9uc2VIABI9CgpiZWdpbl9zZW5kGAYgASgLMicuaW5ib3guY29vcmRpbmF0b3IudjEuQmVnaW5TZW5kUmVzcG9uc2VIABJBCgxjb25maXJtX3NlbnQYByABKAsyKS5pbmJveC5jb29yZGluYXRvci52MS5Db25maXJtU2VudFJlc3BvbnNlSAASPQoKYWJvcnRfc2VuZBgIIAEoCzInLmluYm94LmNvb3JkaW5hdG9yLnYxLkFib3J0U2VuZFJlc3BvbnNlSAASPQoKZ2V0X3N0YXR1cxgJIAEoCzInLmluYm94LmNvb3JkaW5hdG9yLnYxLkdldFN0YXR1c1Jlc3BvbnNlSABCCAoGcmVzdWx0IkMKDUJhdGNoUmVzcG9uc2USMgoHcmVzdWx0cxgBIAMoCzIhLmluYm94LmNvb3JkaW5hdG9yLnYxLkJhdGNoUmVzdWx0Kl4KC1N1YmplY3RLaW5kEhwKGFNVQkpFQ1RfS0lORF9VTlNQRUNJRklFRBAAEhgKFFNVQkpFQ1RfS0lORF9NRVNTQUdFEAESFwoTU1VCSkVDVF9LSU5EX1RIUkVBRBACKlcKCkhvbGRlcktpbmQSGwoXSE9MREVSX0tJTkRfVU5TUEVDSUZJRUQQABIVChFIT0xERVJfS0lORF9BR0VOVBABEhUKEUhPTERFUl9LSU5EX0hVTUFOEAIqsgEKDFN1YmplY3RTdGF0ZRIdChlTVUJKRUNUX1NUQVRFX1VOU1BFQ0lGSUVEEAASFgoSU1VCSkVDVF9TVEFURV9GUkVFEAESGQoVU1VCSkVDVF9TVEFURV9DTEFJTUVEEAISGQoVU1VCSkVDVF9TVEFURV9TRU5ESU5HEAMSGQoVU1VCSkVDVF9TVEFURV9SRVBMSUVEEAQSGgoWU1VCSkVDVF9TVEFURV9JTl9ET1VCVBAFKl4KC0ZlbmNlUmVzdWx0EhwKGEZFTkNFX1JFU1VMVF9VTlNQRUNJRklFRBAAEhMKD0ZFTkNFX1JFU1VMVF9PSxABEhwKGEZFTkNFX1JFU1VMVF9TVEFMRV9UT0tFThACKsYCCglFdmVudFR5cGUSGgoWRVZFTlRfVFlQRV9VTlNQRUNJRklFRBAAEhYKEkVWRU5UX1RZUEVfQ0xBSU1FRBABEhYKEkVWRU5UX1RZUEVfUkVORVdFRBACEhcKE0VWRU5UX1RZUEVfUkVMRUFTRUQQAxIWChJFVkVOVF9UWVBFX0VYUElSRUQQBBIWChJFVkVOVF9UWVBFX1NFTkRJTkcQBRIWChJFVkVOVF9UWVBFX1JFUExJRUQQBhIWChJFVkVOVF9UWVBFX0FCT1JURUQQBxIZChVFVkVOVF9UWVBFX1RBS0VOX09WRVIQCBIXChNFVkVOVF9UWVBFX0lOX0RPVUJUEAkSIAocRVZFTlRfVFlQRV9SRVNPTFZFRF9OT1RfU0VOVBAKEh4KGkVWRU5UX1RZUEVfUkVURU5USU9OX0VOREVEEAsy8AkKC0Nvb3JkaW5hdG9yEmsKDlJlY29yZERlbGl2ZXJ5EisuaW5ib3guY29vcmRpbmF0b3IudjEuUmVjb3JkRGVsaXZlcnlSZXF1ZXN0GiwuaW5ib3guY29vcmRpbmF0b3IudjEuUmVjb3JkRGVsaXZlcnlSZXNwb25zZRJfCgpDbGFpbVJlcGx5EicuaW5ib3guY29vcmRpbmF0b3IudjEuQ2xhaW1SZXBseVJlcXVlc3QaKC5pbmJveC5jb29yZGluYXRvci52MS5DbGFpbVJlcGx5UmVzcG9uc2USXwoKUmVuZXdDbGFpbRInLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlbmV3Q2xhaW1SZXF1ZXN0GiguaW5ib3guY29vcmRpbmF0b3IudjEuUmVuZXdDbGFpbVJlc3BvbnNlEmUKDFJlbGVhc2VDbGFpbRIpLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlbGVhc2VDbGFpbVJlcXVlc3QaKi5pbmJveC5jb29yZGluYXRvci52MS5SZWxlYXNlQ2xhaW1SZXNwb25zZRJcCglCZWdpblNlbmQSJi5pbmJveC5jb29yZGluYXRvci52MS5CZWdpblNlbmRSZXF1ZXN0GicuaW5ib3guY29vcmRpbmF0b3IudjEuQmVnaW5TZW5kUmVzcG9uc2USYgoLQ29uZmlybVNlbnQSKC5pbmJveC5jb29yZGluYXRvci52MS5Db25maXJtU2VudFJlcXVlc3QaKS5pbmJveC5jb29yZGluYXRvci52MS5Db25maXJtU2VudFJlc3BvbnNlElwKCUFib3J0U2VuZBImLmluYm94LmNvb3JkaW5hdG9yLnYxLkFib3J0U2VuZFJlcXVlc3QaJy5pbmJveC5jb29yZGluYXRvci52MS5BYm9ydFNlbmRSZXNwb25zZRJcCglHZXRTdGF0dXMSJi5pbmJveC5jb29yZGluYXRvci52MS5HZXRTdGF0dXNSZXF1ZXN0GicuaW5ib3guY29vcmRpbmF0b3IudjEuR2V0U3RhdHVzUmVzcG9uc2USXwoKTGlzdENsYWltcxInLmluYm94LmNvb3JkaW5hdG9yLnYxLkxpc3RDbGFpbXNSZXF1ZXN0GiguaW5ib3guY29vcmRpbmF0b3IudjEuTGlzdENsYWltc1Jlc3BvbnNlElIKBVdhdGNoEiIuaW5ib3guY29vcmRpbmF0b3IudjEuV2F0Y2hSZXF1ZXN0GiMuaW5ib3guY29vcmRpbmF0b3IudjEuV2F0Y2hSZXNwb25zZTABElkKCFRha2VvdmVyEiUuaW5ib3guY29vcmRpbmF0b3IudjEuVGFrZW92ZXJSZXF1ZXN0GiYuaW5ib3guY29vcmRpbmF0b3IudjEuVGFrZW92ZXJSZXNwb25zZRJrCg5SZXNvbHZlSW5Eb3VidBIrLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlc29sdmVJbkRvdWJ0UmVxdWVzdBosLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlc29sdmVJbkRvdWJ0UmVzcG9uc2USUAoFQmF0Y2gSIi5pbmJveC5jb29yZGluYXRvci52MS5CYXRjaFJlcXVlc3QaIy5pbmJveC5jb29yZGluYXRvci52MS5CYXRjaFJlc3BvbnNlYgZwcm90bzM", [file_google_protobuf_timestamp]);
+  fileDesc("CiZpbmJveC9jb29yZGluYXRvci92MS9jb29yZGluYXRvci5wcm90bxIUaW5ib3guY29vcmRpbmF0b3IudjEiVwoHU3ViamVjdBIPCgdtYWlsYm94GAEgASgJEi8KBGtpbmQYAiABKA4yIS5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0S2luZBIKCgJpZBgDIAEoCSLkBAoNU3ViamVjdFN0YXR1cxIuCgdzdWJqZWN0GAEgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdBIxCgVzdGF0ZRgCIAEoDjIiLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0ZRIOCgZob2xkZXIYAyABKAkSNQoLaG9sZGVyX2tpbmQYBCABKA4yIC5pbmJveC5jb29yZGluYXRvci52MS5Ib2xkZXJLaW5kEhUKDWZlbmNpbmdfdG9rZW4YBSABKAMSLwoLYWNxdWlyZWRfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmV4cGlyZXNfYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEgwKBG5vdGUYCCABKAkSMwoPc2VuZF9zdGFydGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIxCg1zZW5kX2RlYWRsaW5lGAogASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIrCgdzZW50X2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIXCg9zZW50X21lc3NhZ2VfaWQYDCABKAkSEAoIcmV2aXNpb24YDSABKAMSEwoLdHRsX3NlY29uZHMYDiABKA0SFwoPcmVwbGllZF9ieV9oYW5kGA8gASgIEjUKB3N1bW1hcnkYECABKAsyJC5pbmJveC5jb29yZGluYXRvci52MS5NZXNzYWdlU3VtbWFyeSJnCg5NZXNzYWdlU3VtbWFyeRIUCgxzdWJqZWN0X2xpbmUYASABKAkSDgoGc2VuZGVyGAIgASgJEi8KC3JlY2VpdmVkX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCKwAQoORGVsaXZlcnlSZWNvcmQSDwoHbWFpbGJveBgBIAEoCRIXCg9ub3RpZmljYXRpb25faWQYAiABKAkSEwoLcmVjb3JkZWRfYnkYAyABKAkSLwoLcmVjb3JkZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KB3N1YmplY3QYBSABKAsyHS5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0IlUKFVJlY29yZERlbGl2ZXJ5UmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEg8KB21haWxib3gYAiABKAkSFwoPbm90aWZpY2F0aW9uX2lkGAMgASgJIswBChZSZWNvcmREZWxpdmVyeVJlc3BvbnNlEkMKBnJlc3VsdBgBIAEoDjIzLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlY29yZERlbGl2ZXJ5UmVzcG9uc2UuUmVzdWx0EjMKBWZpcnN0GAIgASgLMiQuaW5ib3guY29vcmRpbmF0b3IudjEuRGVsaXZlcnlSZWNvcmQiOAoGUmVzdWx0EhYKElJFU1VMVF9VTlNQRUNJRklFRBAAEgcKA05FVxABEg0KCURVUExJQ0FURRACIsoBChFDbGFpbVJlcGx5UmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEi4KB3N1YmplY3QYAiABKAsyHS5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0EhcKD25vdGlmaWNhdGlvbl9pZBgDIAEoCRITCgt0dGxfc2Vjb25kcxgEIAEoDRIMCgRub3RlGAUgASgJEjUKB3N1bW1hcnkYBiABKAsyJC5pbmJveC5jb29yZGluYXRvci52MS5NZXNzYWdlU3VtbWFyeSKoAgoSQ2xhaW1SZXBseVJlc3BvbnNlEj8KBnJlc3VsdBgBIAEoDjIvLmluYm94LmNvb3JkaW5hdG9yLnYxLkNsYWltUmVwbHlSZXNwb25zZS5SZXN1bHQSMwoGc3RhdHVzGAIgASgLMiMuaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdFN0YXR1cxI2CghkZWxpdmVyeRgDIAEoCzIkLmluYm94LmNvb3JkaW5hdG9yLnYxLkRlbGl2ZXJ5UmVjb3JkImQKBlJlc3VsdBIWChJSRVNVTFRfVU5TUEVDSUZJRUQQABILCgdHUkFOVEVEEAESCAoESEVMRBACEhMKD0FMUkVBRFlfUkVQTElFRBADEhYKEkRVUExJQ0FURV9ERUxJVkVSWRAEIoMBChFSZW5ld0NsYWltUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEi4KB3N1YmplY3QYAiABKAsyHS5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0EhUKDWZlbmNpbmdfdG9rZW4YAyABKAMSEwoLdHRsX3NlY29uZHMYBCABKA0ifAoSUmVuZXdDbGFpbVJlc3BvbnNlEjEKBnJlc3VsdBgBIAEoDjIhLmluYm94LmNvb3JkaW5hdG9yLnYxLkZlbmNlUmVzdWx0EjMKBnN0YXR1cxgCIAEoCzIjLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0dXMihwEKE1JlbGVhc2VDbGFpbVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIuCgdzdWJqZWN0GAIgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdBIVCg1mZW5jaW5nX3Rva2VuGAMgASgDEhUKDXJlZGVsaXZlcmFibGUYBCABKAgifgoUUmVsZWFzZUNsYWltUmVzcG9uc2USMQoGcmVzdWx0GAEgASgOMiEuaW5ib3guY29vcmRpbmF0b3IudjEuRmVuY2VSZXN1bHQSMwoGc3RhdHVzGAIgASgLMiMuaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdFN0YXR1cyJtChBCZWdpblNlbmRSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSLgoHc3ViamVjdBgCIAEoCzIdLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3QSFQoNZmVuY2luZ190b2tlbhgDIAEoAyJ7ChFCZWdpblNlbmRSZXNwb25zZRIxCgZyZXN1bHQYASABKA4yIS5pbmJveC5jb29yZGluYXRvci52MS5GZW5jZVJlc3VsdBIzCgZzdGF0dXMYAiABKAsyIy5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0U3RhdHVzIogBChJDb25maXJtU2VudFJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIuCgdzdWJqZWN0GAIgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdBIVCg1mZW5jaW5nX3Rva2VuGAMgASgDEhcKD3NlbnRfbWVzc2FnZV9pZBgEIAEoCSJ9ChNDb25maXJtU2VudFJlc3BvbnNlEjEKBnJlc3VsdBgBIAEoDjIhLmluYm94LmNvb3JkaW5hdG9yLnYxLkZlbmNlUmVzdWx0EjMKBnN0YXR1cxgCIAEoCzIjLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0dXMilAEKEEFib3J0U2VuZFJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIuCgdzdWJqZWN0GAIgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdBIVCg1mZW5jaW5nX3Rva2VuGAMgASgDEg4KBnJlYXNvbhgEIAEoCRIVCg1yZWRlbGl2ZXJhYmxlGAUgASgIInsKEUFib3J0U2VuZFJlc3BvbnNlEjEKBnJlc3VsdBgBIAEoDjIhLmluYm94LmNvb3JkaW5hdG9yLnYxLkZlbmNlUmVzdWx0EjMKBnN0YXR1cxgCIAEoCzIjLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0dXMiQgoQR2V0U3RhdHVzUmVxdWVzdBIuCgdzdWJqZWN0GAEgASgLMh0uaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdCJIChFHZXRTdGF0dXNSZXNwb25zZRIzCgZzdGF0dXMYASABKAsyIy5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0U3RhdHVzIn8KEUxpc3RDbGFpbXNSZXF1ZXN0Eg8KB21haWxib3gYASABKAkSMgoGc3RhdGVzGAIgAygOMiIuaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdFN0YXRlEhEKCXBhZ2Vfc2l6ZRgDIAEoDRISCgpwYWdlX3Rva2VuGAQgASgJInYKEkxpc3RDbGFpbXNSZXNwb25zZRI1CghzdWJqZWN0cxgBIAMoCzIjLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0dXMSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhAKCHJldmlzaW9uGAMgASgDIjcKDFdhdGNoUmVxdWVzdBIPCgdtYWlsYm94GAEgASgJEhYKDmFmdGVyX3JldmlzaW9uGAIgASgDIlgKDVdhdGNoU25hcHNob3QSNQoIc3ViamVjdHMYASADKAsyIy5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0U3RhdHVzEhAKCHJldmlzaW9uGAIgASgDIsMBCgpXYXRjaEV2ZW50Ei0KBHR5cGUYASABKA4yHy5pbmJveC5jb29yZGluYXRvci52MS5FdmVudFR5cGUSMwoGc3RhdHVzGAIgASgLMiMuaW5ib3guY29vcmRpbmF0b3IudjEuU3ViamVjdFN0YXR1cxIXCg9wcmV2aW91c19ob2xkZXIYAyABKAkSFgoOcHJldmlvdXNfdG9rZW4YBCABKAMSEAoIcmV2aXNpb24YBSABKAMSDgoGcmVhc29uGAYgASgJIoMBCg1XYXRjaFJlc3BvbnNlEjcKCHNuYXBzaG90GAEgASgLMiMuaW5ib3guY29vcmRpbmF0b3IudjEuV2F0Y2hTbmFwc2hvdEgAEjEKBWV2ZW50GAIgASgLMiAuaW5ib3guY29vcmRpbmF0b3IudjEuV2F0Y2hFdmVudEgAQgYKBGtpbmQirwEKD1Rha2VvdmVyUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEi4KB3N1YmplY3QYAiABKAsyHS5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0EhMKC3R0bF9zZWNvbmRzGAMgASgNEgwKBG5vdGUYBCABKAkSNQoHc3VtbWFyeRgFIAEoCzIkLmluYm94LmNvb3JkaW5hdG9yLnYxLk1lc3NhZ2VTdW1tYXJ5IpUCChBUYWtlb3ZlclJlc3BvbnNlEj0KBnJlc3VsdBgBIAEoDjItLmluYm94LmNvb3JkaW5hdG9yLnYxLlRha2VvdmVyUmVzcG9uc2UuUmVzdWx0EjMKBnN0YXR1cxgCIAEoCzIjLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0dXMSFwoPcHJldmlvdXNfaG9sZGVyGAMgASgJEhYKDnByZXZpb3VzX3Rva2VuGAQgASgDIlwKBlJlc3VsdBIWChJSRVNVTFRfVU5TUEVDSUZJRUQQABIOCgpUQUtFTl9PVkVSEAESCwoHR1JBTlRFRBACEggKBEhFTEQQAxITCg9BTFJFQURZX1JFUExJRUQQBCKUAgoVUmVzb2x2ZUluRG91YnRSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSLgoHc3ViamVjdBgCIAEoCzIdLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3QSRAoHb3V0Y29tZRgDIAEoDjIzLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlc29sdmVJbkRvdWJ0UmVxdWVzdC5PdXRjb21lEhcKD3NlbnRfbWVzc2FnZV9pZBgEIAEoCRIMCgRub3RlGAUgASgJIkoKB091dGNvbWUSFwoTT1VUQ09NRV9VTlNQRUNJRklFRBAAEhAKDE9VVENPTUVfU0VOVBABEhQKEE9VVENPTUVfTk9UX1NFTlQQAiJNChZSZXNvbHZlSW5Eb3VidFJlc3BvbnNlEjMKBnN0YXR1cxgBIAEoCzIjLmluYm94LmNvb3JkaW5hdG9yLnYxLlN1YmplY3RTdGF0dXMilgEKEk1hcmtSZXBsaWVkUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEi4KB3N1YmplY3QYAiABKAsyHS5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0EhUKDWZlbmNpbmdfdG9rZW4YAyABKAMSFwoPc2VudF9tZXNzYWdlX2lkGAQgASgJEgwKBG5vdGUYBSABKAkifQoTTWFya1JlcGxpZWRSZXNwb25zZRIxCgZyZXN1bHQYASABKA4yIS5pbmJveC5jb29yZGluYXRvci52MS5GZW5jZVJlc3VsdBIzCgZzdGF0dXMYAiABKAsyIy5pbmJveC5jb29yZGluYXRvci52MS5TdWJqZWN0U3RhdHVzIt0ECglCYXRjaENhbGwSRgoPcmVjb3JkX2RlbGl2ZXJ5GAEgASgLMisuaW5ib3guY29vcmRpbmF0b3IudjEuUmVjb3JkRGVsaXZlcnlSZXF1ZXN0SAASPgoLY2xhaW1fcmVwbHkYAiABKAsyJy5pbmJveC5jb29yZGluYXRvci52MS5DbGFpbVJlcGx5UmVxdWVzdEgAEj4KC3JlbmV3X2NsYWltGAMgASgLMicuaW5ib3guY29vcmRpbmF0b3IudjEuUmVuZXdDbGFpbVJlcXVlc3RIABJCCg1yZWxlYXNlX2NsYWltGAQgASgLMikuaW5ib3guY29vcmRpbmF0b3IudjEuUmVsZWFzZUNsYWltUmVxdWVzdEgAEjwKCmJlZ2luX3NlbmQYBSABKAsyJi5pbmJveC5jb29yZGluYXRvci52MS5CZWdpblNlbmRSZXF1ZXN0SAASQAoMY29uZmlybV9zZW50GAYgASgLMiguaW5ib3guY29vcmRpbmF0b3IudjEuQ29uZmlybVNlbnRSZXF1ZXN0SAASPAoKYWJvcnRfc2VuZBgHIAEoCzImLmluYm94LmNvb3JkaW5hdG9yLnYxLkFib3J0U2VuZFJlcXVlc3RIABI8CgpnZXRfc3RhdHVzGAggASgLMiYuaW5ib3guY29vcmRpbmF0b3IudjEuR2V0U3RhdHVzUmVxdWVzdEgAEkAKDG1hcmtfcmVwbGllZBgJIAEoCzIoLmluYm94LmNvb3JkaW5hdG9yLnYxLk1hcmtSZXBsaWVkUmVxdWVzdEgAQgYKBGNhbGwiPgoMQmF0Y2hSZXF1ZXN0Ei4KBWNhbGxzGAEgAygLMh8uaW5ib3guY29vcmRpbmF0b3IudjEuQmF0Y2hDYWxsIlIKCUNhbGxFcnJvchIMCgRjb2RlGAEgASgFEg8KB21lc3NhZ2UYAiABKAkSFgoOcmV0cnlfYWZ0ZXJfbXMYAyABKAMSDgoGcmVhc29uGAQgASgJIpwFCgtCYXRjaFJlc3VsdBIwCgVlcnJvchgBIAEoCzIfLmluYm94LmNvb3JkaW5hdG9yLnYxLkNhbGxFcnJvckgAEkcKD3JlY29yZF9kZWxpdmVyeRgCIAEoCzIsLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlY29yZERlbGl2ZXJ5UmVzcG9uc2VIABI/CgtjbGFpbV9yZXBseRgDIAEoCzIoLmluYm94LmNvb3JkaW5hdG9yLnYxLkNsYWltUmVwbHlSZXNwb25zZUgAEj8KC3JlbmV3X2NsYWltGAQgASgLMiguaW5ib3guY29vcmRpbmF0b3IudjEuUmVuZXdDbGFpbVJlc3BvbnNlSAASQwoNcmVsZWFzZV9jbGFpbRgFIAEoCzIqLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlbGVhc2VDbGFpbVJlc3BvbnNlSAASPQoKYmVnaW5fc2VuZBgGIAEoCzInLmluYm94LmNvb3JkaW5hdG9yLnYxLkJlZ2luU2VuZFJlc3BvbnNlSAASQQoMY29uZmlybV9zZW50GAcgASgLMikuaW5ib3guY29vcmRpbmF0b3IudjEuQ29uZmlybVNlbnRSZXNwb25zZUgAEj0KCmFib3J0X3NlbmQYCCABKAsyJy5pbmJveC5jb29yZGluYXRvci52MS5BYm9ydFNlbmRSZXNwb25zZUgAEj0KCmdldF9zdGF0dXMYCSABKAsyJy5pbmJveC5jb29yZGluYXRvci52MS5HZXRTdGF0dXNSZXNwb25zZUgAEkEKDG1hcmtfcmVwbGllZBgKIAEoCzIpLmluYm94LmNvb3JkaW5hdG9yLnYxLk1hcmtSZXBsaWVkUmVzcG9uc2VIAEIICgZyZXN1bHQiQwoNQmF0Y2hSZXNwb25zZRIyCgdyZXN1bHRzGAEgAygLMiEuaW5ib3guY29vcmRpbmF0b3IudjEuQmF0Y2hSZXN1bHQqXgoLU3ViamVjdEtpbmQSHAoYU1VCSkVDVF9LSU5EX1VOU1BFQ0lGSUVEEAASGAoUU1VCSkVDVF9LSU5EX01FU1NBR0UQARIXChNTVUJKRUNUX0tJTkRfVEhSRUFEEAIqVwoKSG9sZGVyS2luZBIbChdIT0xERVJfS0lORF9VTlNQRUNJRklFRBAAEhUKEUhPTERFUl9LSU5EX0FHRU5UEAESFQoRSE9MREVSX0tJTkRfSFVNQU4QAiqyAQoMU3ViamVjdFN0YXRlEh0KGVNVQkpFQ1RfU1RBVEVfVU5TUEVDSUZJRUQQABIWChJTVUJKRUNUX1NUQVRFX0ZSRUUQARIZChVTVUJKRUNUX1NUQVRFX0NMQUlNRUQQAhIZChVTVUJKRUNUX1NUQVRFX1NFTkRJTkcQAxIZChVTVUJKRUNUX1NUQVRFX1JFUExJRUQQBBIaChZTVUJKRUNUX1NUQVRFX0lOX0RPVUJUEAUqXgoLRmVuY2VSZXN1bHQSHAoYRkVOQ0VfUkVTVUxUX1VOU1BFQ0lGSUVEEAASEwoPRkVOQ0VfUkVTVUxUX09LEAESHAoYRkVOQ0VfUkVTVUxUX1NUQUxFX1RPS0VOEAIq5QIKCUV2ZW50VHlwZRIaChZFVkVOVF9UWVBFX1VOU1BFQ0lGSUVEEAASFgoSRVZFTlRfVFlQRV9DTEFJTUVEEAESFgoSRVZFTlRfVFlQRV9SRU5FV0VEEAISFwoTRVZFTlRfVFlQRV9SRUxFQVNFRBADEhYKEkVWRU5UX1RZUEVfRVhQSVJFRBAEEhYKEkVWRU5UX1RZUEVfU0VORElORxAFEhYKEkVWRU5UX1RZUEVfUkVQTElFRBAGEhYKEkVWRU5UX1RZUEVfQUJPUlRFRBAHEhkKFUVWRU5UX1RZUEVfVEFLRU5fT1ZFUhAIEhcKE0VWRU5UX1RZUEVfSU5fRE9VQlQQCRIgChxFVkVOVF9UWVBFX1JFU09MVkVEX05PVF9TRU5UEAoSHgoaRVZFTlRfVFlQRV9SRVRFTlRJT05fRU5ERUQQCxIdChlFVkVOVF9UWVBFX01BUktFRF9SRVBMSUVEEAwy1AoKC0Nvb3JkaW5hdG9yEmsKDlJlY29yZERlbGl2ZXJ5EisuaW5ib3guY29vcmRpbmF0b3IudjEuUmVjb3JkRGVsaXZlcnlSZXF1ZXN0GiwuaW5ib3guY29vcmRpbmF0b3IudjEuUmVjb3JkRGVsaXZlcnlSZXNwb25zZRJfCgpDbGFpbVJlcGx5EicuaW5ib3guY29vcmRpbmF0b3IudjEuQ2xhaW1SZXBseVJlcXVlc3QaKC5pbmJveC5jb29yZGluYXRvci52MS5DbGFpbVJlcGx5UmVzcG9uc2USXwoKUmVuZXdDbGFpbRInLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlbmV3Q2xhaW1SZXF1ZXN0GiguaW5ib3guY29vcmRpbmF0b3IudjEuUmVuZXdDbGFpbVJlc3BvbnNlEmUKDFJlbGVhc2VDbGFpbRIpLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlbGVhc2VDbGFpbVJlcXVlc3QaKi5pbmJveC5jb29yZGluYXRvci52MS5SZWxlYXNlQ2xhaW1SZXNwb25zZRJcCglCZWdpblNlbmQSJi5pbmJveC5jb29yZGluYXRvci52MS5CZWdpblNlbmRSZXF1ZXN0GicuaW5ib3guY29vcmRpbmF0b3IudjEuQmVnaW5TZW5kUmVzcG9uc2USYgoLQ29uZmlybVNlbnQSKC5pbmJveC5jb29yZGluYXRvci52MS5Db25maXJtU2VudFJlcXVlc3QaKS5pbmJveC5jb29yZGluYXRvci52MS5Db25maXJtU2VudFJlc3BvbnNlElwKCUFib3J0U2VuZBImLmluYm94LmNvb3JkaW5hdG9yLnYxLkFib3J0U2VuZFJlcXVlc3QaJy5pbmJveC5jb29yZGluYXRvci52MS5BYm9ydFNlbmRSZXNwb25zZRJcCglHZXRTdGF0dXMSJi5pbmJveC5jb29yZGluYXRvci52MS5HZXRTdGF0dXNSZXF1ZXN0GicuaW5ib3guY29vcmRpbmF0b3IudjEuR2V0U3RhdHVzUmVzcG9uc2USXwoKTGlzdENsYWltcxInLmluYm94LmNvb3JkaW5hdG9yLnYxLkxpc3RDbGFpbXNSZXF1ZXN0GiguaW5ib3guY29vcmRpbmF0b3IudjEuTGlzdENsYWltc1Jlc3BvbnNlElIKBVdhdGNoEiIuaW5ib3guY29vcmRpbmF0b3IudjEuV2F0Y2hSZXF1ZXN0GiMuaW5ib3guY29vcmRpbmF0b3IudjEuV2F0Y2hSZXNwb25zZTABElkKCFRha2VvdmVyEiUuaW5ib3guY29vcmRpbmF0b3IudjEuVGFrZW92ZXJSZXF1ZXN0GiYuaW5ib3guY29vcmRpbmF0b3IudjEuVGFrZW92ZXJSZXNwb25zZRJrCg5SZXNvbHZlSW5Eb3VidBIrLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlc29sdmVJbkRvdWJ0UmVxdWVzdBosLmluYm94LmNvb3JkaW5hdG9yLnYxLlJlc29sdmVJbkRvdWJ0UmVzcG9uc2USYgoLTWFya1JlcGxpZWQSKC5pbmJveC5jb29yZGluYXRvci52MS5NYXJrUmVwbGllZFJlcXVlc3QaKS5pbmJveC5jb29yZGluYXRvci52MS5NYXJrUmVwbGllZFJlc3BvbnNlElAKBUJhdGNoEiIuaW5ib3guY29vcmRpbmF0b3IudjEuQmF0Y2hSZXF1ZXN0GiMuaW5ib3guY29vcmRpbmF0b3IudjEuQmF0Y2hSZXNwb25zZWIGcHJvdG8z", [file_google_protobuf_timestamp]);
 
 /**
  * What is claimed: a message or a thread inside one mailbox.
@@ -171,6 +238,21 @@ export type SubjectStatus = Message<"inbox.coordinator.v1.SubjectStatus"> & {
    * @generated from field: uint32 ttl_seconds = 14;
    */
   ttlSeconds: number;
+
+  /**
+   * REPLIED: recorded by MarkReplied (a person answered outside the coordinator), not by a confirmed send.
+   *
+   * @generated from field: bool replied_by_hand = 15;
+   */
+  repliedByHand: boolean;
+
+  /**
+   * Which email this is, as the claim's ClaimReply (or Takeover) described it; kept on the reply record.
+   * Unset when none was given or the coordinator does not store summaries (--no-store-summaries).
+   *
+   * @generated from field: inbox.coordinator.v1.MessageSummary summary = 16;
+   */
+  summary?: MessageSummary | undefined;
 };
 
 /**
@@ -179,6 +261,45 @@ export type SubjectStatus = Message<"inbox.coordinator.v1.SubjectStatus"> & {
  */
 export const SubjectStatusSchema: GenMessage<SubjectStatus> = /*@__PURE__*/
   messageDesc(file_inbox_coordinator_v1_coordinator, 1);
+
+/**
+ * What a person tells one email from another by, shown by inboxctl and the claims board. Optional on
+ * ClaimReply and Takeover (the Python client fills it from the notification). It is personal data: stored in
+ * the claim's etcd record only while the coordinator's store_summaries setting is on (the default), and
+ * deleted with the claim or its reply record (docs/security.md).
+ *
+ * @generated from message inbox.coordinator.v1.MessageSummary
+ */
+export type MessageSummary = Message<"inbox.coordinator.v1.MessageSummary"> & {
+  /**
+   * The subject line. Up to 512 bytes of UTF-8 (SUMMARY_SUBJECT_LINE_MAX_BYTES), no control characters.
+   *
+   * @generated from field: string subject_line = 1;
+   */
+  subjectLine: string;
+
+  /**
+   * The sender as people read it ("Ana Lima <ana@example.com>"). Up to 512 bytes (SUMMARY_SENDER_MAX_BYTES),
+   * no control characters.
+   *
+   * @generated from field: string sender = 2;
+   */
+  sender: string;
+
+  /**
+   * When the message was received; unset when unknown. Not before 1970.
+   *
+   * @generated from field: google.protobuf.Timestamp received_at = 3;
+   */
+  receivedAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message inbox.coordinator.v1.MessageSummary.
+ * Use `create(MessageSummarySchema)` to create a new message.
+ */
+export const MessageSummarySchema: GenMessage<MessageSummary> = /*@__PURE__*/
+  messageDesc(file_inbox_coordinator_v1_coordinator, 2);
 
 /**
  * The first sighting of a notification id.
@@ -221,14 +342,15 @@ export type DeliveryRecord = Message<"inbox.coordinator.v1.DeliveryRecord"> & {
  * Use `create(DeliveryRecordSchema)` to create a new message.
  */
 export const DeliveryRecordSchema: GenMessage<DeliveryRecord> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 2);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 3);
 
 /**
  * @generated from message inbox.coordinator.v1.RecordDeliveryRequest
  */
 export type RecordDeliveryRequest = Message<"inbox.coordinator.v1.RecordDeliveryRequest"> & {
   /**
-   * See the file comment: 1 to 128 characters, unique per logical operation.
+   * 1 to 128 bytes: one per logical operation, the same on each of its retries ("Request ids and retries"
+   * at the top of this file). Every mutation's `request_id` means this.
    *
    * @generated from field: string request_id = 1;
    */
@@ -254,7 +376,7 @@ export type RecordDeliveryRequest = Message<"inbox.coordinator.v1.RecordDelivery
  * Use `create(RecordDeliveryRequestSchema)` to create a new message.
  */
 export const RecordDeliveryRequestSchema: GenMessage<RecordDeliveryRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 3);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 4);
 
 /**
  * @generated from message inbox.coordinator.v1.RecordDeliveryResponse
@@ -276,7 +398,7 @@ export type RecordDeliveryResponse = Message<"inbox.coordinator.v1.RecordDeliver
  * Use `create(RecordDeliveryResponseSchema)` to create a new message.
  */
 export const RecordDeliveryResponseSchema: GenMessage<RecordDeliveryResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 4);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 5);
 
 /**
  * @generated from enum inbox.coordinator.v1.RecordDeliveryResponse.Result
@@ -306,7 +428,7 @@ export enum RecordDeliveryResponse_Result {
  * Describes the enum inbox.coordinator.v1.RecordDeliveryResponse.Result.
  */
 export const RecordDeliveryResponse_ResultSchema: GenEnum<RecordDeliveryResponse_Result> = /*@__PURE__*/
-  enumDesc(file_inbox_coordinator_v1_coordinator, 4, 0);
+  enumDesc(file_inbox_coordinator_v1_coordinator, 5, 0);
 
 /**
  * @generated from message inbox.coordinator.v1.ClaimReplyRequest
@@ -345,6 +467,14 @@ export type ClaimReplyRequest = Message<"inbox.coordinator.v1.ClaimReplyRequest"
    * @generated from field: string note = 5;
    */
   note: string;
+
+  /**
+   * Optional: which email this is (subject line, sender, received time), shown to the people watching.
+   * Over a limit: INVALID_ARGUMENT naming `summary.subject_line` or `summary.sender` and the limit.
+   *
+   * @generated from field: inbox.coordinator.v1.MessageSummary summary = 6;
+   */
+  summary?: MessageSummary | undefined;
 };
 
 /**
@@ -352,7 +482,7 @@ export type ClaimReplyRequest = Message<"inbox.coordinator.v1.ClaimReplyRequest"
  * Use `create(ClaimReplyRequestSchema)` to create a new message.
  */
 export const ClaimReplyRequestSchema: GenMessage<ClaimReplyRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 5);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 6);
 
 /**
  * @generated from message inbox.coordinator.v1.ClaimReplyResponse
@@ -379,7 +509,7 @@ export type ClaimReplyResponse = Message<"inbox.coordinator.v1.ClaimReplyRespons
  * Use `create(ClaimReplyResponseSchema)` to create a new message.
  */
 export const ClaimReplyResponseSchema: GenMessage<ClaimReplyResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 6);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 7);
 
 /**
  * @generated from enum inbox.coordinator.v1.ClaimReplyResponse.Result
@@ -398,7 +528,8 @@ export enum ClaimReplyResponse_Result {
   GRANTED = 1,
 
   /**
-   * Someone else holds it: `status` says who, of which kind, and until when.
+   * Someone holds it: `status` says who, of which kind, and until when. The holder may be the caller
+   * itself, holding it through another request id.
    *
    * @generated from enum value: HELD = 2;
    */
@@ -426,7 +557,7 @@ export enum ClaimReplyResponse_Result {
  * Describes the enum inbox.coordinator.v1.ClaimReplyResponse.Result.
  */
 export const ClaimReplyResponse_ResultSchema: GenEnum<ClaimReplyResponse_Result> = /*@__PURE__*/
-  enumDesc(file_inbox_coordinator_v1_coordinator, 6, 0);
+  enumDesc(file_inbox_coordinator_v1_coordinator, 7, 0);
 
 /**
  * @generated from message inbox.coordinator.v1.RenewClaimRequest
@@ -460,7 +591,7 @@ export type RenewClaimRequest = Message<"inbox.coordinator.v1.RenewClaimRequest"
  * Use `create(RenewClaimRequestSchema)` to create a new message.
  */
 export const RenewClaimRequestSchema: GenMessage<RenewClaimRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 7);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 8);
 
 /**
  * @generated from message inbox.coordinator.v1.RenewClaimResponse
@@ -482,7 +613,7 @@ export type RenewClaimResponse = Message<"inbox.coordinator.v1.RenewClaimRespons
  * Use `create(RenewClaimResponseSchema)` to create a new message.
  */
 export const RenewClaimResponseSchema: GenMessage<RenewClaimResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 8);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 9);
 
 /**
  * @generated from message inbox.coordinator.v1.ReleaseClaimRequest
@@ -519,7 +650,7 @@ export type ReleaseClaimRequest = Message<"inbox.coordinator.v1.ReleaseClaimRequ
  * Use `create(ReleaseClaimRequestSchema)` to create a new message.
  */
 export const ReleaseClaimRequestSchema: GenMessage<ReleaseClaimRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 9);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 10);
 
 /**
  * @generated from message inbox.coordinator.v1.ReleaseClaimResponse
@@ -541,7 +672,7 @@ export type ReleaseClaimResponse = Message<"inbox.coordinator.v1.ReleaseClaimRes
  * Use `create(ReleaseClaimResponseSchema)` to create a new message.
  */
 export const ReleaseClaimResponseSchema: GenMessage<ReleaseClaimResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 10);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 11);
 
 /**
  * @generated from message inbox.coordinator.v1.BeginSendRequest
@@ -568,7 +699,7 @@ export type BeginSendRequest = Message<"inbox.coordinator.v1.BeginSendRequest"> 
  * Use `create(BeginSendRequestSchema)` to create a new message.
  */
 export const BeginSendRequestSchema: GenMessage<BeginSendRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 11);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 12);
 
 /**
  * @generated from message inbox.coordinator.v1.BeginSendResponse
@@ -593,7 +724,7 @@ export type BeginSendResponse = Message<"inbox.coordinator.v1.BeginSendResponse"
  * Use `create(BeginSendResponseSchema)` to create a new message.
  */
 export const BeginSendResponseSchema: GenMessage<BeginSendResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 12);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 13);
 
 /**
  * @generated from message inbox.coordinator.v1.ConfirmSentRequest
@@ -627,7 +758,7 @@ export type ConfirmSentRequest = Message<"inbox.coordinator.v1.ConfirmSentReques
  * Use `create(ConfirmSentRequestSchema)` to create a new message.
  */
 export const ConfirmSentRequestSchema: GenMessage<ConfirmSentRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 13);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 14);
 
 /**
  * @generated from message inbox.coordinator.v1.ConfirmSentResponse
@@ -649,7 +780,7 @@ export type ConfirmSentResponse = Message<"inbox.coordinator.v1.ConfirmSentRespo
  * Use `create(ConfirmSentResponseSchema)` to create a new message.
  */
 export const ConfirmSentResponseSchema: GenMessage<ConfirmSentResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 14);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 15);
 
 /**
  * @generated from message inbox.coordinator.v1.AbortSendRequest
@@ -691,7 +822,7 @@ export type AbortSendRequest = Message<"inbox.coordinator.v1.AbortSendRequest"> 
  * Use `create(AbortSendRequestSchema)` to create a new message.
  */
 export const AbortSendRequestSchema: GenMessage<AbortSendRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 15);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 16);
 
 /**
  * @generated from message inbox.coordinator.v1.AbortSendResponse
@@ -713,7 +844,7 @@ export type AbortSendResponse = Message<"inbox.coordinator.v1.AbortSendResponse"
  * Use `create(AbortSendResponseSchema)` to create a new message.
  */
 export const AbortSendResponseSchema: GenMessage<AbortSendResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 16);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 17);
 
 /**
  * @generated from message inbox.coordinator.v1.GetStatusRequest
@@ -730,7 +861,7 @@ export type GetStatusRequest = Message<"inbox.coordinator.v1.GetStatusRequest"> 
  * Use `create(GetStatusRequestSchema)` to create a new message.
  */
 export const GetStatusRequestSchema: GenMessage<GetStatusRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 17);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 18);
 
 /**
  * @generated from message inbox.coordinator.v1.GetStatusResponse
@@ -747,7 +878,7 @@ export type GetStatusResponse = Message<"inbox.coordinator.v1.GetStatusResponse"
  * Use `create(GetStatusResponseSchema)` to create a new message.
  */
 export const GetStatusResponseSchema: GenMessage<GetStatusResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 18);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 19);
 
 /**
  * @generated from message inbox.coordinator.v1.ListClaimsRequest
@@ -773,7 +904,7 @@ export type ListClaimsRequest = Message<"inbox.coordinator.v1.ListClaimsRequest"
   pageSize: number;
 
   /**
-   * From the previous response's `next_page_token`; empty for the first page.
+   * From the previous response's `next_page_token`; empty for the first page. Opaque; see ListClaims.
    *
    * @generated from field: string page_token = 4;
    */
@@ -785,7 +916,7 @@ export type ListClaimsRequest = Message<"inbox.coordinator.v1.ListClaimsRequest"
  * Use `create(ListClaimsRequestSchema)` to create a new message.
  */
 export const ListClaimsRequestSchema: GenMessage<ListClaimsRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 19);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 20);
 
 /**
  * @generated from message inbox.coordinator.v1.ListClaimsResponse
@@ -816,7 +947,7 @@ export type ListClaimsResponse = Message<"inbox.coordinator.v1.ListClaimsRespons
  * Use `create(ListClaimsResponseSchema)` to create a new message.
  */
 export const ListClaimsResponseSchema: GenMessage<ListClaimsResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 20);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 21);
 
 /**
  * @generated from message inbox.coordinator.v1.WatchRequest
@@ -826,6 +957,18 @@ export type WatchRequest = Message<"inbox.coordinator.v1.WatchRequest"> & {
    * @generated from field: string mailbox = 1;
    */
   mailbox: string;
+
+  /**
+   * Resuming after a reconnect: the `revision` of the last snapshot or event this watcher received. The
+   * stream then starts, instead of a snapshot, with one event for each subject whose state differs from what
+   * it was at that revision (the net change, in revision order: a claim made and released meanwhile is not
+   * sent), then goes on live. When etcd no longer has that revision (compacted, docs/operations.md), the
+   * stream starts with a snapshot as usual: a watcher must always be ready for one. 0: start with a snapshot.
+   * Ahead of etcd: INVALID_ARGUMENT.
+   *
+   * @generated from field: int64 after_revision = 2;
+   */
+  afterRevision: bigint;
 };
 
 /**
@@ -833,7 +976,7 @@ export type WatchRequest = Message<"inbox.coordinator.v1.WatchRequest"> & {
  * Use `create(WatchRequestSchema)` to create a new message.
  */
 export const WatchRequestSchema: GenMessage<WatchRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 21);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 22);
 
 /**
  * Every subject of the mailbox that is not FREE, as of `revision`.
@@ -857,7 +1000,7 @@ export type WatchSnapshot = Message<"inbox.coordinator.v1.WatchSnapshot"> & {
  * Use `create(WatchSnapshotSchema)` to create a new message.
  */
 export const WatchSnapshotSchema: GenMessage<WatchSnapshot> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 22);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 23);
 
 /**
  * One transition of one subject.
@@ -890,7 +1033,8 @@ export type WatchEvent = Message<"inbox.coordinator.v1.WatchEvent"> & {
   previousToken: bigint;
 
   /**
-   * The etcd revision of the transition; events arrive in increasing revision order.
+   * The etcd revision of the transition: increasing for one subject; never decreasing in the stream, but
+   * shared by the transitions of subjects committed together (see Watch).
    *
    * @generated from field: int64 revision = 5;
    */
@@ -909,7 +1053,7 @@ export type WatchEvent = Message<"inbox.coordinator.v1.WatchEvent"> & {
  * Use `create(WatchEventSchema)` to create a new message.
  */
 export const WatchEventSchema: GenMessage<WatchEvent> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 23);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 24);
 
 /**
  * @generated from message inbox.coordinator.v1.WatchResponse
@@ -940,7 +1084,7 @@ export type WatchResponse = Message<"inbox.coordinator.v1.WatchResponse"> & {
  * Use `create(WatchResponseSchema)` to create a new message.
  */
 export const WatchResponseSchema: GenMessage<WatchResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 24);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 25);
 
 /**
  * @generated from message inbox.coordinator.v1.TakeoverRequest
@@ -967,6 +1111,13 @@ export type TakeoverRequest = Message<"inbox.coordinator.v1.TakeoverRequest"> & 
    * @generated from field: string note = 4;
    */
   note: string;
+
+  /**
+   * As in ClaimReplyRequest; when unset, the summary of the claim taken over is kept.
+   *
+   * @generated from field: inbox.coordinator.v1.MessageSummary summary = 5;
+   */
+  summary?: MessageSummary | undefined;
 };
 
 /**
@@ -974,7 +1125,7 @@ export type TakeoverRequest = Message<"inbox.coordinator.v1.TakeoverRequest"> & 
  * Use `create(TakeoverRequestSchema)` to create a new message.
  */
 export const TakeoverRequestSchema: GenMessage<TakeoverRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 25);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 26);
 
 /**
  * @generated from message inbox.coordinator.v1.TakeoverResponse
@@ -1006,7 +1157,7 @@ export type TakeoverResponse = Message<"inbox.coordinator.v1.TakeoverResponse"> 
  * Use `create(TakeoverResponseSchema)` to create a new message.
  */
 export const TakeoverResponseSchema: GenMessage<TakeoverResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 26);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 27);
 
 /**
  * @generated from enum inbox.coordinator.v1.TakeoverResponse.Result
@@ -1051,7 +1202,7 @@ export enum TakeoverResponse_Result {
  * Describes the enum inbox.coordinator.v1.TakeoverResponse.Result.
  */
 export const TakeoverResponse_ResultSchema: GenEnum<TakeoverResponse_Result> = /*@__PURE__*/
-  enumDesc(file_inbox_coordinator_v1_coordinator, 26, 0);
+  enumDesc(file_inbox_coordinator_v1_coordinator, 27, 0);
 
 /**
  * @generated from message inbox.coordinator.v1.ResolveInDoubtRequest
@@ -1092,7 +1243,7 @@ export type ResolveInDoubtRequest = Message<"inbox.coordinator.v1.ResolveInDoubt
  * Use `create(ResolveInDoubtRequestSchema)` to create a new message.
  */
 export const ResolveInDoubtRequestSchema: GenMessage<ResolveInDoubtRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 27);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 28);
 
 /**
  * @generated from enum inbox.coordinator.v1.ResolveInDoubtRequest.Outcome
@@ -1122,7 +1273,7 @@ export enum ResolveInDoubtRequest_Outcome {
  * Describes the enum inbox.coordinator.v1.ResolveInDoubtRequest.Outcome.
  */
 export const ResolveInDoubtRequest_OutcomeSchema: GenEnum<ResolveInDoubtRequest_Outcome> = /*@__PURE__*/
-  enumDesc(file_inbox_coordinator_v1_coordinator, 27, 0);
+  enumDesc(file_inbox_coordinator_v1_coordinator, 28, 0);
 
 /**
  * @generated from message inbox.coordinator.v1.ResolveInDoubtResponse
@@ -1139,7 +1290,76 @@ export type ResolveInDoubtResponse = Message<"inbox.coordinator.v1.ResolveInDoub
  * Use `create(ResolveInDoubtResponseSchema)` to create a new message.
  */
 export const ResolveInDoubtResponseSchema: GenMessage<ResolveInDoubtResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 28);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 29);
+
+/**
+ * @generated from message inbox.coordinator.v1.MarkRepliedRequest
+ */
+export type MarkRepliedRequest = Message<"inbox.coordinator.v1.MarkRepliedRequest"> & {
+  /**
+   * @generated from field: string request_id = 1;
+   */
+  requestId: string;
+
+  /**
+   * @generated from field: inbox.coordinator.v1.Subject subject = 2;
+   */
+  subject?: Subject | undefined;
+
+  /**
+   * The token of the caller's current claim (ClaimReply or Takeover granted it).
+   *
+   * @generated from field: int64 fencing_token = 3;
+   */
+  fencingToken: bigint;
+
+  /**
+   * The sent message's id when known (from the mail client). 0 to 512 bytes.
+   *
+   * @generated from field: string sent_message_id = 4;
+   */
+  sentMessageId: string;
+
+  /**
+   * How it was answered ("replied from Gmail", "called the customer"). Up to 1024 bytes; empty keeps the
+   * claim's note.
+   *
+   * @generated from field: string note = 5;
+   */
+  note: string;
+};
+
+/**
+ * Describes the message inbox.coordinator.v1.MarkRepliedRequest.
+ * Use `create(MarkRepliedRequestSchema)` to create a new message.
+ */
+export const MarkRepliedRequestSchema: GenMessage<MarkRepliedRequest> = /*@__PURE__*/
+  messageDesc(file_inbox_coordinator_v1_coordinator, 30);
+
+/**
+ * @generated from message inbox.coordinator.v1.MarkRepliedResponse
+ */
+export type MarkRepliedResponse = Message<"inbox.coordinator.v1.MarkRepliedResponse"> & {
+  /**
+   * OK: recorded; `status` is the reply record (REPLIED, `replied_by_hand`). STALE_TOKEN: the claim is no
+   * longer the caller's; nothing was recorded.
+   *
+   * @generated from field: inbox.coordinator.v1.FenceResult result = 1;
+   */
+  result: FenceResult;
+
+  /**
+   * @generated from field: inbox.coordinator.v1.SubjectStatus status = 2;
+   */
+  status?: SubjectStatus | undefined;
+};
+
+/**
+ * Describes the message inbox.coordinator.v1.MarkRepliedResponse.
+ * Use `create(MarkRepliedResponseSchema)` to create a new message.
+ */
+export const MarkRepliedResponseSchema: GenMessage<MarkRepliedResponse> = /*@__PURE__*/
+  messageDesc(file_inbox_coordinator_v1_coordinator, 31);
 
 /**
  * One call of a Batch: the request of the unary RPC of the same name.
@@ -1198,6 +1418,12 @@ export type BatchCall = Message<"inbox.coordinator.v1.BatchCall"> & {
      */
     value: GetStatusRequest;
     case: "getStatus";
+  } | {
+    /**
+     * @generated from field: inbox.coordinator.v1.MarkRepliedRequest mark_replied = 9;
+     */
+    value: MarkRepliedRequest;
+    case: "markReplied";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1206,7 +1432,7 @@ export type BatchCall = Message<"inbox.coordinator.v1.BatchCall"> & {
  * Use `create(BatchCallSchema)` to create a new message.
  */
 export const BatchCallSchema: GenMessage<BatchCall> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 29);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 32);
 
 /**
  * @generated from message inbox.coordinator.v1.BatchRequest
@@ -1225,7 +1451,7 @@ export type BatchRequest = Message<"inbox.coordinator.v1.BatchRequest"> & {
  * Use `create(BatchRequestSchema)` to create a new message.
  */
 export const BatchRequestSchema: GenMessage<BatchRequest> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 30);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 33);
 
 /**
  * The status a call would have ended with on its own, when it was not OK.
@@ -1235,6 +1461,7 @@ export const BatchRequestSchema: GenMessage<BatchRequest> = /*@__PURE__*/
 export type CallError = Message<"inbox.coordinator.v1.CallError"> & {
   /**
    * A google.rpc.Code / grpc status code number (3 INVALID_ARGUMENT, 7 PERMISSION_DENIED, 14 UNAVAILABLE...).
+   * A Batch carries no google.rpc details per call: `reason` and `retry_after_ms` say the same.
    *
    * @generated from field: int32 code = 1;
    */
@@ -1251,6 +1478,13 @@ export type CallError = Message<"inbox.coordinator.v1.CallError"> & {
    * @generated from field: int64 retry_after_ms = 3;
    */
   retryAfterMs: bigint;
+
+  /**
+   * The error kind, as the unary call's google.rpc.ErrorInfo `reason` (see "Error reasons" at the top).
+   *
+   * @generated from field: string reason = 4;
+   */
+  reason: string;
 };
 
 /**
@@ -1258,7 +1492,7 @@ export type CallError = Message<"inbox.coordinator.v1.CallError"> & {
  * Use `create(CallErrorSchema)` to create a new message.
  */
 export const CallErrorSchema: GenMessage<CallError> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 31);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 34);
 
 /**
  * The answer to one BatchCall: the response of the unary RPC of the same name, or its error.
@@ -1323,6 +1557,12 @@ export type BatchResult = Message<"inbox.coordinator.v1.BatchResult"> & {
      */
     value: GetStatusResponse;
     case: "getStatus";
+  } | {
+    /**
+     * @generated from field: inbox.coordinator.v1.MarkRepliedResponse mark_replied = 10;
+     */
+    value: MarkRepliedResponse;
+    case: "markReplied";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1331,7 +1571,7 @@ export type BatchResult = Message<"inbox.coordinator.v1.BatchResult"> & {
  * Use `create(BatchResultSchema)` to create a new message.
  */
 export const BatchResultSchema: GenMessage<BatchResult> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 32);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 35);
 
 /**
  * @generated from message inbox.coordinator.v1.BatchResponse
@@ -1350,7 +1590,7 @@ export type BatchResponse = Message<"inbox.coordinator.v1.BatchResponse"> & {
  * Use `create(BatchResponseSchema)` to create a new message.
  */
 export const BatchResponseSchema: GenMessage<BatchResponse> = /*@__PURE__*/
-  messageDesc(file_inbox_coordinator_v1_coordinator, 33);
+  messageDesc(file_inbox_coordinator_v1_coordinator, 36);
 
 /**
  * What kind of thing a subject is.
@@ -1413,7 +1653,7 @@ export const HolderKindSchema: GenEnum<HolderKind> = /*@__PURE__*/
   enumDesc(file_inbox_coordinator_v1_coordinator, 1);
 
 /**
- * The states of a subject (DESIGN.md section 3).
+ * The states of a subject (docs/design.md#states-of-a-subject).
  *
  * @generated from enum inbox.coordinator.v1.SubjectState
  */
@@ -1570,6 +1810,13 @@ export enum EventType {
    * @generated from enum value: EVENT_TYPE_RETENTION_ENDED = 11;
    */
   RETENTION_ENDED = 11,
+
+  /**
+   * The holder recorded a reply made by hand (MarkReplied); the subject is REPLIED, `status.note` says how.
+   *
+   * @generated from enum value: EVENT_TYPE_MARKED_REPLIED = 12;
+   */
+  MARKED_REPLIED = 12,
 }
 
 /**
@@ -1585,8 +1832,9 @@ export const Coordinator: GenService<{
   /**
    * Records that a webhook notification was seen (delivery dedup on its top-level `id`). The first call
    * for a notification id answers NEW, every later one DUPLICATE, for the delivery retention (24 h by
-   * default). Use ClaimReply's `notification_id` instead when the notification leads to a reply: then
-   * dedup and claim are one etcd transaction.
+   * default); a retry of the first call (same principal, same request id) answers NEW again. Use ClaimReply's
+   * `notification_id` instead when the notification leads to a reply: then dedup and claim are one etcd
+   * transaction. Errors: only the common ones.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.RecordDelivery
    */
@@ -1596,9 +1844,11 @@ export const Coordinator: GenService<{
     output: typeof RecordDeliveryResponseSchema;
   },
   /**
-   * Claims the exclusive, TTL'd right to reply to a subject. Answers GRANTED with a fencing token, HELD
-   * with the current holder, ALREADY_REPLIED with the reply record, or DUPLICATE_DELIVERY when
-   * `notification_id` was seen before. Uncontended, it costs one etcd transaction.
+   * Claims the exclusive, TTL'd right to reply to a subject. Answers GRANTED with a fencing token (also to a
+   * retry of the granting request), HELD with the current holder (which may be the caller itself, when it
+   * claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
+   * subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
+   * Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.ClaimReply
    */
@@ -1608,8 +1858,10 @@ export const Coordinator: GenService<{
     output: typeof ClaimReplyResponseSchema;
   },
   /**
-   * Pushes a held claim's expiry out by a new TTL. The token is unchanged. Refused (STALE_TOKEN) once the
-   * claim expired, was released or was taken over.
+   * Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
+   * STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+   * answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
+   * (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.RenewClaim
    */
@@ -1619,7 +1871,9 @@ export const Coordinator: GenService<{
     output: typeof RenewClaimResponseSchema;
   },
   /**
-   * Gives a claim up without replying. The subject becomes FREE.
+   * Gives a claim up without replying. The subject becomes FREE. Answers OK (also to a retry), or STALE_TOKEN.
+   * Errors: FAILED_PRECONDITION (WRONG_STATE) after BeginSend (use AbortSend); PERMISSION_DENIED (NOT_HOLDER);
+   * REQUEST_ID_REUSED.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.ReleaseClaim
    */
@@ -1630,8 +1884,10 @@ export const Coordinator: GenService<{
   },
   /**
    * The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
-   * current one; only then may the caller send. A SENDING subject never expires by itself: it ends with
-   * ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT.
+   * current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
+   * subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+   * ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
+   * once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.BeginSend
    */
@@ -1642,7 +1898,10 @@ export const Coordinator: GenService<{
   },
   /**
    * Records that the reply went out: SENDING (or IN_DOUBT) becomes REPLIED, kept for the reply retention
-   * (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED.
+   * (72 h by default), during which every ClaimReply on the subject answers ALREADY_REPLIED. Answers OK (also
+   * once REPLIED with this token and this `sent_message_id`), or STALE_TOKEN. Errors: FAILED_PRECONDITION
+   * (WRONG_STATE) before BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED, also for a ConfirmSent
+   * with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.ConfirmSent
    */
@@ -1653,7 +1912,9 @@ export const Coordinator: GenService<{
   },
   /**
    * Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-   * the mail API refused the request; when the outcome is unknown, leave the subject SENDING.
+   * the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+   * to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
+   * ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.AbortSend
    */
@@ -1663,7 +1924,7 @@ export const Coordinator: GenService<{
     output: typeof AbortSendResponseSchema;
   },
   /**
-   * Reads one subject's state (FREE when nothing is recorded).
+   * Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.GetStatus
    */
@@ -1674,6 +1935,12 @@ export const Coordinator: GenService<{
   },
   /**
    * Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
+   * Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
+   * opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
+   * subjects as they are when it is read, so it includes claims made after the first page when their keys
+   * sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
+   * one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
+   * page size over 1000, or an unknown state.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.ListClaims
    */
@@ -1684,8 +1951,12 @@ export const Coordinator: GenService<{
   },
   /**
    * Streams one mailbox: first a snapshot of every subject that is not FREE, then every transition in the
-   * order etcd committed it. The stream ends with UNAVAILABLE when the coordinator shuts down or loses its
-   * watch on etcd; clients reconnect and receive a fresh snapshot.
+   * order etcd committed it: a subject's events arrive in the order of its transitions, with increasing
+   * revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
+   * calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
+   * ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
+   * when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
+   * (TOO_MANY_WATCHES).
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.Watch
    */
@@ -1697,7 +1968,10 @@ export const Coordinator: GenService<{
   /**
    * Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
    * token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-   * larger token. Only principals of kind human may take over, and never from another human.
+   * larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
+   * BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+   * agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
+   * ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.Takeover
    */
@@ -1709,7 +1983,10 @@ export const Coordinator: GenService<{
   /**
    * Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
    * deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
-   * first; the coordinator cannot know.
+   * first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
+   * Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
+   * INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
+   * REQUEST_ID_REUSED.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.ResolveInDoubt
    */
@@ -1719,13 +1996,32 @@ export const Coordinator: GenService<{
     output: typeof ResolveInDoubtResponseSchema;
   },
   /**
+   * Records a reply the holder made without the coordinator ("I answered this one myself", in a mail client
+   * or by phone): CLAIMED becomes REPLIED, kept for the reply retention like a confirmed send, so every later
+   * ClaimReply on the subject (a `message.updated` notification, a redelivery) answers ALREADY_REPLIED.
+   * Fenced like BeginSend: OK only while the token is current and the caller is its holder; STALE_TOKEN
+   * once the claim lapsed, was released or was taken over (nothing recorded: claim again first).
+   * PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
+   * ConfirmSent). A retry with the same request id gets the first answer. Watchers see
+   * EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
+   *
+   * @generated from rpc inbox.coordinator.v1.Coordinator.MarkReplied
+   */
+  markReplied: {
+    methodKind: "unary";
+    input: typeof MarkRepliedRequestSchema;
+    output: typeof MarkRepliedResponseSchema;
+  },
+  /**
    * Several independent calls in one round trip: what a client sends when many of its callers (the
    * handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
    * and answered exactly as the same call on its own, and behaves as if made alone; calls of one batch
    * run concurrently, in no promised order, and their etcd transactions are group-committed together.
-   * One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer and does not fail
-   * the others. The whole batch fails only for what concerns every call: authentication, the rate limit,
-   * or more than 256 calls (INVALID_ARGUMENT).
+   * One call's error (INVALID_ARGUMENT, PERMISSION_DENIED, ...) is that call's answer, a CallError with the
+   * code, message and reason the call would have had alone (DEADLINE_EXCEEDED, CALL_DEADLINE, for a call still
+   * running when the batch's deadline passed), and does not fail the others. The whole batch fails only for
+   * what concerns every call: UNAUTHENTICATED, PRINCIPAL_MISMATCH, RATE_LIMITED (every call counts), more than
+   * 256 calls (INVALID_FIELD), or an undecodable request.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.Batch
    */
