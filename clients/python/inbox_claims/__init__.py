@@ -70,10 +70,17 @@ __all__ = [
     "guard",
 ]
 
+# Value types added after 0.1 live in inbox_claims.types only: they were never at the top level.
+_NEWER_VALUE_TYPES = frozenset({"MessageSummary"})
+
 # The names that were at the top level in 0.1 and moved: they keep working until 0.2, with a DeprecationWarning
 # that names the new place. old name -> (module, name there).
 MOVED: dict[str, tuple[str, str]] = {
-    **{name: ("inbox_claims.types", name) for name in _value_types.__all__ if name not in __all__},
+    **{
+        name: ("inbox_claims.types", name)
+        for name in _value_types.__all__
+        if name not in __all__ and name not in _NEWER_VALUE_TYPES
+    },
     **{name: ("inbox_claims.errors", name) for name in _client_errors.__all__ if name not in __all__},
     **{name: ("inbox_claims.webhooks", name) for name in _webhook_names if name not in __all__},
     "NotificationVariant": ("inbox_claims.webhooks", "NotificationVariant"),
