@@ -336,6 +336,7 @@ class CoordinatorProcess:
         empty: bool = False,
         uvloop: bool = False,
         rate_limit: float | None = None,
+        serve_args: Sequence[str] = (),
     ) -> None:
         name = f"serve-{uuid.uuid4().hex[:8]}"
         self.status_path = workdir / f"{name}.status"
@@ -354,6 +355,7 @@ class CoordinatorProcess:
             command.append("--uvloop")
         if rate_limit is not None:
             command += ["--rate-limit", str(rate_limit)]
+        command += serve_args
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         serving = self._next_status(0, timeout=30.0)

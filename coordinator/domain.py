@@ -1,4 +1,4 @@
-"""The claim state machine (DESIGN.md section 3): pure rules, no I/O, the clock passed in.
+"""The claim state machine (docs/design.md#states-of-a-subject): pure rules, no I/O, the clock passed in.
 
 Every transition is a function from what is stored now (``Stored | None``) to a ``Transition`` that says
 what to write. The store applies it with a compare-and-swap on the subject's revision, so a decision made
@@ -197,7 +197,8 @@ class Rules:
     record_bucket_ms: int = 10_000
     reply_retention_ms: int = 72 * 3600 * 1000
     delivery_retention_ms: int = 24 * 3600 * 1000
-    # How long BeginSend gives the holder to confirm or abort before the subject is reported IN_DOUBT.
+    # How long BeginSend gives the holder to confirm or abort before the subject is reported IN_DOUBT: the TTL
+    # of the etcd lease of its send marker.
     send_timeout_ms: int = 120_000
 
     def claim_expiry(self, now_ms: int, ttl_seconds: int) -> int:
@@ -208,6 +209,10 @@ class Rules:
 
     def delivery_expiry(self, now_ms: int) -> int:
         return _round_up(now_ms + self.delivery_retention_ms, self.record_bucket_ms)
+
+    def send_marker_expiry(self, now_ms: int) -> int:
+        # Only the distance from now becomes the lease's TTL, so this replica's clock offset does not matter.
+        return _round_up(now_ms + self.send_timeout_ms, self.claim_bucket_ms)
 
     def end_mark_expiry(self, now_ms: int) -> int:
         # As long as a delivery record: whether its claim ended deliberately must be known while it lives.
@@ -426,12 +431,11 @@ def abort_send(
     )
 
 
-def mark_in_doubt(current: Stored | None, *, now_ms: int) -> Transition:
-    """The sweeper's transition: a send that outlived its deadline is reported, never freed."""
-    if current is None or current.record.state is not State.SENDING:
-        return Transition(FenceResult.STALE_TOKEN)
-    deadline = current.record.send_deadline_ms
-    if deadline is None or deadline > now_ms:
+def mark_in_doubt(current: Stored | None, *, swept_revision: int) -> Transition:
+    """The sweeper's transition: a send whose send marker etcd expired is reported, never freed. The sweep saw
+    the marker gone at ``swept_revision``; a subject written since then is not judged on that sight. No clock
+    is read: the marker's lease is the deadline (docs/design.md#leases-and-expiry)."""
+    if current is None or current.record.state is not State.SENDING or current.revision > swept_revision:
         return Transition(FenceResult.STALE_TOKEN)
     return Transition(FenceResult.OK, write=replace(current.record, state=State.IN_DOUBT))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from . import domain, limits
@@ -26,7 +26,7 @@ from .domain import (
     TakeoverResult,
     Transition,
 )
-from .errors import InvalidArgument, StoreUnavailable
+from .errors import InvalidArgument, SlowConsumer, StoreUnavailable
 from .store import Change, EtcdStore, FeedLost
 
 log = logging.getLogger(__name__)
@@ -207,11 +207,15 @@ class Engine:
         _check_request_id(request_id)
         _check_subject(caller, subject)
         _check_token(token)
-        return await self._apply(
+        now = self._clock()
+        transition, after = await self.store.apply(
             subject,
-            lambda current, _end: domain.begin_send(self.rules, current, caller, token=token, now_ms=self._clock()),
+            lambda current, _end: domain.begin_send(self.rules, current, caller, token=token, now_ms=now),
+            self.rules.end_mark_expiry(now),
+            send_marker_expires_ms=self.rules.send_marker_expiry(now),
             from_recent_write=True,
         )
+        return transition.result, after
 
     async def confirm_sent(
         self, caller: Caller, *, request_id: str, subject: Subject, token: int, sent_message_id: str
@@ -381,7 +385,7 @@ class Engine:
 
     # --- watch and upkeep ----------------------------------------------------------------------------------
 
-    async def watch(self, caller: Caller, mailbox: str) -> AsyncIterator[Snapshot | Event]:
+    async def watch(self, caller: Caller, mailbox: str) -> AsyncGenerator[Snapshot | Event, None]:
         _check_mailbox(caller, mailbox)
         async with self.store.feeds.subscribe(mailbox) as queue:
             subjects, revision = await self.store.snapshot(mailbox)
@@ -389,6 +393,8 @@ class Engine:
             while True:
                 batch = await queue.get()
                 if isinstance(batch, FeedLost):
+                    if batch.slow_subscriber:
+                        raise SlowConsumer(str(batch))
                     raise StoreUnavailable(f"the watch of mailbox {mailbox!r} ended: {batch}; watch again")
                 for change in batch:
                     if change.revision <= revision:
@@ -398,12 +404,16 @@ class Engine:
                         yield Event(event_type, change)
 
     async def sweep_in_doubt(self) -> int:
-        """Moves every SENDING subject past its deadline to IN_DOUBT; returns how many it moved."""
-        now = self._clock()
+        """Moves every SENDING subject whose send marker etcd expired to IN_DOUBT; returns how many it moved."""
+        await self.store.adopt_legacy_sends(self.rules.send_marker_expiry(self._clock()))
         moved = 0
-        for subject in await self.store.due_sends(now):
+        due, swept_revision = await self.store.due_sends()
+        for subject in due:
             transition, _ = await self.store.apply(
-                subject, lambda current, _end: domain.mark_in_doubt(current, now_ms=now), self._end_mark_expiry()
+                subject,
+                lambda current, _end: domain.mark_in_doubt(current, swept_revision=swept_revision),
+                self._end_mark_expiry(),
+                marker_gone=True,
             )
             moved += transition.result is FenceResult.OK
         return moved

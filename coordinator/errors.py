@@ -41,3 +41,7 @@ class StoreUnavailable(CoordinatorError):
 
 class StoreConflict(CoordinatorError):
     """A compare-and-swap kept losing to concurrent writers; retrying later is safe."""
+
+
+class SlowConsumer(CoordinatorError):
+    """A Watch stream's client did not keep up; it must watch again and start from a fresh snapshot."""

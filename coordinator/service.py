@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -47,6 +48,7 @@ from .errors import (
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
+    SlowConsumer,
     StoreConflict,
     StoreUnavailable,
     Unauthenticated,
@@ -66,6 +68,7 @@ _STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     StoreConflict: grpc.StatusCode.ABORTED,
+    SlowConsumer: grpc.StatusCode.ABORTED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
@@ -203,6 +206,34 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: Coordinator
     if isinstance(error, ResourceExhausted):
         context.set_trailing_metadata((("retry-after-ms", _retry_after_ms(error)),))
     await context.abort(_STATUS_CODES[type(error)], str(error))
+
+
+# Writes of Watch streams that were ended for not draining, kept until gRPC completes or fails them.
+_ABANDONED_WRITES: set[asyncio.Task[None]] = set()
+
+
+def _forget_write(write: asyncio.Task[None]) -> None:
+    _ABANDONED_WRITES.discard(write)
+    if not write.cancelled():
+        write.exception()  # retrieved: a write that failed because its stream ended is expected
+
+
+async def _write_drained(context: grpc.aio.ServicerContext[Any, Any], message: Any, timeout_s: float) -> None:
+    """Writes one message of a stream and waits until gRPC has taken it. Once a client stops reading, HTTP/2
+    flow control holds the write back, so a write not done within ``timeout_s`` is a stuck reader: the stream
+    is ended (SlowConsumer). The write itself is never cancelled but kept until gRPC finishes or fails it:
+    grpc.aio drops a batch's operations when the coroutine awaiting it is cancelled while gRPC core still
+    holds them (grpc/grpc#43360), the crash described in docs/reliability.md, "Slow watchers"."""
+    write = asyncio.ensure_future(context.write(message))
+    done, _ = await asyncio.wait((write,), timeout=timeout_s)
+    if not done:
+        _ABANDONED_WRITES.add(write)
+        write.add_done_callback(_forget_write)
+        raise SlowConsumer(
+            f"this watcher did not read its stream for {timeout_s:g} s (the server's watch drain timeout) and "
+            "fell behind; watch again: a new Watch starts from a fresh snapshot"
+        )
+    write.result()
 
 
 def _retry_after_ms(error: ResourceExhausted) -> str:
@@ -422,9 +453,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     Takeover = _unary(_takeover)
     ResolveInDoubt = _unary(_resolve_in_doubt)
 
-    async def Watch(
+    # The generated base declares a response iterator; a handler that writes with context.write returns None.
+    async def Watch(  # type: ignore[override]
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[pb.WatchResponse]:
+    ) -> None:
+        # Written with context.write, not as an async generator: a generator's messages are written by gRPC,
+        # which gives no way to bound how long one write may wait for a client that stopped reading.
         try:
             caller = self._authenticate(context)
             if not self._watches.acquire(caller.principal):
@@ -433,19 +467,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     "close one first",
                     1.0,
                 )
-            try:
-                async for item in self._engine.watch(caller, request.mailbox):
+            # The slot is held until the call is over for gRPC, not just for this handler: a stream ended for
+            # being slow still holds buffers until its client reads its status or goes away.
+            # grpc-stubs declare the callback type as a class, where any callable of the context will do.
+            context.add_done_callback(lambda _context: self._watches.release(caller.principal))  # type: ignore[arg-type]
+            async with contextlib.aclosing(self._engine.watch(caller, request.mailbox)) as items:
+                async for item in items:
                     if isinstance(item, Snapshot):
-                        yield pb.WatchResponse(
+                        message = pb.WatchResponse(
                             snapshot=pb.WatchSnapshot(
                                 subjects=[status_out(subject, stored) for subject, stored in item.subjects],
                                 revision=item.revision,
                             )
                         )
                     else:
-                        yield pb.WatchResponse(event=event_out(item))
-            finally:
-                self._watches.release(caller.principal)
+                        message = pb.WatchResponse(event=event_out(item))
+                    await _write_drained(context, message, self.quotas.watch_drain_timeout_s)
+        except SlowConsumer as error:
+            # Not context.abort(): it awaits sending the status, which waits behind the write the client is not
+            # reading, and an awaited gRPC batch must never be left to be cancelled (see _write_drained). Set
+            # here, the status goes out after the buffered messages, when the client reads or goes away.
+            context.set_code(_STATUS_CODES[SlowConsumer])
+            context.set_details(str(error))
         except CoordinatorError as error:
             await _abort(context, error)
 

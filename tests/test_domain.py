@@ -65,15 +65,17 @@ def test_begin_send_is_the_fenced_commit_point() -> None:
     assert (again.result, again.write) == (FenceResult.OK, None)
 
 
-def test_in_doubt_only_after_the_deadline() -> None:
+def test_in_doubt_only_on_what_the_sweep_saw_and_never_from_a_clock() -> None:
     begun = domain.begin_send(RULES, _claimed(), AGENT, token=10, now_ms=NOW).write
     assert begun is not None
     sending = Stored(begun, token=10, revision=11)
-    assert domain.mark_in_doubt(sending, now_ms=NOW + 59_999).write is None
-    doubt = domain.mark_in_doubt(sending, now_ms=NOW + 60_000).write
+    # The sweep saw the send marker gone at revision 10: the subject was written after that, so not judged.
+    assert domain.mark_in_doubt(sending, swept_revision=10).write is None
+    doubt = domain.mark_in_doubt(sending, swept_revision=11).write
     assert doubt is not None
     assert doubt.state is State.IN_DOUBT
     assert doubt.expires_ms is None
+    assert domain.mark_in_doubt(_claimed(), swept_revision=99).write is None
 
 
 def test_release_after_begin_send_is_refused() -> None:

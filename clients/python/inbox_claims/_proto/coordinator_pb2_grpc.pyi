@@ -89,6 +89,12 @@ class CoordinatorStub:
     """Streams one mailbox: first a snapshot of every subject that is not FREE, then every transition in the
     order etcd committed it. The stream ends with UNAVAILABLE when the coordinator shuts down or loses its
     watch on etcd; clients reconnect and receive a fresh snapshot.
+    A client that stops reading is cut off: when one message has waited longer than the server's watch
+    drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
+    changes behind, the stream ends with ABORTED and a message saying to watch again. ABORTED, not
+    RESOURCE_EXHAUSTED: nothing is wrong with the caller's quota, and retrying after a pause does not
+    help; the answer is to restart at a higher level, a new Watch with a fresh snapshot, since the events
+    missed are gone. The status reaches the client after the messages already buffered for it.
     """
     Takeover: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
@@ -151,6 +157,12 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Streams one mailbox: first a snapshot of every subject that is not FREE, then every transition in the
     order etcd committed it. The stream ends with UNAVAILABLE when the coordinator shuts down or loses its
     watch on etcd; clients reconnect and receive a fresh snapshot.
+    A client that stops reading is cut off: when one message has waited longer than the server's watch
+    drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
+    changes behind, the stream ends with ABORTED and a message saying to watch again. ABORTED, not
+    RESOURCE_EXHAUSTED: nothing is wrong with the caller's quota, and retrying after a pause does not
+    help; the answer is to restart at a higher level, a new Watch with a fresh snapshot, since the events
+    missed are gone. The status reaches the client after the messages already buffered for it.
     """
     Takeover: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]  # type: ignore[assignment]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
@@ -270,6 +282,12 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """Streams one mailbox: first a snapshot of every subject that is not FREE, then every transition in the
         order etcd committed it. The stream ends with UNAVAILABLE when the coordinator shuts down or loses its
         watch on etcd; clients reconnect and receive a fresh snapshot.
+        A client that stops reading is cut off: when one message has waited longer than the server's watch
+        drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
+        changes behind, the stream ends with ABORTED and a message saying to watch again. ABORTED, not
+        RESOURCE_EXHAUSTED: nothing is wrong with the caller's quota, and retrying after a pause does not
+        help; the answer is to restart at a higher level, a new Watch with a fresh snapshot, since the events
+        missed are gone. The status reaches the client after the messages already buffered for it.
         """
 
     @_abc_1.abstractmethod
