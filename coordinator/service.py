@@ -10,7 +10,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -208,32 +208,52 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: Coordinator
     await context.abort(_STATUS_CODES[type(error)], str(error))
 
 
-# Writes of Watch streams that were ended for not draining, kept until gRPC completes or fails them.
-_ABANDONED_WRITES: set[asyncio.Task[None]] = set()
+class _DrainWatch:
+    """Notices a Watch stream whose client stopped reading. Once it does, HTTP/2 flow control holds the stream's
+    write back; a write still not taken by gRPC after ``timeout_s`` marks the stream slow and closes its feed
+    (so no more events are queued or converted for it), and the stream then ends with ABORTED.
 
+    The write itself is awaited plainly and never cancelled: grpc.aio drops a batch's operations when the
+    coroutine awaiting it is cancelled while gRPC core still holds them (grpc/grpc#43360), the crash described
+    in docs/reliability.md, "Slow watchers". One guard task per stream checks the write's age four times per
+    timeout, so a healthy stream's writes cost nothing extra."""
 
-def _forget_write(write: asyncio.Task[None]) -> None:
-    _ABANDONED_WRITES.discard(write)
-    if not write.cancelled():
-        write.exception()  # retrieved: a write that failed because its stream ended is expected
+    def __init__(self, timeout_s: float, feed: AsyncGenerator[Any, None], who: str) -> None:
+        self.timeout_s = timeout_s
+        self._who = who
+        self.slow = False
+        self._feed = feed
+        self._writing_since: float | None = None
 
+    async def write(self, context: grpc.aio.ServicerContext[Any, Any], message: Any) -> None:
+        loop = asyncio.get_running_loop()
+        self._writing_since = loop.time()
+        try:
+            await context.write(message)
+        finally:
+            self._writing_since = None
+        self.raise_if_slow()
 
-async def _write_drained(context: grpc.aio.ServicerContext[Any, Any], message: Any, timeout_s: float) -> None:
-    """Writes one message of a stream and waits until gRPC has taken it. Once a client stops reading, HTTP/2
-    flow control holds the write back, so a write not done within ``timeout_s`` is a stuck reader: the stream
-    is ended (SlowConsumer). The write itself is never cancelled but kept until gRPC finishes or fails it:
-    grpc.aio drops a batch's operations when the coroutine awaiting it is cancelled while gRPC core still
-    holds them (grpc/grpc#43360), the crash described in docs/reliability.md, "Slow watchers"."""
-    write = asyncio.ensure_future(context.write(message))
-    done, _ = await asyncio.wait((write,), timeout=timeout_s)
-    if not done:
-        _ABANDONED_WRITES.add(write)
-        write.add_done_callback(_forget_write)
-        raise SlowConsumer(
-            f"this watcher did not read its stream for {timeout_s:g} s (the server's watch drain timeout) and "
-            "fell behind; watch again: a new Watch starts from a fresh snapshot"
-        )
-    write.result()
+    def raise_if_slow(self) -> None:
+        if self.slow:
+            raise SlowConsumer(
+                f"this watcher did not read its stream for {self.timeout_s:g} s (the server's watch drain timeout) "
+                "and missed events; watch again: a new Watch starts from a fresh snapshot"
+            )
+
+    async def guard(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.timeout_s / 4)
+            since = self._writing_since
+            if since is not None and loop.time() - since >= self.timeout_s:
+                self.slow = True
+                log.warning(
+                    "%s: no write taken for %g s, the client stopped reading; cut off", self._who, self.timeout_s
+                )
+                # The feed is suspended at its yield while the handler waits in write: closing it unsubscribes.
+                await self._feed.aclose()
+                return
 
 
 def _retry_after_ms(error: ResourceExhausted) -> str:
@@ -472,20 +492,30 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             # grpc-stubs declare the callback type as a class, where any callable of the context will do.
             context.add_done_callback(lambda _context: self._watches.release(caller.principal))  # type: ignore[arg-type]
             async with contextlib.aclosing(self._engine.watch(caller, request.mailbox)) as items:
-                async for item in items:
-                    if isinstance(item, Snapshot):
-                        message = pb.WatchResponse(
-                            snapshot=pb.WatchSnapshot(
-                                subjects=[status_out(subject, stored) for subject, stored in item.subjects],
-                                revision=item.revision,
+                drain = _DrainWatch(
+                    self.quotas.watch_drain_timeout_s,
+                    items,
+                    f"Watch of mailbox {request.mailbox!r} by {caller.principal!r}",
+                )
+                guard = asyncio.create_task(drain.guard(), name="watch drain guard")
+                try:
+                    async for item in items:
+                        if isinstance(item, Snapshot):
+                            message = pb.WatchResponse(
+                                snapshot=pb.WatchSnapshot(
+                                    subjects=[status_out(subject, stored) for subject, stored in item.subjects],
+                                    revision=item.revision,
+                                )
                             )
-                        )
-                    else:
-                        message = pb.WatchResponse(event=event_out(item))
-                    await _write_drained(context, message, self.quotas.watch_drain_timeout_s)
+                        else:
+                            message = pb.WatchResponse(event=event_out(item))
+                        await drain.write(context, message)
+                finally:
+                    guard.cancel()
+                drain.raise_if_slow()
         except SlowConsumer as error:
-            # Not context.abort(): it awaits sending the status, which waits behind the write the client is not
-            # reading, and an awaited gRPC batch must never be left to be cancelled (see _write_drained). Set
+            # Not context.abort(): it awaits sending the status, which waits behind the messages the client is
+            # not reading, and an awaited gRPC batch must never be left to be cancelled (see _DrainWatch). Set
             # here, the status goes out after the buffered messages, when the client reads or goes away.
             context.set_code(_STATUS_CODES[SlowConsumer])
             context.set_details(str(error))

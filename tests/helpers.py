@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import subprocess
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -182,3 +186,40 @@ async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
     except grpc.aio.AioRpcError as error:
         return error
     raise AssertionError("the call succeeded; an error status was expected")
+
+
+@contextlib.contextmanager
+def serve_process(*flags: str, env: Mapping[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """``inbox-coordinator serve`` in a process of its own (with ``env`` added to its environment), once it says
+    it serves; stopped with SIGTERM after, and it must then exit 0 (a crash shows as a signal)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "serve", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    assert process.stdout is not None
+    seen = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        seen.append(line)
+        if not line or "serving gRPC on" in line:
+            break
+    if "serving gRPC on" not in "".join(seen):
+        process.kill()
+        process.wait()
+        process.stdout.close()
+        raise AssertionError("the coordinator did not start:\n" + "".join(seen))
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+        assert process.returncode == 0, f"the coordinator exited with {process.returncode}"

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,12 +17,13 @@ from coordinator.etcd_process import EtcdServer, free_port
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
-from .helpers import Actor, eventually, message
+from .helpers import Actor, eventually, message, serve_process
 
 HANGING = 200
 STREAMS_PER_CONNECTION = 100
 NOTE = "x" * 1000  # big events fill a stuck stream's HTTP/2 window sooner
-DRAIN_TIMEOUT_S = 1.0
+DRAIN_TIMEOUT_S = 3.0
+SUBSCRIBERS_GAUGE = "inbox_coordinator_watch_subscribers "
 
 
 def _rss_bytes(pid: int) -> int:
@@ -39,48 +36,17 @@ def _rss_bytes(pid: int) -> int:
 @pytest.fixture
 def coordinator_process(etcd: EtcdServer, prefix: str) -> Iterator[tuple[str, int, str]]:
     port, metrics_port = free_port(), free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
-            "serve",
-            f"--listen=127.0.0.1:{port}",
-            f"--etcd-endpoints={etcd.endpoint}",
-            f"--etcd-prefix={prefix}",
-            "--max-watches=256",
-            f"--watch-drain-timeout={DRAIN_TIMEOUT_S}s",
-            "--rate-limit=0",
-            f"--metrics-listen=127.0.0.1:{metrics_port}",
-            "--log-level=warning",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert process.stdout is not None
-    deadline = time.monotonic() + 30
-    seen = []
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        seen.append(line)
-        if not line or "serving gRPC on" in line:
-            break
-    if "serving gRPC on" not in "".join(seen):
-        process.kill()
-        raise AssertionError("the coordinator did not start:\n" + "".join(seen))
-    try:
+    with serve_process(
+        f"--listen=127.0.0.1:{port}",
+        f"--etcd-endpoints={etcd.endpoint}",
+        f"--etcd-prefix={prefix}",
+        "--max-watches=256",
+        f"--watch-drain-timeout={DRAIN_TIMEOUT_S}s",
+        "--rate-limit=0",
+        f"--metrics-listen=127.0.0.1:{metrics_port}",
+        "--log-level=warning",
+    ) as process:
         yield f"127.0.0.1:{port}", process.pid, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        # A crash (the segfault this guards against) would show as a negative exit code.
-        assert process.returncode == 0, f"the coordinator exited with {process.returncode}"
 
 
 async def _read_snapshot(call: grpc.aio.UnaryStreamCall[pb.WatchRequest, pb.WatchResponse]) -> None:
@@ -142,7 +108,7 @@ async def test_slow_watchers_are_ended_with_aborted_while_a_reading_watcher_and_
         reader = asyncio.create_task(read_healthy())
         made = 0
         rss_peak = rss_start
-        ended = asyncio.create_task(_slow_streams_ended(metrics_url, HANGING))
+        ended = asyncio.create_task(_slow_streams_ended(metrics_url, watching=HANGING + 1, still_watching=1))
         # Claims flow until every slow stream is ended; each claim and release is an event for every watcher.
         async with asyncio.timeout(120):
             while not ended.done():
@@ -177,13 +143,22 @@ async def test_slow_watchers_are_ended_with_aborted_while_a_reading_watcher_and_
         again.cancel()
 
 
-async def _slow_streams_ended(metrics_url: str, count: int) -> None:
-    """Until the coordinator has ended ``count`` Watch streams with ABORTED (its rpcs_total counter): the
-    clients cannot tell without reading, since the status waits behind the data their windows hold back."""
-    while True:
-        page = await asyncio.to_thread(lambda: urllib.request.urlopen(metrics_url, timeout=5).read().decode())
-        for line in page.splitlines():
-            watch_aborted = line.startswith("inbox_coordinator_rpcs_total{") and 'method="Watch"' in line
-            if watch_aborted and "aborted" in line and float(line.rsplit(" ", 1)[1]) >= count:
-                return
-        await asyncio.sleep(0.2)
+async def _watch_subscribers(metrics_url: str) -> float:
+    """The coordinator's watch_subscribers gauge (refreshed every second)."""
+    page = await asyncio.to_thread(lambda: urllib.request.urlopen(metrics_url, timeout=5).read().decode())
+    return next(float(line.split()[1]) for line in page.splitlines() if line.startswith(SUBSCRIBERS_GAUGE))
+
+
+async def _slow_streams_ended(metrics_url: str, watching: int, still_watching: int) -> None:
+    """Once the gauge has seen all ``watching`` subscribers: until the coordinator has cut the slow streams off
+    its mailbox feeds, leaving ``still_watching``. The clients cannot tell without reading: the ABORTED status
+    waits behind the messages their windows hold back."""
+
+    async def all_seen() -> bool:
+        return await _watch_subscribers(metrics_url) >= watching
+
+    async def cut_off() -> bool:
+        return await _watch_subscribers(metrics_url) <= still_watching
+
+    await eventually(all_seen, within=30, interval=0.2)
+    await eventually(cut_off, within=120, interval=0.2)
