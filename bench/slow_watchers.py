@@ -185,6 +185,7 @@ async def _round(
             settling = _Case(f"  first {options.settle:g} s of them")
             await _other_callers(coordinator.address, mailbox, options.clients, options.rate, options.settle, settling)
             case.settling_p99 = percentile(sorted(settling.latencies_ms), 99)
+            case.expected_events += settling.expected_events
         expected_before = case.expected_events
         await _other_callers(coordinator.address, mailbox, options.clients, options.rate, options.seconds, case)
         sampler.cancel()

@@ -162,12 +162,20 @@ def _translate(error: grpc.aio.AioRpcError) -> StoreUnavailable:
     code = error.code()
     detail = error.details() or ""
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return StoreUnavailable(f"etcd refused the write: {detail} (is its storage quota alarm raised?)")
+        return StoreUnavailable(
+            f"etcd refused the write: {detail}; its storage quota is full (NOSPACE alarm) and every write waits "
+            'for an operator to free space (docs/operations.md, "etcd quota full"); reads still answer'
+        )
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return StoreUnavailable(f"etcd refused our credentials ({code.name}: {detail}); check the etcd user and role")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return StoreUnavailable(f"etcd is unavailable ({code.name}: {detail}); retry with the same request id")
     return StoreUnavailable(f"etcd failed the request ({code.name}: {detail})")
+
+
+def _is_quota_full(error: StoreUnavailable) -> bool:
+    cause = error.__cause__
+    return isinstance(cause, grpc.aio.AioRpcError) and cause.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def _is_lease_not_found(error: grpc.aio.AioRpcError) -> bool:
@@ -373,6 +381,13 @@ class EtcdStore:
         response = await self._call(self._maintenance.Status, rpc.StatusRequest())
         return str(response.version)
 
+    async def alarms(self) -> list[str]:
+        """etcd's raised alarms (NOSPACE, CORRUPT), by name."""
+        response = await self._call(
+            self._maintenance.Alarm, rpc.AlarmRequest(action=rpc.AlarmRequest.GET, memberID=0, alarm=rpc.NONE)
+        )
+        return sorted({rpc.AlarmType.Name(alarm.alarm) for alarm in response.alarms})
+
     async def current_revision(self) -> int:
         response = await self._call(self._kv.Range, rpc.RangeRequest(key=self.keys.sending_family(), count_only=True))
         return int(response.header.revision)
@@ -403,8 +418,23 @@ class EtcdStore:
             return await self._txn(compare, success, failure, writes)
 
         writes = frozenset((subject_key,) if delivery_key is None else (subject_key, delivery_key))
-        response = await self._with_leases(attempt)
-        if response.succeeded:
+        wrote = True
+        try:
+            response = await self._with_leases(attempt)
+        except StoreUnavailable as error:
+            if not _is_quota_full(error):
+                raise
+            # etcd refuses a transaction that could write, whatever its compare would say. What stands in the
+            # way is still readable: a subject that is replied to or held, or a known delivery, is answered.
+            reads = [_op_get(subject_key)]
+            if delivery_key is not None:
+                reads += [_op_get(delivery_key), _op_get(self.keys.end_mark(subject))]
+            response, wrote = await self._txn([], reads, [], frozenset()), False
+            if _first_kv(response.responses[0]) is None and (
+                delivery_key is None or _first_kv(response.responses[1]) is None
+            ):
+                raise
+        if wrote and response.succeeded:
             revision = response.header.revision
             created = Stored(record, token=revision, revision=revision)
             self._remember(subject_key, created)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
 
+from chaos.common import skewed_clock_env
 from coordinator.etcd_process import EtcdServer, free_port
 from inbox_claims._proto import coordinator_pb2 as pb
 
@@ -22,26 +22,6 @@ CLAIM_TTL_S = 4
 # What may come on top of a lease's TTL: the 1 s expiry bucket, etcd's lease checking, the 0.5 s sweep.
 LATE_BY_S = 4.0
 SKEW = "5m"
-
-# Debian's faketime package; the library is preloaded into the coordinator process itself (the faketime
-# command would stand between the test and the process, and not pass SIGTERM on).
-LIBFAKETIME = next(
-    (
-        path
-        for path in (
-            Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"),
-            Path("/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1"),
-            Path("/usr/lib/faketime/libfaketime.so.1"),
-        )
-        if path.exists()
-    ),
-    None,
-)
-
-
-def _skewed(offset: str) -> dict[str, str]:
-    assert LIBFAKETIME is not None, "libfaketime is missing: apt install faketime"
-    return {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": offset}
 
 
 @pytest.fixture
@@ -61,8 +41,8 @@ async def replicas(etcd: EtcdServer, prefix: str) -> AsyncIterator[tuple[grpc.ai
         ]
 
     with (
-        serve_process(*flags(fast_port), env=_skewed(f"+{SKEW}")),
-        serve_process(*flags(slow_port), env=_skewed(f"-{SKEW}")),
+        serve_process(*flags(fast_port), env=skewed_clock_env(f"+{SKEW}")),
+        serve_process(*flags(slow_port), env=skewed_clock_env(f"-{SKEW}")),
     ):
         async with (
             grpc.aio.insecure_channel(f"127.0.0.1:{fast_port}") as fast,
