@@ -276,8 +276,9 @@ def is_duplicate_delivery(
     end: EndMark | None,
     caller: Caller,
     request_id: str,
+    delivery_revision: int,
 ) -> bool:
-    """Whether a notification recorded earlier must be dropped now.
+    """Whether a notification recorded earlier (at etcd revision ``delivery_revision``) must be dropped now.
 
     Not when it is this very request's retry. Otherwise yes while its subject is held or replied, and when
     the claim it led to was ended by a call (released, aborted, taken over, resolved) since it was recorded.
@@ -289,7 +290,9 @@ def is_duplicate_delivery(
         return False
     if current is not None or delivery.subject != subject:
         return True
-    return end is not None and end.settles_delivery and end.at_ms >= delivery.recorded_ms
+    # "Since it was recorded" by revisions, not by the two records' timestamps: those come from the clocks of
+    # the replicas that wrote them. The claim an end mark ended was created at its token.
+    return end is not None and end.settles_delivery and end.token >= delivery_revision
 
 
 def claim_conflict(current: Stored, caller: Caller, request_id: str) -> ClaimResult:

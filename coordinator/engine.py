@@ -152,7 +152,7 @@ class Engine:
         if attempt.created is not None:
             return ClaimOutcome(ClaimResult.GRANTED, attempt.created)
         if attempt.delivery is not None and domain.is_duplicate_delivery(
-            attempt.delivery, subject, attempt.current, attempt.end, caller, request_id
+            attempt.delivery, subject, attempt.current, attempt.end, caller, request_id, attempt.delivery_revision
         ):
             return ClaimOutcome(ClaimResult.DUPLICATE_DELIVERY, None, attempt.delivery)
         if attempt.current is None:

@@ -76,6 +76,8 @@ class ClaimAttempt:
     delivery: DeliveryRecord | None
     # Why the subject was last freed by a call, when it is free (read only when a delivery was given).
     end: EndMark | None = None
+    # The etcd revision at which ``delivery`` was recorded.
+    delivery_revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,34 +189,41 @@ class _LeaseBuckets:
 
     A LeaseGrant costs as much as a transaction; a lease per claim would halve throughput. Keys are put
     with the lease of their (rounded-up) expiry, so the hot path grants at most once per bucket.
+
+    Only the distance from now to an expiry counts, and buckets are kept on the monotonic clock: a step of the
+    wall clock (NTP, a VM resumed) must not hand a new claim a lease granted minutes earlier for another instant.
     """
 
-    def __init__(self, grant: Callable[[int], Awaitable[int]], clock: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        grant: Callable[[int], Awaitable[int]],
+        clock: Callable[[], int],
+        monotonic_ms: Callable[[], int] = lambda: time.monotonic_ns() // 1_000_000,
+    ) -> None:
         self._grant = grant
         self._clock = clock
+        self._monotonic_ms = monotonic_ms
         self._leases: dict[int, asyncio.Future[int]] = {}
 
     async def lease_for(self, expires_ms: int) -> int:
-        future = self._leases.get(expires_ms)
+        now = self._monotonic_ms()
+        bucket = _round_up(now + expires_ms - self._clock(), 1000)
+        future = self._leases.get(bucket)
         if future is None or (future.done() and future.exception() is not None):
             future = asyncio.get_running_loop().create_future()
-            self._leases[expires_ms] = future
-            self._forget_past()
+            self._leases[bucket] = future
+            self._forget_past(now)
             try:
-                ttl = max(1, math.ceil((expires_ms - self._clock()) / 1000))
+                ttl = max(1, math.ceil((bucket - now) / 1000))
                 future.set_result(await self._grant(ttl))
             except BaseException as exc:
-                del self._leases[expires_ms]
+                del self._leases[bucket]
                 future.set_exception(exc)
                 future.exception()  # mark retrieved: the other waiters re-raise it themselves
                 raise
         return await asyncio.shield(future)
 
-    def forget(self, expires_ms: int) -> None:
-        self._leases.pop(expires_ms, None)
-
-    def _forget_past(self) -> None:
-        now = self._clock()
+    def _forget_past(self, now: int) -> None:
         for expiry in [e for e in self._leases if e < now]:
             del self._leases[expiry]
 
@@ -449,6 +458,7 @@ class EtcdStore:
             if delivery is not None and delivery_kv is not None
             else None,
             _codec.decode_end_mark(end_kv.value) if end_kv is not None else None,
+            delivery_kv.mod_revision if delivery_kv is not None else 0,
         )
 
     async def record_delivery(self, delivery: DeliveryRecord, expires_ms: int) -> DeliveryRecord | None:

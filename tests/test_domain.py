@@ -15,6 +15,8 @@ from coordinator.domain import (
     Rules,
     State,
     Stored,
+    Subject,
+    SubjectKind,
 )
 from coordinator.errors import FailedPrecondition, PermissionDenied
 from coordinator.limits import Limits
@@ -121,3 +123,16 @@ def test_classify_change_names_every_transition() -> None:
     # A mark left from an earlier claim of the subject does not explain this deletion.
     assert domain.classify_change(claimed, None, mark(EndReason.RELEASED, token=3)) is EventType.EXPIRED
     assert domain.classify_change(None, None, None) is None
+
+
+def test_a_delivery_is_settled_by_an_end_mark_of_a_later_claim_whatever_the_clocks_said() -> None:
+    subject = Subject("mb", SubjectKind.MESSAGE, "m-1")
+    other = Caller("agent-b", HolderKind.AGENT)
+    # Recorded at revision 50 by a replica whose clock ran 5 minutes fast.
+    delivery = domain.new_delivery(
+        AGENT, mailbox="mb", notification_id="n-1", request_id="r-1", now_ms=NOW + 300_000, subject=subject
+    )
+    released = EndMark(EndReason.RELEASED, "agent-a", 50, "agent-a", "r-2", NOW)  # the claim of revision 50
+    older = EndMark(EndReason.RELEASED, "agent-a", 40, "agent-a", "r-0", NOW + 600_000)  # a claim before it
+    assert domain.is_duplicate_delivery(delivery, subject, None, released, other, "r-3", delivery_revision=50)
+    assert not domain.is_duplicate_delivery(delivery, subject, None, older, other, "r-3", delivery_revision=50)
