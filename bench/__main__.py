@@ -68,7 +68,7 @@ QUICK: dict[str, list[str]] = {
     "dedup": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
     "cycle": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
     "watch": ["--watchers", "50", "--events", "5", "--rounds", "1"],
-    "slow-watchers": ["--hanging", "20", "--clients", "4", "--seconds", "0.5", "--rounds", "1"],
+    "slow-watchers": ["--hanging", "20", "--clients", "4", "--seconds", "0.5", "--rounds", "1", "--settle", "1"],
     "memory": ["--claims", "1000", "--mailboxes", "20", "--watchers", "50"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
