@@ -1,4 +1,5 @@
-"""python -m bench {claims,contended,dedup,cycle,watch,memory,embedded-db,profile,all} [options]; each --help says more.
+"""python -m bench {claims,contended,dedup,cycle,watch,slow-watchers,http,memory,embedded-db,profile,all} [options];
+each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
 temporary directory, measures a baseline in the same run, and prints ratios against it.
@@ -12,7 +13,7 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims, embedded_db, http, memory, profile, watch
+from . import calls, claims, embedded_db, http, memory, profile, slow_watchers, watch
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -48,6 +49,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         http.add_arguments,
         http.run,
     ),
+    "slow-watchers": (
+        "other callers' p99 and coordinator RSS while 200 Watch streams of one principal never read",
+        slow_watchers.add_arguments,
+        slow_watchers.run,
+    ),
     "memory": (
         "coordinator RSS with 100,000 live claims and 1,000 watchers; claim cost as claims pile up",
         memory.add_arguments,
@@ -73,6 +79,7 @@ QUICK: dict[str, list[str]] = {
     "dedup": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
     "cycle": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
     "watch": ["--watchers", "50", "--events", "5", "--rounds", "1"],
+    "slow-watchers": ["--hanging", "20", "--clients", "4", "--seconds", "0.5", "--rounds", "1", "--settle", "1"],
     "memory": ["--claims", "1000", "--mailboxes", "20", "--watchers", "50"],
     "embedded-db": ["--cycles", "2000", "--subjects", "500"],
     "http": ["--watchers", "20", "--events", "3", "--calls", "100", "--rounds", "1"],

@@ -337,6 +337,7 @@ class CoordinatorProcess:
         uvloop: bool = False,
         rate_limit: float | None = None,
         http: bool = False,
+        serve_args: Sequence[str] = (),
     ) -> None:
         name = f"serve-{uuid.uuid4().hex[:8]}"
         self.status_path = workdir / f"{name}.status"
@@ -357,6 +358,7 @@ class CoordinatorProcess:
             command += ["--rate-limit", str(rate_limit)]
         if http:
             command += ["--http-listen", f"127.0.0.1:{free_port()}"]
+        command += serve_args
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         serving = self._next_status(0, timeout=30.0)

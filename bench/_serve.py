@@ -63,7 +63,7 @@ async def _serve_coordinator(options: argparse.Namespace, status: _StatusFile) -
         max_batch=options.max_batch,
         max_batches_in_flight=options.in_flight,
     )
-    quotas = QuotaSettings(calls_per_second=options.rate_limit)
+    quotas = QuotaSettings(calls_per_second=options.rate_limit, max_watches=options.max_watches)
     server = CoordinatorServer(
         ServerSettings(etcd, listen=options.listen, quotas=quotas, http_listen=options.http_listen)
     )
@@ -111,6 +111,7 @@ def main() -> int:
         default=QuotaSettings.calls_per_second,
         help="calls/s per principal, 0 = off (default %(default)s, as inbox-coordinator serve)",
     )
+    parser.add_argument("--max-watches", type=int, default=QuotaSettings.max_watches, help="per principal")
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's own loop")
     parser.add_argument("--http-listen", default="", help="HOST:PORT for the HTTP/JSON face (default: none)")
     parser.add_argument("--log-level", default="WARNING")

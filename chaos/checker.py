@@ -152,8 +152,17 @@ def check(record: RunRecord) -> Report:
     # -- a killed holder's claim frees within TTL + bound, never before its TTL ----------------------------------
     measures = [m for f in record.faults if f["kind"] == "agent_kill" for m in f["details"].get("measures", [])]
     ttl = float(record.config.get("ttl", 5))
-    free_stats = _free_stats(measures, violations, record.leader_changes, ttl)
+    # A coordinator with a skewed clock states expires_at off by its skew (the lease, not that stamp, decides:
+    # tests/test_clock_skew.py checks expiry under skew). Stamps from inside a clock_skew fault are not judged.
+    skewed = [
+        (float(f["started"]), float(f["ended"] or f["started"]) + ttl + LEASE_BUCKET_S)
+        for f in record.faults
+        if f["kind"] == "clock_skew"
+    ]
+    free_stats = _free_stats(measures, violations, record.leader_changes + _times_within(skewed), ttl)
     for early in record.early_expiries:
+        if any(start <= float(early["seen_at"]) <= end for start, end in skewed):
+            continue
         violations.append(
             Violation(
                 "early_free",
@@ -169,6 +178,17 @@ def check(record: RunRecord) -> Report:
     report = Report(violations, errors, stats, "")
     report.table = render(record, report)
     return report
+
+
+def _times_within(windows: list[tuple[float, float]], step: float = 0.25) -> list[float]:
+    """Instants covering each window, to excuse what overlaps it the way a leader change is excused."""
+    times: list[float] = []
+    for start, end in windows:
+        t = start
+        while t <= end:
+            times.append(t)
+            t += step
+    return times
 
 
 def _free_stats(
@@ -317,7 +337,7 @@ def render(record: RunRecord, report: Report) -> str:
         _row(
             "claim freed after holder SIGKILL",
             f"{free['measured']} measured, max {free['max_latency_s']} s after expiry (bound {free['bound_s']} s), "
-            f"{free['excused_leader_change']} excused by an etcd leader change "
+            f"{free['excused_leader_change']} excused by an etcd leader change or a clock_skew fault "
             f"(max {free['excused_max_latency_s']} s), "
             f"not measured {free['not_measured']}",
         ),

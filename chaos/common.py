@@ -91,6 +91,22 @@ def child_argv(argv: Sequence[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "KILL", "--", *argv]
 
 
+LIBFAKETIME_PLACES = (
+    Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"),
+    Path("/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1"),
+    Path("/usr/lib/faketime/libfaketime.so.1"),
+)
+
+
+def skewed_clock_env(offset: str) -> dict[str, str]:
+    """Environment that makes a process's clocks run ``offset`` (e.g. "+5m", "-5m") off: Debian's libfaketime,
+    preloaded into the process itself (the ``faketime`` command would stand between it and its signals)."""
+    library = next((path for path in LIBFAKETIME_PLACES if path.exists()), None)
+    if library is None:
+        raise RuntimeError("libfaketime is missing: apt install faketime")
+    return {"LD_PRELOAD": str(library), "FAKETIME": offset}
+
+
 def python_module_argv(module: str, *args: str) -> list[str]:
     return child_argv([sys.executable, "-m", module, *args])
 

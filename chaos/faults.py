@@ -9,7 +9,9 @@ Two lanes run side by side, each one fault at a time with a random gap between f
   no etcd fault overlaps a claim-free measurement.
 * lane **process**: ``coordinator_kill`` (SIGKILL one coordinator, restart it), ``agent_pause`` (SIGSTOP an agent
   that holds claims for longer than its TTL, redeliver its notifications to other agents meanwhile, SIGCONT:
-  the GC-pause case, whose late sends must be fenced).
+  the GC-pause case, whose late sends must be fenced), ``clock_skew`` (restart one coordinator with its clocks
+  5 minutes fast or slow, under libfaketime, for a while, then without: no decision may depend on a replica's
+  wall clock, so sends and claims keep their guarantees while its clock disagrees with the other's).
 
 Each lane first runs every kind it has once, in a seeded order (so a short run covers them all), then draws
 kinds at random until the fault window closes. Durations and targets come from the lane's seeded generator;
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from .harness import World
 
 CLUSTER_LANE = ("etcd_kill", "etcd_leader_kill", "etcd_slow", "etcd_partition", "agent_kill")
-PROCESS_LANE = ("coordinator_kill", "agent_pause")
+PROCESS_LANE = ("coordinator_kill", "agent_pause", "clock_skew")
 ALL_KINDS = CLUSTER_LANE + PROCESS_LANE
 
 LEASE_BUCKET_S = 1.0
@@ -161,6 +163,21 @@ async def coordinator_kill(world: World, rng: random.Random, record: FaultRecord
     await world.start_coordinator(index)
 
 
+async def clock_skew(world: World, rng: random.Random, record: FaultRecord) -> None:
+    index = rng.randrange(len(world.coordinators))
+    offset = rng.choice(("+5m", "-5m"))
+    duration = rng.uniform(10.0, 20.0)
+    record.target = f"coordinator-{index}"
+    record.details.update(offset=offset, duration_s=round(duration, 2))
+    await world.kill_coordinator(index)
+    await world.start_coordinator(index, clock_offset=offset)
+    try:
+        await asyncio.sleep(duration)
+    finally:
+        await world.kill_coordinator(index)
+        await world.start_coordinator(index)
+
+
 async def agent_pause(world: World, rng: random.Random, record: FaultRecord) -> None:
     """The GC pause: stopped past its TTL while holding claims; its notifications go to others meanwhile."""
     agent = await world.agent_with_claims(rng)
@@ -210,6 +227,7 @@ INJECT = {
     "agent_kill": agent_kill,
     "coordinator_kill": coordinator_kill,
     "agent_pause": agent_pause,
+    "clock_skew": clock_skew,
 }
 
 

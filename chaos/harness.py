@@ -48,7 +48,15 @@ from inbox_claims.testing import sign_nylas
 from inbox_claims.types import EventType, SubjectKind, WatchEvent, WatchSnapshot
 
 from . import checker, faults, netns
-from .common import JsonlTail, child_argv, http_json, http_request, python_module_argv, read_jsonl
+from .common import (
+    JsonlTail,
+    child_argv,
+    http_json,
+    http_request,
+    python_module_argv,
+    read_jsonl,
+    skewed_clock_env,
+)
 from .workload import Notification, SubjectKey, Workload, envelope, plan
 
 CRASH_KINDS = {"etcd_kill", "etcd_leader_kill"}
@@ -95,9 +103,12 @@ class OpenClaim:
 class Child:
     """One child process: started with its readiness line (if any) awaited, stopped and killed by pid."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, *, stdin: bool = False) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log_path: Path, *, stdin: bool = False, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.argv = argv
+        self.env = env
         self.log_path = log_path
         self.want_stdin = stdin
         self.proc: asyncio.subprocess.Process | None = None
@@ -111,6 +122,7 @@ class Child:
             stdout=asyncio.subprocess.PIPE if ready_timeout is not None else self._log,
             stderr=self._log,
             start_new_session=True,
+            env={**os.environ, **self.env} if self.env else None,
         )
         if ready_timeout is None:
             return ""
@@ -315,7 +327,8 @@ class World:
     def coordinator_targets(self) -> str:
         return ",".join(f"127.0.0.1:{port}" for port in self.coordinator_ports)
 
-    async def start_coordinator(self, index: int) -> None:
+    async def start_coordinator(self, index: int, clock_offset: str = "") -> None:
+        """Starts (or restarts) coordinator ``index``; ``clock_offset`` ("+5m") runs its clocks that far off."""
         endpoints = [f"127.0.0.1:{port}" for port in self.proxy_ports]
         endpoints = endpoints[index:] + endpoints[:index]  # each coordinator prefers another member
         argv = child_argv(
@@ -342,7 +355,8 @@ class World:
                 "1",
             ]
         )
-        child = Child(f"coordinator-{index}", argv, self.workdir / f"coordinator-{index}.log")
+        env = skewed_clock_env(clock_offset) if clock_offset else None
+        child = Child(f"coordinator-{index}", argv, self.workdir / f"coordinator-{index}.log", env=env)
         await child.start(ready_timeout=None)
         self.coordinators[index] = child
         await self._await_serving(index, 60.0)

@@ -5,7 +5,11 @@ Under the deployment prefix P:
     P m/<mailbox>/s/<kind>/<id>     the subject: its claim or reply record (fencing token = create revision)
     P m/<mailbox>/e/<kind>/<id>     why the subject was last freed by a call (short-lived)
     P d/<mailbox>/<notification>    a delivery record (delivery dedup)
-    P x/<deadline ms>/<mailbox>/<kind>/<id>   a SENDING subject's deadline, for the IN_DOUBT sweeper
+    P x/s/<mailbox>/<kind>/<id>     a SENDING subject (no lease), for the IN_DOUBT sweeper
+    P x/l/<mailbox>/<kind>/<id>     its send marker, on an etcd lease of the send timeout: when etcd has
+                                    expired it while the subject is still SENDING, the send is IN_DOUBT
+    P x/<deadline ms>/<mailbox>/<kind>/<id>   the same, as replicas before the send marker wrote it (a
+                                    wall-clock deadline); adopted into the two keys above by the sweeper
 
 One mailbox's subjects and end marks share the prefix ``P m/<mailbox>/``, so one etcd watch sees a
 deletion and the reason for it in the same revision.
@@ -23,6 +27,10 @@ _DEADLINE_DIGITS = 15
 def _enc(component: str) -> str:
     # quote() with no safe characters leaves only [A-Za-z0-9_.~-]: '/' and '%' become %2F and %25.
     return quote(component, safe="")
+
+
+def _subject_path(subject: Subject) -> bytes:
+    return f"{_enc(subject.mailbox)}/{subject.kind.value}/{_enc(subject.id)}".encode()
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -58,24 +66,36 @@ class Keys:
     def delivery(self, mailbox: str, notification_id: str) -> bytes:
         return self._root + f"d/{_enc(mailbox)}/{_enc(notification_id)}".encode()
 
-    def sending_index(self) -> bytes:
+    def sending_family(self) -> bytes:
         return self._root + b"x/"
 
-    def sending(self, deadline_ms: int, subject: Subject) -> bytes:
-        return (
-            self.sending_index()
-            + (
-                f"{deadline_ms:0{_DEADLINE_DIGITS}d}/{_enc(subject.mailbox)}/{subject.kind.value}/{_enc(subject.id)}"
-            ).encode()
-        )
+    def sending_index(self) -> bytes:
+        return self._root + b"x/s/"
 
-    def sending_until(self, now_ms: int) -> bytes:
-        """range_end covering every deadline at or before ``now_ms``."""
-        return self.sending_index() + f"{now_ms + 1:0{_DEADLINE_DIGITS}d}".encode()
+    def send_markers(self) -> bytes:
+        return self._root + b"x/l/"
 
-    def parse_sending(self, key: bytes) -> Subject:
-        _deadline, mailbox, kind, subject_id = key[len(self.sending_index()) :].decode().split("/")
+    def sending(self, subject: Subject) -> bytes:
+        return self.sending_index() + _subject_path(subject)
+
+    def send_marker(self, subject: Subject) -> bytes:
+        return self.send_markers() + _subject_path(subject)
+
+    def parse_sending(self, family: bytes, key: bytes) -> Subject:
+        """The subject of a key under ``sending_index()`` or ``send_markers()``."""
+        mailbox, kind, subject_id = key[len(family) :].decode().split("/")
         return Subject(unquote(mailbox), SubjectKind(kind), unquote(subject_id))
+
+    def legacy_sending(self, deadline_ms: int, subject: Subject) -> bytes:
+        return self.sending_family() + f"{deadline_ms:0{_DEADLINE_DIGITS}d}/".encode() + _subject_path(subject)
+
+    def legacy_sending_range(self) -> tuple[bytes, bytes]:
+        """The keys of the wall-clock deadline layout: x/ followed by a digit."""
+        return self.sending_family() + b"0", self.sending_family() + b":"
+
+    def parse_legacy_sending(self, key: bytes) -> Subject:
+        _deadline, rest = key[len(self.sending_family()) :].split(b"/", 1)
+        return self.parse_sending(b"", rest)
 
     def parse_mailbox_key(self, mailbox: str, key: bytes) -> tuple[str, Subject] | None:
         """For a key under ``mailbox(mailbox)``: ("s" or "e", the subject); None for anything else."""

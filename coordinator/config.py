@@ -344,6 +344,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("rate_limit", _number, 500.0, "calls per second per principal (0: no limit)", "PER_SECOND"),
     Setting("rate_burst", _integer, 1000, "calls a principal may make at once above its rate", "CALLS"),
     Setting("max_watches", _integer, 64, "concurrent Watch streams per principal", "STREAMS"),
+    Setting(
+        "watch_drain_timeout",
+        _duration,
+        10.0,
+        "a Watch stream whose client has not taken its next message within this long is ended (ABORTED)",
+        "DURATION",
+    ),
     Setting("call_deadline", _duration, 30.0, "a unary call is cut off after this long, whatever the client asked"),
     Setting("max_message_bytes", _integer, 1 << 20, "largest request message accepted", "BYTES"),
     Setting(
@@ -404,6 +411,7 @@ class Config:
     rate_burst: int
     max_watches: int
     call_deadline: float
+    watch_drain_timeout: float
     max_message_bytes: int
     request_timeout: float
     max_streams_per_connection: int
@@ -453,6 +461,7 @@ class Config:
             burst=self.rate_burst,
             max_watches=self.max_watches,
             call_deadline_s=self.call_deadline,
+            watch_drain_timeout_s=self.watch_drain_timeout,
         )
 
     def rules(self) -> Rules:
@@ -641,6 +650,8 @@ def _check(config: Config) -> None:
         fail("must be at least 1", "rate_burst")
     if config.call_deadline <= 0:
         fail("must be more than 0", "call_deadline")
+    if config.watch_drain_timeout <= 0:
+        fail("must be more than 0", "watch_drain_timeout")
     if config.max_message_bytes < 4096:
         fail("must be at least 4096 bytes", "max_message_bytes")
     if config.request_timeout <= 0:

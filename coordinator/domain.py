@@ -231,7 +231,8 @@ class Rules:
     record_bucket_ms: int = 10_000
     reply_retention_ms: int = 72 * 3600 * 1000
     delivery_retention_ms: int = 24 * 3600 * 1000
-    # How long BeginSend gives the holder to confirm or abort before the subject is reported IN_DOUBT.
+    # How long BeginSend gives the holder to confirm or abort before the subject is reported IN_DOUBT: the TTL
+    # of the etcd lease of its send marker.
     send_timeout_ms: int = 120_000
     # Whether a claim keeps the caller's summary of its email (subject line, sender): personal data.
     store_summaries: bool = True
@@ -244,6 +245,10 @@ class Rules:
 
     def delivery_expiry(self, now_ms: int) -> int:
         return _round_up(now_ms + self.delivery_retention_ms, self.record_bucket_ms)
+
+    def send_marker_expiry(self, now_ms: int) -> int:
+        # Only the distance from now becomes the lease's TTL, so this replica's clock offset does not matter.
+        return _round_up(now_ms + self.send_timeout_ms, self.claim_bucket_ms)
 
     def end_mark_expiry(self, now_ms: int) -> int:
         # As long as a delivery record: whether its claim ended deliberately must be known while it lives.
@@ -342,8 +347,9 @@ def is_duplicate_delivery(
     end: EndMark | None,
     caller: Caller,
     request_id: str,
+    delivery_revision: int,
 ) -> bool:
-    """Whether a notification recorded earlier must be dropped now.
+    """Whether a notification recorded earlier (at etcd revision ``delivery_revision``) must be dropped now.
 
     Not when it is this very request's retry. Otherwise yes while its subject is held or replied, and when
     the claim it led to was ended by a call (released, aborted, taken over, resolved) since it was recorded.
@@ -355,7 +361,9 @@ def is_duplicate_delivery(
         return False
     if current is not None or delivery.subject != subject:
         return True
-    return end is not None and end.settles_delivery and end.at_ms >= delivery.recorded_ms
+    # "Since it was recorded" by revisions, not by the two records' timestamps: those come from the clocks of
+    # the replicas that wrote them. The claim an end mark ended was created at its token.
+    return end is not None and end.settles_delivery and end.token >= delivery_revision
 
 
 def claim_conflict(current: Stored, caller: Caller, request_id: str, request_fingerprint: str = "") -> ClaimResult:
@@ -593,12 +601,11 @@ def mark_replied(
     return Transition(FenceResult.OK, write=_stamped(replied, request_id, request_fingerprint))
 
 
-def mark_in_doubt(current: Stored | None, *, now_ms: int) -> Transition:
-    """The sweeper's transition: a send that outlived its deadline is reported, never freed."""
-    if current is None or current.record.state is not State.SENDING:
-        return Transition(FenceResult.STALE_TOKEN)
-    deadline = current.record.send_deadline_ms
-    if deadline is None or deadline > now_ms:
+def mark_in_doubt(current: Stored | None, *, swept_revision: int) -> Transition:
+    """The sweeper's transition: a send whose send marker etcd expired is reported, never freed. The sweep saw
+    the marker gone at ``swept_revision``; a subject written since then is not judged on that sight. No clock
+    is read: the marker's lease is the deadline (docs/design.md#leases-and-expiry)."""
+    if current is None or current.record.state is not State.SENDING or current.revision > swept_revision:
         return Transition(FenceResult.STALE_TOKEN)
     return Transition(FenceResult.OK, write=replace(current.record, state=State.IN_DOUBT))
 

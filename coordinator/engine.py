@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from . import domain, limits
@@ -27,7 +27,7 @@ from .domain import (
     TakeoverResult,
     Transition,
 )
-from .errors import InvalidArgument, StoreUnavailable
+from .errors import InvalidArgument, SlowConsumer, StoreUnavailable
 from .store import Change, EtcdStore, FeedLost
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class Engine:
         if attempt.created is not None:
             return ClaimOutcome(ClaimResult.GRANTED, attempt.created)
         if attempt.delivery is not None and domain.is_duplicate_delivery(
-            attempt.delivery, subject, attempt.current, attempt.end, caller, request_id
+            attempt.delivery, subject, attempt.current, attempt.end, caller, request_id, attempt.delivery_revision
         ):
             return ClaimOutcome(ClaimResult.DUPLICATE_DELIVERY, None, attempt.delivery)
         if attempt.current is None:
@@ -249,19 +249,23 @@ class Engine:
         _check_subject(caller, subject)
         _check_token(token)
         arguments = domain.fingerprint("BeginSend", subject, token)
-        return await self._apply(
+        now = self._clock()
+        transition, after = await self.store.apply(
             subject,
             lambda current, _end: domain.begin_send(
                 self.rules,
                 current,
                 caller,
                 token=token,
-                now_ms=self._clock(),
+                now_ms=now,
                 request_id=request_id,
                 request_fingerprint=arguments,
             ),
+            self.rules.end_mark_expiry(now),
+            send_marker_expires_ms=self.rules.send_marker_expiry(now),
             from_recent_write=True,
         )
+        return transition.result, after
 
     async def confirm_sent(
         self, caller: Caller, *, request_id: str, subject: Subject, token: int, sent_message_id: str
@@ -502,7 +506,9 @@ class Engine:
 
     # --- watch and upkeep ----------------------------------------------------------------------------------
 
-    async def watch(self, caller: Caller, mailbox: str, after_revision: int = 0) -> AsyncIterator[Snapshot | Event]:
+    async def watch(
+        self, caller: Caller, mailbox: str, after_revision: int = 0
+    ) -> AsyncGenerator[Snapshot | Event, None]:
         """A snapshot, then every transition; with ``after_revision`` (a reconnecting watcher's last revision),
         the transitions since then instead of the snapshot, while etcd still has them."""
         _check_mailbox(caller, mailbox)
@@ -521,17 +527,23 @@ class Engine:
             while True:
                 batch = await queue.get()
                 if isinstance(batch, FeedLost):
+                    if batch.slow_subscriber:
+                        raise SlowConsumer(str(batch))
                     raise StoreUnavailable(f"the watch of mailbox {mailbox!r} ended: {batch}; watch again")
                 for event in _events(change for change in batch if change.revision > revision):
                     yield event  # (what is not newer is in the snapshot or the history already)
 
     async def sweep_in_doubt(self) -> int:
-        """Moves every SENDING subject past its deadline to IN_DOUBT; returns how many it moved."""
-        now = self._clock()
+        """Moves every SENDING subject whose send marker etcd expired to IN_DOUBT; returns how many it moved."""
+        await self.store.adopt_legacy_sends(self.rules.send_marker_expiry(self._clock()))
         moved = 0
-        for subject in await self.store.due_sends(now):
+        due, swept_revision = await self.store.due_sends()
+        for subject in due:
             transition, _ = await self.store.apply(
-                subject, lambda current, _end: domain.mark_in_doubt(current, now_ms=now), self._end_mark_expiry()
+                subject,
+                lambda current, _end: domain.mark_in_doubt(current, swept_revision=swept_revision),
+                self._end_mark_expiry(),
+                marker_gone=True,
             )
             moved += transition.result is FenceResult.OK
         return moved

@@ -68,3 +68,9 @@ class StoreConflict(CoordinatorError):
     """A compare-and-swap kept losing to concurrent writers; retrying later is safe."""
 
     reason = "STORE_CONFLICT"
+
+
+class SlowConsumer(CoordinatorError):
+    """A Watch stream's client did not keep up; it must watch again and start from a fresh snapshot."""
+
+    reason = "SLOW_CONSUMER"

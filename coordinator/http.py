@@ -91,6 +91,11 @@ class HttpCall:
         self._code: grpc.StatusCode | None = None
         self._details = ""
         self._status_details: tuple[Any, ...] = ()
+        # A server stream's messages, handed to the HTTP response one at a time: write() waits until the
+        # response took the previous one, so a client that stops reading holds the writer back as HTTP/2 flow
+        # control does for gRPC (and the Watch drain timeout sees the same stuck write).
+        self.outbox: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+        self._done_callbacks: list[Callable[[Any], object]] = []
         self.trailers: tuple[tuple[str, str], ...] = ()
 
     async def read(self) -> Any:
@@ -106,8 +111,30 @@ class HttpCall:
     def peer(self) -> str:
         return self._peer
 
+    async def write(self, message: Any) -> None:
+        await self.outbox.put(message)
+
+    def add_done_callback(self, callback: Callable[[Any], object]) -> None:
+        self._done_callbacks.append(callback)
+
+    def done(self) -> None:
+        """The call is over for the HTTP side (its response ended, or its client went away)."""
+        callbacks, self._done_callbacks = self._done_callbacks, []
+        for callback in callbacks:
+            callback(self)
+
     def code(self) -> grpc.StatusCode | None:
         return self._code
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    @property
+    def failed(self) -> bool:
+        return self._code not in (None, grpc.StatusCode.OK)
 
     def details(self) -> str:
         return self._details
@@ -152,7 +179,9 @@ class ConnectFace:
 
     def __init__(self, servicer: CoordinatorServicer, observer: RpcObserver) -> None:
         for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
-            inner = observer.observe(f"/{SERVICE_NAME}/{method.name}", getattr(servicer, method.name))
+            inner = observer.observe(
+                f"/{SERVICE_NAME}/{method.name}", getattr(servicer, method.name), streaming=method.server_streaming
+            )
             handler = _stream(inner) if method.server_streaming else _unary(inner)
             setattr(self, _snake(method.name), handler)
 
@@ -174,14 +203,33 @@ def _unary(inner: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Reques
     return call
 
 
-def _stream(inner: Callable[[Any, Any], AsyncIterator[Any]]) -> Callable[[Any, RequestContext[Any, Any]], Any]:
+def _stream(inner: Callable[[Any, Any], Awaitable[None]]) -> Callable[[Any, RequestContext[Any, Any]], Any]:
+    """A server stream: the servicer's handler writes its messages to the call (as to a gRPC context), and they
+    are yielded to the HTTP response as it takes them."""
+
     async def call(request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
         http_call = _call_of(ctx, request)
+        handler = asyncio.ensure_future(inner(request, http_call))
         try:
-            async for item in inner(request, http_call):
-                yield item
-        except grpc.aio.AbortError:
-            raise http_call.error() from None
+            while True:
+                taken = asyncio.ensure_future(http_call.outbox.get())
+                await asyncio.wait((taken, handler), return_when=asyncio.FIRST_COMPLETED)
+                if taken.done():
+                    yield taken.result()
+                    continue
+                taken.cancel()
+                break
+            try:
+                handler.result()
+            except grpc.aio.AbortError:
+                raise http_call.error() from None
+            if http_call.failed:  # a status set without aborting (a Watch ended for being slow)
+                raise http_call.error()
+        finally:
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AbortError):
+                await handler
+            http_call.done()
 
     return call
 

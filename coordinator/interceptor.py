@@ -269,13 +269,14 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         details = error.message if error is not None else ""
         _record(self._metrics, observed, request, context, code, response, details, seconds, timed=True)
 
-    def observe(self, path: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def observe(self, path: str, inner: Callable[..., Any], *, streaming: bool = False) -> Callable[..., Any]:
         """``inner``, the servicer's method of ``path``, counted, timed and logged as a gRPC call to it is: for
-        the HTTP face, whose calls reach the same methods."""
+        the HTTP face, whose calls reach the same methods. ``streaming``: a server stream written with
+        ``context.write`` (Watch), not timed as a call."""
         method = self._method(path)
         if inspect.isasyncgenfunction(inner):
             return self._stream(method, inner)
-        return self._unary(method, inner, timed=True)
+        return self._unary(method, inner, timed=not streaming)
 
     def _method(self, path: str) -> _Method:
         service, _, name = path.lstrip("/").rpartition("/")

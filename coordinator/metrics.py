@@ -84,6 +84,11 @@ class Metrics:
             "deadlines not yet confirmed, aborted or marked IN_DOUBT)",
             ["family"],
         )
+        self.etcd_alarm = gauge(
+            "etcd_alarm",
+            "1 while etcd has this alarm raised (NOSPACE: the storage quota is full and every write is refused)",
+            ["alarm"],
+        )
         self.serving = gauge("serving", "1 while the health service says SERVING (etcd reachable), else 0")
         self.build_info = gauge("build_info", "The version running", ["version"])
         self.build_info.labels(_version()).set(1)
@@ -114,7 +119,8 @@ class _LogDrops(Collector):
         )
 
 
-_FAMILIES = {"subjects": b"m/", "deliveries": b"d/", "sending": b"x/"}
+# "sending" counts the SENDING index (one key per send begun and not settled), not the send markers beside it.
+_FAMILIES = {"subjects": b"m/", "deliveries": b"d/", "sending": b"x/s/"}
 
 
 async def count_keys(store: EtcdStore, family: str) -> int:

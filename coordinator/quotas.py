@@ -16,6 +16,9 @@ class QuotaSettings:
     max_watches: int = 64
     # Every unary call is cut off after this long, whatever deadline the client set (or none).
     call_deadline_s: float = 30.0
+    # A Watch stream whose next message gRPC has not taken within this long is ended with ABORTED: its client
+    # stopped reading (HTTP/2 flow control holds the write back). docs/operations.md, "Slow watchers".
+    watch_drain_timeout_s: float = 10.0
 
 
 class RateLimiter:

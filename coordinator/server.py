@@ -34,6 +34,10 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # A health "service" that is SERVING for as long as the process serves, whatever etcd does: for liveness
 # probes, which must not restart every replica while etcd is down (readiness uses SERVICE_NAME or "").
 LIVENESS_SERVICE = "liveness"
+# A health "service" that is NOT_SERVING while etcd's NOSPACE alarm is raised (its storage quota is full): every
+# write is refused then, but reads, ALREADY_REPLIED and DUPLICATE_DELIVERY still answer, so "" and SERVICE_NAME
+# stay SERVING rather than take every replica out of rotation (docs/operations.md, "etcd quota full").
+WRITES_HEALTH_SERVICE = "writes"
 
 
 def wall_clock_ms() -> int:
@@ -193,6 +197,7 @@ class CoordinatorServer:
         self.health.set(LIVENESS_SERVICE, _SERVING)
         self._set_serving(await self._etcd_reachable())
         await self._start_http()  # before gRPC: a port that was asked for and is taken stops the start
+        await self._check_alarms()
         await self._server.start()
         settings = self.settings
         self._tasks = [
@@ -233,6 +238,27 @@ class CoordinatorServer:
             log.warning("etcd is not reachable: %s", error)
             return False
 
+    async def _check_alarms(self) -> None:
+        """Reports etcd's NOSPACE alarm: the health service WRITES_HEALTH_SERVICE and the etcd_alarm gauge."""
+        try:
+            alarms = await self.store.alarms()
+        except StoreUnavailable as error:
+            log.warning("etcd alarms not read: %s", error)
+            return
+        nospace = "NOSPACE" in alarms
+        if self.health.status(WRITES_HEALTH_SERVICE) != (_NOT_SERVING if nospace else _SERVING):
+            log.log(
+                logging.ERROR if nospace else logging.INFO,
+                "health: writes %s",
+                "NOT_SERVING: etcd's storage quota is full (NOSPACE alarm); reads still answer, every write is "
+                'refused until an operator frees space (docs/operations.md, "etcd quota full")'
+                if nospace
+                else "SERVING",
+            )
+        self.health.set(WRITES_HEALTH_SERVICE, _NOT_SERVING if nospace else _SERVING)
+        for alarm in ("NOSPACE", "CORRUPT"):
+            self.metrics.etcd_alarm.labels(alarm).set(1 if alarm in alarms else 0)
+
     def _set_serving(self, serving: bool) -> None:
         status = _SERVING if serving else _NOT_SERVING
         self.health.set("", status)
@@ -243,6 +269,8 @@ class CoordinatorServer:
         serving: bool | None = None
         while True:
             now_serving = await self._etcd_reachable()
+            if now_serving:
+                await self._check_alarms()
             if now_serving != serving:
                 serving = now_serving
                 self._set_serving(serving)

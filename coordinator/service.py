@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
@@ -48,6 +49,7 @@ from .errors import (
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
+    SlowConsumer,
     StoreConflict,
     StoreUnavailable,
     Unauthenticated,
@@ -68,6 +70,7 @@ _STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     StoreConflict: grpc.StatusCode.ABORTED,
+    SlowConsumer: grpc.StatusCode.ABORTED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
@@ -228,6 +231,54 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: Coordinator
         retry_after_ms=retry_after_ms(error),
         metadata=error_metadata(error),
     )
+
+
+class _DrainWatch:
+    """Notices a Watch stream whose client stopped reading. Once it does, HTTP/2 flow control holds the stream's
+    write back; a write still not taken by gRPC after ``timeout_s`` marks the stream slow and closes its feed
+    (so no more events are queued or converted for it), and the stream then ends with ABORTED.
+
+    The write itself is awaited plainly and never cancelled: grpc.aio drops a batch's operations when the
+    coroutine awaiting it is cancelled while gRPC core still holds them (grpc/grpc#43360), the crash described
+    in docs/reliability.md, "Slow watchers". One guard task per stream checks the write's age four times per
+    timeout, so a healthy stream's writes cost nothing extra."""
+
+    def __init__(self, timeout_s: float, feed: AsyncGenerator[Any, None], who: str) -> None:
+        self.timeout_s = timeout_s
+        self._who = who
+        self.slow = False
+        self._feed = feed
+        self._writing_since: float | None = None
+
+    async def write(self, context: grpc.aio.ServicerContext[Any, Any], message: Any) -> None:
+        loop = asyncio.get_running_loop()
+        self._writing_since = loop.time()
+        try:
+            await context.write(message)
+        finally:
+            self._writing_since = None
+        self.raise_if_slow()
+
+    def raise_if_slow(self) -> None:
+        if self.slow:
+            raise SlowConsumer(
+                f"this watcher did not read its stream for {self.timeout_s:g} s (the server's watch drain timeout) "
+                "and missed events; watch again: a new Watch starts from a fresh snapshot"
+            )
+
+    async def guard(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.timeout_s / 4)
+            since = self._writing_since
+            if since is not None and loop.time() - since >= self.timeout_s:
+                self.slow = True
+                log.warning(
+                    "%s: no write taken for %g s, the client stopped reading; cut off", self._who, self.timeout_s
+                )
+                # The feed is suspended at its yield while the handler waits in write: closing it unsubscribes.
+                await self._feed.aclose()
+                return
 
 
 def _deadline_message(deadline: float) -> str:
@@ -460,9 +511,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ResolveInDoubt = _unary(_resolve_in_doubt)
     MarkReplied = _unary(_mark_replied)
 
-    async def Watch(
+    # The generated base declares a response iterator; a handler that writes with context.write returns None.
+    async def Watch(  # type: ignore[override]
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[pb.WatchResponse]:
+    ) -> None:
+        # Written with context.write, not as an async generator: a generator's messages are written by gRPC,
+        # which gives no way to bound how long one write may wait for a client that stopped reading.
         try:
             caller = self._authenticate(context)
             if not self._watches.acquire(caller.principal):
@@ -472,19 +526,39 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     1.0,
                     reason="TOO_MANY_WATCHES",
                 )
-            try:
-                async for item in self._engine.watch(caller, request.mailbox, request.after_revision):
-                    if isinstance(item, Snapshot):
-                        yield pb.WatchResponse(
-                            snapshot=pb.WatchSnapshot(
-                                subjects=[status_out(subject, stored) for subject, stored in item.subjects],
-                                revision=item.revision,
+            # The slot is held until the call is over for gRPC, not just for this handler: a stream ended for
+            # being slow still holds buffers until its client reads its status or goes away.
+            # grpc-stubs declare the callback type as a class, where any callable of the context will do.
+            context.add_done_callback(lambda _context: self._watches.release(caller.principal))  # type: ignore[arg-type]
+            watch = self._engine.watch(caller, request.mailbox, request.after_revision)
+            async with contextlib.aclosing(watch) as items:
+                drain = _DrainWatch(
+                    self.quotas.watch_drain_timeout_s,
+                    items,
+                    f"Watch of mailbox {request.mailbox!r} by {caller.principal!r}",
+                )
+                guard = asyncio.create_task(drain.guard(), name="watch drain guard")
+                try:
+                    async for item in items:
+                        if isinstance(item, Snapshot):
+                            message = pb.WatchResponse(
+                                snapshot=pb.WatchSnapshot(
+                                    subjects=[status_out(subject, stored) for subject, stored in item.subjects],
+                                    revision=item.revision,
+                                )
                             )
-                        )
-                    else:
-                        yield pb.WatchResponse(event=event_out(item))
-            finally:
-                self._watches.release(caller.principal)
+                        else:
+                            message = pb.WatchResponse(event=event_out(item))
+                        await drain.write(context, message)
+                finally:
+                    guard.cancel()
+                drain.raise_if_slow()
+        except SlowConsumer as error:
+            # Not context.abort(): it awaits sending the status, which waits behind the messages the client is
+            # not reading, and an awaited gRPC batch must never be left to be cancelled (see _DrainWatch). Set
+            # here, the status goes out after the buffered messages, when the client reads or goes away.
+            context.set_code(_STATUS_CODES[SlowConsumer])
+            context.set_details(str(error))
         except CoordinatorError as error:
             await _abort(context, error)
 

@@ -77,6 +77,8 @@ class ClaimAttempt:
     delivery: DeliveryRecord | None
     # Why the subject was last freed by a call, when it is free (read only when a delivery was given).
     end: EndMark | None = None
+    # The etcd revision at which ``delivery`` was recorded.
+    delivery_revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,10 @@ class Change:
 class FeedLost(Exception):
     """A mailbox watch ended (etcd unreachable too long, history compacted, or a slow subscriber)."""
 
+    def __init__(self, message: str, *, slow_subscriber: bool = False) -> None:
+        super().__init__(message)
+        self.slow_subscriber = slow_subscriber
+
 
 def _is_bad_auth_token(error: grpc.aio.AioRpcError) -> bool:
     # etcd's simple tokens lapse after 5 idle minutes and JWTs at their TTL; a new one fixes it.
@@ -103,12 +109,20 @@ def _translate(error: grpc.aio.AioRpcError) -> StoreUnavailable:
     code = error.code()
     detail = error.details() or ""
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return StoreUnavailable(f"etcd refused the write: {detail} (is its storage quota alarm raised?)")
+        return StoreUnavailable(
+            f"etcd refused the write: {detail}; its storage quota is full (NOSPACE alarm) and every write waits "
+            'for an operator to free space (docs/operations.md, "etcd quota full"); reads still answer'
+        )
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return StoreUnavailable(f"etcd refused our credentials ({code.name}: {detail}); check the etcd user and role")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return StoreUnavailable(f"etcd is unavailable ({code.name}: {detail}); retry with the same request id")
     return StoreUnavailable(f"etcd failed the request ({code.name}: {detail})")
+
+
+def _is_quota_full(error: StoreUnavailable) -> bool:
+    cause = error.__cause__
+    return isinstance(cause, grpc.aio.AioRpcError) and cause.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def _is_lease_not_found(error: grpc.aio.AioRpcError) -> bool:
@@ -120,34 +134,41 @@ class _LeaseBuckets:
 
     A LeaseGrant costs as much as a transaction; a lease per claim would halve throughput. Keys are put
     with the lease of their (rounded-up) expiry, so the hot path grants at most once per bucket.
+
+    Only the distance from now to an expiry counts, and buckets are kept on the monotonic clock: a step of the
+    wall clock (NTP, a VM resumed) must not hand a new claim a lease granted minutes earlier for another instant.
     """
 
-    def __init__(self, grant: Callable[[int], Awaitable[int]], clock: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        grant: Callable[[int], Awaitable[int]],
+        clock: Callable[[], int],
+        monotonic_ms: Callable[[], int] = lambda: time.monotonic_ns() // 1_000_000,
+    ) -> None:
         self._grant = grant
         self._clock = clock
+        self._monotonic_ms = monotonic_ms
         self._leases: dict[int, asyncio.Future[int]] = {}
 
     async def lease_for(self, expires_ms: int) -> int:
-        future = self._leases.get(expires_ms)
+        now = self._monotonic_ms()
+        bucket = _round_up(now + expires_ms - self._clock(), 1000)
+        future = self._leases.get(bucket)
         if future is None or (future.done() and future.exception() is not None):
             future = asyncio.get_running_loop().create_future()
-            self._leases[expires_ms] = future
-            self._forget_past()
+            self._leases[bucket] = future
+            self._forget_past(now)
             try:
-                ttl = max(1, math.ceil((expires_ms - self._clock()) / 1000))
+                ttl = max(1, math.ceil((bucket - now) / 1000))
                 future.set_result(await self._grant(ttl))
             except BaseException as exc:
-                del self._leases[expires_ms]
+                del self._leases[bucket]
                 future.set_exception(exc)
                 future.exception()  # mark retrieved: the other waiters re-raise it themselves
                 raise
         return await asyncio.shield(future)
 
-    def forget(self, expires_ms: int) -> None:
-        self._leases.pop(expires_ms, None)
-
-    def _forget_past(self) -> None:
-        now = self._clock()
+    def _forget_past(self, now: int) -> None:
         for expiry in [e for e in self._leases if e < now]:
             del self._leases[expiry]
 
@@ -332,8 +353,15 @@ class EtcdStore:
         response = await self._call(self._maintenance.Status, rpc.StatusRequest())
         return str(response.version)
 
+    async def alarms(self) -> list[str]:
+        """etcd's raised alarms (NOSPACE, CORRUPT), by name."""
+        response = await self._call(
+            self._maintenance.Alarm, rpc.AlarmRequest(action=rpc.AlarmRequest.GET, memberID=0, alarm=rpc.NONE)
+        )
+        return sorted({rpc.AlarmType.Name(alarm.alarm) for alarm in response.alarms})
+
     async def current_revision(self) -> int:
-        response = await self._call(self._kv.Range, rpc.RangeRequest(key=self.keys.sending_index(), count_only=True))
+        response = await self._call(self._kv.Range, rpc.RangeRequest(key=self.keys.sending_family(), count_only=True))
         return int(response.header.revision)
 
     # --- claims --------------------------------------------------------------------------------------------
@@ -362,8 +390,23 @@ class EtcdStore:
             return await self._txn(compare, success, failure, writes)
 
         writes = frozenset((subject_key,) if delivery_key is None else (subject_key, delivery_key))
-        response = await self._with_leases(attempt)
-        if response.succeeded:
+        wrote = True
+        try:
+            response = await self._with_leases(attempt)
+        except StoreUnavailable as error:
+            if not _is_quota_full(error):
+                raise
+            # etcd refuses a transaction that could write, whatever its compare would say. What stands in the
+            # way is still readable: a subject that is replied to or held, or a known delivery, is answered.
+            reads = [_op_get(subject_key)]
+            if delivery_key is not None:
+                reads += [_op_get(delivery_key), _op_get(self.keys.end_mark(subject))]
+            response, wrote = await self._txn([], reads, [], frozenset()), False
+            if _first_kv(response.responses[0]) is None and (
+                delivery_key is None or _first_kv(response.responses[1]) is None
+            ):
+                raise
+        if wrote and response.succeeded:
             revision = response.header.revision
             created = Stored(record, token=revision, revision=revision)
             self._remember(subject_key, created)
@@ -378,6 +421,7 @@ class EtcdStore:
             if delivery is not None and delivery_kv is not None
             else None,
             _codec.decode_end_mark(end_kv.value) if end_kv is not None else None,
+            delivery_kv.mod_revision if delivery_kv is not None else 0,
         )
 
     async def record_delivery(self, delivery: DeliveryRecord, expires_ms: int) -> DeliveryRecord | None:
@@ -417,10 +461,14 @@ class EtcdStore:
         decide: Callable[[Stored | None, EndMark | None], Transition],
         end_mark_expires_ms: int,
         *,
+        send_marker_expires_ms: int = 0,
+        marker_gone: bool = False,
         from_recent_write: bool = False,
     ) -> tuple[Transition, Stored | None]:
         """Reads, decides, and writes only if nothing changed in between; decides again if something did.
-        A deletion leaves an EndMark that lives until ``end_mark_expires_ms``.
+        A deletion leaves an EndMark that lives until ``end_mark_expires_ms``; a move to SENDING writes a send
+        marker on the lease of ``send_marker_expires_ms``. ``marker_gone``: write only while the subject's send
+        marker is absent (the IN_DOUBT sweep: etcd has expired it).
 
         ``from_recent_write``: for a ``decide`` that does not look at the EndMark, first try the subject as
         this replica last wrote it, without reading: the write's compare on the key's revision proves it
@@ -448,7 +496,15 @@ class EtcdStore:
                     return transition, current
             assert current is not None, "a transition always starts from a stored subject"
             response = await self._with_leases(
-                functools.partial(self._commit, subject, current, transition, end_mark_expires_ms)
+                functools.partial(
+                    self._commit,
+                    subject,
+                    current,
+                    transition,
+                    end_mark_expires_ms,
+                    send_marker_expires_ms,
+                    marker_gone,
+                )
             )
             if response.succeeded:
                 return transition, self._committed(subject_key, current, transition, response.header.revision)
@@ -470,7 +526,15 @@ class EtcdStore:
         if len(self._recent) > _RECENT_WRITES:
             self._recent.popitem(last=False)
 
-    async def _commit(self, subject: Subject, current: Stored, transition: Transition, end_mark_expires_ms: int) -> Any:
+    async def _commit(
+        self,
+        subject: Subject,
+        current: Stored,
+        transition: Transition,
+        end_mark_expires_ms: int,
+        send_marker_expires_ms: int,
+        marker_gone: bool,
+    ) -> Any:
         subject_key = self.keys.subject(subject)
         ops: list[Any] = []
         writes: set[bytes] = set()
@@ -483,17 +547,20 @@ class EtcdStore:
             ops.append(_op_delete(key))
             writes.add(key)
 
-        was_sending = current.record.state is State.SENDING and current.record.send_deadline_ms is not None
+        was_sending = current.record.state is State.SENDING
         will_send = transition.write is not None and transition.write.state is State.SENDING
         if was_sending and not will_send:
-            assert current.record.send_deadline_ms is not None
-            delete(self.keys.sending(current.record.send_deadline_ms, subject))
+            delete(self.keys.sending(subject))
+            delete(self.keys.send_marker(subject))
+            if current.record.send_deadline_ms is not None:
+                delete(self.keys.legacy_sending(current.record.send_deadline_ms, subject))
         if transition.write is not None:
             record = transition.write
             put(subject_key, _codec.encode_record(record), await self._lease(record.expires_ms))
             if will_send and not was_sending:
-                assert record.send_deadline_ms is not None
-                put(self.keys.sending(record.send_deadline_ms, subject), subject_key)
+                # The send deadline is this lease: etcd, not any replica's clock, decides when it has passed.
+                put(self.keys.sending(subject), subject_key)
+                put(self.keys.send_marker(subject), subject_key, await self._lease(send_marker_expires_ms))
         if transition.end is not None:
             delete(subject_key)
             put(
@@ -501,7 +568,10 @@ class EtcdStore:
                 _codec.encode_end_mark(transition.end),
                 await self._lease(end_mark_expires_ms),
             )
-        return await self._txn([_unchanged_since(subject_key, current.revision)], ops, [], frozenset(writes))
+        compare = [_unchanged_since(subject_key, current.revision)]
+        if marker_gone:
+            compare.append(_absent(self.keys.send_marker(subject)))
+        return await self._txn(compare, ops, [], frozenset(writes))
 
     async def status(self, subject: Subject) -> Stored | None:
         response = await self._call(self._kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))
@@ -569,18 +639,48 @@ class EtcdStore:
         changes.sort(key=lambda change: change.revision)
         return changes, revision
 
-    async def due_sends(self, now_ms: int, limit: int = 256) -> list[Subject]:
-        """SENDING subjects whose deadline has passed (candidates for IN_DOUBT)."""
-        response = await self._call(
-            self._kv.Range,
-            rpc.RangeRequest(
-                key=self.keys.sending_index(),
-                range_end=self.keys.sending_until(now_ms),
-                limit=limit,
-                keys_only=True,
-            ),
+    async def due_sends(self, limit: int = 256) -> tuple[list[Subject], int]:
+        """SENDING subjects whose send marker etcd has expired (candidates for IN_DOUBT), both read at one
+        revision, and that revision. No clock is read: the marker's lease is the send deadline."""
+        index, markers = self.keys.sending_index(), self.keys.send_markers()
+        response = await self._txn(
+            [],
+            [
+                rpc.RequestOp(request_range=rpc.RangeRequest(key=index, range_end=prefix_end(index), keys_only=True)),
+                rpc.RequestOp(
+                    request_range=rpc.RangeRequest(key=markers, range_end=prefix_end(markers), keys_only=True)
+                ),
+            ],
+            [],
+            frozenset(),
         )
-        return [self.keys.parse_sending(kv.key) for kv in response.kvs]
+        sending = [self.keys.parse_sending(index, kv.key) for kv in response.responses[0].response_range.kvs]
+        marked = {self.keys.parse_sending(markers, kv.key) for kv in response.responses[1].response_range.kvs}
+        return [subject for subject in sending if subject not in marked][:limit], int(response.header.revision)
+
+    async def adopt_legacy_sends(self, send_marker_expires_ms: int, limit: int = 256) -> int:
+        """Moves SENDING subjects written by replicas that predate the send marker (a key holding a wall-clock
+        deadline) to the leased marker, with a full send timeout from now: never earlier than they would have
+        been IN_DOUBT, at most one send timeout later. Returns how many it moved."""
+        start, end = self.keys.legacy_sending_range()
+        response = await self._call(
+            self._kv.Range, rpc.RangeRequest(key=start, range_end=end, limit=limit, keys_only=True)
+        )
+        lease = await self._lease(send_marker_expires_ms)
+        for kv in response.kvs:
+            subject = self.keys.parse_legacy_sending(kv.key)
+            subject_key = self.keys.subject(subject)
+            await self._txn(
+                [rpc.Compare(key=kv.key, result=rpc.Compare.GREATER, target=rpc.Compare.VERSION, version=0)],
+                [
+                    _op_delete(kv.key),
+                    _op_put(self.keys.sending(subject), subject_key),
+                    _op_put(self.keys.send_marker(subject), subject_key, lease),
+                ],
+                [],
+                frozenset((kv.key, self.keys.sending(subject), self.keys.send_marker(subject))),
+            )
+        return len(response.kvs)
 
     # --- watches -------------------------------------------------------------------------------------------
 
@@ -753,8 +853,10 @@ class _Feed:
 
 
 # A subscriber this many batches behind is cut off (it re-subscribes and gets a fresh snapshot) rather
-# than let one slow reader grow the coordinator's memory without bound.
-SUBSCRIBER_BACKLOG = 10_000
+# than let one slow reader grow the coordinator's memory without bound. The batches are shared by every
+# subscriber of the mailbox, so a queue costs 8 bytes a slot; what a stuck one can pin is at most this many
+# batches of the mailbox's changes. The Watch handler's drain timeout usually ends a stuck stream first.
+SUBSCRIBER_BACKLOG = 4096
 # How long a feed keeps trying to resume its watch while etcd is unreachable before giving up.
 FEED_RESUME_SECONDS = 10.0
 
@@ -832,7 +934,13 @@ class _FeedHub:
                 feed.subscribers.discard(queue)
                 with contextlib.suppress(asyncio.QueueEmpty):
                     queue.get_nowait()
-                queue.put_nowait(FeedLost("this watcher fell too far behind; watch again for a fresh snapshot"))
+                queue.put_nowait(
+                    FeedLost(
+                        f"this watcher fell {SUBSCRIBER_BACKLOG} batches of changes behind; "
+                        "watch again for a fresh snapshot",
+                        slow_subscriber=True,
+                    )
+                )
 
     def _end(self, feed: _Feed, lost: FeedLost) -> None:
         if self._feeds.get(feed.mailbox) is feed:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -218,14 +220,15 @@ async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
     raise AssertionError("the call succeeded; an error status was expected")
 
 
-def spawn(command: list[str]) -> subprocess.Popen[str]:
-    """A process whose output (stdout and stderr) is read line by line with ``wait_for_line``."""
+def spawn(command: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+    """A process (``env`` added to its environment) whose output, stdout and stderr, is read line by line with
+    ``wait_for_line``."""
     return subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
 
@@ -282,3 +285,23 @@ class _CallView:
 
     def trailing_metadata(self) -> Any:
         return tuple(self._error.trailing_metadata() or ())
+
+
+@contextlib.contextmanager
+def serve_process(*flags: str, env: Mapping[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """``inbox-coordinator serve`` in a process of its own (with ``env`` added to its environment), once it says
+    it serves; stopped with SIGTERM after, and it must then exit 0 (a crash shows as a signal)."""
+    process = spawn([sys.executable, "-m", "coordinator.cli", "serve", *flags], env)
+    wait_for_line(process, "serving gRPC on")
+    assert process.stdout is not None
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+        assert process.returncode == 0, f"the coordinator exited with {process.returncode}"

@@ -15,6 +15,8 @@ from coordinator.domain import (
     Rules,
     State,
     Stored,
+    Subject,
+    SubjectKind,
 )
 from coordinator.errors import FailedPrecondition, PermissionDenied
 from coordinator.limits import Limits
@@ -65,15 +67,17 @@ def test_begin_send_is_the_fenced_commit_point() -> None:
     assert (again.result, again.write) == (FenceResult.OK, None)
 
 
-def test_in_doubt_only_after_the_deadline() -> None:
+def test_in_doubt_only_on_what_the_sweep_saw_and_never_from_a_clock() -> None:
     begun = domain.begin_send(RULES, _claimed(), AGENT, token=10, now_ms=NOW).write
     assert begun is not None
     sending = Stored(begun, token=10, revision=11)
-    assert domain.mark_in_doubt(sending, now_ms=NOW + 59_999).write is None
-    doubt = domain.mark_in_doubt(sending, now_ms=NOW + 60_000).write
+    # The sweep saw the send marker gone at revision 10: the subject was written after that, so not judged.
+    assert domain.mark_in_doubt(sending, swept_revision=10).write is None
+    doubt = domain.mark_in_doubt(sending, swept_revision=11).write
     assert doubt is not None
     assert doubt.state is State.IN_DOUBT
     assert doubt.expires_ms is None
+    assert domain.mark_in_doubt(_claimed(), swept_revision=99).write is None
 
 
 def test_release_after_begin_send_is_refused() -> None:
@@ -161,3 +165,16 @@ def test_mark_replied_is_fenced_and_a_retry_gets_the_first_answer() -> None:
     with pytest.raises(FailedPrecondition, match="ConfirmSent"):
         mark(Stored(begun, 10, 11))
     assert domain.classify_change(current, replied, None) is EventType.MARKED_REPLIED
+
+
+def test_a_delivery_is_settled_by_an_end_mark_of_a_later_claim_whatever_the_clocks_said() -> None:
+    subject = Subject("mb", SubjectKind.MESSAGE, "m-1")
+    other = Caller("agent-b", HolderKind.AGENT)
+    # Recorded at revision 50 by a replica whose clock ran 5 minutes fast.
+    delivery = domain.new_delivery(
+        AGENT, mailbox="mb", notification_id="n-1", request_id="r-1", now_ms=NOW + 300_000, subject=subject
+    )
+    released = EndMark(EndReason.RELEASED, "agent-a", 50, "agent-a", "r-2", NOW)  # the claim of revision 50
+    older = EndMark(EndReason.RELEASED, "agent-a", 40, "agent-a", "r-0", NOW + 600_000)  # a claim before it
+    assert domain.is_duplicate_delivery(delivery, subject, None, released, other, "r-3", delivery_revision=50)
+    assert not domain.is_duplicate_delivery(delivery, subject, None, older, other, "r-3", delivery_revision=50)

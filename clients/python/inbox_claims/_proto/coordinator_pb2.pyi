@@ -342,6 +342,8 @@ class SubjectStatus(_message.Message):
     def expires_at(self) -> _timestamp_pb2.Timestamp:
         """CLAIMED: when the claim frees unless renewed (the lease may end up to the bucket width later, never
         earlier). REPLIED: when the reply record's retention ends. Unset in the other states.
+        Approximate, for people: the clock of the coordinator replica that wrote the record plus the TTL, so off
+        by that replica's clock error. The etcd lease decides; no coordinator reads this stamp to decide anything.
         """
 
     @_builtins.property
@@ -350,7 +352,10 @@ class SubjectStatus(_message.Message):
 
     @_builtins.property
     def send_deadline(self) -> _timestamp_pb2.Timestamp:
-        """SENDING: when the subject becomes IN_DOUBT unless confirmed or aborted."""
+        """SENDING: when the subject becomes IN_DOUBT unless confirmed or aborted. Approximate like `expires_at`:
+        the deadline is an etcd lease of the send timeout taken by BeginSend, never earlier than this stamp
+        would say on a correct clock.
+        """
 
     @_builtins.property
     def sent_at(self) -> _timestamp_pb2.Timestamp:

@@ -211,6 +211,12 @@ class CoordinatorServicer:
         ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
         when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
         (TOO_MANY_WATCHES).
+        A client that stops reading is cut off: when one message has waited longer than the server's watch
+        drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
+        changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
+        not RESOURCE_EXHAUSTED: nothing is wrong with the caller's quota, and retrying after a pause does not
+        help; the answer is to restart at a higher level, a new Watch with a fresh snapshot, since the events
+        missed are gone. The status reaches the client after the messages already buffered for it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -182,6 +182,12 @@ class CoordinatorStub:
     ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
     when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
     (TOO_MANY_WATCHES).
+    A client that stops reading is cut off: when one message has waited longer than the server's watch
+    drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
+    changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
+    not RESOURCE_EXHAUSTED: nothing is wrong with the caller's quota, and retrying after a pause does not
+    help; the answer is to restart at a higher level, a new Watch with a fresh snapshot, since the events
+    missed are gone. The status reaches the client after the messages already buffered for it.
     """
     Takeover: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
@@ -288,6 +294,12 @@ class CoordinatorAsyncStub(CoordinatorStub):
     ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
     when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
     (TOO_MANY_WATCHES).
+    A client that stops reading is cut off: when one message has waited longer than the server's watch
+    drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
+    changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
+    not RESOURCE_EXHAUSTED: nothing is wrong with the caller's quota, and retrying after a pause does not
+    help; the answer is to restart at a higher level, a new Watch with a fresh snapshot, since the events
+    missed are gone. The status reaches the client after the messages already buffered for it.
     """
     Takeover: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]  # type: ignore[assignment]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
@@ -451,6 +463,12 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
         when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
         (TOO_MANY_WATCHES).
+        A client that stops reading is cut off: when one message has waited longer than the server's watch
+        drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
+        changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
+        not RESOURCE_EXHAUSTED: nothing is wrong with the caller's quota, and retrying after a pause does not
+        help; the answer is to restart at a higher level, a new Watch with a fresh snapshot, since the events
+        missed are gone. The status reaches the client after the messages already buffered for it.
         """
 
     @_abc_1.abstractmethod
