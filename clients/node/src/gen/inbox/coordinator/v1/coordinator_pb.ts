@@ -185,6 +185,8 @@ export type SubjectStatus = Message<"inbox.coordinator.v1.SubjectStatus"> & {
   /**
    * CLAIMED: when the claim frees unless renewed (the lease may end up to the bucket width later, never
    * earlier). REPLIED: when the reply record's retention ends. Unset in the other states.
+   * Approximate, for people: the clock of the coordinator replica that wrote the record plus the TTL, so off
+   * by that replica's clock error. The etcd lease decides; no coordinator reads this stamp to decide anything.
    *
    * @generated from field: google.protobuf.Timestamp expires_at = 7;
    */
@@ -205,7 +207,9 @@ export type SubjectStatus = Message<"inbox.coordinator.v1.SubjectStatus"> & {
   sendStartedAt?: Timestamp | undefined;
 
   /**
-   * SENDING: when the subject becomes IN_DOUBT unless confirmed or aborted.
+   * SENDING: when the subject becomes IN_DOUBT unless confirmed or aborted. Approximate like `expires_at`:
+   * the deadline is an etcd lease of the send timeout taken by BeginSend, never earlier than this stamp
+   * would say on a correct clock.
    *
    * @generated from field: google.protobuf.Timestamp send_deadline = 10;
    */
@@ -1957,6 +1961,12 @@ export const Coordinator: GenService<{
    * ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
    * when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
    * (TOO_MANY_WATCHES).
+   * A client that stops reading is cut off: when one message has waited longer than the server's watch
+   * drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
+   * changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
+   * not RESOURCE_EXHAUSTED: nothing is wrong with the caller's quota, and retrying after a pause does not
+   * help; the answer is to restart at a higher level, a new Watch with a fresh snapshot, since the events
+   * missed are gone. The status reaches the client after the messages already buffered for it.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.Watch
    */
