@@ -100,6 +100,11 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse.FromString,
                 _registered_method=True)
+        self.GetCaller = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/GetCaller',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.FromString,
+                _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/inbox.coordinator.v1.Coordinator/Batch',
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest.SerializeToString,
@@ -254,6 +259,19 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCaller(self, request, context):
+        """Who the caller is, as the coordinator sees its credentials: the principal, its kind, its roles and the
+        mailboxes it is granted. Read-only and free of side effects: a tool (the claims board, `inboxctl whoami`)
+        asks it once to offer a person only the actions they may take (Takeover needs kind human and the role
+        `takeover`, ResolveInDoubt the role `resolve`; `admin` has every role and every mailbox), and to say why
+        another is not offered. The server still checks every call. In development mode (no token file) it
+        answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
+        Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Batch(self, request, context):
         """Several independent calls in one round trip: what a client sends when many of its callers (the
         handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
@@ -336,6 +354,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.MarkReplied,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse.SerializeToString,
+            ),
+            'GetCaller': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCaller,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -694,6 +717,33 @@ class Coordinator:
             '/inbox.coordinator.v1.Coordinator/MarkReplied',
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest.SerializeToString,
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCaller(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/GetCaller',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -209,6 +209,15 @@ class CoordinatorStub:
     ConfirmSent). A retry with the same request id gets the first answer. Watchers see
     EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
     """
+    GetCaller: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCallerRequest, _coordinator_pb2.GetCallerResponse]
+    """Who the caller is, as the coordinator sees its credentials: the principal, its kind, its roles and the
+    mailboxes it is granted. Read-only and free of side effects: a tool (the claims board, `inboxctl whoami`)
+    asks it once to offer a person only the actions they may take (Takeover needs kind human and the role
+    `takeover`, ResolveInDoubt the role `resolve`; `admin` has every role and every mailbox), and to say why
+    another is not offered. The server still checks every call. In development mode (no token file) it
+    answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
+    Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
+    """
     Batch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
     handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
@@ -314,6 +323,15 @@ class CoordinatorAsyncStub(CoordinatorStub):
     PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
     ConfirmSent). A retry with the same request id gets the first answer. Watchers see
     EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
+    """
+    GetCaller: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCallerRequest, _coordinator_pb2.GetCallerResponse]  # type: ignore[assignment]
+    """Who the caller is, as the coordinator sees its credentials: the principal, its kind, its roles and the
+    mailboxes it is granted. Read-only and free of side effects: a tool (the claims board, `inboxctl whoami`)
+    asks it once to offer a person only the actions they may take (Takeover needs kind human and the role
+    `takeover`, ResolveInDoubt the role `resolve`; `admin` has every role and every mailbox), and to say why
+    another is not offered. The server still checks every call. In development mode (no token file) it
+    answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
+    Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
     """
     Batch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]  # type: ignore[assignment]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
@@ -495,6 +513,21 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
         ConfirmSent). A retry with the same request id gets the first answer. Watchers see
         EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
+        """
+
+    @_abc_1.abstractmethod
+    def GetCaller(
+        self,
+        request: _coordinator_pb2.GetCallerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetCallerResponse, _abc.Awaitable[_coordinator_pb2.GetCallerResponse]]:
+        """Who the caller is, as the coordinator sees its credentials: the principal, its kind, its roles and the
+        mailboxes it is granted. Read-only and free of side effects: a tool (the claims board, `inboxctl whoami`)
+        asks it once to offer a person only the actions they may take (Takeover needs kind human and the role
+        `takeover`, ResolveInDoubt the role `resolve`; `admin` has every role and every mailbox), and to say why
+        another is not offered. The server still checks every call. In development mode (no token file) it
+        answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
+        Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
         """
 
     @_abc_1.abstractmethod
