@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--events", type=int, default=30, help="claims per round, one after another")
     parser.add_argument("--calls", type=int, default=2000, help="ClaimReply calls per transport per round")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (default %(default)s)")
+    parser.add_argument("--uvloop", action="store_true", help="the coordinator on uvloop instead of asyncio's loop")
 
 
 def _headers(index: int) -> dict[str, str]:
@@ -160,7 +161,9 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
     print(f"http: {options.watchers} browser-style Watch streams, {options.events} events each round; ", end="")
     print(f"{options.calls} ClaimReply calls per transport each round, {options.rounds} rounds")
     print(env.describe())
-    server = CoordinatorProcess(env.tmp, env.etcd.endpoint, f"bench-http-{run_id()}/", http=True, rate_limit=0)
+    server = CoordinatorProcess(
+        env.tmp, env.etcd.endpoint, f"bench-http-{run_id()}/", http=True, rate_limit=0, uvloop=options.uvloop
+    )
     fanout: dict[str, list[float]] = {"http": [], "grpc": []}
     cpu = {"http": 0.0, "grpc": 0.0}
     try:

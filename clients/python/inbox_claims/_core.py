@@ -751,20 +751,24 @@ class Core:
         """Watch: a :class:`WatchSnapshot` of the mailbox, then a :class:`WatchEvent` for every transition.
 
         With ``reconnect`` (the default) a stream that ends with UNAVAILABLE (the coordinator restarted, or
-        lost its etcd watch) is opened again with the retry policy's backoff, and starts over with a fresh
-        snapshot; the retry budget is renewed by every item received. Runs until you stop iterating.
+        lost its etcd watch) is opened again with the retry policy's backoff, and resumes after the revision of
+        the last snapshot or event received: the events missed meanwhile arrive, without a new snapshot (one
+        comes only when etcd no longer has that revision). The retry budget is renewed by every item received.
+        Runs until you stop iterating.
         """
         return Stream(self._watch(mailbox, reconnect))
 
     def _watch(self, mailbox: str, reconnect: bool) -> Flow[None]:
-        request = pb.WatchRequest(mailbox=mailbox)
+        revision = 0  # of the last snapshot or event received: a reconnection resumes after it
         failures = 0
         while True:
             try:
-                handle = yield OpenStream("Watch", request)
+                handle = yield OpenStream("Watch", pb.WatchRequest(mailbox=mailbox, after_revision=revision))
                 while (message := (yield ReadStream(handle))) is not None:
                     failures = 0
-                    yield Emit(watch_item_from_pb(message))
+                    item = watch_item_from_pb(message)
+                    revision = item.revision
+                    yield Emit(item)
                 return
             except RpcFailure as failure:
                 failures += 1
