@@ -180,8 +180,9 @@ class CoordinatorStub:
     revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
     calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
     ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
-    when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
-    (TOO_MANY_WATCHES).
+    when the connection is lost; clients reconnect, with `after_revision` set to the last revision they
+    received to get only what they missed (the Python client and the board do), or without it for a fresh
+    snapshot. Errors: RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
     """
     Takeover: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
@@ -295,8 +296,9 @@ class CoordinatorAsyncStub(CoordinatorStub):
     revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
     calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
     ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
-    when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
-    (TOO_MANY_WATCHES).
+    when the connection is lost; clients reconnect, with `after_revision` set to the last revision they
+    received to get only what they missed (the Python client and the board do), or without it for a fresh
+    snapshot. Errors: RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
     """
     Takeover: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]  # type: ignore[assignment]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
@@ -467,8 +469,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
         calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
         ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
-        when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
-        (TOO_MANY_WATCHES).
+        when the connection is lost; clients reconnect, with `after_revision` set to the last revision they
+        received to get only what they missed (the Python client and the board do), or without it for a fresh
+        snapshot. Errors: RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
         """
 
     @_abc_1.abstractmethod

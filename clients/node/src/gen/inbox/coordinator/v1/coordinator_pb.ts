@@ -2014,8 +2014,9 @@ export const Coordinator: GenService<{
    * revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
    * calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
    * ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
-   * when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
-   * (TOO_MANY_WATCHES).
+   * when the connection is lost; clients reconnect, with `after_revision` set to the last revision they
+   * received to get only what they missed (the Python client and the board do), or without it for a fresh
+   * snapshot. Errors: RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.Watch
    */
