@@ -7,6 +7,9 @@ the event. Baseline, alternating with it: as many gRPC Watch streams (100 per HT
 
 CPU per call: the same number of ClaimReply calls (new subjects, 16 at a time) through HTTP/JSON and through
 gRPC, alternating; the coordinator process's CPU seconds per 10,000 calls of each, and their ratio.
+
+``--profile``: after the measured rounds, one more round of calls of each transport with py-spy sampling the
+coordinator, and where each transport's samples went, per 1,000 calls (the difference is what HTTP costs).
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,6 +33,7 @@ from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 from ._common import CoordinatorProcess, Environment, percentile, run_id
 from ._load import channel, metadata, subject
+from .profile import _py_spy
 
 PATH = "/inbox.coordinator.v1.Coordinator/"
 STREAMS_PER_GRPC_CONNECTION = 100
@@ -40,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--events", type=int, default=30, help="claims per round, one after another")
     parser.add_argument("--calls", type=int, default=2000, help="ClaimReply calls per transport per round")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (default %(default)s)")
+    parser.add_argument("--uvloop", action="store_true", help="the coordinator on uvloop instead of asyncio's loop")
+    parser.add_argument("--profile", action="store_true", help="then py-spy each transport's calls (see above)")
 
 
 def _headers(index: int) -> dict[str, str]:
@@ -156,11 +164,50 @@ async def _grpc_stubs(address: str, connections: int) -> AsyncIterator[list[pb_g
             await c.close()
 
 
+# Where a sample of the coordinator went, by the frames on its stack; the first layer that matches wins.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("the call: observer, servicer, engine", ("coordinator/interceptor.py",)),
+    ("protobuf JSON mapping and json", ("json_format.py", "/json/")),
+    ("HTTP: uvicorn, httptools, connect-python, http.py", ("uvicorn/", "httptools", "connectrpc/", "/http.py")),
+    ("the call's etcd transactions (store, etcd client)", ("coordinator/", "grpc/aio/")),
+    ("event loop waiting in epoll", ("EpollSelector.select",)),
+    ("event loop dispatch, socket reads and writes", ("asyncio/",)),
+    ("gRPC core: poller thread (Cython)", ("threading.py", "grpc/")),
+    ("other", ("",)),
+]
+
+
+def _layers(raw: Path) -> dict[str, int]:
+    counts = dict.fromkeys((name for name, _ in LAYERS), 0)
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        for name, needles in LAYERS:
+            if any(needle in stack for needle in needles):
+                counts[name] += int(count)
+                break
+    return counts
+
+
+async def _profiled(server: CoordinatorProcess, output: Path, calls: Coroutine[Any, Any, None]) -> dict[str, int]:
+    sampler = await asyncio.create_subprocess_exec(
+        *(_py_spy(), "record", "-f", "raw", "-r", "250", "-o", str(output), "--pid", str(server.pid), "--nonblocking"),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    await asyncio.sleep(1.0)  # py-spy attaches
+    await calls
+    sampler.send_signal(signal.SIGINT)
+    await sampler.wait()
+    return _layers(output)
+
+
 async def run(options: argparse.Namespace, env: Environment) -> int:
     print(f"http: {options.watchers} browser-style Watch streams, {options.events} events each round; ", end="")
     print(f"{options.calls} ClaimReply calls per transport each round, {options.rounds} rounds")
     print(env.describe())
-    server = CoordinatorProcess(env.tmp, env.etcd.endpoint, f"bench-http-{run_id()}/", http=True, rate_limit=0)
+    server = CoordinatorProcess(
+        env.tmp, env.etcd.endpoint, f"bench-http-{run_id()}/", http=True, rate_limit=0, uvloop=options.uvloop
+    )
     fanout: dict[str, list[float]] = {"http": [], "grpc": []}
     cpu = {"http": 0.0, "grpc": 0.0}
     try:
@@ -192,6 +239,16 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
                 before = server.cpu_seconds()
                 await _calls_grpc(claimer, mailbox + "-cg", options.calls)
                 cpu["grpc"] += server.cpu_seconds() - before
+            if options.profile:
+                box = f"bench-{run_id()}-profile"
+                profile = {
+                    "http": await _profiled(
+                        server, env.tmp / "http.raw", _calls_http(client, box + "-h", options.calls)
+                    ),
+                    "grpc": await _profiled(
+                        server, env.tmp / "grpc.raw", _calls_grpc(claimer, box + "-g", options.calls)
+                    ),
+                }
     finally:
         server.stop()
     print(f"{'fan-out to':<28}{'deliveries':>12}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}")
@@ -205,4 +262,12 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
     for transport, label in (("http", "HTTP/JSON"), ("grpc", "gRPC (baseline)")):
         print(f"{label:<28}{total:>12}{per_10k[transport]:>10.2f}")
     print(f"HTTP/JSON costs {per_10k['http'] / per_10k['grpc']:.2f}x the coordinator CPU of gRPC per call")
+    if options.profile:
+        print(f"py-spy samples (250/s) of the coordinator per 1,000 calls, {options.calls} calls of each:")
+        print(f"{'layer':<60}{'HTTP':>8}{'gRPC':>8}")
+        for name, _ in LAYERS:
+            http, grpc = (profile[t][name] * 1000 / options.calls for t in ("http", "grpc"))
+            print(f"{name:<60}{http:>8.1f}{grpc:>8.1f}")
+        totals = [sum(profile[t].values()) * 1000 / options.calls for t in ("http", "grpc")]
+        print(f"{'total':<60}{totals[0]:>8.1f}{totals[1]:>8.1f}")
     return 0

@@ -23,6 +23,7 @@ from typing import Any, cast
 import grpc
 import uvicorn
 from connectrpc import _codec as connect_codecs
+from connectrpc._protocol import ConnectWireError
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
@@ -178,12 +179,16 @@ class ConnectFace:
     same RPC through the observer (built from the .proto's service descriptor, so no RPC can be left out)."""
 
     def __init__(self, servicer: CoordinatorServicer, observer: RpcObserver) -> None:
+        # The unary methods by URL path, with their request type, for the JSON fast path (``_UnaryJson``).
+        self.unary: dict[str, tuple[type[Any], Callable[[Any, Any], Awaitable[Any]]]] = {}
         for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
-            inner = observer.observe(
-                f"/{SERVICE_NAME}/{method.name}", getattr(servicer, method.name), streaming=method.server_streaming
-            )
-            handler = _stream(inner) if method.server_streaming else _unary(inner)
-            setattr(self, _snake(method.name), handler)
+            path = f"/{SERVICE_NAME}/{method.name}"
+            inner = observer.observe(path, getattr(servicer, method.name), streaming=method.server_streaming)
+            if method.server_streaming:
+                setattr(self, _snake(method.name), _stream(inner))
+            else:
+                setattr(self, _snake(method.name), _unary(inner))
+                self.unary[path] = (getattr(pb, method.input_type.name), inner)
 
 
 def _snake(name: str) -> str:
@@ -238,8 +243,10 @@ def build_app(
     servicer: CoordinatorServicer, observer: RpcObserver, *, max_message_bytes: int, board_dir: Path | None = None
 ) -> ASGIApp:
     """The ASGI application: the Connect routes, and the claims board's files (``/``) when ``board_dir``."""
+    face = ConnectFace(servicer, observer)
+    fast = _UnaryJson(face.unary, max_message_bytes)
     connect = CoordinatorASGIApplication(
-        cast(Any, ConnectFace(servicer, observer)),
+        cast(Any, face),
         read_max_bytes=max_message_bytes,
         # Answers are a few hundred bytes: compressing them costs more CPU than it saves on the wire.
         compressions=(),
@@ -259,12 +266,92 @@ def build_app(
                     send, 413, b"application/json", json.dumps({"code": "resource_exhausted", "message": message})
                 )
                 return
-            await connect(cast(Any, scope), cast(Any, receive), cast(Any, send))
+            if not await fast(scope, receive, send):
+                await connect(cast(Any, scope), cast(Any, receive), cast(Any, send))
             return
         if scope["type"] == "http":
             await _static(board, scope, send)
 
     return app
+
+
+class _UnaryJson:
+    """A unary call as ``curl`` and the board make it (``POST``, ``Content-Type: application/json``, no
+    compression), answered without connect-python's per-request machinery (its request context, header
+    multi-dict, compression negotiation, codec look-up), which cost more coordinator CPU per call than the call's
+    own work (docs/performance.md#the-httpjson-face-python--m-bench-http). Same answers, same errors (Connect's
+    JSON error body, HTTP status by code); anything else (GET, application/proto, a compressed body, streams)
+    is the Connect application's."""
+
+    def __init__(
+        self, methods: dict[str, tuple[type[Any], Callable[[Any, Any], Awaitable[Any]]]], max_message_bytes: int
+    ) -> None:
+        self._methods = methods
+        self._max_bytes = max_message_bytes
+
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]], send: Callable[..., Awaitable[Any]]
+    ) -> bool:
+        """Answers the call and says True, or says False (having read nothing) when it is not one for here."""
+        method = self._methods.get(scope["path"])
+        if method is None or scope["method"] != "POST":
+            return False
+        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
+        fields = dict(headers)
+        if fields.get("content-type") not in _JSON_TYPES or fields.get("content-encoding", "identity") != "identity":
+            return False
+        request_type, inner = method
+        client = scope.get("client")
+        try:
+            request = _JSON.decode(await self._body(receive), request_type())
+            call = HttpCall(headers, f"http:{client[0]}:{client[1]}" if client else "http:?", request)
+            try:
+                answer = _JSON.encode(await inner(request, call))
+            except grpc.aio.AbortError:
+                await _send_error(send, call.error(), call.trailers)
+                return True
+        except Exception as error:  # as connect-python: ConnectError as it says, anything else UNKNOWN (500)
+            await _send_error(send, error, ())
+            return True
+        await send({"type": "http.response.start", "status": 200, "headers": _JSON_RESPONSE_HEADERS})
+        await send({"type": "http.response.body", "body": answer})
+        return True
+
+    async def _body(self, receive: Callable[..., Awaitable[Any]]) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise ConnectError(Code.CANCELED, "the client went away before sending the whole request")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._max_bytes:  # a body without a Content-Length, longer than the limit
+                raise ConnectError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"the request body is over {self._max_bytes} bytes, the limit (--max-message-bytes)",
+                )
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+_JSON = _StrictJsonCodec()
+_JSON_TYPES = frozenset(("application/json", "application/json; charset=utf-8", "application/json;charset=utf-8"))
+_JSON_RESPONSE_HEADERS = [(b"content-type", b"application/json")]
+
+
+async def _send_error(
+    send: Callable[..., Awaitable[Any]], error: Exception, headers: Iterable[tuple[str, str]]
+) -> None:
+    wire = ConnectWireError.from_exception(error)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": wire.to_http_status().code,
+            "headers": [*_JSON_RESPONSE_HEADERS, *((name.encode(), value.encode()) for name, value in headers)],
+        }
+    )
+    await send({"type": "http.response.body", "body": wire.to_json_bytes()})
 
 
 _TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8", ".js": "text/javascript"}

@@ -20,11 +20,14 @@ from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 
 from .auth import (
+    ALL_ACCESS,
     PRINCIPAL_KIND_METADATA,
     PRINCIPAL_METADATA,
+    ROLES,
     Authenticator,
     CallCredentials,
     DevelopmentAuthenticator,
+    MailboxGrants,
     current_principal,
 )
 from .domain import (
@@ -447,6 +450,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         subject = subject_in(request.subject)
         return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(caller, subject)))
 
+    async def _get_caller(self, caller: Caller, request: pb.GetCallerRequest) -> pb.GetCallerResponse:
+        development = isinstance(self.authenticator, DevelopmentAuthenticator)
+        grants = caller.grants
+        # A token principal's grants say what it was given; anything else (development mode) has every right.
+        granted = grants if isinstance(grants, MailboxGrants) else ALL_ACCESS
+        admin = "admin" in granted.role_names
+        return pb.GetCallerResponse(
+            principal=caller.principal,
+            kind=_HOLDER_KINDS_OUT[caller.kind],
+            roles=sorted(ROLES if admin else granted.role_names),
+            mailboxes=["*"] if admin else list(granted.patterns),
+            development_mode=development,
+        )
+
     async def _list_claims(self, caller: Caller, request: pb.ListClaimsRequest) -> pb.ListClaimsResponse:
         states = set()
         for state in request.states:
@@ -510,6 +527,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     Takeover = _unary(_takeover)
     ResolveInDoubt = _unary(_resolve_in_doubt)
     MarkReplied = _unary(_mark_replied)
+    GetCaller = _unary(_get_caller)
 
     # The generated base declares a response iterator; a handler that writes with context.write returns None.
     async def Watch(  # type: ignore[override]

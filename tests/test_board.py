@@ -166,7 +166,32 @@ async def test_token_sign_in_is_refused_for_another_tenants_mailbox(
         await expect(wrong.locator("#signin-error")).to_contain_text("Your sign-in was refused")
         allowed = await open_board(browser, board_url(secured, "acme-1"), token=TOKENS["ana"])
         await expect(allowed.locator("#board")).to_be_visible()
-        await expect(allowed.locator("#who")).to_contain_text("Signed in with your token")
+        await expect(allowed.locator("#who")).to_contain_text("Signed in as ana (may take over from agents")
+    finally:
+        await secured.stop(grace=0.5)
+
+
+async def test_a_person_without_the_takeover_role_is_offered_no_takeover_and_told_why(
+    etcd: EtcdServer, prefix: str, tmp_path: Path, browser: Browser
+) -> None:
+    secured = await serve(etcd, prefix, authenticator=TokenAuthenticator(_token_file(tmp_path / "tokens.toml")))
+    try:
+        async with grpc.aio.insecure_channel(secured.address) as channel:
+            agent = Actor(channel, "agent-a", token=TOKENS["agent-a"])
+            await claim(agent, message("acme-1", "msg-parcel"), "Where is my parcel?", "carl@example.net")
+            bo = await open_board(browser, board_url(secured, "acme-1"), token=TOKENS["bo"])
+            ana = await open_board(browser, board_url(secured, "acme-1"), token=TOKENS["ana"])
+            await expect(bo.locator("#who")).to_have_text("Signed in as bo · acme-1")
+            # Ana (role takeover) is offered it; Bo (no role) is not, and reads why.
+            await expect(row(ana, "msg-parcel").get_by_role("button", name="Take over")).to_be_visible(timeout=LIVE)
+            bo_row = row(bo, "msg-parcel")
+            await expect(bo_row).to_contain_text("You are not allowed to take over from agents", timeout=LIVE)
+            await expect(bo_row.get_by_role("button")).to_have_count(0)
+            # Taking over makes it Ana's: only she may now say it is answered or give it back.
+            await row(ana, "msg-parcel").get_by_role("button", name="Take over").click()
+            await expect(row(ana, "msg-parcel").get_by_role("button", name="I replied")).to_be_visible(timeout=LIVE)
+            await expect(bo_row).to_contain_text("Only ana can say it is answered or give it back", timeout=LIVE)
+            await expect(bo_row.get_by_role("button")).to_have_count(0)
     finally:
         await secured.stop(grace=0.5)
 

@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator
 import pytest
 
 from coordinator.etcd_process import EtcdServer, free_port
+from coordinator.server import CoordinatorServer, ServerSettings
+from coordinator.store import EtcdSettings
 from inbox_claims import AsyncCoordinator, Coordinator, CoordinatorUnavailable, RetryPolicy, Subject
 from inbox_claims.types import ClaimOutcome, WatchEvent, WatchSnapshot
 
-from .conftest import PATIENT, LateCoordinator
+from .conftest import PATIENT, LateCoordinator, test_rules
 
 IMPATIENT = RetryPolicy(attempts=4, initial_backoff=0.1, max_backoff=0.2)
 
@@ -111,25 +113,39 @@ async def test_a_retried_claim_with_the_same_request_id_gets_the_same_grant(
     assert fresh.outcome is ClaimOutcome.DUPLICATE_DELIVERY  # a new request id is a new delivery attempt
 
 
-async def test_watch_reconnects_with_a_fresh_snapshot_after_the_coordinator_restarts(
-    late: LateCoordinator, mailbox: str
+async def test_watch_resumes_after_a_coordinator_restart_with_the_missed_events_and_no_snapshot(
+    late: LateCoordinator, etcd: EtcdServer, prefix: str, mailbox: str
 ) -> None:
     await late.start()
-    async with AsyncCoordinator(late.address, principal="agent-a", retry=PATIENT) as client:
-        stream = client.watch(mailbox)
-        assert isinstance(await anext(stream), WatchSnapshot)
-        subject = Subject.message(mailbox, "msg-1")
-        await client.claim(subject, ttl=30)
-        event = await anext(stream)
-        assert isinstance(event, WatchEvent)
-        assert event.status.subject == subject
+    replica = CoordinatorServer(
+        ServerSettings(EtcdSettings([etcd.endpoint], prefix=prefix), listen="127.0.0.1:0", rules=test_rules())
+    )
+    await replica.start()
+    try:
+        async with (
+            AsyncCoordinator(late.address, principal="agent-a", retry=PATIENT) as client,
+            AsyncCoordinator(replica.address, principal="agent-b") as other,
+        ):
+            stream = client.watch(mailbox)
+            assert isinstance(await anext(stream), WatchSnapshot)
+            first, second = Subject.message(mailbox, "msg-1"), Subject.message(mailbox, "msg-2")
+            await client.claim(first, ttl=30)
+            event = await anext(stream)
+            assert isinstance(event, WatchEvent)
+            assert event.status.subject == first
 
-        await late.stop()  # the stream ends with UNAVAILABLE; the client keeps trying
-        pending = asyncio.create_task(anext(stream))
-        await asyncio.sleep(0.5)
-        assert not pending.done()
-        await late.start()
-        snapshot = await asyncio.wait_for(pending, 10)
-        await stream.aclose()
-    assert isinstance(snapshot, WatchSnapshot)
-    assert [s.subject for s in snapshot.subjects] == [subject]
+            await late.stop()  # the stream ends with UNAVAILABLE; the client keeps trying
+            pending = asyncio.create_task(anext(stream))
+            # What happens while it is away, through another replica: it must not be missed.
+            await other.claim(second, ttl=30)
+            await asyncio.sleep(0.5)
+            assert not pending.done()
+            await late.start()
+            resumed = await asyncio.wait_for(pending, 10)
+            await stream.aclose()
+    finally:
+        await replica.stop(grace=0)
+    assert isinstance(resumed, WatchEvent), resumed  # resumed after the last event: no snapshot
+    assert resumed.status.subject == second
+    assert resumed.status.holder == "agent-b"
+    assert resumed.revision > event.revision

@@ -160,6 +160,7 @@ async def _script(call: Callable[[str, str, dict[str, Any]], Any], mailbox: str)
     )
     batch = {"calls": [{"getStatus": {"subject": s1}}, {"claimReply": {"requestId": "r16", "subject": s1}}]}
     answers.append(await call("agent", "Batch", batch))
+    answers.append(await call("human", "GetCaller", {}))
     return answers
 
 
@@ -182,7 +183,14 @@ async def test_every_rpc_answers_over_json_as_over_grpc(
 
         grpc_answers = await _script(over_grpc, mailbox + "-grpc")
     http_answers = await _script(over_http, mailbox + "-http")
-    assert len(http_answers) == 15
+    assert len(http_answers) == 16
+    assert http_answers[15] == {
+        "principal": "ana",
+        "kind": "HOLDER_KIND_HUMAN",
+        "roles": ["admin", "resolve", "takeover"],
+        "mailboxes": ["*"],
+        "developmentMode": True,
+    }
     assert [_steady(answer) for answer in http_answers] == [_steady(answer) for answer in grpc_answers]
     results = [answer.get("result") for answer in http_answers]
     assert results[:5] == ["NEW", "GRANTED", "FENCE_RESULT_OK", "FENCE_RESULT_OK", "FENCE_RESULT_OK"]
@@ -289,6 +297,41 @@ async def test_tokens_reach_the_same_principals_and_grants_over_http(
     assert refused.status_code == 403, refused.text
     assert refused.json()["code"] == "permission_denied"
     assert f"{who!r}" in refused.json()["message"]  # the gRPC refusal's words: who, and what they lack
+
+
+@pytest.mark.parametrize(
+    ("who", "kind", "roles", "mailboxes"),
+    [
+        ("agent-a", "HOLDER_KIND_AGENT", [], ["acme-*"]),
+        ("ana", "HOLDER_KIND_HUMAN", ["resolve", "takeover"], ["acme-*"]),
+        ("bo", "HOLDER_KIND_HUMAN", [], ["acme-*"]),
+        ("root", "HOLDER_KIND_HUMAN", ["admin", "resolve", "takeover"], ["*"]),
+    ],
+)
+async def test_get_caller_tells_a_token_principal_who_it_is_over_grpc_and_http(
+    etcd: EtcdServer, prefix: str, tmp_path: Path, who: str, kind: str, roles: list[str], mailboxes: list[str]
+) -> None:
+    started = await serve(etcd, prefix, authenticator=TokenAuthenticator(_token_file(tmp_path / "tokens.toml")))
+    assert started.http is not None
+    try:
+        async with (
+            httpx.AsyncClient(base_url=f"http://{started.http.address}", timeout=10) as client,
+            grpc.aio.insecure_channel(started.address) as channel,
+        ):
+            over_http = await bearer(client, who).call("GetCaller", {})
+            actor = Actor(channel, who, token=TOKENS[who])
+            over_grpc = json_format.MessageToDict(
+                await actor.stub.GetCaller(pb.GetCallerRequest(), metadata=actor.metadata)
+            )
+            unknown = await Json(client, {"authorization": "Bearer nope"}).post("GetCaller", {})
+    finally:
+        await started.stop(grace=0.5)
+    expected: dict[str, Any] = {"principal": who, "kind": kind, "mailboxes": mailboxes}
+    if roles:
+        expected["roles"] = roles  # proto3 JSON leaves an empty list out
+    assert over_http == expected
+    assert over_grpc == expected
+    assert unknown.status_code == 401
 
 
 async def test_a_token_is_required_and_a_granted_one_works_over_http(secured: httpx.AsyncClient) -> None:

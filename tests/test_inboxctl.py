@@ -421,3 +421,32 @@ def test_ls_status_and_watch_show_which_email_and_watch_fits_the_terminal(
     out = only_replied.stdout.splitlines()
     assert f"watching {mailbox}: 1 subject(s) REPLIED" in out[0]
     assert out[1].split()[1:3] == ["REPLIED", "message"]
+
+
+def test_whoami_says_who_the_coordinator_takes_you_to_be_and_what_you_may_do(
+    ctl: Ctl, shared_etcd: EtcdServer, home: Path
+) -> None:
+    development = ctl("whoami")
+    assert development.returncode == 0, development.stderr
+    assert development.stdout.splitlines()[0] == f"{ANA} (a person)"
+    assert "take a message over from an agent" in development.stdout
+    assert "development mode" in development.stdout
+    with token_coordinator(shared_etcd, _token_file(home / "tokens.toml")) as target:
+        as_bo = {"INBOX_COORDINATOR_TARGET": target, "INBOX_PRINCIPAL": "", "INBOX_TOKEN": TOKENS["bo"]}
+        bo = ctl("whoami", env=as_bo)
+        assert bo.returncode == 0, bo.stderr
+        assert bo.stdout.splitlines() == [
+            "bo (a person)",
+            "mailboxes: acme-*",
+            "may: only claim, give back and answer messages in those mailboxes (no roles)",
+        ]
+        ana = json.loads(ctl("whoami", "--json", env={**as_bo, "INBOX_TOKEN": TOKENS["ana"]}).stdout)
+        assert ana == {
+            "principal": "ana",
+            "kind": "HUMAN",
+            "roles": ["resolve", "takeover"],
+            "mailboxes": ["acme-*"],
+            "development_mode": False,
+        }
+        refused = ctl("whoami", env={**as_bo, "INBOX_TOKEN": "not-a-token"})
+        assert refused.returncode == 4

@@ -9,7 +9,8 @@ const URGENCY = { [IN_DOUBT]: 0, [SENDING]: 1, [CLAIMED]: 2, [REPLIED]: 3 };
 const CLAIM_SECONDS = 900; // a person's claim: long enough to write a reply; given back when done
 
 const $ = (selector) => document.querySelector(selector);
-const session = { token: "", name: "", me: "", mailboxes: [] };
+// me, kind and roles: who the coordinator says the signed-in person is (GetCaller), to offer only what they may do.
+const session = { token: "", name: "", me: "", kind: "", roles: [], mailboxes: [] };
 const rows = new Map(); // "mailbox\u0000kind\u0000id" -> { status, tr }
 const seen = new Map(); // mailbox -> the revision of the last snapshot or event: a reconnection resumes there
 const shown = new Set([IN_DOUBT, CLAIMED, SENDING, REPLIED]);
@@ -40,6 +41,15 @@ async function call(method, body) {
   if (!response.ok) throw new CallFailed(answer.code || "unknown", answer.message || response.statusText);
   return answer;
 }
+
+async function whoAmI() {
+  const caller = await call("GetCaller", {});
+  session.me = caller.principal;
+  session.kind = caller.kind === "HOLDER_KIND_AGENT" ? "agent" : "human";
+  session.roles = caller.roles || [];
+}
+
+function may(role) { return session.roles.includes(role); }
 
 function requestId() {
   return (crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2) + Date.now()).replace(/-/g, "");
@@ -255,12 +265,19 @@ function render(row) {
   leftCell.setAttribute("aria-label", left.text ? "time left: " + left.text : "");
   cell(tr, "note", status.note || "");
   const actions = cell(tr, "actions");
-  for (const [label, run] of actionsFor(status)) {
+  const { offered, why } = actionsFor(status);
+  for (const [label, run] of offered) {
     const button = document.createElement("button");
     button.type = "button";
     button.textContent = label;
     button.addEventListener("click", () => act(button, run));
     actions.appendChild(button);
+  }
+  if (why) {
+    const reason = document.createElement("span");
+    reason.className = "why";
+    reason.textContent = why;
+    actions.appendChild(reason);
   }
   tr.hidden = !visible(status);
 }
@@ -273,23 +290,33 @@ function visible(status) {
     .some((text) => text && text.toLowerCase().includes(search));
 }
 
+// The actions the signed-in person may take on a row (the coordinator checks each call again), and, when one
+// that the row's state would allow is not offered to them, why, in words for them.
 function actionsFor(status) {
   const subject = status.subject;
   const token = Number(status.fencingToken);
-  const mine = status.holder === session.me || (!session.token && status.holder === session.name);
-  const list = [];
-  if (status.state === CLAIMED && isAgent(status)) {
-    list.push(["Take over", () => takeover(subject)]);
-  }
+  const mine = status.holder === session.me;
+  const offered = [];
+  let why = "";
   if (status.state === CLAIMED && mine) {
-    list.push(["I replied", () => markReplied(subject, token)]);
-    list.push(["Give it back", () => release(subject, token)]);
+    offered.push(["I replied", () => markReplied(subject, token)]);
+    offered.push(["Give it back", () => release(subject, token)]);
+  } else if (status.state === CLAIMED && isAgent(status)) {
+    if (session.kind !== "human") why = "Only a person can take over from an agent.";
+    else if (!may("takeover")) why = "You are not allowed to take over from agents: ask your administrator.";
+    else offered.push(["Take over", () => takeover(subject)]);
+  } else if (status.state === CLAIMED) {
+    why = `Only ${status.holder} can say it is answered or give it back.`;
   }
   if (status.state === IN_DOUBT) {
-    list.push(["It was sent", () => resolve(subject, "OUTCOME_SENT")]);
-    list.push(["It was not sent", () => resolve(subject, "OUTCOME_NOT_SENT")]);
+    if (may("resolve")) {
+      offered.push(["It was sent", () => resolve(subject, "OUTCOME_SENT")]);
+      offered.push(["It was not sent", () => resolve(subject, "OUTCOME_NOT_SENT")]);
+    } else {
+      why = "Someone allowed to settle unconfirmed sends must check the Sent folder.";
+    }
   }
-  return list;
+  return { offered, why };
 }
 
 async function act(button, run) {
@@ -439,6 +466,12 @@ async function signIn(event) {
   const error = $("#signin-error");
   error.textContent = "";
   if (!session.token && !session.name) { error.textContent = "Give your access token (or, on a test coordinator, your name)."; return; }
+  try {
+    await whoAmI();
+  } catch (failure) {
+    error.textContent = plainError(failure);
+    return;
+  }
   for (const mailbox of session.mailboxes) {
     try {
       await call("ListClaims", { mailbox, pageSize: 1 });
@@ -458,7 +491,9 @@ function start() {
   $("#board").hidden = false;
   const who = $("#who");
   who.hidden = false;
-  who.textContent = (session.token ? "Signed in with your token" : `Signed in as ${session.name}`) +
+  const rights = [may("takeover") && session.kind === "human" ? "may take over from agents" : "",
+    may("resolve") ? "may settle unconfirmed sends" : ""].filter(Boolean);
+  who.textContent = `Signed in as ${session.me}` + (rights.length ? ` (${rights.join(", ")})` : "") +
     ` · ${session.mailboxes.join(", ")}`;
   const select = $("#claim-mailbox");
   select.replaceChildren(...session.mailboxes.map((mailbox) => new Option(mailbox, mailbox)));
@@ -497,7 +532,7 @@ function init() {
   document.addEventListener("keydown", onKey);
   if (saved && !params.get("mailbox")) {
     Object.assign(session, saved);
-    start();
+    whoAmI().then(start, (failure) => { $("#signin-error").textContent = plainError(failure); });
   }
 }
 

@@ -21,7 +21,7 @@ import {
   SendRejected,
   SentButUnconfirmed,
 } from "./errors.js";
-import { idempotencyKey, type ClaimResult, type LossReason, type Subject, type SubjectStatus } from "./types.js";
+import { idempotencyKey, type ClaimResult, type LossReason, type MessageSummary, type Subject, type SubjectStatus } from "./types.js";
 
 export type Scope = "message" | "thread";
 
@@ -45,6 +45,8 @@ export interface ReplyOptions {
    * (each agent connected with its own grant) then claim the same subject for the same message.
    */
   mailbox?: string;
+  /** Which email it is, for the people watching the mailbox; default: taken from the notification (summaryOf). */
+  summary?: MessageSummary;
 }
 
 type Phase = "claiming" | "claimed" | "lost" | "beginning" | "sending" | "replied" | "aborted" | "unknown" | "released";
@@ -85,6 +87,36 @@ function grantedStatus(result: ClaimResult, subject: Subject, notificationId: st
   return status;
 }
 
+// The coordinator's limits on a summary's texts (SUMMARY_SUBJECT_LINE_MAX_BYTES, SUMMARY_SENDER_MAX_BYTES):
+// longer ones are cut, not refused.
+const SUMMARY_TEXT_MAX_BYTES = 512;
+// Unix seconds before the year 10000: a later "date" is not a time the coordinator can store.
+const LAST_DATE_SECONDS = 253402300800;
+
+/**
+ * Which email a notification is about, from the Nylas message object it carries (`subject`, the first of
+ * `from` as "Name <address>", `date`), as the Python client's summary_of: what is missing or of another shape
+ * is left out; undefined when nothing is there or the notification is not about a message.
+ */
+export function summaryOf(notification: Notification | undefined): MessageSummary | undefined {
+  if (notification === undefined || !notification.isMessageEvent) return undefined;
+  const message = notification.object;
+  const subjectLine = typeof message.subject === "string" ? cleanText(message.subject, SUMMARY_TEXT_MAX_BYTES) : "";
+  let sender = "";
+  const first: unknown = Array.isArray(message.from) ? message.from[0] : undefined;
+  if (typeof first === "object" && first !== null) {
+    const { name, email } = first as Record<string, unknown>;
+    const named = typeof name === "string" ? name : "";
+    const address = typeof email === "string" ? email : "";
+    sender = cleanText(named && address ? `${named} <${address}>` : named || address, SUMMARY_TEXT_MAX_BYTES);
+  }
+  const date = message.date;
+  const receivedAt =
+    typeof date === "number" && Number.isInteger(date) && date >= 0 && date < LAST_DATE_SECONDS ? new Date(date * 1000) : undefined;
+  if (!subjectLine && !sender && receivedAt === undefined) return undefined;
+  return { subjectLine, sender, ...(receivedAt === undefined ? {} : { receivedAt }) };
+}
+
 /** A free-form text the coordinator accepts: control characters become spaces, cut to maxBytes of UTF-8. */
 export function cleanText(text: string, maxBytes = REASON_MAX_BYTES): string {
   // eslint-disable-next-line no-control-regex
@@ -118,9 +150,10 @@ export class Claim {
     readonly notificationId: string,
     ttl: number,
     note: string,
+    summary?: MessageSummary,
   ) {
     this.ttl_ = ttl;
-    this.claimOp = coordinator.claimOp(subject, { ttl, notificationId, note: cleanText(note) });
+    this.claimOp = coordinator.claimOp(subject, { ttl, notificationId, note: cleanText(note), summary });
   }
 
   /** The fencing token (0n until the claim is granted). */
@@ -277,6 +310,33 @@ export class Claim {
     }
     await this.confirm(sent);
     return (sent as string | null | undefined) ?? undefined;
+  }
+
+  /**
+   * Records that the reply was made outside send() (by a person in a mail client, by phone): the subject
+   * becomes REPLIED and every later notification for it is answered ALREADY_REPLIED. Fenced like send():
+   * throws ClaimLost if the claim is no longer yours (nothing is recorded then).
+   */
+  async markReplied(options: { sentMessageId?: string; note?: string } = {}): Promise<void> {
+    if (this.phase === "lost") throw this.lostError();
+    if (this.phase !== "claimed") throw new Error(`claim.markReplied() needs a held claim (this claim is ${this.phase})`);
+    this.phase = "beginning"; // renewal stops acting; the end of work releases if the answer never comes
+    this.stopRenewal.abort();
+    const sentMessageId = options.sentMessageId ?? "";
+    let result;
+    try {
+      result = await this.coordinator.call(this.coordinator.markRepliedOp(this.subject, this.token_, sentMessageId, cleanText(options.note ?? "")));
+    } catch (error) {
+      this.phase = "claimed";
+      throw error;
+    }
+    if (!result.ok) {
+      this.lose(this.staleReason(result.status), result.status, "beginning");
+      throw this.lostError();
+    }
+    this.status_ = result.status;
+    this.sentMessageId_ = sentMessageId || undefined;
+    this.phase = "replied";
   }
 
   private async abort(rejected: SendRejected): Promise<void> {

@@ -16,6 +16,7 @@ import {
   stateToPb,
   statusFromPb,
   subjectToPb,
+  summaryToPb,
   takeoverFromPb,
   watchItemFromPb,
   type ClaimResult,
@@ -23,13 +24,14 @@ import {
   type DeliveryResult,
   type FenceResult,
   type HolderKind,
+  type MessageSummary,
   type Subject,
   type SubjectState,
   type SubjectStatus,
   type TakeoverResult,
   type WatchItem,
 } from "./types.js";
-import { Claim, resolveSubject, type ReplyOptions, type ReplyTarget } from "./claim.js";
+import { Claim, resolveSubject, summaryOf, type ReplyOptions, type ReplyTarget } from "./claim.js";
 import type { Notification } from "./envelope.js";
 
 export const DEFAULT_TARGET = "127.0.0.1:50051";
@@ -75,6 +77,17 @@ export interface CoordinatorOptions {
   retry?: Partial<RetryPolicy>;
   /** Concurrent calls sent together in one Batch RPC, at most (1..256, default 64); 1 sends every call alone. */
   maxBatch?: number;
+}
+
+export interface ClaimOptions {
+  /** Seconds; 0 (default) is the server's default TTL. */
+  ttl?: number;
+  /** The notification's id: delivery dedup and claim in one call. */
+  notificationId?: string;
+  /** Shown to the people watching the mailbox. */
+  note?: string;
+  /** Which email it is (subject line, sender, received time), shown to the people watching the mailbox. */
+  summary?: MessageSummary;
 }
 
 export interface Op<R> {
@@ -279,13 +292,14 @@ export class Coordinator {
 
   // -- operations (the guard builds these once and runs them with call(), keeping their request ids) -----
 
-  claimOp(subject: Subject, options: { ttl?: number; notificationId?: string; note?: string } = {}): Op<ClaimResult> & { subject: Subject } {
+  claimOp(subject: Subject, options: ClaimOptions = {}): Op<ClaimResult> & { subject: Subject } {
     const request = create(pb.ClaimReplyRequestSchema, {
       requestId: newRequestId(),
       subject: subjectToPb(subject),
       notificationId: options.notificationId ?? "",
       ttlSeconds: ttlSeconds(options.ttl ?? 0),
       note: options.note ?? "",
+      summary: summaryToPb(options.summary),
     });
     return { method: "ClaimReply", request, decode: (r) => claimResultFromPb(r as pb.ClaimReplyResponse), subject };
   }
@@ -325,6 +339,17 @@ export class Coordinator {
     return { method: "ConfirmSent", request, decode: (r) => fenceFromPb(r as pb.ConfirmSentResponse) };
   }
 
+  markRepliedOp(subject: Subject, token: bigint, sentMessageId = "", note = ""): Op<FenceResult> {
+    const request = create(pb.MarkRepliedRequestSchema, {
+      requestId: newRequestId(),
+      subject: subjectToPb(subject),
+      fencingToken: fencingToken(token),
+      sentMessageId,
+      note,
+    });
+    return { method: "MarkReplied", request, decode: (r) => fenceFromPb(r as pb.MarkRepliedResponse) };
+  }
+
   abortSendOp(subject: Subject, token: bigint, reason = "", redeliverable = false): Op<FenceResult> {
     const request = create(pb.AbortSendRequestSchema, {
       requestId: newRequestId(),
@@ -345,7 +370,7 @@ export class Coordinator {
   }
 
   /** ClaimReply: GRANTED, HELD, ALREADY_REPLIED or DUPLICATE_DELIVERY; nothing is renewed for you (agents use replyTo). */
-  claim(subject: Subject, options: { ttl?: number; notificationId?: string; note?: string } = {}): Promise<ClaimResult> {
+  claim(subject: Subject, options: ClaimOptions = {}): Promise<ClaimResult> {
     return this.call(this.claimOp(subject, options));
   }
 
@@ -363,6 +388,14 @@ export class Coordinator {
 
   confirmSent(subject: Subject, token: bigint, sentMessageId = ""): Promise<FenceResult> {
     return this.call(this.confirmSentOp(subject, token, sentMessageId));
+  }
+
+  /**
+   * MarkReplied: the holder answered without the coordinator (in a mail client, by phone): CLAIMED becomes
+   * REPLIED, so later claims answer ALREADY_REPLIED. Fenced like beginSend (ok false: not yours any more).
+   */
+  markReplied(subject: Subject, token: bigint, options: { sentMessageId?: string; note?: string } = {}): Promise<FenceResult> {
+    return this.call(this.markRepliedOp(subject, token, options.sentMessageId ?? "", options.note ?? ""));
   }
 
   abortSend(subject: Subject, token: bigint, reason = "", options: { redeliverable?: boolean } = {}): Promise<FenceResult> {
@@ -421,12 +454,13 @@ export class Coordinator {
   }
 
   /** Takeover (humans only): the agent's token goes stale at once and the caller holds the subject. */
-  takeover(subject: Subject, options: { ttl?: number; note?: string } = {}): Promise<TakeoverResult> {
+  takeover(subject: Subject, options: { ttl?: number; note?: string; summary?: MessageSummary } = {}): Promise<TakeoverResult> {
     const request = create(pb.TakeoverRequestSchema, {
       requestId: newRequestId(),
       subject: subjectToPb(subject),
       ttlSeconds: ttlSeconds(options.ttl ?? 0),
       note: options.note ?? "",
+      summary: summaryToPb(options.summary),
     });
     return this.call({ method: "Takeover", request, decode: (r) => takeoverFromPb(r as pb.TakeoverResponse) });
   }
@@ -462,7 +496,8 @@ export class Coordinator {
    */
   async replyTo<T>(target: Notification | ReplyTarget, options: ReplyOptions, work: (claim: Claim) => Promise<T>): Promise<T> {
     const { subject, notificationId } = resolveSubject(target, options.scope ?? "message", options.mailbox);
-    const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "");
+    const summary = options.summary ?? ("objectKind" in target ? summaryOf(target) : undefined);
+    const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "", summary);
     await claim.enter();
     let failed = false;
     try {

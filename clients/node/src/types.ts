@@ -1,7 +1,7 @@
 // Subjects, statuses and results as plain TypeScript values, and their conversions from the wire messages.
 import { createHash } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
-import { timestampDate, type Timestamp } from "@bufbuild/protobuf/wkt";
+import { timestampDate, timestampFromDate, type Timestamp } from "@bufbuild/protobuf/wkt";
 import * as pb from "./gen/inbox/coordinator/v1/coordinator_pb.js";
 
 export type SubjectKind = "message" | "thread";
@@ -68,6 +68,18 @@ function pythonUtf8(text: string): Buffer {
   return Buffer.from(bytes);
 }
 
+/**
+ * Which email a claim is about, shown to the people watching the mailbox (inboxctl, the claims board). Personal
+ * data: the coordinator keeps it with the claim and its reply record only, and not at all when its
+ * store_summaries setting is off. replyTo fills it from the notification's message.
+ */
+export interface MessageSummary {
+  readonly subjectLine?: string;
+  /** As people read it: "Bea Costa <bea@example.org>". */
+  readonly sender?: string;
+  readonly receivedAt?: Date;
+}
+
 /** Everything recorded about one subject. Times are Dates, undefined when unset. */
 export interface SubjectStatus {
   readonly subject: Subject;
@@ -84,6 +96,10 @@ export interface SubjectStatus {
   readonly sentMessageId: string;
   readonly revision: bigint;
   readonly ttlSeconds: number;
+  /** Which email it is, when the claim carried a summary (and the coordinator stores them). */
+  readonly summary: MessageSummary | undefined;
+  /** REPLIED by markReplied (a person answered outside the coordinator), not through send. */
+  readonly repliedByHand: boolean;
 }
 
 export interface DeliveryRecord {
@@ -130,7 +146,8 @@ export type EventType =
   | "TAKEN_OVER"
   | "IN_DOUBT"
   | "RESOLVED_NOT_SENT"
-  | "RETENTION_ENDED";
+  | "RETENTION_ENDED"
+  | "MARKED_REPLIED";
 
 /** What Watch sends: first a snapshot of the mailbox, then an event for every transition. */
 export type WatchItem =
@@ -216,7 +233,23 @@ export function statusFromPb(message: pb.SubjectStatus | undefined): SubjectStat
     sentMessageId: message.sentMessageId,
     revision: message.revision,
     ttlSeconds: message.ttlSeconds,
+    summary: summaryFromPb(message.summary),
+    repliedByHand: message.repliedByHand,
   };
+}
+
+export function summaryFromPb(message: pb.MessageSummary | undefined): MessageSummary | undefined {
+  if (message === undefined) return undefined;
+  return { subjectLine: message.subjectLine, sender: message.sender, receivedAt: date(message.receivedAt) };
+}
+
+export function summaryToPb(summary: MessageSummary | undefined): pb.MessageSummary | undefined {
+  if (summary === undefined) return undefined;
+  return create(pb.MessageSummarySchema, {
+    subjectLine: summary.subjectLine ?? "",
+    sender: summary.sender ?? "",
+    receivedAt: summary.receivedAt === undefined ? undefined : timestampFromDate(summary.receivedAt),
+  });
 }
 
 export function deliveryFromPb(message: pb.DeliveryRecord | undefined): DeliveryRecord | undefined {

@@ -13,6 +13,7 @@ import {
   SendRejected,
   messageSubject,
   parseNotification,
+  summaryOf,
   type Claim,
 } from "../src/index.js";
 
@@ -274,4 +275,83 @@ test("a parsed notification: claim on its grant's message, or on a shared mailbo
   });
   const grantEvent = parseNotification({ id: unique("n"), type: "grant.expired", data: { object: { grant_id: grant } } });
   await assert.rejects(agent.replyTo(grantEvent, {}, async () => undefined), /not about a message/);
+});
+
+test("markReplied: a reply made by hand is REPLIED, a later notification gets AlreadyReplied; a lost claim records nothing", async () => {
+  const agent = cluster.client("agent-r");
+  const human = cluster.client("bo@example.com", { kind: "human", replica: 1 });
+  const mailbox = unique("by-hand");
+  await human.replyTo({ mailbox, messageId: "m1", notificationId: unique("n") }, { ttl: 30 }, async (claim) => {
+    await claim.markReplied({ sentMessageId: "sent-by-hand", note: "replied from Gmail" });
+    assert.ok(claim.replied);
+    assert.equal(claim.sentMessageId, "sent-by-hand");
+  });
+  const status = await agent.status(messageSubject(mailbox, "m1"));
+  assert.equal(status.state, "REPLIED");
+  assert.equal(status.repliedByHand, true);
+  assert.equal(status.holder, "bo@example.com");
+  await assert.rejects(
+    agent.replyTo({ mailbox, messageId: "m1", notificationId: unique("message.updated") }, {}, async () => undefined),
+    AlreadyReplied,
+  );
+  // Taken over meanwhile: the agent's markReplied is refused (ClaimLost) and the human's claim stands.
+  const error = await agent
+    .replyTo({ mailbox, messageId: "m2" }, { ttl: 30 }, async (claim) => {
+      assert.equal((await human.takeover(claim.subject, { ttl: 30 })).outcome, "TAKEN_OVER");
+      await claim.markReplied({ note: "too late" });
+    })
+    .then(() => undefined, (e: unknown) => e);
+  assert.ok(error instanceof ClaimLost, String(error));
+  const taken = await agent.status(messageSubject(mailbox, "m2"));
+  assert.equal(taken.state, "CLAIMED");
+  assert.equal(taken.holder, "bo@example.com");
+  // The low-level call: fenced by the token.
+  const granted = await agent.claim(messageSubject(mailbox, "m3"), { ttl: 30 });
+  const stale = await agent.markReplied(messageSubject(mailbox, "m3"), granted.status!.fencingToken + 1000n);
+  assert.equal(stale.ok, false);
+  const marked = await agent.markReplied(messageSubject(mailbox, "m3"), granted.status!.fencingToken, { note: "phoned" });
+  assert.equal(marked.ok, true);
+  assert.equal(marked.status.state, "REPLIED");
+});
+
+test("the summary: replyTo fills it from the notification's message, an option overrides it, claim and takeover carry it", async () => {
+  const agent = cluster.client("agent-s");
+  const watcher = cluster.client("watcher-s", { replica: 1 });
+  const grant = unique("grant");
+  const received = 1764500000;
+  const notification = parseNotification({
+    id: unique("n"),
+    type: "message.created",
+    data: {
+      object: {
+        id: "msg-s",
+        grant_id: grant,
+        subject: "Refund\nfor order 1182?",
+        from: [{ name: "Bea Costa", email: "bea@example.org" }],
+        date: received,
+      },
+    },
+  });
+  assert.deepEqual(summaryOf(notification), {
+    subjectLine: "Refund for order 1182?", // a control character becomes a space, as the coordinator requires
+    sender: "Bea Costa <bea@example.org>",
+    receivedAt: new Date(received * 1000),
+  });
+  await agent.replyTo(notification, { ttl: 30 }, async (claim) => {
+    const seen = await watcher.status(claim.subject);
+    assert.equal(seen.summary?.subjectLine, "Refund for order 1182?");
+    assert.equal(seen.summary?.sender, "Bea Costa <bea@example.org>");
+    assert.deepEqual(seen.summary?.receivedAt, new Date(received * 1000));
+  });
+  const bare = parseNotification({ id: unique("n"), type: "message.created", data: { object: { id: "msg-t", grant_id: grant, from: "nobody" } } });
+  assert.equal(summaryOf(bare), undefined); // nothing usable: no summary rather than an empty one
+  await agent.replyTo(bare, { ttl: 30, summary: { subjectLine: "Given by hand" } }, async (claim) => {
+    assert.equal((await watcher.status(claim.subject)).summary?.subjectLine, "Given by hand");
+  });
+  const human = cluster.client("cy@example.com", { kind: "human" });
+  const held = await agent.claim(messageSubject(grant, "msg-u"), { ttl: 30, summary: { sender: "dana@example.com" } });
+  assert.equal(held.status?.summary?.sender, "dana@example.com");
+  const taken = await human.takeover(messageSubject(grant, "msg-u"), { ttl: 30, summary: { subjectLine: "Taken", sender: "dana@example.com" } });
+  assert.equal(taken.outcome, "TAKEN_OVER");
+  assert.equal(taken.status.summary?.subjectLine, "Taken");
 });

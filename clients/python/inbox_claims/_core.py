@@ -42,6 +42,7 @@ from google.protobuf.message import Message
 from ._errors import error_for
 from ._proto import coordinator_pb2 as pb
 from ._types import (
+    CallerIdentity,
     ClaimOutcome,
     ClaimResult,
     ClaimsPage,
@@ -290,13 +291,25 @@ def subject_from_pb(message: pb.Subject) -> Subject:
     return Subject(message.mailbox, kind, message.id)
 
 
+_HOLDER_KINDS = {pb.HOLDER_KIND_AGENT: HolderKind.AGENT, pb.HOLDER_KIND_HUMAN: HolderKind.HUMAN}
+
+
+def _caller_identity(response: pb.GetCallerResponse) -> CallerIdentity:
+    return CallerIdentity(
+        principal=response.principal,
+        kind=_HOLDER_KINDS.get(response.kind, HolderKind.AGENT),
+        roles=tuple(response.roles),
+        mailboxes=tuple(response.mailboxes),
+        development_mode=response.development_mode,
+    )
+
+
 def status_from_pb(message: pb.SubjectStatus) -> SubjectStatus:
-    holder_kind = {pb.HOLDER_KIND_AGENT: HolderKind.AGENT, pb.HOLDER_KIND_HUMAN: HolderKind.HUMAN}
     return SubjectStatus(
         subject=subject_from_pb(message.subject),
         state=_enum_from_pb(SubjectState, pb.SubjectState, message.state, "SUBJECT_STATE_"),
         holder=message.holder,
-        holder_kind=holder_kind.get(message.holder_kind),
+        holder_kind=_HOLDER_KINDS.get(message.holder_kind),
         fencing_token=message.fencing_token,
         acquired_at=_time(message, "acquired_at"),
         expires_at=_time(message, "expires_at"),
@@ -707,6 +720,10 @@ class Core:
         REPLIED, so later claims answer ALREADY_REPLIED. Fenced like ``begin_send`` (``ok`` False: not yours)."""
         return self.call(self.mark_replied_op(subject, token, sent_message_id, note), timeout=timeout)
 
+    def caller(self, *, timeout: float | None = None) -> Flow[CallerIdentity]:
+        """GetCaller: who the coordinator takes this client's credentials to be (principal, kind, roles, mailboxes)."""
+        return self.call(Op("GetCaller", pb.GetCallerRequest(), _caller_identity), timeout=timeout)
+
     def status(self, subject: Subject, *, timeout: float | None = None) -> Flow[SubjectStatus]:
         """GetStatus: one subject's state (FREE when nothing is recorded)."""
         request = pb.GetStatusRequest(subject=subject_to_pb(subject))
@@ -751,20 +768,24 @@ class Core:
         """Watch: a :class:`WatchSnapshot` of the mailbox, then a :class:`WatchEvent` for every transition.
 
         With ``reconnect`` (the default) a stream that ends with UNAVAILABLE (the coordinator restarted, or
-        lost its etcd watch) is opened again with the retry policy's backoff, and starts over with a fresh
-        snapshot; the retry budget is renewed by every item received. Runs until you stop iterating.
+        lost its etcd watch) is opened again with the retry policy's backoff, and resumes after the revision of
+        the last snapshot or event received: the events missed meanwhile arrive, without a new snapshot (one
+        comes only when etcd no longer has that revision). The retry budget is renewed by every item received.
+        Runs until you stop iterating.
         """
         return Stream(self._watch(mailbox, reconnect))
 
     def _watch(self, mailbox: str, reconnect: bool) -> Flow[None]:
-        request = pb.WatchRequest(mailbox=mailbox)
+        revision = 0  # of the last snapshot or event received: a reconnection resumes after it
         failures = 0
         while True:
             try:
-                handle = yield OpenStream("Watch", request)
+                handle = yield OpenStream("Watch", pb.WatchRequest(mailbox=mailbox, after_revision=revision))
                 while (message := (yield ReadStream(handle))) is not None:
                     failures = 0
-                    yield Emit(watch_item_from_pb(message))
+                    item = watch_item_from_pb(message)
+                    revision = item.revision
+                    yield Emit(item)
                 return
             except RpcFailure as failure:
                 failures += 1
@@ -1004,6 +1025,7 @@ class ClientBase:
     abort_send = rpc(Core.abort_send)
     mark_replied = rpc(Core.mark_replied)
     status = rpc(Core.status)
+    caller = rpc(Core.caller)
     list_claims = rpc(Core.list_claims)
     iter_claims = stream(Core.iter_claims)
     watch = stream(Core.watch)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 __all__ = [
+    "CallerIdentity",
     "ClaimOutcome",
     "ClaimResult",
     "ClaimsPage",
@@ -257,6 +258,20 @@ class ClaimsPage:
     subjects: tuple[SubjectStatus, ...]
     next_page_token: str
     revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class CallerIdentity:
+    """Who the coordinator takes the caller to be (``caller()``, ``inboxctl whoami``): what to offer a person."""
+
+    principal: str
+    kind: HolderKind
+    roles: tuple[str, ...] = ()
+    """Sorted: ``admin``, ``resolve``, ``takeover`` (``admin`` implies the other two, which are listed too)."""
+    mailboxes: tuple[str, ...] = ()
+    """The granted mailboxes: exact names or globs; ``("*",)`` for every mailbox."""
+    development_mode: bool = False
+    """The coordinator has no token file: anyone may name themselves, with every right."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ from ._errors import (
 from ._settings import SETTINGS, client_arguments
 from ._types import (
     ClaimOutcome,
+    HolderKind,
     RetryPolicy,
     Subject,
     SubjectState,
@@ -339,6 +340,33 @@ async def _show_list(ctx: Context, states: Sequence[SubjectState], nothing: str)
     else:
         ctx.say(*table(found, now_utc()) if found else [nothing])
     return found
+
+
+# What each role lets a person do, in the words inboxctl's commands use.
+ROLE_MEANINGS = {
+    "takeover": "take a message over from an agent (inboxctl takeover)",
+    "resolve": "settle a send nobody confirmed (inboxctl resolve)",
+    "admin": "every mailbox and every role",
+}
+
+
+async def cmd_whoami(ctx: Context) -> int:
+    me = await ctx.client.caller()
+    if ctx.json:
+        ctx.emit(me)
+        return EXIT_OK
+    kind = "a person" if me.kind is HolderKind.HUMAN else "an agent"
+    lines = [f"{me.principal} ({kind})", f"mailboxes: {', '.join(me.mailboxes) or 'none'}"]
+    if me.roles:
+        lines += ["may:", *(f"  {ROLE_MEANINGS.get(role, role)}" for role in me.roles)]
+    else:
+        lines.append("may: only claim, give back and answer messages in those mailboxes (no roles)")
+    if me.kind is not HolderKind.HUMAN and "takeover" in me.roles:
+        lines.append("(taking over needs a person: an agent's takeover is refused whatever its roles)")
+    if me.development_mode:
+        lines.append("development mode: the coordinator has no token file; anyone may name themselves")
+    ctx.say(*lines)
+    return EXIT_OK
 
 
 async def cmd_ls(ctx: Context) -> int:
@@ -653,6 +681,11 @@ COMMANDS: dict[str, tuple[Command, str, str]] = {
         "(on a message you hold; one nobody holds is claimed and recorded in one go; one an agent holds: take it\n"
         " over first)",
     ),
+    "whoami": (
+        cmd_whoami,
+        "who the coordinator takes you to be: your name, kind, mailboxes and what you may do",
+        "  inboxctl whoami\n  inboxctl whoami --json",
+    ),
     "in-doubt": (
         cmd_in_doubt,
         "list the sends whose outcome is unknown (IN_DOUBT): each needs a person to check the sent folder",
@@ -689,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
         if name in ("ls", "watch", "in-doubt"):
             sub.add_argument("mailbox", help="the mailbox (a Nylas grant id, or the shared address)")
-        else:
+        elif name != "whoami":
             _subject_arguments(sub)
         if name in ("ls", "in-doubt"):
             sub.add_argument("--limit", type=int, default=0, help="show at most this many (default: all)")

@@ -57,6 +57,9 @@ class Coordinator(Protocol):
     async def mark_replied(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
+    async def get_caller(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+
     async def batch(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
@@ -195,6 +198,16 @@ class CoordinatorASGIApplication(ConnectASGIApplication[Coordinator]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.mark_replied,
+                ),
+                "/inbox.coordinator.v1.Coordinator/GetCaller": Endpoint.unary(
+                    method=MethodInfo(
+                        name="GetCaller",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.get_caller,
                 ),
                 "/inbox.coordinator.v1.Coordinator/Batch": Endpoint.unary(
                     method=MethodInfo(
@@ -479,6 +492,26 @@ class CoordinatorClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    async def get_caller(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="GetCaller",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     async def batch(
         self,
         request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest,
@@ -526,6 +559,8 @@ class CoordinatorSync(Protocol):
     def resolve_in_doubt(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def mark_replied(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+    def get_caller(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def batch(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
@@ -664,6 +699,16 @@ class CoordinatorWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.mark_replied,
+                ),
+                "/inbox.coordinator.v1.Coordinator/GetCaller": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="GetCaller",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.get_caller,
                 ),
                 "/inbox.coordinator.v1.Coordinator/Batch": EndpointSync.unary(
                     method=MethodInfo(
@@ -942,6 +987,26 @@ class CoordinatorClientSync(ConnectClientSync):
                 service_name="inbox.coordinator.v1.Coordinator",
                 input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest,
                 output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    def get_caller(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="GetCaller",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
             headers=headers,

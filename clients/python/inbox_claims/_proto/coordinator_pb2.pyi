@@ -972,6 +972,62 @@ class GetStatusResponse(_message.Message):
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
 
 @_typing.final
+class GetCallerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCallerRequest: _TypeAlias = GetCallerRequest  # noqa: Y015
+
+@_typing.final
+class GetCallerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRINCIPAL_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    ROLES_FIELD_NUMBER: _builtins.int
+    MAILBOXES_FIELD_NUMBER: _builtins.int
+    DEVELOPMENT_MODE_FIELD_NUMBER: _builtins.int
+    principal: _builtins.str
+    """The principal's id: the holder its claims show."""
+    kind: Global___HolderKind.ValueType
+    development_mode: _builtins.bool
+    """True when the server runs without a token file: anyone may name themselves, with every right."""
+    @_builtins.property
+    def roles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Its roles, sorted: "admin", "resolve", "takeover" (admin implies the other two, which are listed too)."""
+
+    @_builtins.property
+    def mailboxes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The mailboxes it may act in, as granted: exact names or globs (*, ?, [...]); ["*"] for every mailbox
+        (admin, development mode).
+        """
+
+    def __init__(
+        self,
+        *,
+        principal: _builtins.str = ...,
+        kind: Global___HolderKind.ValueType = ...,
+        roles: _abc.Iterable[_builtins.str] | None = ...,
+        mailboxes: _abc.Iterable[_builtins.str] | None = ...,
+        development_mode: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["development_mode", b"development_mode", "kind", b"kind", "mailboxes", b"mailboxes", "principal", b"principal", "roles", b"roles"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCallerResponse: _TypeAlias = GetCallerResponse  # noqa: Y015
+
+@_typing.final
 class ListClaimsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -100,6 +100,11 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse.FromString,
                 _registered_method=True)
+        self.GetCaller = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/GetCaller',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.FromString,
+                _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/inbox.coordinator.v1.Coordinator/Batch',
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest.SerializeToString,
@@ -209,8 +214,9 @@ class CoordinatorServicer:
         revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
         calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
         ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
-        when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
-        (TOO_MANY_WATCHES).
+        when the connection is lost; clients reconnect, with `after_revision` set to the last revision they
+        received to get only what they missed (the Python client and the board do), or without it for a fresh
+        snapshot. Errors: RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
         A client that stops reading is cut off: when one message has waited longer than the server's watch
         drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
         changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
@@ -255,6 +261,19 @@ class CoordinatorServicer:
         PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
         ConfirmSent). A retry with the same request id gets the first answer. Watchers see
         EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCaller(self, request, context):
+        """Who the caller is, as the coordinator sees its credentials: the principal, its kind, its roles and the
+        mailboxes it is granted. Read-only and free of side effects: a tool (the claims board, `inboxctl whoami`)
+        asks it once to offer a person only the actions they may take (Takeover needs kind human and the role
+        `takeover`, ResolveInDoubt the role `resolve`; `admin` has every role and every mailbox), and to say why
+        another is not offered. The server still checks every call. In development mode (no token file) it
+        answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
+        Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -342,6 +361,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.MarkReplied,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse.SerializeToString,
+            ),
+            'GetCaller': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCaller,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -700,6 +724,33 @@ class Coordinator:
             '/inbox.coordinator.v1.Coordinator/MarkReplied',
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest.SerializeToString,
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCaller(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/GetCaller',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -180,8 +180,9 @@ class CoordinatorStub:
     revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
     calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
     ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
-    when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
-    (TOO_MANY_WATCHES).
+    when the connection is lost; clients reconnect, with `after_revision` set to the last revision they
+    received to get only what they missed (the Python client and the board do), or without it for a fresh
+    snapshot. Errors: RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
     A client that stops reading is cut off: when one message has waited longer than the server's watch
     drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
     changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
@@ -214,6 +215,15 @@ class CoordinatorStub:
     PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
     ConfirmSent). A retry with the same request id gets the first answer. Watchers see
     EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
+    """
+    GetCaller: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCallerRequest, _coordinator_pb2.GetCallerResponse]
+    """Who the caller is, as the coordinator sees its credentials: the principal, its kind, its roles and the
+    mailboxes it is granted. Read-only and free of side effects: a tool (the claims board, `inboxctl whoami`)
+    asks it once to offer a person only the actions they may take (Takeover needs kind human and the role
+    `takeover`, ResolveInDoubt the role `resolve`; `admin` has every role and every mailbox), and to say why
+    another is not offered. The server still checks every call. In development mode (no token file) it
+    answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
+    Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
     """
     Batch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
@@ -292,8 +302,9 @@ class CoordinatorAsyncStub(CoordinatorStub):
     revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
     calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
     ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
-    when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
-    (TOO_MANY_WATCHES).
+    when the connection is lost; clients reconnect, with `after_revision` set to the last revision they
+    received to get only what they missed (the Python client and the board do), or without it for a fresh
+    snapshot. Errors: RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
     A client that stops reading is cut off: when one message has waited longer than the server's watch
     drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
     changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
@@ -326,6 +337,15 @@ class CoordinatorAsyncStub(CoordinatorStub):
     PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
     ConfirmSent). A retry with the same request id gets the first answer. Watchers see
     EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
+    """
+    GetCaller: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCallerRequest, _coordinator_pb2.GetCallerResponse]  # type: ignore[assignment]
+    """Who the caller is, as the coordinator sees its credentials: the principal, its kind, its roles and the
+    mailboxes it is granted. Read-only and free of side effects: a tool (the claims board, `inboxctl whoami`)
+    asks it once to offer a person only the actions they may take (Takeover needs kind human and the role
+    `takeover`, ResolveInDoubt the role `resolve`; `admin` has every role and every mailbox), and to say why
+    another is not offered. The server still checks every call. In development mode (no token file) it
+    answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
+    Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
     """
     Batch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]  # type: ignore[assignment]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
@@ -461,8 +481,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         revisions; across subjects, revisions never decrease but may repeat (the coordinator commits concurrent
         calls together, and one etcd transaction has one revision), so a revision is not an event id. The stream
         ends with UNAVAILABLE (STORE_UNAVAILABLE) when the coordinator shuts down or loses its watch on etcd, or
-        when the connection is lost; clients reconnect and receive a fresh snapshot. Errors: RESOURCE_EXHAUSTED
-        (TOO_MANY_WATCHES).
+        when the connection is lost; clients reconnect, with `after_revision` set to the last revision they
+        received to get only what they missed (the Python client and the board do), or without it for a fresh
+        snapshot. Errors: RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
         A client that stops reading is cut off: when one message has waited longer than the server's watch
         drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
         changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
@@ -513,6 +534,21 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         PERMISSION_DENIED when the token is another principal's; FAILED_PRECONDITION after BeginSend (use
         ConfirmSent). A retry with the same request id gets the first answer. Watchers see
         EVENT_TYPE_MARKED_REPLIED, and the reply record says `replied_by_hand`.
+        """
+
+    @_abc_1.abstractmethod
+    def GetCaller(
+        self,
+        request: _coordinator_pb2.GetCallerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetCallerResponse, _abc.Awaitable[_coordinator_pb2.GetCallerResponse]]:
+        """Who the caller is, as the coordinator sees its credentials: the principal, its kind, its roles and the
+        mailboxes it is granted. Read-only and free of side effects: a tool (the claims board, `inboxctl whoami`)
+        asks it once to offer a person only the actions they may take (Takeover needs kind human and the role
+        `takeover`, ResolveInDoubt the role `resolve`; `admin` has every role and every mailbox), and to say why
+        another is not offered. The server still checks every call. In development mode (no token file) it
+        answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
+        Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
         """
 
     @_abc_1.abstractmethod
