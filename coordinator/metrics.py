@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from . import logs
+from ._keys import COUNTED_FAMILIES
 from .config import parse_host_port
 from .errors import StoreUnavailable
 from .store import EtcdStore
@@ -119,13 +120,9 @@ class _LogDrops(Collector):
         )
 
 
-# "sending" counts the SENDING index (one key per send begun and not settled), not the send markers beside it.
-_FAMILIES = {"subjects": b"m/", "deliveries": b"d/", "sending": b"x/s/"}
-
-
 async def count_keys(store: EtcdStore, family: str) -> int:
     """Keys of one family (see docs/operations.md for what each holds)."""
-    return await store.count_keys(_FAMILIES[family])
+    return await store.count_keys(COUNTED_FAMILIES[family])
 
 
 def lease_buckets(store: EtcdStore) -> int:
@@ -143,7 +140,7 @@ async def refresh_gauges(metrics: Metrics, store: EtcdStore, interval_s: float, 
         if key_count_interval_s > 0 and loop.time() >= next_count:
             next_count = loop.time() + key_count_interval_s
             try:
-                for family in _FAMILIES:
+                for family in COUNTED_FAMILIES:
                     metrics.etcd_keys.labels(family).set(await count_keys(store, family))
             except StoreUnavailable as error:
                 log.debug("key count skipped: %s", error)

@@ -28,6 +28,9 @@ from .domain import DeliveryRecord, EndMark, State, Stored, Subject, SubjectReco
 from .errors import CoordinatorError, InvalidArgument, StoreConflict, StoreUnavailable
 from .etcd_channels import EtcdChannels
 from .etcd_channels import open_channel as open_channel  # where tests and tools have always found it
+from .store_api import Change, ClaimAttempt, FeedLost, FeedQueue, Listing, decode_cursor, encode_cursor
+
+__all__ = ["Change", "ClaimAttempt", "EtcdSettings", "EtcdStore", "FeedLost", "open_channel"]
 
 log = logging.getLogger(__name__)
 
@@ -66,38 +69,6 @@ class EtcdSettings:
         return any((self.ca_file, self.cert_file, self.key_file)) or any(
             e.startswith("https://") for e in self.endpoints
         )
-
-
-@dataclass(frozen=True)
-class ClaimAttempt:
-    """The answer of the one-transaction claim: either ``created`` or what stood in the way."""
-
-    created: Stored | None
-    current: Stored | None
-    delivery: DeliveryRecord | None
-    # Why the subject was last freed by a call, when it is free (read only when a delivery was given).
-    end: EndMark | None = None
-    # The etcd revision at which ``delivery`` was recorded.
-    delivery_revision: int = 0
-
-
-@dataclass(frozen=True)
-class Change:
-    """One subject key changed at ``revision``; ``end`` is the reason written beside a deletion."""
-
-    subject: Subject
-    previous: Stored | None
-    now: Stored | None
-    end: EndMark | None
-    revision: int
-
-
-class FeedLost(Exception):
-    """A mailbox watch ended (etcd unreachable too long, history compacted, or a slow subscriber)."""
-
-    def __init__(self, message: str, *, slow_subscriber: bool = False) -> None:
-        super().__init__(message)
-        self.slow_subscriber = slow_subscriber
 
 
 def _is_bad_auth_token(error: grpc.aio.AioRpcError) -> bool:
@@ -228,7 +199,7 @@ class EtcdStore:
         self._auth_lock = asyncio.Lock()
         self._leases = _LeaseBuckets(self._grant_lease, clock)
         self.feeds = _FeedHub(self)
-        self._batcher = _TxnBatcher(self, settings.max_batch, settings.max_batches_in_flight)
+        self._batcher = _TxnBatcher(self._send_txn, settings.max_batch, settings.max_batches_in_flight)
         self._recent: OrderedDict[bytes, Stored] = OrderedDict()
 
     # The stubs of the endpoint in use, looked up at each call so that a failover takes effect at once.
@@ -317,6 +288,9 @@ class EtcdStore:
                 ) from error
             self._auth_metadata = (("token", answer.token),)
 
+    async def _send_txn(self, request: Any) -> Any:
+        return await self._call(self._kv.Txn, request)
+
     async def _grant_lease(self, ttl: int) -> int:
         response = await self._call(self._lease_stub.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
         return int(response.ID)
@@ -326,7 +300,7 @@ class EtcdStore:
         transaction is never sent through here), which decide what it may share a group commit with."""
         request = rpc.TxnRequest(compare=compare, success=success, failure=failure)
         if self.settings.max_batch <= 1:
-            return await self._call(self._kv.Txn, request)
+            return await self._send_txn(request)
         return await self._batcher.submit(request, writes)
 
     async def _with_leases(self, build: Callable[[], Awaitable[Any]]) -> Any:
@@ -578,16 +552,25 @@ class EtcdStore:
         return _stored(response.kvs[0]) if response.kvs else None
 
     async def list_subjects(
-        self, mailbox: str, *, after: bytes | None, limit: int, revision: int = 0
-    ) -> tuple[list[tuple[Subject, Stored]], bytes | None, int]:
-        """Up to ``limit`` subjects of a mailbox in key order, after key ``after``; the last key if more follow."""
+        self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0
+    ) -> tuple[Listing, str | None, int]:
+        """Up to ``limit`` subjects of a mailbox in key order, after the subject ``cursor`` names; a cursor for
+        the next page if more follow."""
+        after = self.keys.subject(decode_cursor(cursor, mailbox)) if cursor is not None else None
+        items, more, revision = await self._range_subjects(mailbox, after=after, limit=limit, revision=revision)
+        return items, encode_cursor(items[-1][0]) if more and items else None, revision
+
+    async def _range_subjects(
+        self, mailbox: str, *, after: bytes | None, limit: int, revision: int
+    ) -> tuple[Listing, bytes | None, int]:
+        """Up to ``limit`` subjects after key ``after``; the last key read if more follow."""
         base = self.keys.subjects(mailbox)
         start = after + b"\0" if after is not None else base
         response = await self._call(
             self._kv.Range,
             rpc.RangeRequest(key=start, range_end=prefix_end(base), limit=limit, revision=revision),
         )
-        items: list[tuple[Subject, Stored]] = []
+        items: Listing = []
         for kv in response.kvs:
             parsed = self.keys.parse_mailbox_key(mailbox, kv.key)
             if parsed is not None:
@@ -597,9 +580,9 @@ class EtcdStore:
 
     async def snapshot(self, mailbox: str, revision: int = 0) -> tuple[list[tuple[Subject, Stored]], int]:
         """Every subject of a mailbox, all read at one revision (``revision``, or the current one)."""
-        items, last, revision = await self.list_subjects(mailbox, after=None, limit=_RANGE_PAGE, revision=revision)
+        items, last, revision = await self._range_subjects(mailbox, after=None, limit=_RANGE_PAGE, revision=revision)
         while last is not None:
-            more, last, _ = await self.list_subjects(mailbox, after=last, limit=_RANGE_PAGE, revision=revision)
+            more, last, _ = await self._range_subjects(mailbox, after=last, limit=_RANGE_PAGE, revision=revision)
             items.extend(more)
         return items, revision
 
@@ -683,6 +666,9 @@ class EtcdStore:
         return len(response.kvs)
 
     # --- watches -------------------------------------------------------------------------------------------
+
+    def subscribe(self, mailbox: str) -> contextlib.AbstractAsyncContextManager[FeedQueue]:
+        return self.feeds.subscribe(mailbox)
 
     def watch_stream(self, mailbox: str, start_revision: int) -> AsyncIterator[list[Change]]:
         return self._watch_mailbox(mailbox, start_revision)
@@ -770,8 +756,8 @@ class _TxnBatcher:
     waits for the next one: semantics stay exactly those of one transaction per call.
     """
 
-    def __init__(self, store: EtcdStore, max_batch: int, max_in_flight: int) -> None:
-        self._store = store
+    def __init__(self, send: Callable[[Any], Awaitable[Any]], max_batch: int, max_in_flight: int) -> None:
+        self._send_one = send
         self._max_batch = max_batch
         self._max_in_flight = max_in_flight
         self._pending: list[_Pending] = []
@@ -821,10 +807,10 @@ class _TxnBatcher:
         self.transactions += len(live)
         try:
             if len(live) == 1:
-                live[0].future.set_result(await self._store._call(self._store._kv.Txn, live[0].request))
+                live[0].future.set_result(await self._send_one(live[0].request))
                 return
             outer = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=item.request) for item in live])
-            response = await self._store._call(self._store._kv.Txn, outer)
+            response = await self._send_one(outer)
         except BaseException as error:
             for item in live:
                 if not item.future.done():
@@ -848,7 +834,7 @@ class _Feed:
     """One etcd watch of one mailbox, fanned out to every subscriber's queue."""
 
     mailbox: str
-    subscribers: set[asyncio.Queue[list[Change] | FeedLost]] = field(default_factory=set)
+    subscribers: set[FeedQueue] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
 
 
@@ -878,8 +864,8 @@ class _FeedHub:
         return sum(len(feed.subscribers) for feed in self._feeds.values())
 
     @contextlib.asynccontextmanager
-    async def subscribe(self, mailbox: str) -> AsyncIterator[asyncio.Queue[list[Change] | FeedLost]]:
-        queue: asyncio.Queue[list[Change] | FeedLost] = asyncio.Queue(SUBSCRIBER_BACKLOG)
+    async def subscribe(self, mailbox: str) -> AsyncIterator[FeedQueue]:
+        queue: FeedQueue = asyncio.Queue(SUBSCRIBER_BACKLOG)
         async with self._lock:
             feed = self._feeds.get(mailbox)
             if feed is None:

@@ -10,7 +10,9 @@ import grpc
 import pytest
 
 from coordinator import limits
+from coordinator.domain import Subject, SubjectKind
 from coordinator.etcd_process import EtcdServer
+from coordinator.store_api import encode_cursor
 from inbox_claims._proto import coordinator_pb2 as pb
 
 from .helpers import Actor, message, rpc_error
@@ -117,6 +119,12 @@ async def test_other_field_limits(agent: Actor, channel: grpc.aio.Channel, mailb
         (agent.list(mailbox, page_size=1001), "page_size", "1000"),
         (agent.list(mailbox, page_token="not base64!"), "page_token", "start without one"),
         (agent.list(mailbox, page_token="YWJj"), "page_token", "start without one"),
+        (agent.list(mailbox, page_token="v1:YWJj"), "page_token", "start without one"),
+        (
+            agent.list(mailbox, page_token=encode_cursor(Subject(mailbox + "-other", SubjectKind.MESSAGE, "m"))),
+            "page_token",
+            "does not belong to this mailbox",
+        ),
         (Actor(channel, "p" * 129).claim(subject), "principal", "128 bytes"),
         (Actor(channel, "ana", kind="robot").claim(subject), "x-inbox-principal-kind", "'agent' or 'human'"),
     ]
