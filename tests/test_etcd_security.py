@@ -178,7 +178,7 @@ async def test_each_etcd_endpoint_is_checked_against_its_own_certificate_name(tm
         try:
             before = await store.current_revision()
             # Each endpoint's channel completes its TLS handshake, verified against that endpoint's own host.
-            channels = {endpoint.endpoint: endpoint.channel for endpoint in store._channels.endpoints}
+            channels = {endpoint.endpoint: endpoint.channel for endpoint in store.etcd.channels.endpoints}
             assert set(channels) == set(endpoints)
             for endpoint, channel in channels.items():
                 async with asyncio.timeout(10):
@@ -196,7 +196,7 @@ async def test_each_etcd_endpoint_is_checked_against_its_own_certificate_name(tm
             # Another member, over its own verified connection, answered the linearizable read.
             assert answered is not None
             assert answered >= before
-            assert store._channels.current.endpoint != endpoints[0]
+            assert store.etcd.channels.current.endpoint != endpoints[0]
         finally:
             await store.close()
     finally:
