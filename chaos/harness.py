@@ -41,6 +41,7 @@ from coordinator.etcd_process import (
     etcd_version,
     find_etcd_binary,
     free_port,
+    is_broken_version,
 )
 from coordinator.server import SERVICE_NAME
 from inbox_claims import AsyncCoordinator, InboxClaimsError, RetryPolicy, Subject, SubjectState
@@ -211,8 +212,7 @@ def choose_etcd(config: Config) -> tuple[Path, str]:
     refused = []
     for binary in candidates:
         version = etcd_version(binary)
-        parts = tuple(int(x) for x in version.split(".")[:3] if x.isdigit())
-        if crash and (3, 5, 0) <= parts <= (3, 5, 2) and not config.allow_unsafe_etcd:
+        if crash and is_broken_version(version) and not config.allow_unsafe_etcd:
             refused.append(f"{binary} is {version}")
             continue
         return binary, version

@@ -190,8 +190,17 @@ def etcd_version(binary: Path) -> str:
     return match.group(1)
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
+def version_tuple(version: str) -> tuple[int, ...]:
+    """(3, 5, 1) for "3.5.1" (or "v3.5.1-rc0"); fewer parts when the version does not have three numbers."""
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+# etcd releases that can lose consistency when a member is killed under load (fixed in 3.5.3).
+BROKEN_VERSIONS = ((3, 5, 0), (3, 5, 2))
+
+
+def is_broken_version(version: str) -> bool:
+    return BROKEN_VERSIONS[0] <= version_tuple(version) <= BROKEN_VERSIONS[1]
 
 
 def _child_env() -> dict[str, str]:
@@ -484,7 +493,7 @@ class EtcdServer:
             "--initial-cluster-state=new",
         ]
         with contextlib.suppress(RuntimeError):
-            if _version_tuple(etcd_version(self._binary)) >= (3, 4):
+            if version_tuple(etcd_version(self._binary)) >= (3, 4):
                 # Explicit so the log format does not depend on the version's defaults.
                 args += ["--logger=zap", "--log-outputs=stderr"]
         if self._client_tls is not None:

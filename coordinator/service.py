@@ -16,10 +16,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_claims._wire import BATCH_MAX_CALLS
 
 from .auth import (
-    PRINCIPAL_KIND_METADATA,
-    PRINCIPAL_METADATA,
     Authenticator,
     CallCredentials,
     DevelopmentAuthenticator,
@@ -57,7 +56,7 @@ from .status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort, error_metada
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PRINCIPAL_KIND_METADATA", "PRINCIPAL_METADATA", "SERVICE_NAME", "CoordinatorServicer"]
+__all__ = ["SERVICE_NAME", "CoordinatorServicer"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
@@ -227,8 +226,6 @@ def credentials_of(context: grpc.aio.ServicerContext[Any, Any], with_certificate
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[["CoordinatorServicer", Caller, Req], Awaitable[Resp]]
-
-BATCH_MAX_CALLS = 256  # a batch is a round trip's worth of concurrent callers, not a bulk import
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: CoordinatorError) -> NoReturn:

@@ -20,13 +20,14 @@ import pytest
 from coordinator.engine import Engine
 from coordinator.etcd_process import EtcdServer
 from coordinator.server import CoordinatorServer, wall_clock_ms
-from coordinator.service import BATCH_MAX_CALLS, CoordinatorServicer
+from coordinator.service import CoordinatorServicer
 from coordinator.store import EtcdSettings, EtcdStore
 from inbox_claims import AsyncCoordinator, Coordinator, Subject
 from inbox_claims._batch import MAX_BATCHES_IN_FLIGHT, Coalescer
 from inbox_claims._core import Rpc
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_claims._wire import BATCH_MAX_CALLS
 from inbox_claims.errors import InvalidRequest
 from inbox_claims.types import ClaimOutcome
 

@@ -26,7 +26,7 @@ import pytest
 
 from coordinator.config import ConfigError, describe, load
 from coordinator.embedded import OWNER_FILE, PORTS_FILE, VERSION_FILE, EmbeddedSettings, process_alive
-from coordinator.etcd_process import ENV_ETCD_BIN, EtcdMemberSpec, EtcdServer, etcd_version, free_port
+from coordinator.etcd_process import ENV_ETCD_BIN, EtcdMemberSpec, EtcdServer, etcd_version, free_port, version_tuple
 from inbox_claims._proto import coordinator_pb2 as pb
 
 from .helpers import Actor, message, missing_on_this_machine
@@ -291,7 +291,7 @@ async def _claim_kept_with(data_dir: Path, binary: Path) -> None:
 
 
 def _version(binary: Path) -> tuple[int, ...]:
-    return tuple(int(part) for part in etcd_version(binary).split(".")[:3])
+    return version_tuple(etcd_version(binary))
 
 
 async def test_a_data_dir_written_by_another_etcd_version_is_refused_before_etcd_starts(data_dir: Path) -> None:
