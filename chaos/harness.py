@@ -34,7 +34,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.etcd_process import (
-    EtcdCluster,
     EtcdMemberSpec,
     EtcdNotFound,
     EtcdServer,
@@ -44,6 +43,7 @@ from coordinator.etcd_process import (
     is_broken_version,
 )
 from coordinator.server import SERVICE_NAME
+from coordinator.testing.etcd_cluster import EtcdCluster
 from inbox_claims import AsyncCoordinator, InboxClaimsError, RetryPolicy, Subject, SubjectState
 from inbox_claims.testing import sign_nylas
 from inbox_claims.types import EventType, SubjectKind, WatchEvent, WatchSnapshot

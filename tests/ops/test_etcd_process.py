@@ -19,7 +19,6 @@ import pytest
 
 from coordinator.etcd_process import (
     ENV_ETCD_BIN,
-    EtcdCluster,
     EtcdMemberSpec,
     EtcdNotFound,
     EtcdServer,
@@ -28,6 +27,7 @@ from coordinator.etcd_process import (
     find_etcd_binary,
     free_port,
 )
+from coordinator.testing.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.etcd  # starts etcd (or a coordinator with its own) itself
 

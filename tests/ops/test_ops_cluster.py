@@ -26,9 +26,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator._keys import prefix_end
-from coordinator.etcd_process import EtcdCluster, EtcdServer
+from coordinator.etcd_process import EtcdServer
 from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
+from coordinator.testing.etcd_cluster import EtcdCluster
 from inbox_claims._proto import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, eventually, message, new_request_id, rpc_error
