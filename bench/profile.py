@@ -60,7 +60,16 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("coordinator: service.py (protobuf in/out, auth, quotas)", ("coordinator/service.py", "coordinator/auth.py")),
     ("coordinator: interceptor / metrics", ("coordinator/interceptor.py", "coordinator/metrics", "prometheus_client/")),
     ("coordinator: engine.py + domain.py + limits.py", ("coordinator/engine.py", "coordinator/domain.py", "limits.py")),
-    ("coordinator: store.py (transactions, batching, leases)", ("coordinator/store.py",)),
+    (
+        "coordinator: store.py + etcd_client.py, group_commit.py, lease_buckets.py, feeds.py",
+        (
+            "coordinator/store.py",
+            "coordinator/etcd_client.py",
+            "coordinator/group_commit.py",
+            "coordinator/lease_buckets.py",
+            "coordinator/feeds.py",
+        ),
+    ),
     ("coordinator: _codec.py + _keys.py (records, keys)", ("coordinator/_codec.py", "coordinator/_keys.py")),
     ("json, dataclasses, other", ("",)),
 ]

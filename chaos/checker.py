@@ -153,7 +153,7 @@ def check(record: RunRecord) -> Report:
     measures = [m for f in record.faults if f["kind"] == "agent_kill" for m in f["details"].get("measures", [])]
     ttl = float(record.config.get("ttl", 5))
     # A coordinator with a skewed clock states expires_at off by its skew (the lease, not that stamp, decides:
-    # tests/test_clock_skew.py checks expiry under skew). Stamps from inside a clock_skew fault are not judged.
+    # tests/server/test_clock_skew.py checks expiry under skew). Stamps from inside a clock_skew fault are not judged.
     skewed = [
         (float(f["started"]), float(f["ended"] or f["started"]) + ttl + LEASE_BUCKET_S)
         for f in record.faults

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
 import random
 import secrets
 import signal
@@ -28,21 +27,22 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.etcd_process import (
-    EtcdCluster,
     EtcdMemberSpec,
     EtcdNotFound,
     EtcdServer,
     etcd_version,
     find_etcd_binary,
     free_port,
+    is_broken_version,
 )
 from coordinator.server import SERVICE_NAME
+from coordinator.testing.etcd_cluster import EtcdCluster
 from inbox_claims import AsyncCoordinator, InboxClaimsError, RetryPolicy, Subject, SubjectState
 from inbox_claims.testing import sign_nylas
 from inbox_claims.types import EventType, SubjectKind, WatchEvent, WatchSnapshot
@@ -57,6 +57,7 @@ from .common import (
     read_jsonl,
     skewed_clock_env,
 )
+from .processes import Child
 from .workload import Notification, SubjectKey, Workload, envelope, plan
 
 CRASH_KINDS = {"etcd_kill", "etcd_leader_kill"}
@@ -100,87 +101,6 @@ class OpenClaim:
     expires: float
 
 
-class Child:
-    """One child process: started with its readiness line (if any) awaited, stopped and killed by pid."""
-
-    def __init__(
-        self, name: str, argv: list[str], log_path: Path, *, stdin: bool = False, env: dict[str, str] | None = None
-    ) -> None:
-        self.name = name
-        self.argv = argv
-        self.env = env
-        self.log_path = log_path
-        self.want_stdin = stdin
-        self.proc: asyncio.subprocess.Process | None = None
-        self._log: IO[bytes] | None = None
-
-    async def start(self, ready_timeout: float | None = 30.0) -> str:
-        self._log = self.log_path.open("ab")
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv,
-            stdin=asyncio.subprocess.PIPE if self.want_stdin else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE if ready_timeout is not None else self._log,
-            stderr=self._log,
-            start_new_session=True,
-            env={**os.environ, **self.env} if self.env else None,
-        )
-        if ready_timeout is None:
-            return ""
-        assert self.proc.stdout is not None
-        try:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), ready_timeout)
-        except TimeoutError:
-            line = b""
-        if not line.startswith(b"ready"):
-            await self.kill()
-            tail = self.log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{self.name} did not start ({line!r}); its log:\n{tail}")
-        return line.decode().strip()
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
-
-    def signal(self, signum: signal.Signals) -> None:
-        if self.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
-
-    async def kill(self) -> None:
-        if self.proc is not None:
-            self.signal(signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                await self.proc.wait()
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    async def stop(self, grace: float = 5.0) -> None:
-        if self.proc is None:
-            return
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.proc.wait(), grace)
-        except TimeoutError:
-            await self.kill()
-        self._close_log()
-
-    async def read_line(self, within: float = 10.0) -> str:
-        assert self.proc is not None
-        assert self.proc.stdout is not None
-        return (await asyncio.wait_for(self.proc.stdout.readline(), within)).decode().strip()
-
-    async def write_line(self, line: str) -> None:
-        assert self.proc is not None
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line.encode() + b"\n")
-        await self.proc.stdin.drain()
-
-
 @dataclass
 class AgentHandle:
     index: int
@@ -211,8 +131,7 @@ def choose_etcd(config: Config) -> tuple[Path, str]:
     refused = []
     for binary in candidates:
         version = etcd_version(binary)
-        parts = tuple(int(x) for x in version.split(".")[:3] if x.isdigit())
-        if crash and (3, 5, 0) <= parts <= (3, 5, 2) and not config.allow_unsafe_etcd:
+        if crash and is_broken_version(version) and not config.allow_unsafe_etcd:
             refused.append(f"{binary} is {version}")
             continue
         return binary, version

@@ -23,6 +23,17 @@ from .domain import Subject, SubjectKind
 
 _DEADLINE_DIGITS = 15
 
+# The key families, relative to the deployment prefix. Nothing else spells them.
+_MAILBOXES = b"m/"
+_DELIVERIES = b"d/"
+_SENDING_FAMILY = b"x/"
+_SENDING_INDEX = _SENDING_FAMILY + b"s/"
+_SEND_MARKERS = _SENDING_FAMILY + b"l/"
+
+# The families counted for operators (the etcd_keys metric, docs/operations.md). "sending" counts the SENDING
+# index (one key per send begun and not settled), not the send markers beside it.
+COUNTED_FAMILIES = {"subjects": _MAILBOXES, "deliveries": _DELIVERIES, "sending": _SENDING_INDEX}
+
 
 def _enc(component: str) -> str:
     # quote() with no safe characters leaves only [A-Za-z0-9_.~-]: '/' and '%' become %2F and %25.
@@ -52,7 +63,7 @@ class Keys:
         self._root = prefix.encode()
 
     def mailbox(self, mailbox: str) -> bytes:
-        return self._root + f"m/{_enc(mailbox)}/".encode()
+        return self._root + _MAILBOXES + f"{_enc(mailbox)}/".encode()
 
     def subjects(self, mailbox: str) -> bytes:
         return self.mailbox(mailbox) + b"s/"
@@ -64,16 +75,16 @@ class Keys:
         return self.mailbox(subject.mailbox) + f"e/{subject.kind.value}/{_enc(subject.id)}".encode()
 
     def delivery(self, mailbox: str, notification_id: str) -> bytes:
-        return self._root + f"d/{_enc(mailbox)}/{_enc(notification_id)}".encode()
+        return self._root + _DELIVERIES + f"{_enc(mailbox)}/{_enc(notification_id)}".encode()
 
     def sending_family(self) -> bytes:
-        return self._root + b"x/"
+        return self._root + _SENDING_FAMILY
 
     def sending_index(self) -> bytes:
-        return self._root + b"x/s/"
+        return self._root + _SENDING_INDEX
 
     def send_markers(self) -> bytes:
-        return self._root + b"x/l/"
+        return self._root + _SEND_MARKERS
 
     def sending(self, subject: Subject) -> bytes:
         return self.sending_index() + _subject_path(subject)

@@ -26,6 +26,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from inbox_claims._wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
+
 from .domain import Caller, Grants, HolderKind
 from .errors import InvalidArgument, PermissionDenied, Unauthenticated
 from .limits import PRINCIPAL_MAX_BYTES, check_text
@@ -33,8 +35,6 @@ from .limits import PRINCIPAL_MAX_BYTES, check_text
 ROLES = frozenset({"takeover", "resolve", "admin"})
 # The authenticated principal of the call running in this task, for the per-call log line.
 current_principal: ContextVar[str] = ContextVar("inbox_coordinator_principal", default="")
-PRINCIPAL_METADATA = "x-inbox-principal"
-PRINCIPAL_KIND_METADATA = "x-inbox-principal-kind"
 AUTHORIZATION_METADATA = "authorization"
 
 

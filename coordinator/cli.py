@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -37,7 +36,14 @@ from .config import (
 )
 from .embedded import EmbeddedEtcd, EmbeddedEtcdError, EmbeddedSettings, version_problem
 from .errors import StoreUnavailable
-from .etcd_process import EtcdNotFound, EtcdStartError, etcd_version, find_etcd_binary
+from .etcd_process import (
+    EtcdNotFound,
+    EtcdStartError,
+    etcd_version,
+    find_etcd_binary,
+    is_broken_version,
+    version_tuple,
+)
 from .server import SERVICE_NAME, CoordinatorServer, ServerSettings, wall_clock_ms
 from .store import EtcdStore
 
@@ -318,15 +324,13 @@ def serve(options: argparse.Namespace) -> int:
 
 # --- check ---------------------------------------------------------------------------------------------------
 
-_BROKEN_VERSIONS = ((3, 5, 0), (3, 5, 2))
-
 
 def version_warning(version: str) -> str | None:
     """Why this etcd version should not run in production, or None."""
-    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+    parts = version_tuple(version)
     if len(parts) < 3:
         return f"cannot tell which etcd version {version!r} is; run 3.4.23+ or 3.5.3+"
-    if _BROKEN_VERSIONS[0] <= parts <= _BROKEN_VERSIONS[1]:
+    if is_broken_version(version):
         return (
             f"etcd {version} can lose consistency when a member is killed under load (fixed in 3.5.3): "
             "NEVER run etcd 3.5.0 to 3.5.2 in production; upgrade to 3.5.3 or later"

@@ -28,7 +28,7 @@ from .domain import (
     Transition,
 )
 from .errors import InvalidArgument, SlowConsumer, StoreUnavailable
-from .store import Change, EtcdStore, FeedLost
+from .store_api import Change, FeedLost, Store
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Event:
 @dataclass(frozen=True)
 class Page:
     subjects: list[tuple[Subject, Stored]]
-    next_token: bytes | None
+    next_token: str | None
     revision: int
 
 
@@ -110,7 +110,7 @@ _TAKEOVER_ROUNDS = 3
 
 
 class Engine:
-    def __init__(self, store: EtcdStore, rules: Rules, clock: Callable[[], int]) -> None:
+    def __init__(self, store: Store, rules: Rules, clock: Callable[[], int]) -> None:
         self.store = store
         self.rules = rules
         self._clock = clock
@@ -374,27 +374,26 @@ class Engine:
         return await self.store.status(subject)
 
     async def list_claims(
-        self, caller: Caller, *, mailbox: str, states: frozenset[State], page_size: int, page_token: bytes | None
+        self, caller: Caller, *, mailbox: str, states: frozenset[State], page_size: int, page_token: str | None
     ) -> Page:
+        """``page_token``: an opaque cursor the store issued (INVALID_ARGUMENT when it is not this mailbox's)."""
         _check_mailbox(caller, mailbox)
         size = limits.check_page_size(page_size)
-        if page_token is not None and not page_token.startswith(self.store.keys.subjects(mailbox)):
-            raise InvalidArgument("page_token", "does not belong to this mailbox's listing; start without one")
         wanted = states or frozenset(State) - {State.FREE}
         found: list[tuple[Subject, Stored]] = []
-        after = page_token
+        cursor = page_token
         revision = 0
         # Filtering happens after reading, so keep reading until the page is full or the mailbox ends.
         while True:
             items, last, revision = await self.store.list_subjects(
-                mailbox, after=after, limit=size - len(found), revision=revision
+                mailbox, cursor=cursor, limit=size - len(found), revision=revision
             )
             found.extend(item for item in items if item[1].record.state in wanted)
             if last is None:
                 return Page(found, None, revision)
             if len(found) >= size:
                 return Page(found, last, revision)
-            after = last
+            cursor = last
 
     # --- humans --------------------------------------------------------------------------------------------
 
@@ -514,7 +513,7 @@ class Engine:
         _check_mailbox(caller, mailbox)
         if after_revision < 0:
             raise InvalidArgument("after_revision", "must be 0 (start with a snapshot) or a revision the stream sent")
-        async with self.store.feeds.subscribe(mailbox) as queue:
+        async with self.store.subscribe(mailbox) as queue:
             # Subscribed first: every change after the revision read below reaches the queue.
             history = await self.store.changes_since(mailbox, after_revision) if after_revision else None
             if history is not None:

@@ -30,7 +30,7 @@ import grpc
 from aetcd import rpc
 
 if TYPE_CHECKING:
-    from .store import EtcdSettings
+    from .etcd_client import EtcdSettings
 
 log = logging.getLogger(__name__)
 

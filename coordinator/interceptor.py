@@ -25,9 +25,10 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from inbox_claims._wire import PRINCIPAL_METADATA
+
 from .auth import current_principal
 from .metrics import Metrics
-from .service import PRINCIPAL_METADATA
 from .status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort
 
 log = logging.getLogger("inbox_coordinator.rpc")

@@ -9,7 +9,6 @@ import functools
 import logging
 import threading
 from collections.abc import Iterator
-from importlib import metadata
 from typing import Any
 
 from prometheus_client import (
@@ -23,7 +22,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from inbox_claims._wire import VERSION
+
 from . import logs
+from ._keys import COUNTED_FAMILIES
 from .config import parse_host_port
 from .errors import StoreUnavailable
 from .store import EtcdStore
@@ -35,13 +37,6 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 NAMESPACE = "inbox_coordinator"
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-def _version() -> str:
-    try:
-        return metadata.version("inbox-coordinator")
-    except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree without install
-        return "unknown"
 
 
 class Metrics:
@@ -91,7 +86,7 @@ class Metrics:
         )
         self.serving = gauge("serving", "1 while the health service says SERVING (etcd reachable), else 0")
         self.build_info = gauge("build_info", "The version running", ["version"])
-        self.build_info.labels(_version()).set(1)
+        self.build_info.labels(VERSION).set(1)
         r.register(_LogDrops())
         self._etcd_children: dict[str, Any] = {}
 
@@ -119,13 +114,9 @@ class _LogDrops(Collector):
         )
 
 
-# "sending" counts the SENDING index (one key per send begun and not settled), not the send markers beside it.
-_FAMILIES = {"subjects": b"m/", "deliveries": b"d/", "sending": b"x/s/"}
-
-
 async def count_keys(store: EtcdStore, family: str) -> int:
     """Keys of one family (see docs/operations.md for what each holds)."""
-    return await store.count_keys(_FAMILIES[family])
+    return await store.count_keys(COUNTED_FAMILIES[family])
 
 
 def lease_buckets(store: EtcdStore) -> int:
@@ -143,7 +134,7 @@ async def refresh_gauges(metrics: Metrics, store: EtcdStore, interval_s: float, 
         if key_count_interval_s > 0 and loop.time() >= next_count:
             next_count = loop.time() + key_count_interval_s
             try:
-                for family in _FAMILIES:
+                for family in COUNTED_FAMILIES:
                     metrics.etcd_keys.labels(family).set(await count_keys(store, family))
             except StoreUnavailable as error:
                 log.debug("key count skipped: %s", error)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import functools
 import logging
@@ -18,11 +16,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_claims._wire import BATCH_MAX_CALLS
 
 from .auth import (
     ALL_ACCESS,
-    PRINCIPAL_KIND_METADATA,
-    PRINCIPAL_METADATA,
     ROLES,
     Authenticator,
     CallCredentials,
@@ -62,7 +59,7 @@ from .status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort, error_metada
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PRINCIPAL_KIND_METADATA", "PRINCIPAL_METADATA", "SERVICE_NAME", "CoordinatorServicer"]
+__all__ = ["SERVICE_NAME", "CoordinatorServicer"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
@@ -76,6 +73,17 @@ _STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     SlowConsumer: grpc.StatusCode.ABORTED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+
+
+def status_code(error: CoordinatorError) -> grpc.StatusCode:
+    """The status of the nearest class in ``error``'s hierarchy that has one: a new subclass answers as its
+    parent does instead of falling through."""
+    for cls in type(error).__mro__:
+        code = _STATUS_CODES.get(cls)
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL
+
 
 _KINDS = {pb.SUBJECT_KIND_MESSAGE: SubjectKind.MESSAGE, pb.SUBJECT_KIND_THREAD: SubjectKind.THREAD}
 _KINDS_OUT = {v: k for k, v in _KINDS.items()}
@@ -222,13 +230,11 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[["CoordinatorServicer", Caller, Req], Awaitable[Resp]]
 
-BATCH_MAX_CALLS = 256  # a batch is a round trip's worth of concurrent callers, not a bulk import
-
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: CoordinatorError) -> NoReturn:
     await abort(
         context,
-        _STATUS_CODES[type(error)],
+        status_code(error),
         str(error),
         error.reason,
         retry_after_ms=retry_after_ms(error),
@@ -475,11 +481,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             mailbox=request.mailbox,
             states=frozenset(states),
             page_size=request.page_size,
-            page_token=_page_token_in(request.page_token),
+            page_token=request.page_token or None,
         )
         return pb.ListClaimsResponse(
             subjects=[status_out(subject, stored) for subject, stored in page.subjects],
-            next_page_token=base64.urlsafe_b64encode(page.next_token).decode() if page.next_token else "",
+            next_page_token=page.next_token or "",
             revision=page.revision,
         )
 
@@ -629,9 +635,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             response = await _BATCH_CALLS[field](self, caller, request)
             return response, None, time.perf_counter() - started
         except CoordinatorError as failure:
-            refused = pb.CallError(
-                code=_STATUS_CODES[type(failure)].value[0], message=str(failure), reason=failure.reason
-            )
+            refused = pb.CallError(code=status_code(failure).value[0], message=str(failure), reason=failure.reason)
             retry_after = retry_after_ms(failure)
             if retry_after is not None:
                 refused.retry_after_ms = retry_after
@@ -659,12 +663,3 @@ _BATCH_CALLS: dict[str, Handler[Any, Any]] = {
 # Each carried call is observed under the path of the unary RPC it stands for: /<service>/ClaimReply.
 _BATCH_PATHS = {field: f"/{SERVICE_NAME}/{field.title().replace('_', '')}" for field in _BATCH_CALLS}
 _BATCH_PATH = f"/{SERVICE_NAME}/Batch"
-
-
-def _page_token_in(token: str) -> bytes | None:
-    if not token:
-        return None
-    try:
-        return base64.urlsafe_b64decode(token.encode())
-    except (binascii.Error, ValueError):
-        raise InvalidArgument("page_token", "is not a token this service issued; start without one") from None

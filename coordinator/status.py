@@ -15,10 +15,11 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from inbox_claims._wire import RETRY_AFTER_METADATA
+
 from .errors import CoordinatorError, InvalidArgument, ResourceExhausted
 
 DOMAIN = "inbox-coordinator"
-RETRY_AFTER_METADATA = "retry-after-ms"
 # What a caller is told about a bug (an exception the servicer did not expect): never the exception itself.
 INTERNAL_REASON = "INTERNAL"
 INTERNAL_ERROR_MESSAGE = "internal error; the coordinator logged it (search its log for this call)"

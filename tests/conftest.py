@@ -34,6 +34,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+# The fixtures that start an etcd; a test that uses one (directly or through another fixture) is marked
+# ``etcd``. Modules that start etcd or a coordinator process themselves say so with ``pytestmark``.
+ETCD_FIXTURES = frozenset({"shared_etcd", "private_etcd"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if ETCD_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.etcd)
+
+
 def _failed(request: pytest.FixtureRequest) -> bool:
     return any(
         getattr(request.node, f"report_{when}", None) is not None and getattr(request.node, f"report_{when}").failed

@@ -41,8 +41,9 @@ from ._guard import ANSWERED_EVENTS
 from ._sync import Claim, Coordinator
 from ._types import RetryPolicy, Subject, SubjectState, SubjectStatus
 from ._webhooks import __all__ as _webhook_names
+from ._wire import VERSION
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "ANSWERED_EVENTS",

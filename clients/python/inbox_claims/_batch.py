@@ -15,8 +15,9 @@ from typing import Any, Generic, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from ._core import BATCH_MAX_CALLS, Rpc, RpcFailure
+from ._core import Rpc, RpcFailure
 from ._proto import coordinator_pb2 as pb
+from ._wire import BATCH_MAX_CALLS
 
 W = TypeVar("W")
 

@@ -63,16 +63,13 @@ from ._types import (
     WatchItem,
     WatchSnapshot,
 )
+from ._wire import BATCH_MAX_CALLS, PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA, RETRY_AFTER_METADATA, VERSION
 
 log = logging.getLogger("inbox_claims")
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 10.0
-PRINCIPAL_METADATA = "x-inbox-principal"
-PRINCIPAL_KIND_METADATA = "x-inbox-principal-kind"
-USER_AGENT = "inbox-claims-python/0.1"
-BATCH_MAX_CALLS = 256  # the coordinator's limit of calls per Batch RPC
-RETRY_AFTER_METADATA = "retry-after-ms"
+USER_AGENT = "inbox-claims-python/" + ".".join(VERSION.split(".")[:2])
 
 # CANCELLED too: a coordinator that stops past its shutdown grace cancels the calls still running (the
 # caller's own cancellation never gets here: it raises asyncio.CancelledError, or the client is closed).

@@ -1,0 +1,20 @@
+"""The wire contract's constants, in one place for the coordinator and its Python client (the coordinator
+imports them from here, as it imports the generated messages from ``inbox_claims._proto``). The Node client
+(clients/node) spells the same values; the .proto documents them.
+"""
+
+from __future__ import annotations
+
+# The package's version: pyproject.toml reads it from here (dynamic version), the coordinator reports it.
+VERSION = "0.1.0"
+
+# Development mode's identity: who the caller acts as, and whether an agent or a human (metadata keys).
+PRINCIPAL_METADATA = "x-inbox-principal"
+PRINCIPAL_KIND_METADATA = "x-inbox-principal-kind"
+
+# The trailer (and HTTP response header) with how long to wait before retrying a RESOURCE_EXHAUSTED call, in
+# milliseconds; google.rpc.RetryInfo in the status details says the same.
+RETRY_AFTER_METADATA = "retry-after-ms"
+
+# Calls one Batch RPC may carry: a round trip's worth of concurrent callers, not a bulk import.
+BATCH_MAX_CALLS = 256

@@ -1,0 +1,131 @@
+"""What the engine needs from a store, and the values it answers with. The engine depends on this module only;
+``EtcdStore`` (coordinator/store.py) is the implementation that keeps the rules of docs/design.md#key-layout.
+
+A page cursor is opaque to the engine and to clients: ``v1:`` and the last listed subject (mailbox, kind, id),
+never a key of the store, so that the key layout can change without breaking a client that holds a cursor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from .domain import DeliveryRecord, EndMark, Stored, Subject, SubjectKind, SubjectRecord, Transition
+from .errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class ClaimAttempt:
+    """The answer of the one-transaction claim: either ``created`` or what stood in the way."""
+
+    created: Stored | None
+    current: Stored | None
+    delivery: DeliveryRecord | None
+    # Why the subject was last freed by a call, when it is free (read only when a delivery was given).
+    end: EndMark | None = None
+    # The store revision at which ``delivery`` was recorded.
+    delivery_revision: int = 0
+
+
+@dataclass(frozen=True)
+class Change:
+    """One subject changed at ``revision``; ``end`` is the reason written beside a deletion."""
+
+    subject: Subject
+    previous: Stored | None
+    now: Stored | None
+    end: EndMark | None
+    revision: int
+
+
+class FeedLost(Exception):
+    """A mailbox watch ended (the store unreachable too long, history compacted, or a slow subscriber)."""
+
+    def __init__(self, message: str, *, slow_subscriber: bool = False) -> None:
+        super().__init__(message)
+        self.slow_subscriber = slow_subscriber
+
+
+# What a mailbox subscription delivers: batches of changes in revision order, or why it ended.
+FeedQueue = asyncio.Queue[list[Change] | FeedLost]
+Listing = list[tuple[Subject, Stored]]
+
+_CURSOR_VERSION = "v1:"
+_BAD_CURSOR = "is not a token this service issued; start without one"
+
+
+def encode_cursor(subject: Subject) -> str:
+    """The page cursor that resumes a listing after ``subject``."""
+    body = json.dumps([subject.mailbox, subject.kind.value, subject.id], separators=(",", ":")).encode()
+    return _CURSOR_VERSION + base64.urlsafe_b64encode(body).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, mailbox: str) -> Subject:
+    """The subject a cursor resumes after; INVALID_ARGUMENT for a cursor that is not ours or not this mailbox's."""
+    if not cursor.startswith(_CURSOR_VERSION):
+        raise InvalidArgument("page_token", _BAD_CURSOR)
+    body = cursor[len(_CURSOR_VERSION) :]
+    try:
+        fields = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+        owner, kind, subject_id = fields
+        subject = Subject(str(owner), SubjectKind(kind), str(subject_id))
+    except (binascii.Error, ValueError, TypeError):
+        raise InvalidArgument("page_token", _BAD_CURSOR) from None
+    if subject.mailbox != mailbox:
+        raise InvalidArgument("page_token", "does not belong to this mailbox's listing; start without one")
+    return subject
+
+
+class Store(Protocol):
+    """The engine's view of the store. Every write is a compare-and-swap on what was read; a subject's fencing
+    token is the store revision that created it (docs/design.md#fencing), and revisions grow across the store."""
+
+    async def record_delivery(self, delivery: DeliveryRecord, expires_ms: int) -> DeliveryRecord | None:
+        """Records a notification id; returns the earlier record instead when it was seen before."""
+
+    async def claim(
+        self, subject: Subject, record: SubjectRecord, delivery: DeliveryRecord | None, delivery_expires_ms: int
+    ) -> ClaimAttempt:
+        """Create-if-absent (with the delivery record, if given, in the same transaction)."""
+
+    async def apply(
+        self,
+        subject: Subject,
+        decide: Callable[[Stored | None, EndMark | None], Transition],
+        end_mark_expires_ms: int,
+        *,
+        send_marker_expires_ms: int = 0,
+        marker_gone: bool = False,
+        from_recent_write: bool = False,
+    ) -> tuple[Transition, Stored | None]:
+        """Reads, decides, and writes only if nothing changed in between; decides again if something did."""
+
+    async def status(self, subject: Subject) -> Stored | None: ...
+
+    async def list_subjects(
+        self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0
+    ) -> tuple[Listing, str | None, int]:
+        """Up to ``limit`` subjects of a mailbox in a stable order, after ``cursor``; a cursor for the next page
+        if more follow; the revision read (pass it back to read the next page at the same revision)."""
+
+    async def snapshot(self, mailbox: str, revision: int = 0) -> tuple[Listing, int]:
+        """Every subject of a mailbox, all read at one revision."""
+
+    async def changes_since(self, mailbox: str, after_revision: int) -> tuple[list[Change], int] | None:
+        """What changed in a mailbox after ``after_revision``, and the revision read; None when the store no
+        longer has that history."""
+
+    def subscribe(self, mailbox: str) -> AbstractAsyncContextManager[FeedQueue]:
+        """Every change of the mailbox after the moment of subscribing, until the context ends."""
+
+    async def due_sends(self, limit: int = 256) -> tuple[list[Subject], int]:
+        """SENDING subjects whose send deadline passed, and the revision they were read at."""
+
+    async def adopt_legacy_sends(self, send_marker_expires_ms: int, limit: int = 256) -> int:
+        """Moves SENDING subjects of an older layout to the current one; returns how many."""

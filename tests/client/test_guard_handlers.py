@@ -1,0 +1,259 @@
+"""An existing Nylas webhook agent, as a user writes it, guarded in at most five changed lines.
+
+tests/data/handlers holds each handler twice: ``*_unguarded.py`` (signature check, an in-process set of seen
+notification ids, an LLM draft, a send with httpx) and ``*_guarded.py``, the same file after the change
+docs/client.md section 2 shows. Both run as real servers: two worker processes of each (two separate uvicorn
+processes for FastAPI, two ``flask run`` werkzeug processes for Flask, each on its own port; this test is the
+dispatcher that spreads the deliveries over them, as a load balancer would) against a real coordinator on a
+real etcd and a fake Nylas that records every send. The unguarded pair replies twice; the guarded pair once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from coordinator.etcd_process import EtcdServer, free_port
+from examples.agent.fake_nylas import FakeNylas
+from inbox_claims import Subject, SubjectState
+from inbox_claims.testing import RunningCoordinator, running_coordinator, sign_nylas
+
+HANDLERS = Path(__file__).resolve().parents[1] / "data" / "handlers"
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "nyk_handler_test"
+SECRET = "webhook-secret-for-the-handler-test"
+GRANT = "grant-handlers"
+MAX_CHANGED_LINES = 5
+# A send is done within the draft time plus a few round trips; the sends have settled once none came for this
+# long (the unguarded handlers have no other way to say they are done).
+QUIET_S = 1.5
+
+
+def changed_lines(before: str, after: str) -> list[str]:
+    """The + and - lines of the unified diff (without its --- and +++ headers)."""
+    diff = difflib.unified_diff(before.splitlines(), after.splitlines(), lineterm="", n=0)
+    return [line for line in diff if line[:1] in "+-" and not line.startswith(("---", "+++"))]
+
+
+@pytest.mark.parametrize("framework", ["fastapi", "flask"])
+def test_guarding_the_handler_changes_at_most_five_lines(framework: str) -> None:
+    before = (HANDLERS / f"{framework}_unguarded.py").read_text()
+    after = (HANDLERS / f"{framework}_guarded.py").read_text()
+    changes = changed_lines(before, after)
+    assert 0 < len(changes) <= MAX_CHANGED_LINES, "\n".join(changes)
+
+
+def test_the_handlers_type_check_with_mypy_strict(tmp_path: Path) -> None:
+    for source in HANDLERS.glob("*.py"):
+        shutil.copy(source, tmp_path / source.name)
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--cache-dir", os.devnull, "."],
+        cwd=tmp_path,
+        env={**os.environ, "MYPYPATH": str(ROOT / "clients" / "python")},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------------------------------- the servers
+
+
+@dataclass
+class Worker:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+def _command(framework: str, module: str, port: int) -> list[str]:
+    if framework == "fastapi":
+        return [sys.executable, "-m", "uvicorn", "--app-dir", str(HANDLERS), f"{module}:app", "--port", str(port)]
+    return [sys.executable, "-m", "flask", "--app", str(HANDLERS / f"{module}.py"), "run", "--port", str(port)]
+
+
+def _wait_until_serving(worker: Worker, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if worker.process.poll() is not None:
+            raise AssertionError(f"the worker exited ({worker.process.returncode}):\n{worker.log.read_text()}")
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(worker.url, timeout=1.0)  # any answer (404, 405) means it listens
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the worker at {worker.url} did not start:\n{worker.log.read_text()}")
+
+
+@contextlib.contextmanager
+def workers(
+    framework: str, module: str, coordinator: RunningCoordinator, nylas: FakeNylas, logs: Path
+) -> Iterator[list[Worker]]:
+    started: list[Worker] = []
+    try:
+        for index in range(2):
+            port = free_port()
+            log = logs / f"{module}-{index}.log"
+            env = {
+                **os.environ,
+                "NYLAS_API_BASE": nylas.api_base,
+                "NYLAS_API_KEY": API_KEY,
+                "NYLAS_WEBHOOK_SECRET": SECRET,
+                "INBOX_COORDINATOR_TARGET": coordinator.target,
+                "INBOX_PRINCIPAL": f"{module}-worker-{index}",
+            }
+            with log.open("wb") as output:
+                process = subprocess.Popen(
+                    _command(framework, module, port), cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT
+                )
+            started.append(Worker(f"http://127.0.0.1:{port}/webhooks/nylas", process, log))
+        for worker in started:
+            _wait_until_serving(worker)
+        yield started
+    finally:
+        for worker in started:
+            worker.process.terminate()
+        for worker in started:
+            try:
+                worker.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()
+
+
+# ---------------------------------------------------------------------------------------- deliveries
+
+
+def notification(message_id: str, *, kind: str = "message.created", notification_id: str | None = None) -> bytes:
+    message = {
+        "id": message_id,
+        "grant_id": GRANT,
+        "thread_id": f"thread-{message_id}",
+        "object": "message",
+        "subject": f"Order {message_id}",
+        "from": [{"email": "customer@example.com", "name": "A Customer"}],
+    }
+    document = {
+        "specversion": "1.0",
+        "type": kind,
+        "id": notification_id or f"notification-{uuid.uuid4().hex}",
+        "time": int(time.time()),
+        "data": {"application_id": "app-1", "object": message},
+    }
+    return json.dumps(document).encode()
+
+
+def deliver_all(deliveries: list[tuple[Worker, bytes]]) -> None:
+    """POSTs every delivery at once (each to its worker), signed as Nylas signs; each must be accepted."""
+
+    def post(delivery: tuple[Worker, bytes]) -> int:
+        worker, body = delivery
+        headers = {"X-Nylas-Signature": sign_nylas(body, SECRET), "Content-Type": "application/json"}
+        return httpx.post(worker.url, content=body, headers=headers, timeout=30.0).status_code
+
+    with ThreadPoolExecutor(max_workers=len(deliveries)) as pool:
+        statuses = list(pool.map(post, deliveries))
+    assert statuses == [200] * len(deliveries)
+
+
+def settled_sends(nylas: FakeNylas, message_ids: list[str], *, at_least: int, within: float = 30.0) -> Counter[str]:
+    """Sends per message, once at least ``at_least`` were made and none came for QUIET_S."""
+    deadline = time.monotonic() + within
+    last_count, last_change = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        count = len(nylas.sends)
+        if count != last_count:
+            last_count, last_change = count, time.monotonic()
+        elif count >= at_least and time.monotonic() - last_change >= QUIET_S:
+            break
+        time.sleep(0.05)
+    wanted = set(message_ids)
+    return Counter(sent.reply_to_message_id for sent in nylas.sends if sent.reply_to_message_id in wanted)
+
+
+@dataclass
+class Outcome:
+    redelivered: Counter[str]
+    created_and_updated: Counter[str]
+    twenty_twice: Counter[str]
+    message_ids: list[str]
+
+
+def run_the_deliveries(pair: list[Worker], nylas: FakeNylas) -> Outcome:
+    first, second = pair
+    tag = uuid.uuid4().hex[:8]
+
+    # 1. One message.created delivered three times (the same notification id), across both workers.
+    redelivered_id = f"msg-{tag}-redelivered"
+    body = notification(redelivered_id)
+    deliver_all([(first, body), (second, body), (first, body)])
+    redelivered = settled_sends(nylas, [redelivered_id], at_least=1)
+
+    # 2. Two notifications about one message: message.created, and a message.updated (its own id).
+    updated_id = f"msg-{tag}-updated"
+    deliver_all([(first, notification(updated_id)), (second, notification(updated_id, kind="message.updated"))])
+    created_and_updated = settled_sends(nylas, [updated_id], at_least=1)
+
+    # 3. Twenty messages, each delivered twice at the same time, once to each worker.
+    many = [f"msg-{tag}-{index:02d}" for index in range(20)]
+    bodies = [notification(message_id) for message_id in many]
+    deliver_all([(worker, body) for body in bodies for worker in (first, second)])
+    twenty_twice = settled_sends(nylas, many, at_least=20)
+
+    for worker in pair:
+        assert worker.process.poll() is None, worker.log.read_text()
+    return Outcome(redelivered, created_and_updated, twenty_twice, [redelivered_id, updated_id, *many])
+
+
+@pytest.fixture
+def coordinator(shared_etcd: EtcdServer) -> Iterator[RunningCoordinator]:
+    with running_coordinator(etcd_endpoint=shared_etcd.endpoint) as running:
+        yield running
+
+
+@pytest.fixture
+def nylas() -> Iterator[FakeNylas]:
+    with FakeNylas(API_KEY, require_idempotency_key=False) as fake:
+        yield fake
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("framework", ["fastapi", "flask"])
+def test_the_unguarded_handler_replies_twice_and_the_guarded_one_once(
+    framework: str, coordinator: RunningCoordinator, nylas: FakeNylas, tmp_path: Path
+) -> None:
+    with workers(framework, f"{framework}_unguarded", coordinator, nylas, tmp_path) as pair:
+        before = run_the_deliveries(pair, nylas)
+    # Each worker has its own set of seen notification ids, and a created and an updated are two ids.
+    assert before.redelivered.most_common(1)[0][1] >= 2, before.redelivered
+    assert before.created_and_updated.most_common(1)[0][1] == 2, before.created_and_updated
+    assert sum(before.twenty_twice.values()) > 20, before.twenty_twice
+    assert nylas.problems == []
+
+    with workers(framework, f"{framework}_guarded", coordinator, nylas, tmp_path) as pair:
+        after = run_the_deliveries(pair, nylas)
+    assert after.redelivered == Counter({after.message_ids[0]: 1})
+    assert after.created_and_updated == Counter({after.message_ids[1]: 1})
+    assert after.twenty_twice == Counter(dict.fromkeys(after.message_ids[2:], 1))
+    assert nylas.problems == []
+    guarded = [sent for sent in nylas.sends if sent.reply_to_message_id in set(after.message_ids)]
+    # The guarded sends carry the claim's idempotency key: Nylas itself would refuse a second reply.
+    assert all(sent.idempotency_key.startswith("ic1-") for sent in guarded)
+    with coordinator.client("checker") as checker:
+        for message_id in after.message_ids:
+            assert checker.status(Subject.message(GRANT, message_id)).state is SubjectState.REPLIED

@@ -1,0 +1,178 @@
+"""Named limits on every field, and ids that cannot escape their place in the key space."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.request
+
+import grpc
+import pytest
+
+from coordinator import limits
+from coordinator.domain import Subject, SubjectKind
+from coordinator.etcd_process import EtcdServer
+from coordinator.store_api import encode_cursor
+from inbox_claims._proto import coordinator_pb2 as pb
+from tests.helpers import Actor, message, rpc_error
+
+GRANTED = pb.ClaimReplyResponse.GRANTED
+
+AWKWARD_IDS = [
+    "a/b",
+    "a%2Fb",
+    "a%b",
+    "../../etc",
+    "s/m/x",
+    "<CAFx=y+z@mail.gmail.com>",
+    "ünïcødé-✉️-日本語",
+    " spaces inside ",
+    "x" * limits.SUBJECT_ID_MAX_BYTES,
+    "é" * (limits.SUBJECT_ID_MAX_BYTES // 2),
+]
+
+
+def _etcd_keys(etcd: EtcdServer, prefix: str) -> list[bytes]:
+    key = prefix.encode()
+    body = json.dumps(
+        {
+            "key": base64.b64encode(key).decode(),
+            "range_end": base64.b64encode(key[:-1] + bytes([key[-1] + 1])).decode(),
+            "keys_only": True,
+        }
+    ).encode()
+    request = urllib.request.Request(f"{etcd.client_url}/v3/kv/range", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        kvs = json.load(response).get("kvs", [])
+    return [base64.b64decode(kv["key"]) for kv in kvs]
+
+
+async def test_awkward_ids_are_distinct_subjects_inside_the_prefix(
+    agent: Actor, mailbox: str, etcd: EtcdServer, prefix: str
+) -> None:
+    for subject_id in AWKWARD_IDS:
+        response = await agent.claim(message(mailbox, subject_id))
+        assert response.result == GRANTED, subject_id
+        assert response.status.subject.id == subject_id
+    # The mailbox name itself may hold the separators too.
+    assert (await agent.claim(message(mailbox + "/s/m", "x"))).result == GRANTED
+    keys = _etcd_keys(etcd, prefix)
+    assert len(keys) == len(AWKWARD_IDS) + 1
+    # Each id maps to exactly one key, all under the prefix, none nested in another's path.
+    for key in keys:
+        assert key.startswith(prefix.encode())
+        assert key[len(prefix) :].count(b"/") == 4  # m/<mailbox>/s/<kind>/<id>
+    listing = await agent.list(mailbox)
+    assert sorted(s.subject.id for s in listing.subjects) == sorted(AWKWARD_IDS)
+    for subject_id in AWKWARD_IDS:
+        assert (await agent.status(message(mailbox, subject_id))).holder == "agent-a"
+
+
+@pytest.mark.parametrize(
+    ("subject", "field", "words"),
+    [
+        (pb.Subject(mailbox="", kind=pb.SUBJECT_KIND_MESSAGE, id="m"), "subject.mailbox", "required"),
+        (pb.Subject(mailbox="mb", kind=pb.SUBJECT_KIND_MESSAGE, id=""), "subject.id", "required"),
+        (pb.Subject(mailbox="mb", kind=pb.SUBJECT_KIND_UNSPECIFIED, id="m"), "subject.kind", "MESSAGE"),
+        (pb.Subject(mailbox="mb", kind=pb.SUBJECT_KIND_MESSAGE, id="x" * 513), "subject.id", "512 bytes"),
+        (pb.Subject(mailbox="mb", kind=pb.SUBJECT_KIND_MESSAGE, id="é" * 257), "subject.id", "512 bytes"),
+        (pb.Subject(mailbox="m" * 321, kind=pb.SUBJECT_KIND_MESSAGE, id="m"), "subject.mailbox", "320 bytes"),
+        (pb.Subject(mailbox="mb", kind=pb.SUBJECT_KIND_MESSAGE, id="a\nb"), "subject.id", "control character"),
+        (pb.Subject(mailbox="mb", kind=pb.SUBJECT_KIND_MESSAGE, id="a\x00b"), "subject.id", "control character"),
+        (pb.Subject(mailbox="m\x7fb", kind=pb.SUBJECT_KIND_MESSAGE, id="m"), "subject.mailbox", "control character"),
+    ],
+)
+async def test_bad_subjects_are_invalid_arguments(
+    agent: Actor, etcd: EtcdServer, prefix: str, subject: pb.Subject, field: str, words: str
+) -> None:
+    error = await rpc_error(agent.claim(subject))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = error.details() or ""
+    assert details.startswith(field), details
+    assert words in details
+    assert _etcd_keys(etcd, prefix) == [], "nothing was written for a refused request"
+
+
+async def test_ttl_limits(agent: Actor, mailbox: str) -> None:
+    # The test server's minimum is 2 s (see conftest); the maximum is the product's, 3600 s.
+    for ttl in (1, 3601, 100_000):
+        error = await rpc_error(agent.claim(message(mailbox, f"ttl-{ttl}"), ttl=ttl))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (error.details() or "").startswith("ttl_seconds")
+        assert "2..3600" in (error.details() or "")
+    assert (await agent.claim(message(mailbox, "max"), ttl=3600)).status.ttl_seconds == 3600
+    default = await agent.claim(message(mailbox, "default"))
+    assert default.status.ttl_seconds == 60
+    error = await rpc_error(agent.renew(message(mailbox, "max"), 1, ttl=4000))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_other_field_limits(agent: Actor, channel: grpc.aio.Channel, mailbox: str) -> None:
+    subject = message(mailbox, "m")
+    cases = [
+        (agent.claim(subject, note="n" * 1025), "note", "1024 bytes"),
+        (agent.claim(subject, notification_id="n" * 257), "notification_id", "256 bytes"),
+        (agent.claim(subject, request_id="r" * 129), "request_id", "128 bytes"),
+        (agent.record_delivery(mailbox, ""), "notification_id", "required"),
+        (agent.renew(subject, 0), "fencing_token", "required"),
+        (agent.list(mailbox, page_size=1001), "page_size", "1000"),
+        (agent.list(mailbox, page_token="not base64!"), "page_token", "start without one"),
+        (agent.list(mailbox, page_token="YWJj"), "page_token", "start without one"),
+        (agent.list(mailbox, page_token="v1:YWJj"), "page_token", "start without one"),
+        (
+            agent.list(mailbox, page_token=encode_cursor(Subject(mailbox + "-other", SubjectKind.MESSAGE, "m"))),
+            "page_token",
+            "does not belong to this mailbox",
+        ),
+        (Actor(channel, "p" * 129).claim(subject), "principal", "128 bytes"),
+        (Actor(channel, "ana", kind="robot").claim(subject), "x-inbox-principal-kind", "'agent' or 'human'"),
+    ]
+    for call, field, words in cases:
+        error = await rpc_error(call)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert (error.details() or "").startswith(field), error.details()
+        assert words in (error.details() or ""), error.details()
+    assert (await agent.status(subject)).state == pb.SUBJECT_STATE_FREE
+
+
+async def test_missing_principal_is_unauthenticated(channel: grpc.aio.Channel, mailbox: str) -> None:
+    from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.CoordinatorStub(channel)
+    error = await rpc_error(stub.ClaimReply(pb.ClaimReplyRequest(request_id="r", subject=message(mailbox, "m"))))
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "x-inbox-principal" in (error.details() or "")
+
+
+async def test_list_claims_pages_and_filters(agent: Actor, other_agent: Actor, mailbox: str) -> None:
+    tokens = {}
+    for n in range(25):
+        subject = message(mailbox, f"m-{n:02d}")
+        tokens[n] = (await agent.claim(subject)).status.fencing_token
+    for n in range(0, 25, 5):
+        await agent.begin(message(mailbox, f"m-{n:02d}"), tokens[n])
+    await other_agent.claim(message(mailbox + "-other", "elsewhere"))
+
+    seen: list[str] = []
+    token = ""
+    pages = 0
+    while True:
+        page = await agent.list(mailbox, page_size=10, page_token=token)
+        pages += 1
+        assert len(page.subjects) <= 10
+        seen.extend(s.subject.id for s in page.subjects)
+        token = page.next_page_token
+        if not token:
+            break
+    assert pages == 3
+    assert seen == [f"m-{n:02d}" for n in range(25)]
+
+    sending = await agent.list(mailbox, states=(pb.SUBJECT_STATE_SENDING,), page_size=2)
+    collected = [s.subject.id for s in sending.subjects]
+    while sending.next_page_token:
+        sending = await agent.list(
+            mailbox, states=(pb.SUBJECT_STATE_SENDING,), page_size=2, page_token=sending.next_page_token
+        )
+        collected.extend(s.subject.id for s in sending.subjects)
+    assert collected == [f"m-{n:02d}" for n in range(0, 25, 5)]
+    assert all(s.state == pb.SUBJECT_STATE_SENDING for s in sending.subjects)

@@ -1,0 +1,452 @@
+"""inboxctl, run as a person at a terminal (or a script) would run it, against a real coordinator.
+
+Each command runs as a subprocess (``python -m inbox_claims.cli``, and the installed ``inboxctl`` script once),
+with a clean environment and a home of its own, so that no setting of the machine leaks in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from coordinator.etcd_process import EtcdServer
+from inbox_claims import Coordinator, Subject, SubjectState
+from inbox_claims.cli import main
+from inbox_claims.testing import RunningCoordinator, running_coordinator
+from inbox_claims.types import FenceResult, MessageSummary
+from tests.server.test_auth import TOKENS, _serve, _token_file
+
+ANA = "ana@example.com"
+
+Ctl = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def running(shared_etcd: EtcdServer) -> Iterator[RunningCoordinator]:
+    with running_coordinator(etcd_endpoint=shared_etcd.endpoint, send_timeout=0.5, min_ttl=2) as coordinator:
+        yield coordinator
+
+
+def clean_env(home: Path, **settings: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INBOX_", "INBOXCTL_"))}
+    return {**env, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "PYTHONUNBUFFERED": "1", **settings}
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    (tmp_path / ".config").mkdir()
+    return tmp_path
+
+
+@pytest.fixture
+def ctl(running: RunningCoordinator, home: Path) -> Ctl:
+    """``ctl(*args, env={...})``: runs inboxctl against the coordinator, as ANA (a human) unless told otherwise."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        settings = {"INBOX_COORDINATOR_TARGET": running.target, "INBOX_PRINCIPAL": ANA, **(env or {})}
+        return subprocess.run(
+            [sys.executable, "-m", "inbox_claims.cli", *args],
+            env=clean_env(home, **settings),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    return run
+
+
+@pytest.fixture
+def agent(running: RunningCoordinator) -> Iterator[Coordinator]:
+    with running.client("agent-a") as client:
+        yield client
+
+
+def test_help_shows_every_command_with_examples_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    installed = Path(sys.executable).with_name("inboxctl")
+    top = subprocess.run([str(installed), "--help"], capture_output=True, text=True, timeout=30)
+    assert top.returncode == 0, top.stderr
+    for command in ("status", "ls", "watch", "claim", "release", "takeover", "replied", "in-doubt", "resolve"):
+        assert f"inboxctl {command} grant-7f3a" in top.stdout
+        with pytest.raises(SystemExit) as done:
+            main([command, "--help"])
+        assert done.value.code == 0
+        text = capsys.readouterr().out
+        assert "examples:" in text
+        assert f"  inboxctl {command} " in text
+        assert "4  not authenticated, or not permitted" in text
+    assert "--target" in top.stdout
+    assert "[$INBOX_COORDINATOR_TARGET]" in top.stdout
+
+
+def test_usage_errors_exit_2(ctl: Ctl, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = ctl("status", "grant-1")
+    assert missing.returncode == 2
+    assert "required: id" in missing.stderr
+    assert ctl("frobnicate").returncode == 2
+    assert ctl("resolve", "grant-1", "m-1").returncode == 2  # --sent or --not-sent is required
+    bad_value = ctl("claim", "grant-1", "m" * 600)
+    assert bad_value.returncode == 2  # the coordinator rejects the id: INVALID_ARGUMENT
+    assert "id" in bad_value.stderr
+
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    (home / ".config" / "inboxctl.toml").write_text('target = "127.0.0.1:1"\ncolour = "blue"\n')
+    with pytest.raises(SystemExit) as unknown_key:
+        main(["ls", "grant-1"])
+    (home / "broken.toml").write_text("target = \n")
+    with pytest.raises(SystemExit) as broken:
+        main(["--config", str(home / "broken.toml"), "ls", "grant-1"])
+    with pytest.raises(SystemExit) as absent:
+        main(["ls", "grant-1", "--config", str(home / "absent.toml")])
+    assert unknown_key.value.code == broken.value.code == absent.value.code == 2
+
+
+def test_an_unreachable_coordinator_exits_3(ctl: Ctl) -> None:
+    started = time.monotonic()
+    result = ctl("--target", "127.0.0.1:1", "status", "grant-1", "m-1")
+    assert result.returncode == 3
+    assert "cannot reach the coordinator at 127.0.0.1:1" in result.stderr
+    assert time.monotonic() - started < 10
+
+
+def test_a_support_session_claim_status_ls_release(ctl: Ctl, mailbox: str) -> None:
+    claimed = ctl("claim", mailbox, "msg-1", "--note", "calling the customer back", "--ttl", "600")
+    assert claimed.returncode == 0, claimed.stderr
+    assert f"claimed message msg-1 in {mailbox}" in claimed.stdout
+    assert f"release it with: inboxctl release {mailbox} msg-1" in claimed.stdout
+
+    refused = ctl("claim", mailbox, "msg-1", env={"INBOX_PRINCIPAL": "bo@example.com"})
+    assert refused.returncode == 1
+    assert "not claimed: held by someone else" in refused.stdout
+    assert f"held by   {ANA} (human) since" in refused.stdout
+
+    status = ctl("status", mailbox, "msg-1")
+    assert status.returncode == 0
+    assert f"message msg-1 in {mailbox}: CLAIMED" in status.stdout
+    assert "expires   in 9m5" in status.stdout or "expires   in 10m00s" in status.stdout
+    assert "note      calling the customer back" in status.stdout
+    document = json.loads(ctl("status", mailbox, "msg-1", "--json").stdout)
+    assert (document["state"], document["holder"], document["holder_kind"]) == ("CLAIMED", ANA, "HUMAN")
+    assert document["ttl_seconds"] == 600
+
+    listing = ctl("ls", mailbox)
+    assert listing.returncode == 0
+    header, row = listing.stdout.splitlines()
+    assert header.split() == ["KIND", "ID", "STATE", "HOLDER", "SINCE", "EXPIRES", "NOTE"]
+    assert row.split()[:5] == ["message", "msg-1", "CLAIMED", ANA, "(human)"]
+    assert [s["subject"]["id"] for s in json.loads(ctl("--json", "ls", mailbox).stdout)] == ["msg-1"]
+
+    not_yours = ctl("release", mailbox, "msg-1", env={"INBOX_PRINCIPAL": "bo@example.com"})
+    assert (not_yours.returncode, not_yours.stdout.splitlines()[0]) == (1, "not released: you do not hold it")
+    released = ctl("release", mailbox, "msg-1")
+    assert released.returncode == 0
+    assert "it is FREE now" in released.stdout
+    assert "nothing held" in ctl("ls", mailbox).stdout
+
+
+def test_takeover_fences_the_agent(ctl: Ctl, agent: Coordinator, mailbox: str) -> None:
+    subject = Subject.message(mailbox, "msg-vip")
+    agent_token = agent.claim(subject, ttl=60).token
+
+    by_agent = ctl("takeover", mailbox, "msg-vip", "--kind", "agent", env={"INBOX_PRINCIPAL": "agent-b"})
+    assert by_agent.returncode == 4
+    assert "not permitted" in by_agent.stderr
+    taken = ctl("takeover", mailbox, "msg-vip", "--note", "VIP, I will answer")
+    assert taken.returncode == 0, taken.stderr
+    assert f"took message msg-vip in {mailbox} over from agent-a (its token {agent_token} is stale" in taken.stdout
+    assert agent.begin_send(subject, agent_token) == FenceResult(ok=False, status=agent.status(subject))
+    again = ctl("takeover", mailbox, "msg-vip", env={"INBOX_PRINCIPAL": "bo@example.com"})
+    assert (again.returncode, "not taken over: a human holds it" in again.stdout) == (1, True)
+
+
+def test_replied_records_a_reply_by_hand_and_the_agent_then_leaves_it(
+    ctl: Ctl, agent: Coordinator, mailbox: str
+) -> None:
+    subject = Subject.message(mailbox, "msg-vip")
+    agent.claim(subject, ttl=60)
+    held_by_agent = ctl("replied", mailbox, "msg-vip")
+    assert held_by_agent.returncode == 1
+    assert f"take it over first: inboxctl takeover {mailbox} msg-vip" in held_by_agent.stdout
+    assert ctl("takeover", mailbox, "msg-vip").returncode == 0
+    not_yours = ctl("replied", mailbox, "msg-vip", env={"INBOX_PRINCIPAL": "bo@example.com"})
+    assert not_yours.returncode == 1
+    marked = ctl("replied", mailbox, "msg-vip", "--sent-id", "gmail-1", "--note", "replied from Gmail")
+    assert marked.returncode == 0, marked.stderr
+    assert f"recorded: message msg-vip in {mailbox} was answered by hand" in marked.stdout
+    assert f"replied   by hand by {ANA} (human)" in marked.stdout
+    assert "sent id   gmail-1" in marked.stdout
+    later = agent.claim(subject, notification_id="message.updated-1")
+    assert later.outcome.name == "ALREADY_REPLIED"
+    assert later.status is not None
+    assert later.status.replied_by_hand
+
+    # Answered without claiming first: `replied` claims and marks in one go.
+    unclaimed = ctl("replied", mailbox, "msg-phone", "--note", "called them", "--json")
+    assert unclaimed.returncode == 0, unclaimed.stderr
+    document = json.loads(unclaimed.stdout)
+    assert (document["ok"], document["status"]["state"], document["status"]["replied_by_hand"]) == (
+        True,
+        "REPLIED",
+        True,
+    )
+    assert agent.claim(Subject.message(mailbox, "msg-phone")).outcome.name == "ALREADY_REPLIED"
+    twice = ctl("replied", mailbox, "msg-phone")
+    assert (twice.returncode, "it is not held: nothing to record" in twice.stdout) == (1, True)
+
+
+def test_in_doubt_and_resolve(ctl: Ctl, agent: Coordinator, mailbox: str) -> None:
+    for message_id in ("msg-a", "msg-b"):
+        subject = Subject.message(mailbox, message_id)
+        assert agent.begin_send(subject, agent.claim(subject).token).ok  # and then the agent vanished
+    deadline = time.monotonic() + 10
+    while len(agent.list_claims(mailbox, states=[SubjectState.IN_DOUBT]).subjects) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+    listing = ctl("in-doubt", mailbox)
+    assert listing.returncode == 0
+    assert [line.split()[1] for line in listing.stdout.splitlines()[1:3]] == ["msg-a", "msg-b"]
+    assert "2 send(s) began and were never confirmed" in listing.stdout
+    assert {s["state"] for s in json.loads(ctl("in-doubt", mailbox, "--json").stdout)} == {"IN_DOUBT"}
+
+    sent = ctl("resolve", mailbox, "msg-a", "--sent", "--sent-message-id", "nylas-77", "--note", "in Sent")
+    assert sent.returncode == 0, sent.stderr
+    assert f"message msg-a in {mailbox}: REPLIED" in sent.stdout
+    assert "sent id   nylas-77" in sent.stdout
+    not_sent = ctl("resolve", mailbox, "msg-b", "--not-sent")
+    assert not_sent.returncode == 0
+    assert agent.status(Subject.message(mailbox, "msg-b")).state is SubjectState.FREE
+    twice = ctl("resolve", mailbox, "msg-a", "--not-sent")
+    assert twice.returncode == 1
+    assert "refused:" in twice.stderr
+    assert "no send in doubt" in ctl("in-doubt", mailbox).stdout
+
+
+def test_watch_prints_a_line_per_event_and_stops_by_itself(
+    running: RunningCoordinator, home: Path, agent: Coordinator, mailbox: str
+) -> None:
+    subject = Subject.message(mailbox, "msg-w")
+    agent.claim(Subject.message(mailbox, "msg-held"))
+    env = clean_env(home, INBOX_COORDINATOR_TARGET=running.target, INBOX_PRINCIPAL=ANA)
+    command = [sys.executable, "-m", "inbox_claims.cli", "watch", mailbox, "--count", "3"]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as watch:
+        assert watch.stdout is not None
+        assert f"watching {mailbox}: 1 subject(s) not free" in watch.stdout.readline()
+        assert "CLAIMED message msg-held" in watch.stdout.readline()
+        token = agent.claim(subject, ttl=30).token
+        agent.release(subject, token)
+        agent.claim(subject, ttl=30)
+        out, err = watch.communicate(timeout=20)
+    assert watch.returncode == 0, err
+    lines = out.splitlines()
+    assert [line.split()[1] for line in lines] == ["CLAIMED", "RELEASED", "CLAIMED"]
+    assert f"message msg-w in {mailbox} by agent-a (agent) expires in" in lines[0]
+
+    started = time.monotonic()
+    timed = subprocess.run(
+        [sys.executable, "-m", "inbox_claims.cli", "watch", mailbox, "--timeout", "0.5", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert timed.returncode == 0, timed.stderr
+    assert time.monotonic() - started < 10
+    snapshot = json.loads(timed.stdout.splitlines()[0])["snapshot"]
+    assert sorted(s["subject"]["id"] for s in snapshot["subjects"]) == ["msg-held", "msg-w"]
+
+
+def test_watch_on_a_terminal_redraws_a_table_in_place(
+    running: RunningCoordinator, home: Path, agent: Coordinator, mailbox: str
+) -> None:
+    env = clean_env(home, INBOX_COORDINATOR_TARGET=running.target, INBOX_PRINCIPAL=ANA)
+    controller, terminal = pty.openpty()
+    command = [sys.executable, "-m", "inbox_claims.cli", "watch", mailbox, "--count", "1"]
+    with subprocess.Popen(command, env=env, stdout=terminal, stderr=subprocess.PIPE) as watch:
+        os.close(terminal)
+        screen = read_until(controller, b"(nothing held)")
+        agent.claim(Subject.message(mailbox, "msg-live"), ttl=30, note="drafting")
+        screen += read_until(controller, b"last event: ")
+        watch.wait(timeout=20)
+    os.close(controller)
+    assert watch.returncode == 0
+    text = screen.decode()
+    assert text.count("\x1b[H\x1b[J") >= 2  # drawn, then redrawn in place
+    assert f"inboxctl watch {mailbox}" in text
+    last = text.rsplit("\x1b[H\x1b[J", 1)[1]
+    assert "KIND     ID        STATE    HOLDER" in last
+    assert "msg-live  CLAIMED  agent-a (agent)" in last
+    assert "drafting" in last
+
+
+def read_until(fd: int, marker: bytes, within: float = 15.0) -> bytes:
+    seen = b""
+    deadline = time.monotonic() + within
+    while marker not in seen:
+        assert time.monotonic() < deadline, f"{marker!r} never shown; got {seen!r}"
+        if select.select([fd], [], [], 0.1)[0]:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:  # the terminal closed
+                break
+    return seen
+
+
+def test_settings_precedence_flags_over_env_over_file(ctl: Ctl, running: RunningCoordinator, home: Path) -> None:
+    mailbox = f"grant-{uuid.uuid4().hex[:8]}"
+    config = home / ".config" / "inboxctl.toml"
+    config.write_text(f'target = "{running.target}"\nprincipal = "from-file"\nkind = "human"\ncall_timeout = 3\n')
+    no_target = {"INBOX_COORDINATOR_TARGET": "", "INBOX_PRINCIPAL": ""}
+
+    def holder(*args: str, env: dict[str, str]) -> str:
+        result = ctl(*args, "--json", env=env)
+        assert result.returncode == 0, result.stderr
+        status = json.loads(result.stdout)["status"]
+        return str(status["holder"])
+
+    assert holder("claim", mailbox, "m-1", env=no_target) == "from-file"
+    assert holder("claim", mailbox, "m-2", env={**no_target, "INBOX_PRINCIPAL": "from-env"}) == "from-env"
+    from_flag = holder("--principal", "from-flag", "claim", mailbox, "m-3", env={"INBOX_PRINCIPAL": "from-env"})
+    assert from_flag == "from-flag"
+    other = home / "other.toml"
+    other.write_text('target = "127.0.0.1:1"\n')
+    assert ctl("ls", mailbox, "--config", str(other), env=no_target).returncode == 3  # --config replaces the file
+    assert ctl("ls", mailbox, "--config", str(other), "--target", running.target, env=no_target).returncode == 0
+
+
+@contextlib.contextmanager
+def token_coordinator(etcd: EtcdServer, token_file: Path) -> Iterator[str]:
+    """A coordinator that authenticates bearer tokens (tests/server/test_auth.py's principals), in a thread
+    of its own."""
+    from coordinator.auth import TokenAuthenticator
+
+    address: list[str] = []
+    ready, stop = threading.Event(), threading.Event()
+
+    async def serve() -> None:
+        async with _serve(etcd, f"test/{uuid.uuid4().hex}/", TokenAuthenticator(token_file)) as served:
+            address.append(served)
+            ready.set()
+            await asyncio.to_thread(stop.wait)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(30), "the coordinator did not start"
+        yield address[0]
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def test_tokens_are_sent_and_refusals_exit_4(ctl: Ctl, shared_etcd: EtcdServer, home: Path) -> None:
+    with token_coordinator(shared_etcd, _token_file(home / "tokens.toml")) as target:
+        as_ana = {"INBOX_COORDINATOR_TARGET": target, "INBOX_PRINCIPAL": "", "INBOX_TOKEN": TOKENS["ana"]}
+        claimed = ctl("claim", "acme-1", "m-1", "--json", env=as_ana)
+        assert claimed.returncode == 0, claimed.stderr
+        assert json.loads(claimed.stdout)["status"]["holder"] == "ana"  # the identity came from the token
+        assert ctl("ls", "acme-1", env=as_ana).returncode == 0
+
+        wrong = ctl("ls", "acme-1", env={**as_ana, "INBOX_TOKEN": "not-a-token"})
+        assert wrong.returncode == 4
+        assert "not authenticated" in wrong.stderr
+        other_tenant = ctl("ls", "globex", env=as_ana)
+        assert (other_tenant.returncode, "not permitted" in other_tenant.stderr) == (4, True)
+        no_role = ctl("--token", TOKENS["bo"], "takeover", "acme-1", "m-2", env=as_ana)  # the flag wins over env
+        assert no_role.returncode == 4
+
+
+def test_ls_status_and_watch_show_which_email_and_watch_fits_the_terminal(
+    running: RunningCoordinator, home: Path, ctl: Ctl, agent: Coordinator, mailbox: str
+) -> None:
+    refund = MessageSummary("Refund for order 1182?", "Bea Costa <bea@example.org>", datetime.now(UTC))
+    agent.claim(Subject.message(mailbox, "msg-00"), ttl=600, summary=refund)
+    for number in range(1, 30):
+        agent.claim(Subject.message(mailbox, f"msg-{number:02d}"), ttl=600)
+    replied = Subject.message(mailbox, "msg-done")
+    agent.mark_replied(replied, agent.claim(replied, summary=MessageSummary("Invoice 77", "carl@example.net")).token)
+
+    status = ctl("status", mailbox, "msg-00")
+    assert "  subject   Refund for order 1182?" in status.stdout
+    assert "  from      Bea Costa <bea@example.org> (received " in status.stdout
+    header, *rows = ctl("ls", mailbox, "--limit", "2").stdout.splitlines()
+    assert header.split()[:4] == ["KIND", "ID", "SUBJECT", "FROM"]
+    assert "Refund for order 1182?  Bea Costa <bea@example.org>  CLAIMED" in rows[0]
+
+    env = clean_env(home, INBOX_COORDINATOR_TARGET=running.target, INBOX_PRINCIPAL=ANA)
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 16, 120, 0, 0))
+    command = [sys.executable, "-m", "inbox_claims.cli", "watch", mailbox, "--state", "replied", "--state", "claimed"]
+    with subprocess.Popen([*command, "--count", "1"], env=env, stdout=terminal, stderr=subprocess.PIPE) as watch:
+        os.close(terminal)
+        screen = read_until(controller, b"Ctrl-C to stop")
+        agent.release(
+            Subject.message(mailbox, "msg-01"), agent.status(Subject.message(mailbox, "msg-01")).fencing_token
+        )
+        screen += read_until(controller, b"last event: ")
+        watch.wait(timeout=20)
+    os.close(controller)
+    assert watch.returncode == 0
+    last = screen.decode().rsplit("\x1b[H\x1b[J", 1)[1]
+    lines = last.rstrip("\r\n").splitlines()
+    assert len(lines) <= 16  # the terminal's height
+    assert "30 subject(s) CLAIMED or REPLIED" in lines[0]
+    assert "… and " in last
+    assert "more (narrow it with --state" in last
+    assert "RELEASED message msg-01" in last
+    assert "msg-00" in last  # claims sort before replies, so the live ones are the ones shown
+
+    # Line mode with a filter: the snapshot and the events of REPLIED subjects only.
+    only_replied = subprocess.run(
+        [*command[:-2], "--timeout", "1"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert only_replied.returncode == 0, only_replied.stderr
+    out = only_replied.stdout.splitlines()
+    assert f"watching {mailbox}: 1 subject(s) REPLIED" in out[0]
+    assert out[1].split()[1:3] == ["REPLIED", "message"]
+
+
+def test_whoami_says_who_the_coordinator_takes_you_to_be_and_what_you_may_do(
+    ctl: Ctl, shared_etcd: EtcdServer, home: Path
+) -> None:
+    development = ctl("whoami")
+    assert development.returncode == 0, development.stderr
+    assert development.stdout.splitlines()[0] == f"{ANA} (a person)"
+    assert "take a message over from an agent" in development.stdout
+    assert "development mode" in development.stdout
+    with token_coordinator(shared_etcd, _token_file(home / "tokens.toml")) as target:
+        as_bo = {"INBOX_COORDINATOR_TARGET": target, "INBOX_PRINCIPAL": "", "INBOX_TOKEN": TOKENS["bo"]}
+        bo = ctl("whoami", env=as_bo)
+        assert bo.returncode == 0, bo.stderr
+        assert bo.stdout.splitlines() == [
+            "bo (a person)",
+            "mailboxes: acme-*",
+            "may: only claim, give back and answer messages in those mailboxes (no roles)",
+        ]
+        ana = json.loads(ctl("whoami", "--json", env={**as_bo, "INBOX_TOKEN": TOKENS["ana"]}).stdout)
+        assert ana == {
+            "principal": "ana",
+            "kind": "HUMAN",
+            "roles": ["resolve", "takeover"],
+            "mailboxes": ["acme-*"],
+            "development_mode": False,
+        }
+        refused = ctl("whoami", env={**as_bo, "INBOX_TOKEN": "not-a-token"})
+        assert refused.returncode == 4

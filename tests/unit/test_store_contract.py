@@ -1,0 +1,205 @@
+"""The same behaviour tests against the in-memory store and the real etcd store, through the engine: what the
+fast loop learns from the fake holds on etcd too (the etcd parameter carries the etcd marker), and etcd's
+suite (tests/server) stays the authority."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from coordinator.domain import (
+    Caller,
+    ClaimResult,
+    EventType,
+    FenceResult,
+    HolderKind,
+    State,
+    Subject,
+    SubjectKind,
+    TakeoverResult,
+)
+from coordinator.engine import Engine, Event, Snapshot
+from coordinator.errors import FailedPrecondition, InvalidArgument
+from coordinator.server import wall_clock_ms
+from coordinator.store_api import Store
+from tests.conftest import test_rules
+
+AGENT = Caller("agent-a", HolderKind.AGENT)
+OTHER = Caller("agent-b", HolderKind.AGENT)
+HUMAN = Caller("ana", HolderKind.HUMAN)
+
+
+@pytest.fixture
+def engine(store: Store) -> Engine:
+    return Engine(store, test_rules(), wall_clock_ms)
+
+
+def _subject(name: str = "m-1", mailbox: str = "box") -> Subject:
+    return Subject(mailbox, SubjectKind.MESSAGE, name)
+
+
+def _rid() -> str:
+    return uuid.uuid4().hex
+
+
+async def _claim(
+    engine: Engine, caller: Caller, subject: Subject, notification_id: str = ""
+) -> tuple[ClaimResult, int]:
+    outcome = await engine.claim_reply(
+        caller, request_id=_rid(), subject=subject, notification_id=notification_id, ttl_seconds=60, note=""
+    )
+    return outcome.result, outcome.stored.token if outcome.stored is not None else 0
+
+
+async def test_a_claim_is_granted_once_and_held_for_the_others(engine: Engine) -> None:
+    subject = _subject()
+    result, token = await _claim(engine, AGENT, subject)
+    assert result is ClaimResult.GRANTED
+    assert token > 0
+    assert (await _claim(engine, OTHER, subject))[0] is ClaimResult.HELD
+    status = await engine.status(AGENT, subject)
+    assert status is not None
+    assert status.token == token
+    assert status.record.holder == "agent-a"
+
+
+async def test_concurrent_claims_grant_exactly_one(engine: Engine) -> None:
+    subject = _subject("contended")
+    callers = [Caller(f"agent-{n}", HolderKind.AGENT) for n in range(20)]
+    results = await asyncio.gather(*(_claim(engine, caller, subject) for caller in callers))
+    assert [result for result, _ in results].count(ClaimResult.GRANTED) == 1
+
+
+async def test_the_send_path_is_fenced_and_a_reply_blocks_later_claims(engine: Engine) -> None:
+    subject = _subject()
+    _, token = await _claim(engine, AGENT, subject)
+    assert (await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token + 1))[
+        0
+    ] is FenceResult.STALE_TOKEN
+    result, sending = await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token)
+    assert result is FenceResult.OK
+    assert sending is not None
+    assert sending.record.state is State.SENDING
+    with pytest.raises(FailedPrecondition):
+        await engine.renew(AGENT, request_id=_rid(), subject=subject, token=token, ttl_seconds=60)
+    result, replied = await engine.confirm_sent(
+        AGENT, request_id=_rid(), subject=subject, token=token, sent_message_id="sent-1"
+    )
+    assert result is FenceResult.OK
+    assert replied is not None
+    assert replied.record.state is State.REPLIED
+    assert (await _claim(engine, OTHER, subject))[0] is ClaimResult.ALREADY_REPLIED
+
+
+async def test_a_released_subject_is_claimed_again_with_a_larger_token(engine: Engine) -> None:
+    subject = _subject()
+    _, first = await _claim(engine, AGENT, subject)
+    assert (await engine.release(AGENT, request_id=_rid(), subject=subject, token=first))[0] is FenceResult.OK
+    assert (await engine.release(AGENT, request_id=_rid(), subject=subject, token=first))[0] is (
+        FenceResult.STALE_TOKEN
+    )
+    result, second = await _claim(engine, OTHER, subject)
+    assert result is ClaimResult.GRANTED
+    assert second > first
+
+
+async def test_a_notification_has_one_effect(engine: Engine) -> None:
+    result, _ = await _claim(engine, AGENT, _subject("a"), notification_id="n-1")
+    assert result is ClaimResult.GRANTED
+    assert (await _claim(engine, OTHER, _subject("a"), notification_id="n-1"))[0] is ClaimResult.DUPLICATE_DELIVERY
+    first, record = await engine.record_delivery(AGENT, request_id=_rid(), mailbox="box", notification_id="n-2")
+    again, earlier = await engine.record_delivery(OTHER, request_id=_rid(), mailbox="box", notification_id="n-2")
+    assert first
+    assert not again
+    assert earlier == record
+
+
+async def test_a_takeover_fences_the_agent_off(engine: Engine) -> None:
+    subject = _subject()
+    _, token = await _claim(engine, AGENT, subject)
+    outcome = await engine.takeover(HUMAN, request_id=_rid(), subject=subject, ttl_seconds=60, note="mine")
+    assert outcome.result is TakeoverResult.TAKEN_OVER
+    assert outcome.previous_token == token
+    assert outcome.stored is not None
+    assert outcome.stored.token > token
+    assert (await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token))[
+        0
+    ] is FenceResult.STALE_TOKEN
+
+
+async def test_listing_pages_with_opaque_cursors_and_filters_by_state(engine: Engine) -> None:
+    mailbox = f"list-{uuid.uuid4().hex}"
+    tokens = {}
+    for n in range(7):
+        tokens[n] = (await _claim(engine, AGENT, _subject(f"m-{n}", mailbox)))[1]
+    await engine.begin_send(AGENT, request_id=_rid(), subject=_subject("m-3", mailbox), token=tokens[3])
+    await _claim(engine, AGENT, _subject("elsewhere", mailbox + "-other"))
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page = await engine.list_claims(AGENT, mailbox=mailbox, states=frozenset(), page_size=3, page_token=cursor)
+        seen.extend(subject.id for subject, _ in page.subjects)
+        cursor = page.next_token
+        if cursor is None:
+            break
+        assert cursor.startswith("v1:")
+    assert seen == [f"m-{n}" for n in range(7)]
+    sending = await engine.list_claims(
+        AGENT, mailbox=mailbox, states=frozenset({State.SENDING}), page_size=10, page_token=None
+    )
+    assert [subject.id for subject, _ in sending.subjects] == ["m-3"]
+    first = await engine.list_claims(AGENT, mailbox=mailbox, states=frozenset(), page_size=1, page_token=None)
+    with pytest.raises(InvalidArgument, match="does not belong"):
+        await engine.list_claims(
+            AGENT, mailbox=mailbox + "-other", states=frozenset(), page_size=1, page_token=first.next_token
+        )
+    with pytest.raises(InvalidArgument, match="start without one"):
+        await engine.list_claims(AGENT, mailbox=mailbox, states=frozenset(), page_size=1, page_token="garbage")
+
+
+async def _next_events(stream: AsyncIterator[Snapshot | Event], count: int) -> list[Event]:
+    events: list[Event] = []
+    while len(events) < count:
+        item = await asyncio.wait_for(anext(stream), 10)
+        assert isinstance(item, Event)
+        events.append(item)
+    return events
+
+
+async def test_a_watch_sends_a_snapshot_then_each_transition(engine: Engine) -> None:
+    mailbox = f"watch-{uuid.uuid4().hex}"
+    _, held = await _claim(engine, AGENT, _subject("before", mailbox))
+    stream = engine.watch(AGENT, mailbox)
+    snapshot = await asyncio.wait_for(anext(stream), 10)
+    assert isinstance(snapshot, Snapshot)
+    assert [(subject.id, stored.token) for subject, stored in snapshot.subjects] == [("before", held)]
+    subject = _subject("during", mailbox)
+    _, token = await _claim(engine, AGENT, subject)
+    await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token)
+    await engine.abort_send(AGENT, request_id=_rid(), subject=subject, token=token, reason="bounced")
+    events = await _next_events(stream, 3)
+    assert [event.type for event in events] == [EventType.CLAIMED, EventType.SENDING, EventType.ABORTED]
+    assert all(event.change.subject == subject for event in events)
+    assert events[0].change.revision < events[1].change.revision < events[2].change.revision
+    await stream.aclose()
+
+
+async def test_a_watch_resumed_after_a_revision_gets_what_changed_since(engine: Engine) -> None:
+    mailbox = f"resume-{uuid.uuid4().hex}"
+    stream = engine.watch(AGENT, mailbox)
+    snapshot = await asyncio.wait_for(anext(stream), 10)
+    assert isinstance(snapshot, Snapshot)
+    await stream.aclose()
+    subject = _subject("m", mailbox)
+    _, token = await _claim(engine, AGENT, subject)
+    await engine.release(AGENT, request_id=_rid(), subject=subject, token=token)
+    _, again = await _claim(engine, OTHER, subject)
+    resumed = engine.watch(AGENT, mailbox, after_revision=snapshot.revision)
+    (event,) = await _next_events(resumed, 1)
+    assert event.type is EventType.CLAIMED
+    assert event.change.now is not None
+    assert event.change.now.token == again
+    await resumed.aclose()
