@@ -58,6 +58,7 @@ function requestId() {
 // Watch: a Connect server stream, each message framed by a flags byte and a 4-byte big-endian length.
 async function watch(mailbox) {
   let delay = 500;
+  let interrupted = false, interruptedNotice = "";
   for (;;) {
     try {
       const request = new TextEncoder().encode(JSON.stringify({ mailbox, afterRevision: seen.get(mailbox) || "0" }));
@@ -86,13 +87,17 @@ async function watch(mailbox) {
           if (flags & 2) { if (message.error) throw new CallFailed(message.error.code, message.error.message); continue; }
           take(mailbox, message);
           delay = 500;
-          say("");
+          // Only the trouble notice is cleared: a person's own answer (say, to a takeover) must stay on screen
+          // when the stream brings the change it caused, which may come before or after that answer.
+          if (interrupted) { interrupted = false; unsay(interruptedNotice); }
         }
       }
       throw new CallFailed("unavailable", "the live view was interrupted");
     } catch (error) {
       if (error.code === "permission_denied" || error.code === "unauthenticated") { say(plainError(error)); return; }
-      say(`Live updates for ${mailbox} paused (${plainError(error)}); reconnecting…`);
+      interrupted = true;
+      interruptedNotice = `Live updates for ${mailbox} paused (${plainError(error)}); reconnecting…`;
+      say(interruptedNotice);
     }
     await new Promise((resolve) => setTimeout(resolve, delay));
     delay = Math.min(delay * 2, 10000);
@@ -428,6 +433,7 @@ async function resolve(subject, outcome) {
 // --- the page ------------------------------------------------------------------------------------------------
 
 function say(text) { $("#status-line").textContent = text; }
+function unsay(text) { if ($("#status-line").textContent === text) say(""); }
 
 function rovingFocus() {
   const visibleRows = [...document.querySelectorAll("#claims tbody tr:not([hidden])")];

@@ -108,6 +108,9 @@ async def test_two_people_see_an_agent_claim_a_takeover_and_a_reply_by_hand_live
         await row(ana, "msg-refund").get_by_role("button", name="Take over").click()
         await expect(ana.locator("#status-line")).to_contain_text("agent-a has stopped and cannot send")
         await expect(row(bo, "msg-refund")).to_contain_text("ana is answering this", timeout=LIVE)
+        # Her own page's stream brings the same change, before or after her answer: the answer stays on screen.
+        await expect(row(ana, "msg-refund")).to_contain_text("ana is answering this", timeout=LIVE)
+        await expect(ana.locator("#status-line")).to_contain_text("agent-a has stopped and cannot send")
         assert (await agent.begin(subject, token)).result == pb.FENCE_RESULT_STALE_TOKEN
 
         # Ana answers in her mail client and says so: both see it, and a redelivery gets ALREADY_REPLIED.
