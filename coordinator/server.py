@@ -158,14 +158,15 @@ class CoordinatorServer:
         self.store = EtcdStore(settings.etcd, wall_clock_ms, observer=self.metrics)
         self.engine = Engine(self.store, settings.rules, wall_clock_ms)
         observer = RpcObserver(self.metrics, settings.request_timeout_s)
-        self._server = grpc.aio.server(interceptors=[observer], options=grpc_options(settings))
+        self._server = grpc.aio.server(options=grpc_options(settings))
+        registry = observer.register_on(self._server)
         self.health = HealthService()
         self.servicer = CoordinatorServicer(
             self.engine, settings.authenticator, settings.quotas, batch_observer=observer
         )
-        pb_grpc.add_CoordinatorServicer_to_server(self.servicer, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        pb_grpc.add_CoordinatorServicer_to_server(self.servicer, registry)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)
+        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), registry)
         self.port = (
             self._server.add_secure_port(settings.listen, server_credentials(settings.tls))
             if settings.tls is not None
