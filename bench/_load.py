@@ -102,22 +102,23 @@ class Variant:
     max_batch: int
     in_flight: int
     uvloop: bool = False
+    access_log: bool = False
 
     @property
     def label(self) -> str:
         batching = "unbatched" if self.max_batch <= 1 else f"group commit {self.max_batch}x{self.in_flight}"
-        return batching + (", uvloop" if self.uvloop else "")
+        return batching + (", uvloop" if self.uvloop else "") + (", access log" if self.access_log else "")
 
 
 def parse_coordinators(text: str) -> list[Variant]:
-    """'64x2,1,64x2u' -> group commit max_batch x batches in flight (1 = unbatched); a trailing u runs that
-    coordinator on uvloop."""
+    """'64x2,1,64x2u,64x2a' -> group commit max_batch x batches in flight (1 = unbatched); a trailing u runs
+    that coordinator on uvloop, a trailing a with serve's --access-log (a line per call)."""
     variants = []
     for part in text.split(","):
         spec = part.strip()
-        uvloop = spec.endswith("u")
-        batch, _, in_flight = spec.removesuffix("u").partition("x")
-        variants.append(Variant(int(batch), int(in_flight or 1), uvloop))
+        flags = spec[len(spec.rstrip("ua")) :]
+        batch, _, in_flight = spec.rstrip("ua").partition("x")
+        variants.append(Variant(int(batch), int(in_flight or 1), "u" in flags, "a" in flags))
     return variants
 
 
@@ -152,7 +153,8 @@ def add_shim_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COORDINATORS_HELP = (
-    "coordinators to compare: max_batch x batches in flight (1 = unbatched), a trailing u for uvloop; "
+    "coordinators to compare: max_batch x batches in flight (1 = unbatched), a trailing u for uvloop, a for "
+    "serve's --access-log; "
     "default %(default)s"
 )
 
@@ -173,6 +175,7 @@ class Coordinators(contextlib.ExitStack):
                     in_flight=variant.in_flight,
                     uvloop=variant.uvloop,
                     rate_limit=rate_limit,
+                    serve_args=("--access-log",) if variant.access_log else (),
                 )
                 self.callback(process.stop)
                 self.processes.append((variant.label, process))

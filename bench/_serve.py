@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import signal
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from coordinator import logs
 from coordinator.quotas import QuotaSettings
 from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
@@ -65,7 +65,9 @@ async def _serve_coordinator(options: argparse.Namespace, status: _StatusFile) -
     )
     quotas = QuotaSettings(calls_per_second=options.rate_limit, max_watches=options.max_watches)
     server = CoordinatorServer(
-        ServerSettings(etcd, listen=options.listen, quotas=quotas, http_listen=options.http_listen)
+        ServerSettings(
+            etcd, listen=options.listen, quotas=quotas, http_listen=options.http_listen, access_log=options.access_log
+        )
     )
     await server.start()
     http = server.http.address if server.http is not None else ""
@@ -114,9 +116,10 @@ def main() -> int:
     parser.add_argument("--max-watches", type=int, default=QuotaSettings.max_watches, help="per principal")
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's own loop")
     parser.add_argument("--http-listen", default="", help="HOST:PORT for the HTTP/JSON face (default: none)")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="info", help="as serve's (default %(default)s, serve's default)")
+    parser.add_argument("--access-log", action="store_true", help="a line per call at info, as serve --access-log")
     options = parser.parse_args()
-    logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(options.log_level.lower(), "json")  # what serve does: JSON lines on stderr (here the log file)
     status = _StatusFile(options.status_file)
     serve = _serve_empty(options, status) if options.empty else _serve_coordinator(options, status)
     if options.uvloop:

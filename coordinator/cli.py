@@ -203,6 +203,7 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
         quotas=config.quotas(),
         max_message_bytes=config.max_message_bytes,
         request_timeout_s=config.request_timeout,
+        access_log=config.access_log,
         max_streams_per_connection=config.max_streams_per_connection,
         http_listen=config.http_address,
         # The default port may be taken by another development coordinator: then there is no HTTP face.

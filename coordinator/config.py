@@ -310,6 +310,13 @@ SETTINGS: tuple[Setting, ...] = (
         "DURATION",
     ),
     Setting("log_level", _choice("debug", "info", "warning", "error"), "info", "debug, info, warning or error"),
+    Setting(
+        "access_log",
+        _boolean,
+        False,
+        "log every call at info, one line each; off: answered and cancelled calls at debug, refusals and errors "
+        "as always (a line per call costs ~50 us of CPU: docs/performance.md)",
+    ),
     Setting("log_format", _choice("auto", "json", "text"), "auto", "json, text, or auto (text on a terminal)"),
     Setting("shutdown_grace", _duration, 10.0, "on SIGTERM, how long calls in flight may take to finish", "DURATION"),
     Setting(
@@ -394,6 +401,7 @@ class Config:
     http_listen: str
     key_count_interval: float
     log_level: str
+    access_log: bool
     log_format: str
     shutdown_grace: float
     token_file: Path | None

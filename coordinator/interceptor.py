@@ -55,6 +55,7 @@ _CLIENT_CODES = frozenset(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
+_ROUTINE_CODES = frozenset({grpc.StatusCode.OK, grpc.StatusCode.CANCELLED})
 _SERVER_TROUBLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -231,13 +232,16 @@ class _Method:
     counted: dict[str, Any]
     timed: Any
     in_flight: Any
+    routine_level: int  # for an OK or CANCELLED call
 
 
 class RpcObserver:
     """Metrics and one access-log line per call."""
 
-    def __init__(self, metrics: Metrics, request_timeout_s: float = 10.0) -> None:
+    def __init__(self, metrics: Metrics, request_timeout_s: float = 10.0, *, access_log: bool = False) -> None:
         self._metrics = metrics
+        # Answered and cancelled calls are the bulk: at info only when asked for (a line per call is costly).
+        self._routine_level = logging.INFO if access_log else logging.DEBUG
         self._request_timeout_s = request_timeout_s
         self._batched: dict[str, _Method] = {}
 
@@ -285,6 +289,7 @@ class RpcObserver:
             counted={},
             timed=self._metrics.rpc_seconds.labels(service, name),
             in_flight=self._metrics.rpcs_in_flight.labels(service, name),
+            routine_level=logging.DEBUG if service in _QUIET_SERVICES else self._routine_level,
         )
 
     def _wrap(self, path: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
@@ -453,6 +458,8 @@ def _record(
     level = (
         logging.DEBUG
         if method.quiet
+        else method.routine_level
+        if code in _ROUTINE_CODES
         else logging.INFO
         if code in _CLIENT_CODES
         else logging.WARNING

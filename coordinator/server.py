@@ -64,6 +64,7 @@ class ServerSettings:
     max_message_bytes: int = 1 << 20
     # A call whose request message has not arrived this long after it opened is answered DEADLINE_EXCEEDED.
     request_timeout_s: float = 10.0
+    access_log: bool = False  # every call at info; else answered and cancelled calls at debug
     # HTTP/2 streams (calls) one client connection may have open at once; a client queues those beyond it.
     max_streams_per_connection: int = 1000
     # HOST:PORT for the HTTP/JSON face (Connect protocol) and the claims board; empty serves none.
@@ -157,7 +158,7 @@ class CoordinatorServer:
         self.metrics = metrics or Metrics()
         self.store = EtcdStore(settings.etcd, wall_clock_ms, observer=self.metrics)
         self.engine = Engine(self.store, settings.rules, wall_clock_ms)
-        observer = RpcObserver(self.metrics, settings.request_timeout_s)
+        observer = RpcObserver(self.metrics, settings.request_timeout_s, access_log=settings.access_log)
         self._server = grpc.aio.server(options=grpc_options(settings))
         registry = observer.register_on(self._server)
         self.health = HealthService()

@@ -57,6 +57,7 @@ async def test_sigterm_drains_the_call_in_flight_refuses_new_ones_and_ends_watch
         "--shutdown-grace=20s",
         "--metrics-listen=",
         "--log-format=json",
+        "--access-log",
     )
     try:
         _wait_for_line(process, "serving gRPC on")
