@@ -65,6 +65,8 @@ def etcd_workload(env: Environment, name: str, clients: int, operation: Operatio
 
 def group_commit_note(before: dict[str, Any], after: dict[str, Any]) -> str:
     """How many transactions each etcd request of the coordinator's group commit carried between two stats()."""
+    if "batch_requests" not in after:
+        return "no group commit"
     requests = after["batch_requests"] - before["batch_requests"]
     transactions = after["batch_transactions"] - before["batch_transactions"]
     return f"{transactions / requests:.1f} txn per etcd request" if requests else "unbatched"

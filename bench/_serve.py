@@ -3,10 +3,13 @@
     python -m bench._serve --status-file F --etcd-endpoints E --prefix P [--max-batch N] [--in-flight N]
                            [--rate-limit R] [--uvloop]
     python -m bench._serve --status-file F --empty
+    python -m bench._serve --status-file F --proxy --etcd-endpoints E --prefix P
 
 The first builds the same ``CoordinatorServer`` as ``inbox-coordinator serve``, with the group-commit settings
 that the CLI does not expose; the second is a grpc.aio server with nothing but the standard health service
-(an empty handler: the ceiling of any Python gRPC server on this machine). Both write JSON lines to the status
+(an empty handler: the ceiling of any Python gRPC server on this machine); the third, ``--proxy``, answers
+ClaimReply with one etcd transaction and nothing more (the floor of any Python gRPC service in front of etcd:
+what the coordinator's own work adds is the distance from it). All write JSON lines to the status
 file: ``{"event": "serving", ...}`` once ready, and a ``stats`` line (batch counters, watch feeds, RSS) each
 time they get SIGUSR1. They stop on SIGTERM or SIGINT.
 """
@@ -98,11 +101,53 @@ async def _serve_empty(options: argparse.Namespace, status: _StatusFile) -> None
     await server.stop(1.0)
 
 
+async def _serve_proxy(options: argparse.Namespace, status: _StatusFile) -> None:
+    """The floor of a Python gRPC service in front of etcd: ClaimReply is one put-if-absent transaction on the
+    subject's key, answered GRANTED, with no checks, records, leases, metrics or logs."""
+    from aetcd import rpc
+
+    from coordinator.server import SERVICE_NAME
+    from inbox_claims._proto import coordinator_pb2 as pb
+
+    from ._load import put_if_absent
+
+    async with grpc.aio.insecure_channel(options.etcd_endpoints) as etcd_channel:
+        kv = rpc.KVStub(etcd_channel)
+
+        async def claim_reply(
+            request: pb.ClaimReplyRequest, _context: grpc.aio.ServicerContext[Any, Any]
+        ) -> pb.ClaimReplyResponse:
+            key = f"{options.prefix}{request.subject.mailbox}/{request.subject.id}".encode()
+            answer = await kv.Txn(put_if_absent(key))
+            return pb.ClaimReplyResponse(
+                result=pb.ClaimReplyResponse.GRANTED if answer.succeeded else pb.ClaimReplyResponse.HELD
+            )
+
+        handlers = {
+            "ClaimReply": grpc.unary_unary_rpc_method_handler(
+                claim_reply,
+                request_deserializer=pb.ClaimReplyRequest.FromString,
+                response_serializer=pb.ClaimReplyResponse.SerializeToString,
+            )
+        }
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        port = server.add_insecure_port(options.listen)
+        await server.start()
+        status.write(event="serving", address=f"{options.listen.rpartition(':')[0]}:{port}", pid=os.getpid())
+        await _until_stopped(status, dict)
+        await server.stop(1.0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench._serve", description=__doc__)
     parser.add_argument("--status-file", type=Path, required=True)
     parser.add_argument("--listen", default="127.0.0.1:0")
     parser.add_argument("--empty", action="store_true", help="only the health service (the gRPC ceiling)")
+    parser.add_argument(
+        "--proxy", action="store_true", help="ClaimReply as one etcd transaction and nothing else (the floor)"
+    )
     parser.add_argument("--etcd-endpoints", default="")
     parser.add_argument("--prefix", default="bench/")
     parser.add_argument("--max-batch", type=int, default=EtcdSettings.max_batch)
@@ -121,7 +166,13 @@ def main() -> int:
     options = parser.parse_args()
     logs.setup(options.log_level.lower(), "json")  # what serve does: JSON lines on stderr (here the log file)
     status = _StatusFile(options.status_file)
-    serve = _serve_empty(options, status) if options.empty else _serve_coordinator(options, status)
+    serve = (
+        _serve_empty(options, status)
+        if options.empty
+        else _serve_proxy(options, status)
+        if options.proxy
+        else _serve_coordinator(options, status)
+    )
     if options.uvloop:
         import uvloop
 

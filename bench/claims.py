@@ -3,6 +3,8 @@
 - raw etcd: one put-if-absent transaction per claim from this process (the floor the coordinator sits on; the
   baseline every ratio is against);
 - the ceiling of a Python gRPC server here: an empty health-check handler in its own process;
+- the floor of a Python gRPC service in front of etcd: ``ClaimReply`` answered by one put-if-absent transaction
+  and nothing else (no checks, records, leases, metrics or logs), one RPC per claim as the unary rows;
 - Redis ``SET key 1 NX EX ttl`` (AOF off, and optionally AOF with appendfsync everysec / always);
 - PostgreSQL ``INSERT ... ON CONFLICT DO NOTHING`` with a row-count check (fsync and synchronous_commit on);
 - the coordinator with group commit (default settings) and unbatched (max_batch=1), each in its own process,
@@ -65,7 +67,7 @@ from ._load import (
 )
 from .node import node_claims_workload, node_problem
 
-BASELINES = ("grpc", "redis", "redis-everysec", "redis-always", "postgres")
+BASELINES = ("grpc", "proxy", "redis", "redis-everysec", "redis-always", "postgres")
 # Long enough that no claim expires during a run: etcd revoking the leases of an earlier round's claims would
 # charge its CPU to whichever workload runs at that moment (the raw loop, whose keys never expire, most of all).
 TTL_SECONDS = 3600
@@ -95,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def available_baselines() -> tuple[list[str], list[str]]:
     """The baselines whose servers and client libraries are installed here, and why the others are not."""
-    found, missing = ["grpc"], []
+    found, missing = ["grpc", "proxy"], []
     redis_problem = (
         "redis-server not installed"
         if shutil.which("redis-server") is None
@@ -251,6 +253,13 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
                 return meter.stamp(await closed_loop("empty Python gRPC handler", clients, seconds, check))
 
             workloads.append(Workload("empty Python gRPC handler", measure_empty, NO_DURABILITY))
+
+        if "proxy" in baselines:
+            proxy = CoordinatorProcess(env.tmp, env.etcd.endpoint, f"bench-proxy/{run}/", serve_args=("--proxy",))
+            stack.callback(proxy.stop)
+            stub = coordinator_stub(await stack.enter_async_context(channel(proxy.address)))
+            name = "Python gRPC proxy: one etcd txn per ClaimReply, no logic"
+            workloads.append(coordinator_workload(env, proxy, name, clients, claim_operation(stub, f"proxy-{run}")))
 
         for mode in ("off", "everysec", "always"):
             key = "redis" if mode == "off" else f"redis-{mode}"
