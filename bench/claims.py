@@ -51,8 +51,10 @@ from ._common import (
 )
 from ._load import (
     COORDINATORS_HELP,
+    ETCD_DURABILITY,
     NO_DURABILITY,
     Coordinators,
+    Variant,
     add_shim_arguments,
     channel,
     client_objects,
@@ -86,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=COORDINATORS_HELP,
     )
     add_shim_arguments(parser)
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="also a row of one ClaimReply RPC per claim spread over this many coordinator processes (the first "
+        "variant's settings, one key prefix, as replicas behind a load balancer); 0: none (default)",
+    )
     parser.add_argument(
         "--node",
         choices=("auto", "yes", "no"),
@@ -171,6 +180,40 @@ async def _postgres_workload(server: PostgresProcess, clients: int, stack: conte
     return Workload(name, measure, "WAL fsync on commit (synchronous_commit on)")
 
 
+async def replicas_workload(
+    env: Environment, stack: contextlib.AsyncExitStack, variant: Variant, count: int, clients: int, run: str
+) -> Workload:
+    """One ClaimReply RPC per claim, client ``i`` calling replica ``i % count``; the CPU column is all replicas'."""
+    processes = []
+    for _ in range(count):
+        process = CoordinatorProcess(
+            env.tmp,
+            env.etcd.endpoint,
+            f"bench/{run}/replicas/",
+            max_batch=variant.max_batch,
+            in_flight=variant.in_flight,
+            uvloop=variant.uvloop,
+            rate_limit=0,
+        )
+        stack.callback(process.stop)
+        processes.append(process)
+    operations = [
+        claim_operation(coordinator_stub(await stack.enter_async_context(channel(p.address))), f"replicas-{run}")
+        for p in processes
+    ]
+
+    async def claim(index: int, n: int) -> None:
+        await operations[index % count](index, n)
+
+    name = f"coordinator ClaimReply, {count} replicas, {variant.label}"
+
+    async def measure(seconds: float) -> Result:
+        meter = CpuMeter(lambda: sum(p.cpu_seconds() for p in processes), env.etcd)
+        return meter.stamp(await closed_loop(name, clients, seconds, claim))
+
+    return Workload(name, measure, ETCD_DURABILITY)
+
+
 def claim_operation(stub: Any, mailbox: str) -> Any:
     async def claim(index: int, n: int) -> None:
         response = await stub.ClaimReply(
@@ -232,6 +275,9 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
             operation = await shim_claim_operation(stack, process.address, shims, f"bench-{run}-shim{shims}")
             name = f"coordinator via inbox_claims, {shims} client object(s), {label}"
             workloads.append(coordinator_workload(env, process, name, clients, operation))
+
+        if options.replicas > 1:
+            workloads.append(await replicas_workload(env, stack, variants[0], options.replicas, clients, run))
 
         if options.node == "yes" or (options.node == "auto" and node_problem() is None):
             label, process = coordinators.processes[0]

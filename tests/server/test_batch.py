@@ -214,7 +214,7 @@ async def test_a_batch_over_the_limit_is_refused_whole(agent: Actor, mailbox: st
 async def test_batched_calls_are_counted_and_logged_under_their_own_method(
     coordinator: CoordinatorServer, agent: Actor, mailbox: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="inbox_coordinator.rpc"):
+    with caplog.at_level(logging.DEBUG, logger="inbox_coordinator.rpc"):
         await agent.batch(
             claim(message(mailbox, "a")), claim(message(mailbox, "b")), claim(message(mailbox, "c"), ttl=1)
         )
@@ -225,6 +225,9 @@ async def test_batched_calls_are_counted_and_logged_under_their_own_method(
     assert sorted(r.fields["subject_id"] for r in lines) == ["a", "b", "c"]  # type: ignore[attr-defined]
     assert {r.fields["principal"] for r in lines} == {agent.name}  # type: ignore[attr-defined]
     assert [r.fields["code"] for r in lines if r.fields["subject_id"] == "c"] == ["INVALID_ARGUMENT"]  # type: ignore[attr-defined]
+    # Without --access-log an answered call is a debug line, a refused one info, as for unary calls.
+    levels = {r.fields["subject_id"]: r.levelname for r in lines}  # type: ignore[attr-defined]
+    assert levels == {"a": "DEBUG", "b": "DEBUG", "c": "INFO"}
 
 
 async def test_many_clients_batching_claims_on_one_subject_grant_it_once(

@@ -247,7 +247,7 @@ async def test_bad_bodies_get_a_4xx_naming_the_problem_and_store_nothing(http: h
 async def test_http_calls_are_counted_and_logged_as_grpc_calls_are(
     server: CoordinatorServer, http: httpx.AsyncClient, mailbox: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="inbox_coordinator.rpc")
+    caplog.set_level(logging.DEBUG, logger="inbox_coordinator.rpc")  # answered calls: debug lines
     before = server.metrics.rpcs.labels("inbox.coordinator.v1.Coordinator", "ClaimReply", "granted")._value.get()
     await Json(http, DEV_AGENT).call("ClaimReply", {"requestId": "log-1", "subject": subject_json(mailbox, "m1")})
     after = server.metrics.rpcs.labels("inbox.coordinator.v1.Coordinator", "ClaimReply", "granted")._value.get()
