@@ -8,8 +8,9 @@ then checks what really went out against what the coordinator recorded. See ``do
 Modules: :mod:`chaos.harness` (the command line), :mod:`chaos.run` (the phases of a run),
 :mod:`chaos.processes` (every process of the world: start, stop, restart, kill, addresses), :mod:`chaos.targets`
 (all a fault may do to the world), :mod:`chaos.faults` (the seeded fault schedule and the faults),
-:mod:`chaos.monitor` (the harness's own client: watches, measurements, final reads), :mod:`chaos.config`
-(settings, fault kinds), :mod:`chaos.workload` (the seeded plan of messages and deliveries), :mod:`chaos.agent`,
-:mod:`chaos.human`, :mod:`chaos.sink`, :mod:`chaos.proxy` (the child processes), :mod:`chaos.netns` (network
-namespaces for the partition), :mod:`chaos.checker` (the invariants), :mod:`chaos.common` (small shared pieces).
+:mod:`chaos.webhooks` (the signed deliveries to the agents), :mod:`chaos.monitor` (the harness's own client:
+watches, measurements, final reads), :mod:`chaos.config` (settings, fault kinds), :mod:`chaos.workload` (the
+seeded plan of messages and deliveries), :mod:`chaos.agent`, :mod:`chaos.human`, :mod:`chaos.sink`,
+:mod:`chaos.proxy` (the child processes), :mod:`chaos.netns` (network namespaces for the partition),
+:mod:`chaos.checker` (the invariants), :mod:`chaos.common` (small shared pieces).
 """

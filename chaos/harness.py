@@ -11,6 +11,9 @@ takeovers); settle (every fault healed, then TTL + bound, so lapsed claims are f
 notification delivered once more); drain (agents idle, no subject left SENDING); final reads; stop; check.
 """
 
+# The docstring is the command's --help. This module is the command line only: the phases are in chaos/run.py,
+# the processes in chaos/processes.py, what the faults act on in chaos/targets.py.
+
 from __future__ import annotations
 
 import argparse

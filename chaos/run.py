@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.testing.etcd_cluster import EtcdCluster
-from inbox_claims.testing import sign_nylas
 
 from . import checker, faults, netns
-from .common import http_json, http_request, read_jsonl
+from .common import http_json, read_jsonl
 from .config import CLUSTER_LANE, ETCD_EXPIRY_CHECK_S, LEASE_BUCKET_S, PROCESS_LANE, Config, choose_etcd, replay_command
 from .monitor import Monitor
-from .processes import AgentHandle, Processes
+from .processes import Processes
 from .targets import FaultTargets
-from .workload import Notification, SubjectKey, Workload, envelope, plan
+from .webhooks import Webhooks
+from .workload import SubjectKey, Workload, plan
 
 
 class Run:
@@ -42,14 +42,12 @@ class Run:
             agents=config.agents,
             thread_fraction=config.thread_fraction,
         )
-        self.notifications: dict[str, Notification] = {n.notification_id: n for n in self.workload.notifications}
-        self.attempts: dict[str, int] = {}
-        self.deliveries: list[dict[str, Any]] = []
         self.faults: list[faults.FaultRecord] = []
         self.errors: list[str] = []
         self.final: dict[SubjectKey, checker.FinalState] = {}
         self.etcd_binary, self.etcd_version = choose_etcd(config)
         self.processes = Processes(config, workdir, spaces, self.etcd_binary)
+        self.webhooks = Webhooks(self.workload, self.processes)
         self.monitor: Monitor | None = None
 
     def mailboxes(self) -> list[str]:
@@ -86,12 +84,8 @@ class Run:
         assert self.monitor is not None
         t0 = time.time()
         fault_end = t0 + c.duration - 4.0
-        targets = FaultTargets(
-            self.processes,
-            self.monitor,
-            lambda nid, agent: self.deliver(nid, agent, reason="pause"),
-            partition_unavailable="" if self.spaces else self.netns_problem,
-        )
+        partition_unavailable = "" if self.spaces else self.netns_problem
+        targets = FaultTargets(self.processes, self.monitor, self.webhooks, partition_unavailable)
         cluster_kinds = [k for k in CLUSTER_LANE if k in c.faults]
         process_kinds = [k for k in PROCESS_LANE if k in c.faults]
         cluster = faults.Lane("cluster", cluster_kinds, c.seed, (1.0, 3.0))
@@ -99,7 +93,7 @@ class Run:
         await self.processes.start_human(self.mailboxes(), start_at=t0 + 3.0, stop_at=fault_end)
         progress = asyncio.create_task(self.progress(t0))
         await asyncio.gather(
-            self.run_plan(t0),
+            self.webhooks.run_plan(t0),
             faults.run_lane(targets, cluster, t0 + 3.0, fault_end, self.faults, self.error),
             faults.run_lane(targets, process, t0 + 4.0, fault_end, self.faults, self.error),
         )
@@ -112,7 +106,7 @@ class Run:
             kinds: dict[str, int] = {}
             for fault in self.faults:
                 kinds[fault.kind] = kinds.get(fault.kind, 0) + 1
-            self.say(f"t+{time.time() - t0:.0f}s: {len(self.deliveries)} deliveries, faults {kinds}")
+            self.say(f"t+{time.time() - t0:.0f}s: {len(self.webhooks.deliveries)} deliveries, faults {kinds}")
 
     async def finish(self) -> None:
         """Settle, final round, drain, final reads."""
@@ -120,25 +114,9 @@ class Run:
         await self.processes.heal()
         await asyncio.sleep(self.config.ttl + LEASE_BUCKET_S + ETCD_EXPIRY_CHECK_S + 1.0)
         self.say("final round: every notification once more")
-        await self.final_round()
+        await self.webhooks.final_round(self.rng)
         await self.drain()
         await self.read_final()
-
-    async def final_round(self) -> None:
-        """Every notification once more, as Nylas's last attempt: to a live agent, trying others on failure."""
-        order = list(self.notifications)
-        self.rng.shuffle(order)
-        spread = max(5.0, len(order) / 20)  # about 20 deliveries a second
-        start = time.time()
-
-        async def one(index: int, nid: str) -> None:
-            await asyncio.sleep(max(start + spread * index / len(order) - time.time(), 0.0))
-            for _ in range(3):
-                if await self.deliver(nid, self.rng.choice(self.processes.live_agents()), reason="final"):
-                    return
-                await asyncio.sleep(0.5)
-
-        await asyncio.gather(*(one(i, nid) for i, nid in enumerate(order)))
 
     async def drain(self) -> None:
         """Waits (bounded) until no agent works on anything, the human is done, and nothing is SENDING."""
@@ -177,46 +155,6 @@ class Run:
             await self.monitor.close()
         await self.processes.stop()
 
-    # -- deliveries -----------------------------------------------------------------------------------------
-
-    async def deliver(self, notification_id: str, agent: AgentHandle, *, reason: str) -> int:
-        """POSTs one delivery attempt, signed like Nylas; 1 if the agent answered 200."""
-        attempt = self.attempts.get(notification_id, 0) + 1
-        self.attempts[notification_id] = attempt
-        body = envelope(self.notifications[notification_id], attempt, sent_at=int(time.time()))
-        headers = {"Content-Type": "application/json", "x-nylas-signature": sign_nylas(body, self.processes.secret)}
-        at = time.time()
-        error = ""
-        try:
-            status, _ = await http_request(agent.address, "POST", "/webhook", body=body, headers=headers, within=2.0)
-            ok = status == 200
-            error = "" if ok else f"HTTP {status}"
-        except (OSError, TimeoutError) as failure:
-            ok, error = False, type(failure).__name__
-        self.deliveries.append(
-            {
-                "t": at,
-                "nid": notification_id,
-                "attempt": attempt,
-                "agent": agent.name,
-                "ok": ok,
-                "phase": reason,
-                "error": error,
-            }
-        )
-        return int(ok)
-
-    async def run_plan(self, t0: float) -> None:
-        pending: set[asyncio.Task[int]] = set()
-        agents = self.processes.agents
-        for delivery in self.workload.deliveries:
-            await asyncio.sleep(max(t0 + delivery.at - time.time(), 0.0))
-            task = asyncio.create_task(self.deliver(delivery.notification_id, agents[delivery.agent], reason="main"))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-        if pending:
-            await asyncio.wait(pending)
-
     # -- results --------------------------------------------------------------------------------------------
 
     def record(self) -> checker.RunRecord:
@@ -232,7 +170,7 @@ class Run:
             events=events,
             final=self.final,
             faults=[f.as_dict() for f in self.faults],
-            deliveries=self.deliveries,
+            deliveries=self.webhooks.deliveries,
             watch_events=dict(monitor.watch_counts) if monitor else {},
             early_expiries=monitor.early_expiries if monitor else [],
             leader_changes=leader_changes(self.processes.cluster),

@@ -1,7 +1,7 @@
 """What a fault may do to the world, and all it may read of it: the narrow face that chaos/faults.py acts on.
 
-Behind it are the processes (chaos/processes.py), the monitor's measurements (chaos/monitor.py) and the run's
-webhook deliveries (chaos/run.py); a fault sees members, coordinators and agents by index or handle, never how
+Behind it are the processes (chaos/processes.py), the monitor's measurements (chaos/monitor.py) and the
+webhook deliveries (chaos/webhooks.py); a fault sees members, coordinators and agents by index or handle, never how
 they are started or wired."""
 
 from __future__ import annotations
@@ -9,21 +9,18 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .monitor import Monitor
 from .processes import AgentHandle, OpenClaim, Processes
-
-Redeliver = Callable[[str, AgentHandle], Awaitable[int]]
-"""Delivers a notification again to another agent (as Nylas does when one did not answer); 1 if it took it."""
+from .webhooks import Webhooks
 
 
 class FaultTargets:
-    def __init__(self, processes: Processes, monitor: Monitor, redeliver: Redeliver, partition_unavailable: str):
+    def __init__(self, processes: Processes, monitor: Monitor, webhooks: Webhooks, partition_unavailable: str):
         self._processes = processes
         self._monitor = monitor
-        self._redeliver = redeliver
+        self._webhooks = webhooks
         self.partition_unavailable = partition_unavailable
         """Why no member can be cut off alone (no network namespaces); empty when one can."""
         self.ttl = processes.config.ttl
@@ -101,7 +98,8 @@ class FaultTargets:
         await self._processes.start_agent(agent)
 
     async def redeliver(self, notification_id: str, agent: AgentHandle) -> int:
-        return await self._redeliver(notification_id, agent)
+        """The notification again, to ``agent``, as Nylas does when the first did not answer; 1 if it took it."""
+        return await self._webhooks.deliver(notification_id, agent, reason="pause")
 
     async def measure_free(self, claim: OpenClaim, killed_at: float) -> dict[str, Any]:
         """When a dead holder's claim was last seen held and when free (see :meth:`Monitor.measure_free`)."""
