@@ -5,8 +5,12 @@ processes on the real client shim, a human tool that takes messages over, and a 
 *sink*); it delivers Nylas-shaped webhooks to the agents while it kills, pauses, slows and partitions things,
 then checks what really went out against what the coordinator recorded. See ``docs/reliability.md``.
 
-Modules: :mod:`chaos.harness` (orchestration), :mod:`chaos.workload` (the seeded plan of messages and
-deliveries), :mod:`chaos.faults` (the seeded fault schedule and the faults), :mod:`chaos.agent`,
-:mod:`chaos.human`, :mod:`chaos.sink`, :mod:`chaos.proxy` (the child processes), :mod:`chaos.netns` (network
-namespaces for the partition), :mod:`chaos.checker` (the invariants), :mod:`chaos.common` (small shared pieces).
+Modules: :mod:`chaos.harness` (the command line), :mod:`chaos.run` (the phases of a run),
+:mod:`chaos.processes` (every process of the world: start, stop, restart, kill, addresses), :mod:`chaos.targets`
+(all a fault may do to the world), :mod:`chaos.faults` (the seeded fault schedule and the faults),
+:mod:`chaos.webhooks` (the signed deliveries to the agents), :mod:`chaos.monitor` (the harness's own client:
+watches, measurements, final reads), :mod:`chaos.config` (settings, fault kinds), :mod:`chaos.workload` (the
+seeded plan of messages and deliveries), :mod:`chaos.agent`, :mod:`chaos.human`, :mod:`chaos.sink`,
+:mod:`chaos.proxy` (the child processes), :mod:`chaos.netns` (network namespaces for the partition),
+:mod:`chaos.checker` (the invariants), :mod:`chaos.common` (small shared pieces).
 """

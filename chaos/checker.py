@@ -22,7 +22,7 @@ from typing import Any
 
 from inbox_claims.types import SubjectKind, idempotency_key
 
-from .faults import ALL_KINDS, ETCD_EXPIRY_CHECK_S, LEASE_BUCKET_S
+from .config import ALL_KINDS, ETCD_EXPIRY_CHECK_S, LEASE_BUCKET_S
 from .workload import SubjectKey, Workload
 
 FREE_BOUND_S = LEASE_BUCKET_S + ETCD_EXPIRY_CHECK_S

@@ -18,29 +18,24 @@ Two lanes run side by side, each one fault at a time with a random gap between f
 Each lane first runs every kind it has once, in a seeded order (so a short run covers them all), then draws
 kinds at random until the fault window closes. Durations and targets come from the lane's seeded generator;
 which member leads is only known at run time.
+
+A fault acts on the world only through :class:`chaos.targets.FaultTargets`; the kinds and the timing bounds
+are listed in chaos/config.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .config import ETCD_EXPIRY_CHECK_S, LEASE_BUCKET_S
+
 if TYPE_CHECKING:
-    from .harness import World
-
-CLUSTER_LANE = ("etcd_kill", "etcd_leader_kill", "etcd_slow", "etcd_partition", "agent_kill", "clock_skew")
-PROCESS_LANE = ("coordinator_kill", "agent_pause")
-ALL_KINDS = CLUSTER_LANE + PROCESS_LANE
-
-LEASE_BUCKET_S = 1.0
-"""The coordinator's --claim-lease-bucket (its default)."""
-ETCD_EXPIRY_CHECK_S = 1.0
-"""etcd checks for expired leases about every 0.5 s; the stated bound rounds it up to 1 s."""
+    from .targets import FaultTargets
 
 
 @dataclass
@@ -81,20 +76,28 @@ class Lane:
         return self.rng.uniform(*self.gap)
 
 
-async def run_lane(world: World, lane: Lane, start_at: float, end_at: float) -> None:
-    """Runs faults until ``end_at`` (a fault that started before it is finished and healed)."""
+async def run_lane(
+    targets: FaultTargets,
+    lane: Lane,
+    start_at: float,
+    end_at: float,
+    records: list[FaultRecord],
+    error: Callable[[str], None],
+) -> None:
+    """Runs faults until ``end_at`` (a fault that started before it is finished and healed), appending each to
+    ``records``; one that could not be injected or healed is also reported to ``error``."""
     await asyncio.sleep(max(start_at - time.time(), 0.0))
     if not lane.kinds:
         return
     while time.time() < end_at:
         kind = lane.next_kind()
         record = FaultRecord(kind, "", time.time())
-        world.faults.append(record)
+        records.append(record)
         try:
-            await INJECT[kind](world, lane.rng, record)
-        except Exception as error:  # a fault that could not be injected or healed is a harness error
-            record.error = f"{type(error).__name__}: {error}"
-            world.error(f"fault {kind} failed: {record.error}")
+            await INJECT[kind](targets, lane.rng, record)
+        except Exception as failure:  # a fault that could not be injected or healed is a harness error
+            record.error = f"{type(failure).__name__}: {failure}"
+            error(f"fault {kind} failed: {record.error}")
         finally:
             record.ended = time.time()
         await asyncio.sleep(lane.next_gap())
@@ -103,122 +106,121 @@ async def run_lane(world: World, lane: Lane, start_at: float, end_at: float) -> 
 # ---------------------------------------------------------------------------------------------- etcd
 
 
-async def etcd_kill(world: World, rng: random.Random, record: FaultRecord, *, leader: bool = False) -> None:
-    leader_index = await world.leader_index()
-    followers = [i for i in range(len(world.cluster.members)) if i != leader_index]
+async def etcd_kill(targets: FaultTargets, rng: random.Random, record: FaultRecord, *, leader: bool = False) -> None:
+    leader_index = await targets.leader_index()
+    followers = [i for i in range(targets.member_count) if i != leader_index]
     index = leader_index if leader else rng.choice(followers)
-    member = world.cluster.members[index]
     downtime = rng.uniform(2.0, 5.0)
-    record.target = member.spec.name
+    record.target = targets.member_name(index)
     record.details.update(leader=index == leader_index, downtime_s=round(downtime, 2))
-    member.kill()
+    targets.kill_member(index)
     await asyncio.sleep(downtime)
-    await world.restart_member(index)
-    record.details["new_leader"] = world.cluster.members[await world.leader_index()].spec.name
+    await targets.restart_member(index)
+    record.details["new_leader"] = targets.member_name(await targets.leader_index())
 
 
-async def etcd_leader_kill(world: World, rng: random.Random, record: FaultRecord) -> None:
-    await etcd_kill(world, rng, record, leader=True)
+async def etcd_leader_kill(targets: FaultTargets, rng: random.Random, record: FaultRecord) -> None:
+    await etcd_kill(targets, rng, record, leader=True)
 
 
-async def etcd_slow(world: World, rng: random.Random, record: FaultRecord) -> None:
-    target = "*" if rng.random() < 0.5 else str(rng.randrange(len(world.cluster.members)))
+async def etcd_slow(targets: FaultTargets, rng: random.Random, record: FaultRecord) -> None:
+    target = "*" if rng.random() < 0.5 else str(rng.randrange(targets.member_count))
     delay_ms = rng.choice((rng.uniform(50, 400), rng.uniform(400, 1500)))
     duration = rng.uniform(3.0, 7.0)
-    record.target = "all members" if target == "*" else world.cluster.members[int(target)].spec.name
+    record.target = "all members" if target == "*" else targets.member_name(int(target))
     record.details.update(delay_ms=round(delay_ms), duration_s=round(duration, 2))
-    await world.proxy_command(f"delay {target} {delay_ms:.0f}")
+    await targets.delay_etcd(target, delay_ms)
     try:
         await asyncio.sleep(duration)
     finally:
-        await world.proxy_command(f"delay {target} 0")
+        await targets.delay_etcd(target, 0)
 
 
-async def etcd_partition(world: World, rng: random.Random, record: FaultRecord) -> None:
-    if world.spaces is None:
+async def etcd_partition(targets: FaultTargets, rng: random.Random, record: FaultRecord) -> None:
+    if targets.partition_unavailable:
         record.target = "-"
-        record.details["skipped"] = world.netns_problem
+        record.details["skipped"] = targets.partition_unavailable
         return
-    leader_index = await world.leader_index()
-    index = leader_index if rng.random() < 0.5 else rng.randrange(len(world.cluster.members))
+    leader_index = await targets.leader_index()
+    index = leader_index if rng.random() < 0.5 else rng.randrange(targets.member_count)
     duration = rng.uniform(3.0, 8.0)
-    record.target = world.cluster.members[index].spec.name
+    record.target = targets.member_name(index)
     record.details.update(leader=index == leader_index, duration_s=round(duration, 2))
-    await world.set_link(index, up=False)
+    await targets.connect_member(index, connected=False)
     try:
         await asyncio.sleep(duration)
     finally:
-        await world.set_link(index, up=True)
-    record.details["new_leader"] = world.cluster.members[await world.leader_index()].spec.name
+        await targets.connect_member(index, connected=True)
+    record.details["new_leader"] = targets.member_name(await targets.leader_index())
 
 
 # ------------------------------------------------------------------------------------------- processes
 
 
-async def coordinator_kill(world: World, rng: random.Random, record: FaultRecord) -> None:
-    index = rng.randrange(len(world.coordinators))
+async def coordinator_kill(targets: FaultTargets, rng: random.Random, record: FaultRecord) -> None:
+    index = rng.randrange(targets.coordinator_count)
     downtime = rng.uniform(1.0, 4.0)
     record.target = f"coordinator-{index}"
     record.details["downtime_s"] = round(downtime, 2)
-    await world.kill_coordinator(index)
+    await targets.kill_coordinator(index)
     await asyncio.sleep(downtime)
-    await world.start_coordinator(index)
+    await targets.start_coordinator(index)
 
 
-async def clock_skew(world: World, rng: random.Random, record: FaultRecord) -> None:
-    index = rng.randrange(len(world.coordinators))
+async def clock_skew(targets: FaultTargets, rng: random.Random, record: FaultRecord) -> None:
+    index = rng.randrange(targets.coordinator_count)
     offset = rng.choice(("+5m", "-5m"))
     duration = rng.uniform(10.0, 20.0)
     record.target = f"coordinator-{index}"
     record.details.update(offset=offset, duration_s=round(duration, 2))
-    await world.kill_coordinator(index)
-    await world.start_coordinator(index, clock_offset=offset)
+    await targets.kill_coordinator(index)
+    await targets.start_coordinator(index, clock_offset=offset)
     try:
         await asyncio.sleep(duration)
     finally:
-        await world.kill_coordinator(index)
-        await world.start_coordinator(index)
+        await targets.kill_coordinator(index)
+        await targets.start_coordinator(index)
 
 
-async def agent_pause(world: World, rng: random.Random, record: FaultRecord) -> None:
+async def agent_pause(targets: FaultTargets, rng: random.Random, record: FaultRecord) -> None:
     """The GC pause: stopped past its TTL while holding claims; its notifications go to others meanwhile."""
-    agent = await world.agent_with_claims(rng)
-    held = world.open_claims(agent)
-    ttl = world.config.ttl
+    agent = await targets.agent_with_claims(rng)
+    held = agent.open_claims()
+    ttl = targets.ttl
     pause = ttl + LEASE_BUCKET_S + ETCD_EXPIRY_CHECK_S + rng.uniform(1.0, 4.0)
     record.target = agent.name
     record.details.update(pause_s=round(pause, 2), claims_held=len(held))
-    await world.pause_agent(agent)
+    targets.pause_agent(agent)
     try:
         await asyncio.sleep(ttl + LEASE_BUCKET_S + ETCD_EXPIRY_CHECK_S + 0.5)
         # Seen from Nylas, a paused agent is one that did not answer in time: the notification comes again.
         redelivered = 0
         for claim in held:
-            others = [a for a in world.live_agents() if a is not agent]
+            others = [a for a in targets.live_agents() if a is not agent]
             if others and claim.notification_id:
-                redelivered += await world.deliver(claim.notification_id, rng.choice(others), reason="pause")
+                redelivered += await targets.redeliver(claim.notification_id, rng.choice(others))
         record.details["redelivered"] = redelivered
         await asyncio.sleep(max(record.started + pause - time.time(), 0.0))
     finally:
-        world.resume_agent(agent)
+        targets.resume_agent(agent)
     record.details["resumed_at"] = time.time()
 
 
-async def agent_kill(world: World, rng: random.Random, record: FaultRecord) -> None:
+async def agent_kill(targets: FaultTargets, rng: random.Random, record: FaultRecord) -> None:
     """SIGKILL a holder; measure when each of its claims frees (TTL + bucket + etcd's expiry check)."""
-    agent = await world.agent_with_claims(rng)
+    agent = await targets.agent_with_claims(rng)
     record.target = agent.name
-    term_before = await world.raft_term()
+    term_before = await targets.raft_term()
     killed_at = time.time()
-    await world.kill_agent(agent)
-    held = world.open_claims(agent)  # read after the kill: every claim it logged before dying
+    await targets.kill_agent(agent)
+    held = agent.open_claims()  # read after the kill: every claim it logged before dying
     record.details["claims_held"] = len(held)
-    measures = await asyncio.gather(*(world.measure_free(claim, killed_at) for claim in held))
-    term_after = await world.raft_term()
+    measures = await asyncio.gather(*(targets.measure_free(claim, killed_at) for claim in held))
+    term_after = await targets.raft_term()
     for measure in measures:
         measure["leader_changed"] = term_after != term_before
     record.details["measures"] = list(measures)
-    await world.restart_agent(agent)
+    await targets.restart_agent(agent)
 
 
 INJECT = {
@@ -231,11 +233,3 @@ INJECT = {
     "agent_pause": agent_pause,
     "clock_skew": clock_skew,
 }
-
-
-async def cancel_quietly(tasks: Sequence[asyncio.Task[Any]]) -> None:
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task

@@ -1,5 +1,6 @@
-"""Multi-member etcd clusters on loopback for the tests and the fault harness (chaos/): start, stop a member,
-find the leader that a quorum agrees on. ``serve`` runs one etcd (coordinator/etcd_process.py) and never this."""
+"""Multi-member etcd clusters for the tests and the fault harness (chaos/): start, stop a member, find the leader
+that a quorum agrees on. Members run on loopback with free ports unless each is given a :class:`MemberPlacement`.
+``serve`` runs one etcd (coordinator/etcd_process.py) and never this."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -26,11 +28,26 @@ from ..etcd_process import (
     find_etcd_binary,
 )
 
-__all__ = ["EtcdCluster"]
+__all__ = ["EtcdCluster", "MemberPlacement"]
+
+
+@dataclass(frozen=True)
+class MemberPlacement:
+    """Where one member runs when loopback will not do: an address of its own (in a network namespace, say, so
+    that it can be cut off alone) on fixed ports, started by ``binary`` (a wrapper that enters that place)."""
+
+    host: str
+    binary: Path
+    client_port: int = 2379
+    peer_port: int = 2380
 
 
 class EtcdCluster:
-    """N members on loopback (default 3) sharing one initial cluster string; members[i] are EtcdServer."""
+    """N members (default 3) sharing one initial cluster string; members[i] are EtcdServer.
+
+    Without ``placements`` every member runs ``binary`` on loopback with free ports; with them, member i runs
+    ``placements[i].binary`` on ``placements[i]``'s address and ports.
+    """
 
     def __init__(
         self,
@@ -39,21 +56,33 @@ class EtcdCluster:
         *,
         binary: Path | None = None,
         extra_args: Sequence[str] = (),
+        placements: Sequence[MemberPlacement] | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"cluster size must be at least 1, got {size}")
+        if placements is not None and len(placements) != size:
+            raise ValueError(f"{len(placements)} member placements for a cluster of {size}")
         self._base_dir = Path(base_dir)
         self._size = size
-        self._binary = binary if binary is not None else find_etcd_binary()
+        self._placements = tuple(placements) if placements is not None else None
+        self._binary = binary
         self._extra_args = tuple(extra_args)
         self.members: list[EtcdServer] = []
         self._build_members()
 
-    def _build_members(self) -> None:
+    def _layout(self) -> Sequence[MemberPlacement]:
+        if self._placements is not None:
+            return self._placements
+        if self._binary is None:  # looked up once, here: placed members bring their own binaries
+            self._binary = find_etcd_binary()
         ports = _free_ports(2 * self._size)
+        return [MemberPlacement("127.0.0.1", self._binary, ports[2 * i], ports[2 * i + 1]) for i in range(self._size)]
+
+    def _build_members(self) -> None:
+        layout = self._layout()
         specs = [
-            EtcdMemberSpec(name=f"etcd{i}", client_port=ports[2 * i], peer_port=ports[2 * i + 1])
-            for i in range(self._size)
+            EtcdMemberSpec(name=f"etcd{i}", client_port=place.client_port, peer_port=place.peer_port, host=place.host)
+            for i, place in enumerate(layout)
         ]
         initial_cluster = ",".join(f"{s.name}={s.peer_url}" for s in specs)
         # A token unique to this cluster: members of two clusters started by concurrent
@@ -63,13 +92,13 @@ class EtcdCluster:
             EtcdServer(
                 self._base_dir / spec.name,
                 spec=spec,
-                binary=self._binary,
+                binary=place.binary,
                 log_path=self._base_dir / f"{spec.name}.log",
                 initial_cluster=initial_cluster,
                 cluster_token=token,
                 extra_args=self._extra_args,
             )
-            for spec in specs
+            for spec, place in zip(specs, layout, strict=True)
         ]
 
     @property
@@ -87,7 +116,7 @@ class EtcdCluster:
             # is only safe when every data dir was created by this very attempt.
             in_use = any(m._lost_port_race() for m in self.members)
             self.stop()
-            if not (fresh and in_use):
+            if not (fresh and in_use) or self._placements is not None:  # placed ports are fixed: no others to try
                 raise
             for member in self.members:
                 shutil.rmtree(member.data_dir, ignore_errors=True)

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from chaos import checker, faults
-from chaos.harness import CRASH_KINDS, Config, choose_etcd
+from chaos import checker
+from chaos.config import ALL_KINDS, CRASH_KINDS, Config, choose_etcd
 from chaos.workload import plan
 from coordinator.etcd_process import ENV_ETCD_BIN
 from inbox_claims.types import SubjectKind, idempotency_key
@@ -79,11 +79,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     # those the fenced run injects every fault but the etcd SIGKILLs; the 3.4.x pass injects all of them.
     override = os.environ.get(ENV_ETCD_BIN)
     etcd_bin = Path(override) if override else None
-    kinds: tuple[str, ...] = faults.ALL_KINDS
+    kinds: tuple[str, ...] = ALL_KINDS
     try:
         binary, _ = choose_etcd(Config(seed=SEED, duration=1, etcd_bin=etcd_bin))
     except SystemExit:
-        kinds = tuple(kind for kind in faults.ALL_KINDS if kind not in CRASH_KINDS)
+        kinds = tuple(kind for kind in ALL_KINDS if kind not in CRASH_KINDS)
         binary, _ = choose_etcd(Config(seed=SEED, duration=1, etcd_bin=etcd_bin, faults=kinds))
     base = tmp_path_factory.mktemp("chaos")
     etcd = ("--etcd-bin", str(binary))
@@ -104,7 +104,7 @@ def test_no_violation_under_every_fault_kind(runs: Runs) -> None:
     assert summary["violations"] == {}, output[-6000:]
     assert summary["errors"] == [], output[-6000:]
     assert code == 0, output[-6000:]
-    assert set(runs.kinds) >= set(faults.ALL_KINDS) - CRASH_KINDS
+    assert set(runs.kinds) >= set(ALL_KINDS) - CRASH_KINDS
     for kind in runs.kinds:
         if kind == "etcd_partition" and kind in stats["faults_skipped"]:
             # Only where network namespaces cannot be made (not root): the run must say why, not fake it.

@@ -1,0 +1,100 @@
+"""What a chaos run is asked to do: its settings, the etcd it may run, and the command that replays it."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.etcd_process import EtcdNotFound, etcd_version, find_etcd_binary, is_broken_version
+
+CLUSTER_LANE = ("etcd_kill", "etcd_leader_kill", "etcd_slow", "etcd_partition", "agent_kill", "clock_skew")
+PROCESS_LANE = ("coordinator_kill", "agent_pause")
+ALL_KINDS = CLUSTER_LANE + PROCESS_LANE
+"""The fault kinds a run can ask for, by the lane that injects them (chaos/faults.py says what each does)."""
+CRASH_KINDS = {"etcd_kill", "etcd_leader_kill"}
+
+LEASE_BUCKET_S = 1.0
+"""The coordinator's --claim-lease-bucket (its default)."""
+ETCD_EXPIRY_CHECK_S = 1.0
+"""etcd checks for expired leases about every 0.5 s; the stated bound rounds it up to 1 s."""
+
+
+@dataclass
+class Config:
+    seed: int
+    duration: float
+    agents: int = 4
+    messages: int = 0
+    mailboxes: int = 3
+    ttl: int = 5
+    takeovers: int = -1
+    thread_fraction: float = 0.2
+    faults: tuple[str, ...] = ALL_KINDS
+    unfenced: bool = False
+    agent_retry: bool = True
+    sink_fail_rate: float = 0.02
+    draft_median: float = 1.2
+    draft_sigma: float = 1.0
+    send_timeout: float = 8.0
+    workdir: Path | None = None
+    etcd_bin: Path | None = None
+    etcd_args: tuple[str, ...] = ()
+    allow_unsafe_etcd: bool = False
+    json_out: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.messages <= 0:
+            self.messages = max(20, int(self.duration * 1.5))
+        if self.takeovers < 0:
+            self.takeovers = max(2, int(self.duration / 20))
+
+    @property
+    def lifetime(self) -> float:
+        """Seconds every child process lives at most (each exits by itself then, whatever the harness does)."""
+        return self.duration + 900
+
+
+def choose_etcd(config: Config) -> tuple[Path, str]:
+    """An etcd that survives SIGKILL under load when crash faults are on: 3.4.x or 3.5.3+ (never 3.5.0-3.5.2)."""
+    crash = bool(CRASH_KINDS & set(config.faults))
+    candidates: list[Path] = []
+    if config.etcd_bin is not None:
+        candidates.append(config.etcd_bin)
+    else:
+        with contextlib.suppress(EtcdNotFound):
+            candidates.append(find_etcd_binary())
+        candidates += [Path(p) for p in ("/usr/bin/etcd", "/usr/local/bin/etcd") if Path(p).exists()]
+    refused = []
+    for binary in candidates:
+        version = etcd_version(binary)
+        if crash and is_broken_version(version) and not config.allow_unsafe_etcd:
+            refused.append(f"{binary} is {version}")
+            continue
+        return binary, version
+    raise SystemExit(
+        "no etcd safe for SIGKILL faults (3.4.x or 3.5.3+) found"
+        + (f"; refused: {', '.join(refused)}" if refused else "")
+        + ". Pass --etcd-bin, or --allow-unsafe-etcd to run etcd 3.5.0-3.5.2 anyway (results then mean little)."
+    )
+
+
+def replay_command(config: Config) -> str:
+    parts = [
+        "python -m chaos run",
+        f"--seed {config.seed}",
+        f"--duration {config.duration:g}",
+        f"--agents {config.agents}",
+        f"--messages {config.messages}",
+        f"--mailboxes {config.mailboxes}",
+        f"--ttl {config.ttl}",
+        f"--takeovers {config.takeovers}",
+    ]
+    if tuple(config.faults) != ALL_KINDS:
+        parts.append(f"--faults {','.join(config.faults) or 'none'}")
+    if config.unfenced:
+        parts.append("--unfenced")
+    if not config.agent_retry:
+        parts.append("--no-agent-retry")
+    parts += [f"--etcd-arg={arg}" for arg in config.etcd_args]
+    return " ".join(parts)

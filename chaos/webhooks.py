@@ -1,0 +1,79 @@
+"""The harness as Nylas: signed webhook deliveries of the workload's notifications to the agents, on the seeded
+plan, as redeliveries during a fault, and in the final round; every attempt is recorded for the checker."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from inbox_claims.testing import sign_nylas
+
+from .common import http_request
+from .processes import AgentHandle, Processes
+from .workload import Notification, Workload, envelope
+
+
+class Webhooks:
+    def __init__(self, workload: Workload, processes: Processes) -> None:
+        self._workload = workload
+        self._processes = processes
+        self.notifications: dict[str, Notification] = {n.notification_id: n for n in workload.notifications}
+        self.attempts: dict[str, int] = {}
+        self.deliveries: list[dict[str, Any]] = []
+
+    async def deliver(self, notification_id: str, agent: AgentHandle, *, reason: str) -> int:
+        """POSTs one delivery attempt, signed like Nylas; 1 if the agent answered 200."""
+        attempt = self.attempts.get(notification_id, 0) + 1
+        self.attempts[notification_id] = attempt
+        body = envelope(self.notifications[notification_id], attempt, sent_at=int(time.time()))
+        headers = {"Content-Type": "application/json", "x-nylas-signature": sign_nylas(body, self._processes.secret)}
+        at = time.time()
+        error = ""
+        try:
+            status, _ = await http_request(agent.address, "POST", "/webhook", body=body, headers=headers, within=2.0)
+            ok = status == 200
+            error = "" if ok else f"HTTP {status}"
+        except (OSError, TimeoutError) as failure:
+            ok, error = False, type(failure).__name__
+        self.deliveries.append(
+            {
+                "t": at,
+                "nid": notification_id,
+                "attempt": attempt,
+                "agent": agent.name,
+                "ok": ok,
+                "phase": reason,
+                "error": error,
+            }
+        )
+        return int(ok)
+
+    async def run_plan(self, t0: float) -> None:
+        """The main phase's deliveries, each at its planned time after ``t0`` to its planned agent."""
+        pending: set[asyncio.Task[int]] = set()
+        agents = self._processes.agents
+        for delivery in self._workload.deliveries:
+            await asyncio.sleep(max(t0 + delivery.at - time.time(), 0.0))
+            task = asyncio.create_task(self.deliver(delivery.notification_id, agents[delivery.agent], reason="main"))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        if pending:
+            await asyncio.wait(pending)
+
+    async def final_round(self, rng: random.Random) -> None:
+        """Every notification once more, as Nylas's last attempt: to a live agent, trying others on failure."""
+        order = list(self.notifications)
+        rng.shuffle(order)
+        spread = max(5.0, len(order) / 20)  # about 20 deliveries a second
+        start = time.time()
+
+        async def one(index: int, nid: str) -> None:
+            await asyncio.sleep(max(start + spread * index / len(order) - time.time(), 0.0))
+            for _ in range(3):
+                if await self.deliver(nid, rng.choice(self._processes.live_agents()), reason="final"):
+                    return
+                await asyncio.sleep(0.5)
+
+        await asyncio.gather(*(one(i, nid) for i, nid in enumerate(order)))
