@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import logging
+import socket
 import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
@@ -527,3 +528,13 @@ async def test_errors_read_the_same_from_the_json_fast_path_as_from_connect_pyth
         assert as_json.status_code >= 400, method
         assert as_json.json() == as_proto.json(), method
         assert as_json.json()["details"][0]["debug"]["reason"], method
+
+
+async def test_the_http_listener_turns_nagle_off_for_the_connections_it_accepts(server: CoordinatorServer) -> None:
+    """uvicorn writes an answer's head and body apart: with Nagle's algorithm on (asyncio leaves it on for the
+    sockets of a listener made by socket.create_server), the body waited for the client's delayed ACK, 40 ms
+    on every call of a kept-alive connection. Linux hands the listener's TCP_NODELAY to accepted sockets."""
+    assert server.http is not None
+    listener = server.http._socket
+    assert listener is not None
+    assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
