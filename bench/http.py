@@ -6,7 +6,11 @@ every stream has its CLAIMED event. A delay is the time from the ClaimReply bein
 the event. Baseline, alternating with it: as many gRPC Watch streams (100 per HTTP/2 connection), the same way.
 
 CPU per call: the same number of ClaimReply calls (new subjects, 16 at a time) through HTTP/JSON and through
-gRPC, alternating; the coordinator process's CPU seconds per 10,000 calls of each, and their ratio.
+gRPC, alternating; the coordinator process's CPU seconds per 10,000 calls of each, and their ratio. Both are
+offered at the same pace (``--rate``, calls/s, started on a fixed schedule): the coordinator's CPU per call
+depends on how many calls arrive together (they share group-committed etcd transactions and event-loop
+wake-ups), and unpaced each transport would go at its own load generator's speed (httpx is several times
+slower than grpc.aio here, a hand-written HTTP/1.1 client faster), which would compare arrival rates.
 
 ``--profile``: after the measured rounds, one more round of calls of each transport with py-spy sampling the
 coordinator, and where each transport's samples went, per 1,000 calls (the difference is what HTTP costs).
@@ -45,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watchers", type=int, default=200, help="HTTP Watch streams (%(default)s)")
     parser.add_argument("--events", type=int, default=30, help="claims per round, one after another")
     parser.add_argument("--calls", type=int, default=2000, help="ClaimReply calls per transport per round")
+    parser.add_argument("--rate", type=float, default=200, help="calls/s offered by each transport; 0: unpaced")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (default %(default)s)")
     parser.add_argument("--uvloop", action="store_true", help="the coordinator on uvloop instead of asyncio's loop")
     parser.add_argument("--profile", action="store_true", help="then py-spy each transport's calls (see above)")
@@ -126,30 +131,39 @@ async def _fanout(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _calls_http(client: httpx.AsyncClient, mailbox: str, calls: int) -> None:
+async def _calls_http(client: httpx.AsyncClient, mailbox: str, calls: int, rate: float) -> None:
+    async def call(index: int, n: int) -> None:
+        body = {
+            "requestId": uuid.uuid4().hex,
+            "subject": {"mailbox": mailbox, "kind": "SUBJECT_KIND_MESSAGE", "id": f"h{n}"},
+        }
+        response = await client.post(PATH + "ClaimReply", json=body, headers=_headers(index))
+        response.raise_for_status()
+
+    await _paced(call, calls, rate)
+
+
+async def _calls_grpc(stub: pb_grpc.CoordinatorAsyncStub, mailbox: str, calls: int, rate: float) -> None:
+    async def call(index: int, n: int) -> None:
+        await stub.ClaimReply(
+            pb.ClaimReplyRequest(request_id=uuid.uuid4().hex, subject=subject(mailbox, f"g{n}")),
+            metadata=metadata(index),
+        )
+
+    await _paced(call, calls, rate)
+
+
+async def _paced(call: Callable[[int, int], Coroutine[Any, Any, None]], calls: int, rate: float) -> None:
+    """``calls`` calls by CONCURRENCY workers, call n started at n / rate seconds (or at once, rate 0) or as soon
+    as a worker is free after that."""
     queue = iter(range(calls))
+    start = time.perf_counter()
 
     async def worker(index: int) -> None:
         for n in queue:
-            body = {
-                "requestId": uuid.uuid4().hex,
-                "subject": {"mailbox": mailbox, "kind": "SUBJECT_KIND_MESSAGE", "id": f"h{n}"},
-            }
-            response = await client.post(PATH + "ClaimReply", json=body, headers=_headers(index))
-            response.raise_for_status()
-
-    await asyncio.gather(*(worker(i) for i in range(CONCURRENCY)))
-
-
-async def _calls_grpc(stub: pb_grpc.CoordinatorAsyncStub, mailbox: str, calls: int) -> None:
-    queue = iter(range(calls))
-
-    async def worker(index: int) -> None:
-        for n in queue:
-            await stub.ClaimReply(
-                pb.ClaimReplyRequest(request_id=uuid.uuid4().hex, subject=subject(mailbox, f"g{n}")),
-                metadata=metadata(index),
-            )
+            if rate > 0:
+                await asyncio.sleep(start + n / rate - time.perf_counter())
+            await call(index, n)
 
     await asyncio.gather(*(worker(i) for i in range(CONCURRENCY)))
 
@@ -167,7 +181,7 @@ async def _grpc_stubs(address: str, connections: int) -> AsyncIterator[list[pb_g
 # Where a sample of the coordinator went, by the frames on its stack; the first layer that matches wins.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the call: observer, servicer, engine", ("coordinator/interceptor.py",)),
-    ("protobuf JSON mapping and json", ("json_format.py", "/json/")),
+    ("protobuf JSON mapping and json", ("json_format.py", "/json/", "coordinator/protojson.py")),
     ("HTTP: uvicorn, httptools, connect-python, http.py", ("uvicorn/", "httptools", "connectrpc/", "/http.py")),
     ("the call's etcd transactions (store, etcd client)", ("coordinator/", "grpc/aio/")),
     ("event loop waiting in epoll", ("EpollSelector.select",)),
@@ -203,13 +217,15 @@ async def _profiled(server: CoordinatorProcess, output: Path, calls: Coroutine[A
 
 async def run(options: argparse.Namespace, env: Environment) -> int:
     print(f"http: {options.watchers} browser-style Watch streams, {options.events} events each round; ", end="")
-    print(f"{options.calls} ClaimReply calls per transport each round, {options.rounds} rounds")
+    pace = f"at {options.rate:g} calls/s" if options.rate > 0 else "unpaced"
+    print(f"{options.calls} ClaimReply calls per transport each round ({pace}), {options.rounds} rounds")
     print(env.describe())
     server = CoordinatorProcess(
         env.tmp, env.etcd.endpoint, f"bench-http-{run_id()}/", http=True, rate_limit=0, uvloop=options.uvloop
     )
     fanout: dict[str, list[float]] = {"http": [], "grpc": []}
     cpu = {"http": 0.0, "grpc": 0.0}
+    wall = {"http": 0.0, "grpc": 0.0}
     try:
         limits = httpx.Limits(
             max_connections=options.watchers + CONCURRENCY + 4,
@@ -233,20 +249,22 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
 
                 fanout["http"] += await _fanout(http_stream, claimer, http_box, options.watchers, options.events)
                 fanout["grpc"] += await _fanout(grpc_stream, claimer, grpc_box, options.watchers, options.events)
-                before = server.cpu_seconds()
-                await _calls_http(client, mailbox + "-ch", options.calls)
-                cpu["http"] += server.cpu_seconds() - before
-                before = server.cpu_seconds()
-                await _calls_grpc(claimer, mailbox + "-cg", options.calls)
-                cpu["grpc"] += server.cpu_seconds() - before
+                for transport, calls in (
+                    ("http", _calls_http(client, mailbox + "-ch", options.calls, options.rate)),
+                    ("grpc", _calls_grpc(claimer, mailbox + "-cg", options.calls, options.rate)),
+                ):
+                    before, started = server.cpu_seconds(), time.perf_counter()
+                    await calls
+                    cpu[transport] += server.cpu_seconds() - before
+                    wall[transport] += time.perf_counter() - started
             if options.profile:
                 box = f"bench-{run_id()}-profile"
                 profile = {
                     "http": await _profiled(
-                        server, env.tmp / "http.raw", _calls_http(client, box + "-h", options.calls)
+                        server, env.tmp / "http.raw", _calls_http(client, box + "-h", options.calls, options.rate)
                     ),
                     "grpc": await _profiled(
-                        server, env.tmp / "grpc.raw", _calls_grpc(claimer, box + "-g", options.calls)
+                        server, env.tmp / "grpc.raw", _calls_grpc(claimer, box + "-g", options.calls, options.rate)
                     ),
                 }
     finally:
@@ -258,9 +276,9 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
         print(f"{label:<28}{len(ordered):>12}{p50:>10.1f}{p99:>10.1f}{ordered[-1]:>10.1f}")
     total = options.calls * options.rounds
     per_10k = {transport: seconds / total * 10_000 for transport, seconds in cpu.items()}
-    print(f"{'ClaimReply, coordinator CPU':<28}{'calls':>12}{'s/10k':>10}")
+    print(f"{'ClaimReply, coordinator CPU':<28}{'calls':>12}{'calls/s':>10}{'s/10k':>10}")
     for transport, label in (("http", "HTTP/JSON"), ("grpc", "gRPC (baseline)")):
-        print(f"{label:<28}{total:>12}{per_10k[transport]:>10.2f}")
+        print(f"{label:<28}{total:>12}{total / wall[transport]:>10.0f}{per_10k[transport]:>10.2f}")
     print(f"HTTP/JSON costs {per_10k['http'] / per_10k['grpc']:.2f}x the coordinator CPU of gRPC per call")
     if options.profile:
         print(f"py-spy samples (250/s) of the coordinator per 1,000 calls, {options.calls} calls of each:")

@@ -12,6 +12,7 @@ authorization, limits, the rate limit, the deadline, metrics and the log line ar
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -23,17 +24,18 @@ from typing import Any, cast
 import grpc
 import uvicorn
 from connectrpc import _codec as connect_codecs
-from connectrpc._protocol import ConnectWireError
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
-from google.protobuf import json_format
+from google.protobuf import descriptor_pool, json_format, message_factory
+from google.protobuf.any_pb2 import Any as AnyMessage
 from google.rpc import status_pb2
 
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto.coordinator_connect import CoordinatorASGIApplication
 
 from .interceptor import RpcObserver
+from .protojson import ProtoJson
 from .service import SERVICE_NAME, CoordinatorServicer
 
 log = logging.getLogger(__name__)
@@ -45,9 +47,9 @@ ASGIApp = Callable[[dict[str, Any], Callable[..., Awaitable[Any]], Callable[...,
 
 
 class _StrictJsonCodec(connect_codecs.ProtoJSONCodec):  # type: ignore[type-arg]
-    """protobuf's JSON mapping, whose failures (not JSON, not an object, an unknown field, a value of the wrong
-    type) are the caller's: INVALID_ARGUMENT naming the problem, where connect-python 0.9.0 answers UNKNOWN
-    (HTTP 500) for them."""
+    """protobuf's JSON mapping (``ProtoJson``: json_format's results, from tables built once), whose failures
+    (not JSON, not an object, an unknown field, a value of the wrong type) are the caller's: INVALID_ARGUMENT
+    naming the problem, where connect-python 0.9.0 answers UNKNOWN (HTTP 500) for them."""
 
     def decode(self, data: bytes | bytearray, message: Any) -> Any:
         name = message.DESCRIPTOR.name
@@ -58,17 +60,18 @@ class _StrictJsonCodec(connect_codecs.ProtoJSONCodec):  # type: ignore[type-arg]
         if not isinstance(document, dict):
             raise ConnectError(Code.INVALID_ARGUMENT, f"the body must be a JSON object (a {name})") from None
         try:
-            json_format.ParseDict(document, message)
+            _PROTO_JSON.parse(document, message)
         except (json_format.ParseError, ValueError, TypeError, RecursionError) as error:
             raise ConnectError(Code.INVALID_ARGUMENT, f"the body is not a {name}: {error}") from None
         return message
 
     def encode(self, message: Any) -> bytes:
         # Compact: the library's indented JSON is a third larger and slower to write.
-        return _COMPACT.encode(json_format.MessageToDict(message)).encode()
+        return _COMPACT.encode(_PROTO_JSON.to_dict(message)).encode()
 
 
 _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_PROTO_JSON = ProtoJson()
 
 
 # connect-python keeps one codec per name in a module registry (customizing per handler is not offered yet).
@@ -85,8 +88,8 @@ class HttpCall:
     """What the servicer and the observer read of a gRPC call, taken from an HTTP request: its headers as
     metadata (lower-case names, as gRPC gives them), its peer, and the status it was aborted with."""
 
-    def __init__(self, headers: Iterable[tuple[str, str]], peer: str, request: Any) -> None:
-        self._metadata = tuple((name.lower(), value) for name, value in headers)
+    def __init__(self, metadata: tuple[tuple[str, str], ...], peer: str, request: Any, *, stream: bool = False) -> None:
+        self._metadata = metadata  # names in lower case
         self._peer = peer
         self._request = request
         self._code: grpc.StatusCode | None = None
@@ -94,10 +97,16 @@ class HttpCall:
         self._status_details: tuple[Any, ...] = ()
         # A server stream's messages, handed to the HTTP response one at a time: write() waits until the
         # response took the previous one, so a client that stops reading holds the writer back as HTTP/2 flow
-        # control does for gRPC (and the Watch drain timeout sees the same stuck write).
-        self.outbox: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+        # control does for gRPC (and the Watch drain timeout sees the same stuck write). A unary call has none.
+        self._outbox: asyncio.Queue[Any] | None = asyncio.Queue(maxsize=1) if stream else None
         self._done_callbacks: list[Callable[[Any], object]] = []
         self.trailers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def outbox(self) -> asyncio.Queue[Any]:
+        if self._outbox is None:
+            raise TypeError("a unary call has no stream to write to")
+        return self._outbox
 
     async def read(self) -> Any:
         """The request message: already decoded by the Connect codec (a body it cannot decode never gets here)."""
@@ -170,8 +179,9 @@ class HttpCall:
 _STATUS_DETAILS_METADATA = "grpc-status-details-bin"
 
 
-def _call_of(ctx: RequestContext[Any, Any], request: Any) -> HttpCall:
-    return HttpCall(ctx.request_headers().allitems(), f"http:{ctx.client_address() or '?'}", request)
+def _call_of(ctx: RequestContext[Any, Any], request: Any, *, stream: bool = False) -> HttpCall:
+    metadata = tuple((name.lower(), value) for name, value in ctx.request_headers().allitems())
+    return HttpCall(metadata, f"http:{ctx.client_address() or '?'}", request, stream=stream)
 
 
 class ConnectFace:
@@ -213,7 +223,7 @@ def _stream(inner: Callable[[Any, Any], Awaitable[None]]) -> Callable[[Any, Requ
     are yielded to the HTTP response as it takes them."""
 
     async def call(request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
-        http_call = _call_of(ctx, request)
+        http_call = _call_of(ctx, request, stream=True)
         handler = asyncio.ensure_future(inner(request, http_call))
         try:
             while True:
@@ -296,7 +306,8 @@ class _UnaryJson:
         method = self._methods.get(scope["path"])
         if method is None or scope["method"] != "POST":
             return False
-        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
+        # ASGI gives header names in lower case, as gRPC gives metadata.
+        headers = tuple((name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"])
         fields = dict(headers)
         if fields.get("content-type") not in _JSON_TYPES or fields.get("content-encoding", "identity") != "identity":
             return False
@@ -313,7 +324,9 @@ class _UnaryJson:
         except Exception as error:  # as connect-python: ConnectError as it says, anything else UNKNOWN (500)
             await _send_error(send, error, ())
             return True
-        await send({"type": "http.response.start", "status": 200, "headers": _JSON_RESPONSE_HEADERS})
+        # With its length, the answer goes out in one piece rather than as a chunked body (two more chunk lines).
+        length = (b"content-length", b"%d" % len(answer))
+        await send({"type": "http.response.start", "status": 200, "headers": [*_JSON_RESPONSE_HEADERS, length]})
         await send({"type": "http.response.body", "body": answer})
         return True
 
@@ -343,15 +356,62 @@ _JSON_RESPONSE_HEADERS = [(b"content-type", b"application/json")]
 async def _send_error(
     send: Callable[..., Awaitable[Any]], error: Exception, headers: Iterable[tuple[str, str]]
 ) -> None:
-    wire = ConnectWireError.from_exception(error)
+    status, body = _connect_error(error)
     await send(
         {
             "type": "http.response.start",
-            "status": wire.to_http_status().code,
+            "status": status,
             "headers": [*_JSON_RESPONSE_HEADERS, *((name.encode(), value.encode()) for name, value in headers)],
         }
     )
-    await send({"type": "http.response.body", "body": wire.to_json_bytes()})
+    await send({"type": "http.response.body", "body": body})
+
+
+# The Connect protocol's HTTP status for each error code of a unary call (connectrpc.com/docs/protocol).
+_HTTP_STATUS = {
+    Code.CANCELED: 499,
+    Code.UNKNOWN: 500,
+    Code.INVALID_ARGUMENT: 400,
+    Code.DEADLINE_EXCEEDED: 504,
+    Code.NOT_FOUND: 404,
+    Code.ALREADY_EXISTS: 409,
+    Code.PERMISSION_DENIED: 403,
+    Code.RESOURCE_EXHAUSTED: 429,
+    Code.FAILED_PRECONDITION: 400,
+    Code.ABORTED: 409,
+    Code.OUT_OF_RANGE: 400,
+    Code.UNIMPLEMENTED: 501,
+    Code.INTERNAL: 500,
+    Code.UNAVAILABLE: 503,
+    Code.DATA_LOSS: 500,
+    Code.UNAUTHENTICATED: 401,
+}
+_TYPE_URL_PREFIX = "type.googleapis.com/"
+
+
+def _connect_error(error: Exception) -> tuple[int, bytes]:
+    """A unary call's Connect error: its HTTP status and JSON body (``code``, ``message``, and ``details`` with
+    each google.rpc detail as its type, unpadded base64 of its bytes, and its JSON as ``debug``). Anything
+    but a ConnectError is UNKNOWN, as connect-python answers it."""
+    if isinstance(error, ConnectError):
+        code, message, details = error.code, error.message, error.details
+    else:
+        code, message, details = Code.UNKNOWN, str(error), ()
+    document: dict[str, Any] = {"code": code.value, "message": message}
+    if details:
+        document["details"] = [_error_detail(detail) for detail in details]
+    # ASCII escapes: a message may quote a client's text, lone surrogates included, which UTF-8 cannot carry.
+    return _HTTP_STATUS.get(code, 500), json.dumps(document).encode()
+
+
+def _error_detail(detail: AnyMessage) -> dict[str, Any]:
+    name = detail.type_url.removeprefix(_TYPE_URL_PREFIX)
+    document: dict[str, Any] = {"type": name, "value": base64.b64encode(detail.value).decode().rstrip("=")}
+    with contextlib.suppress(KeyError):  # a type this process does not know goes without its JSON
+        message = message_factory.GetMessageClass(descriptor_pool.Default().FindMessageTypeByName(name))()
+        if detail.Unpack(message):
+            document["debug"] = json_format.MessageToDict(message)
+    return document
 
 
 _TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8", ".js": "text/javascript"}
@@ -426,6 +486,7 @@ class HttpFace:
             http="httptools",  # C parser: h11 (pure Python) doubled the CPU of a call (docs/performance.md)
             log_config=None,
             access_log=False,  # the RpcObserver logs every call, as for gRPC
+            server_header=False,  # "server: uvicorn" tells a stranger what to attack, and nobody else anything
             proxy_headers=False,  # the peer logged is the connection's; X-Forwarded-For is anyone's to write
             ssl_certfile=ssl_certfile,
             ssl_keyfile=ssl_keyfile,
@@ -439,6 +500,11 @@ class HttpFace:
         # Bound here, not by uvicorn, whose bind failure is a SystemExit that would end the whole process.
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         self._socket = socket.create_server((self._host, self._port), family=family)
+        # No Nagle delay on the connections it accepts (Linux copies the option to them): asyncio sets it only on
+        # sockets made with proto IPPROTO_TCP, which create_server's are not, and uvicorn writes an answer's
+        # head and body apart, so the body waited for the client's delayed ACK: 40 ms per call on a kept-alive
+        # connection (docs/performance.md#the-httpjson-face-python--m-bench-http).
+        self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="http face")
         while not self._server.started:
             if self._task.done():

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import logging
+import socket
 import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
@@ -497,3 +498,43 @@ async def test_an_error_over_http_carries_the_same_machine_readable_reason_as_ov
     too_long = await agent.post("GetStatus", {"subject": subject_json(mailbox, "m" * 600)})
     assert too_long.status_code == 400
     assert _error_reasons(too_long) == ["INVALID_FIELD"]
+
+
+async def test_errors_read_the_same_from_the_json_fast_path_as_from_connect_python(
+    http: httpx.AsyncClient, mailbox: str
+) -> None:
+    """The JSON fast path writes Connect's error bodies itself; connect-python answers application/proto calls.
+    One failing request each way: the same HTTP status and the same JSON (code, message, details with debug)."""
+    agent = Json(http, DEV_AGENT)
+    await agent.call("ClaimReply", {"requestId": "c1", "subject": subject_json(mailbox, "m"), "ttlSeconds": 30})
+    subject = pb.Subject(mailbox=mailbox, kind=pb.SUBJECT_KIND_MESSAGE, id="m")
+    failing = [
+        ("ClaimReply", pb.ClaimReplyRequest(request_id="c1", subject=subject, ttl_seconds=40)),  # REQUEST_ID_REUSED
+        (
+            "GetStatus",
+            pb.GetStatusRequest(subject=pb.Subject(mailbox=mailbox, kind=pb.SUBJECT_KIND_MESSAGE, id="m" * 600)),
+        ),
+        ("Takeover", pb.TakeoverRequest(request_id="t1", subject=subject)),  # an agent may not take over
+        ("ListClaims", pb.ListClaimsRequest(mailbox=mailbox, page_token="not-a-token")),
+    ]
+    for method, request in failing:
+        as_json = await agent.post(method, json_format.MessageToDict(request))
+        as_proto = await http.post(
+            PATH + method,
+            content=request.SerializeToString(),
+            headers={**DEV_AGENT, "content-type": "application/proto"},
+        )
+        assert as_json.status_code == as_proto.status_code, method
+        assert as_json.status_code >= 400, method
+        assert as_json.json() == as_proto.json(), method
+        assert as_json.json()["details"][0]["debug"]["reason"], method
+
+
+async def test_the_http_listener_turns_nagle_off_for_the_connections_it_accepts(server: CoordinatorServer) -> None:
+    """uvicorn writes an answer's head and body apart: with Nagle's algorithm on (asyncio leaves it on for the
+    sockets of a listener made by socket.create_server), the body waited for the client's delayed ACK, 40 ms
+    on every call of a kept-alive connection. Linux hands the listener's TCP_NODELAY to accepted sockets."""
+    assert server.http is not None
+    listener = server.http._socket
+    assert listener is not None
+    assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0

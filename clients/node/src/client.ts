@@ -9,6 +9,7 @@ import * as pb from "./gen/inbox/coordinator/v1/coordinator_pb.js";
 import { BATCH_MAX_CALLS, BATCHABLE, batchOf, answers, Coalescer, RESEND, type Rpc } from "./batch.js";
 import { RpcFailure } from "./rpc.js";
 import {
+  callerFromPb,
   claimResultFromPb,
   deliveryResultFromPb,
   fenceFromPb,
@@ -19,6 +20,7 @@ import {
   summaryToPb,
   takeoverFromPb,
   watchItemFromPb,
+  type CallerIdentity,
   type ClaimResult,
   type ClaimsPage,
   type DeliveryResult,
@@ -402,6 +404,11 @@ export class Coordinator {
     return this.call(this.abortSendOp(subject, token, reason, options.redeliverable ?? false));
   }
 
+  /** GetCaller: who the coordinator takes this client's credentials to be (principal, kind, roles, mailboxes). */
+  caller(): Promise<CallerIdentity> {
+    return this.call({ method: "GetCaller", request: create(pb.GetCallerRequestSchema), decode: (r) => callerFromPb(r as pb.GetCallerResponse) });
+  }
+
   status(subject: Subject): Promise<SubjectStatus> {
     const request = create(pb.GetStatusRequestSchema, { subject: subjectToPb(subject) });
     return this.call({ method: "GetStatus", request, decode: (r) => statusFromPb((r as pb.GetStatusResponse).status) });
@@ -429,17 +436,23 @@ export class Coordinator {
 
   /**
    * Watch: a snapshot of the mailbox, then an event for every transition, until you stop iterating (or
-   * `signal` aborts). With `reconnect` (the default) a stream that ends with UNAVAILABLE is opened again with
-   * the retry policy's backoff and starts over with a fresh snapshot; every item received renews the budget.
+   * `signal` aborts). With `reconnect` (the default) a stream that ends with UNAVAILABLE (the coordinator
+   * restarted, or lost its etcd watch) is opened again with the retry policy's backoff, and resumes after the
+   * revision of the last snapshot or event received: the events missed meanwhile arrive, without a new
+   * snapshot (one comes only when etcd no longer has that revision, so be ready for one). Every item received
+   * renews the retry budget.
    */
   async *watch(mailbox: string, options: { reconnect?: boolean; signal?: AbortSignal } = {}): AsyncGenerator<WatchItem> {
-    const request = create(pb.WatchRequestSchema, { mailbox });
+    let revision = 0n; // of the last snapshot or event received: a reconnection resumes after it
     let failures = 0;
     for (;;) {
+      const request = create(pb.WatchRequestSchema, { mailbox, afterRevision: revision });
       try {
         for await (const message of this.client.watch(request, { headers: this.headers, signal: options.signal })) {
           failures = 0;
-          yield watchItemFromPb(message);
+          const item = watchItemFromPb(message);
+          revision = item.revision;
+          yield item;
         }
         return;
       } catch (error) {

@@ -119,24 +119,42 @@ export class Cluster {
   private endpoint = "";
   private options: ClusterOptions = {};
   private readonly prefix = `node-tests-${process.pid}-${Date.now()}/`;
+  private readonly replicas: { extra: string[]; child: ChildProcess | undefined }[] = [];
 
   /** Starts one more coordinator (on `listen`, default a free port, with `extra` flags); resolves once it answers. */
   async addReplica(listen?: string, extra: string[] = []): Promise<string> {
     const where = listen ?? `127.0.0.1:${await freePort()}`;
-    const coordinator = this.spawnLogged(`coordinator-${this.targets.length}`, this.coordinatorBin, [
+    this.targets.push(where);
+    this.replicas.push({ extra, child: undefined });
+    await this.startReplica(this.targets.length - 1);
+    return where;
+  }
+
+  /** Starts replica `index` again, on its address and with its flags, after stopReplica; resolves once it answers. */
+  async startReplica(index: number): Promise<void> {
+    const where = this.targets[index];
+    const replica = this.replicas[index];
+    if (where === undefined || replica === undefined) throw new RangeError(`no replica ${index}`);
+    const coordinator = this.spawnLogged(`coordinator-${index}`, this.coordinatorBin, [
       "serve", "--listen", where, "--etcd-endpoints", this.endpoint, "--etcd-prefix", this.prefix,
       "--min-ttl", String(this.options.minTtl ?? 2), "--send-timeout", this.options.sendTimeout ?? "2m",
-      "--metrics-listen", "", "--log-level", "warning", "--log-format", "text", "--rate-limit", "0", ...extra,
+      "--metrics-listen", "", "--log-level", "warning", "--log-format", "text", "--rate-limit", "0", ...replica.extra,
     ]);
-    this.targets.push(where);
-    if (extra.some((flag) => flag.startsWith("--tls") || flag === "--token-file")) return where; // the caller probes with its credentials
+    replica.child = coordinator.child;
+    if (replica.extra.some((flag) => flag.startsWith("--tls") || flag === "--token-file")) return; // the caller probes with its credentials
     const probe = new Coordinator({ target: where, principal: "probe", retry: { attempts: 1 } });
     this.clients.push(probe);
     await waitFor(`coordinator ${where}`, coordinator.log, coordinator.child, async () => {
       await probe.status({ mailbox: "probe", kind: "message", id: "probe" });
       return true;
     });
-    return where;
+  }
+
+  /** Stops replica `index` as an orchestrator would (SIGTERM: it drains and exits); its address stays its own. */
+  async stopReplica(index: number): Promise<void> {
+    const child = this.replicas[index]?.child;
+    if (child === undefined) throw new RangeError(`no replica ${index} running`);
+    await stopProcess(child);
   }
 
   /** A client of replica `replica` (closed by stop()). */
@@ -148,14 +166,17 @@ export class Cluster {
 
   async stop(): Promise<void> {
     for (const client of this.clients) client.close();
-    const exits = this.processes.reverse().map((child) => {
-      if (child.exitCode !== null || child.signalCode !== null) return Promise.resolve();
-      const exited = new Promise<void>((ok) => child.once("exit", () => ok()));
-      child.kill("SIGTERM");
-      return Promise.race([exited, sleep(10_000, undefined, { ref: false }).then(() => void child.kill("SIGKILL"))]);
-    });
     // coordinators first (they drain), then etcd: processes were started etcd first
+    const exits = this.processes.reverse().map(stopProcess);
     for (const exit of exits) await exit;
     rmSync(this.dir, { recursive: true, force: true });
   }
+}
+
+/** SIGTERM, then SIGKILL after 10 s; resolves once the process has exited. */
+async function stopProcess(child: ChildProcess): Promise<void> {
+  if (child.exitCode !== null || child.signalCode !== null) return;
+  const exited = new Promise<void>((ok) => child.once("exit", () => ok()));
+  child.kill("SIGTERM");
+  await Promise.race([exited, sleep(10_000, undefined, { ref: false }).then(() => void child.kill("SIGKILL"))]);
 }

@@ -181,6 +181,18 @@ export function watchItemFromPb(response: pb.WatchResponse): WatchItem {
   throw new Error("the coordinator sent a WatchResponse with neither a snapshot nor an event");
 }
 
+/** Who the coordinator takes the caller to be (`caller()`): what to offer a person. */
+export interface CallerIdentity {
+  readonly principal: string;
+  readonly kind: HolderKind;
+  /** Sorted: "admin", "resolve", "takeover" (admin implies the other two, which are listed too). */
+  readonly roles: readonly string[];
+  /** The granted mailboxes: exact names or globs; ["*"] for every mailbox. */
+  readonly mailboxes: readonly string[];
+  /** The coordinator has no token file: anyone may name themselves, with every right. */
+  readonly developmentMode: boolean;
+}
+
 export interface ClaimsPage {
   readonly subjects: readonly SubjectStatus[];
   readonly nextPageToken: string;
@@ -215,14 +227,15 @@ export function subjectFromPb(message: pb.Subject | undefined): Subject {
   };
 }
 
+const HOLDER_KINDS = { [pb.HolderKind.AGENT]: "agent", [pb.HolderKind.HUMAN]: "human" } as Record<number, HolderKind>;
+
 export function statusFromPb(message: pb.SubjectStatus | undefined): SubjectStatus {
   if (message === undefined) throw new Error("the coordinator answered without a subject status");
-  const holderKind = { [pb.HolderKind.AGENT]: "agent", [pb.HolderKind.HUMAN]: "human" } as Record<number, HolderKind>;
   return {
     subject: subjectFromPb(message.subject),
     state: enumName(pb.SubjectState, message.state, "", "SubjectState") as SubjectState,
     holder: message.holder,
-    holderKind: holderKind[message.holderKind],
+    holderKind: HOLDER_KINDS[message.holderKind],
     fencingToken: message.fencingToken,
     acquiredAt: date(message.acquiredAt),
     expiresAt: date(message.expiresAt),
@@ -286,6 +299,16 @@ export function takeoverFromPb(response: pb.TakeoverResponse): TakeoverResult {
     status: statusFromPb(response.status),
     previousHolder: response.previousHolder,
     previousToken: response.previousToken,
+  };
+}
+
+export function callerFromPb(response: pb.GetCallerResponse): CallerIdentity {
+  return {
+    principal: response.principal,
+    kind: HOLDER_KINDS[response.kind] ?? "agent",
+    roles: response.roles,
+    mailboxes: response.mailboxes,
+    developmentMode: response.developmentMode,
   };
 }
 

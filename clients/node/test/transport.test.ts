@@ -7,7 +7,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
 import { Cluster, freePort } from "../src/testing.js";
-import { Coordinator, CoordinatorError, CoordinatorUnavailable, QuotaExceeded, Unauthenticated, PermissionDenied, messageSubject } from "../src/index.js";
+import { Coordinator, CoordinatorError, CoordinatorUnavailable, QuotaExceeded, Unauthenticated, PermissionDenied, messageSubject, type WatchItem } from "../src/index.js";
 
 let cluster: Cluster;
 before(async () => {
@@ -44,19 +44,84 @@ test("RESOURCE_EXHAUSTED with a retry-after-ms hint is retried after the hint; w
   assert.equal(all.length, 12);
 });
 
-test("a bearer token authenticates; a wrong one is Unauthenticated; a mailbox not granted is PermissionDenied", async () => {
-  const made = execFileSync(join(cluster.coordinatorBin), ["token", "new", "--id", "token-agent", "--mailbox", "tok-*"], { encoding: "utf8" });
-  const token = /^# (ict_\S+)$/m.exec(made)![1]!;
+/** A replica that authenticates by bearer token only (a token file with `tokens`), and the tokens' secrets by id. */
+async function tokenReplica(...tokens: string[][]): Promise<{ listen: string; secrets: Record<string, string> }> {
+  const secrets: Record<string, string> = {};
+  let file = "";
+  for (const flags of tokens) {
+    const made = execFileSync(join(cluster.coordinatorBin), ["token", "new", ...flags], { encoding: "utf8" });
+    secrets[flags[flags.indexOf("--id") + 1]!] = /^# (ict_\S+)$/m.exec(made)![1]!;
+    file += made.replace(/^#.*$/gm, "");
+  }
   const dir = mkdtempSync(join(tmpdir(), "inbox-claims-token-"));
-  writeFileSync(join(dir, "tokens.toml"), made.replace(/^#.*$/gm, ""));
-  const listen = await cluster.addReplica(undefined, ["--token-file", join(dir, "tokens.toml")]);
-  const good = cluster.client(undefined, { target: listen, token, retry: { attempts: 30, maxBackoffMs: 300 } });
+  writeFileSync(join(dir, "tokens.toml"), file);
+  return { listen: await cluster.addReplica(undefined, ["--token-file", join(dir, "tokens.toml")]), secrets };
+}
+
+const PATIENT = { attempts: 30, maxBackoffMs: 300 };
+
+test("a bearer token authenticates; a wrong one is Unauthenticated; a mailbox not granted is PermissionDenied", async () => {
+  const { listen, secrets } = await tokenReplica(["--id", "token-agent", "--mailbox", "tok-*"]);
+  const good = cluster.client(undefined, { target: listen, token: secrets["token-agent"]!, retry: PATIENT });
   const granted = await good.claim(messageSubject("tok-1", "m"), { ttl: 30 });
   assert.equal(granted.outcome, "GRANTED");
   assert.equal(granted.status?.holder, "token-agent");
   await assert.rejects(good.claim(messageSubject("other", "m")), PermissionDenied);
   const bad = cluster.client(undefined, { target: listen, token: "ict_not-a-real-token" });
   await assert.rejects(bad.claim(messageSubject("tok-1", "m2")), Unauthenticated);
+});
+
+test("caller(): a token's principal, kind, roles and mailboxes; in development mode the name given, with every right", async () => {
+  const { listen, secrets } = await tokenReplica(
+    ["--id", "ana@example.com", "--kind", "human", "--mailbox", "support-*", "--mailbox", "billing", "--role", "takeover", "--role", "resolve"],
+    ["--id", "ops", "--role", "admin"],
+  );
+  const ana = cluster.client(undefined, { target: listen, token: secrets["ana@example.com"]!, retry: PATIENT });
+  assert.deepEqual(await ana.caller(), {
+    principal: "ana@example.com",
+    kind: "human",
+    roles: ["resolve", "takeover"],
+    mailboxes: ["support-*", "billing"],
+    developmentMode: false,
+  });
+  const ops = cluster.client(undefined, { target: listen, token: secrets["ops"]!, retry: PATIENT });
+  assert.deepEqual(await ops.caller(), { principal: "ops", kind: "agent", roles: ["admin", "resolve", "takeover"], mailboxes: ["*"], developmentMode: false });
+  const stranger = cluster.client(undefined, { target: listen, token: "ict_not-a-real-token" });
+  await assert.rejects(stranger.caller(), Unauthenticated);
+  const dev = cluster.client("bo", { kind: "human", target: await cluster.addReplica() });
+  assert.deepEqual(await dev.caller(), { principal: "bo", kind: "human", roles: ["admin", "resolve", "takeover"], mailboxes: ["*"], developmentMode: true });
+});
+
+test("watch resumes after a coordinator restart with the events it missed, and no new snapshot", async () => {
+  const mailbox = `resume-${process.pid}`;
+  const restarted = await cluster.addReplica();
+  const index = cluster.targets.indexOf(restarted);
+  const watcher = cluster.client("ana", { kind: "human", target: restarted, retry: { attempts: 60, initialBackoffMs: 100, maxBackoffMs: 300 } });
+  const other = cluster.client("agent-b", { target: await cluster.addReplica() });
+  const stream = watcher.watch(mailbox);
+  try {
+    const snapshot = (await stream.next()).value as WatchItem;
+    assert.equal(snapshot.kind, "snapshot");
+    await watcher.claim(messageSubject(mailbox, "msg-1"), { ttl: 30 });
+    const event = (await stream.next()).value as WatchItem;
+    assert.ok(event.kind === "event" && event.status.subject.id === "msg-1", JSON.stringify(event, (_, v: unknown) => (typeof v === "bigint" ? String(v) : v)));
+
+    await cluster.stopReplica(index); // the stream ends with UNAVAILABLE; the client keeps trying
+    let settled = false;
+    const pending = stream.next().finally(() => (settled = true));
+    // What happens while it is away, through another replica: it must not be missed.
+    await other.claim(messageSubject(mailbox, "msg-2"), { ttl: 30 });
+    await sleep(500);
+    assert.equal(settled, false);
+    await cluster.startReplica(index);
+    const resumed = (await pending).value as WatchItem;
+    assert.equal(resumed.kind, "event", "resumed after the last event: no snapshot"); // a snapshot would list msg-1 and msg-2
+    assert.equal(resumed.status.subject.id, "msg-2");
+    assert.equal(resumed.status.holder, "agent-b");
+    assert.ok(resumed.revision > event.revision);
+  } finally {
+    await stream.return(undefined);
+  }
 });
 
 function openssl(dir: string, ...args: string[]): void {
