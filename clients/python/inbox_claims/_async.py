@@ -29,7 +29,18 @@ from ._core import (
 )
 from ._envelope import Notification
 from ._errors import ClaimLost
-from ._guard import ClaimBase, Event, EventT, GuardOptions, GuardState, ReplyPolicy, Scope, resolve_subject, summary_of
+from ._guard import (
+    ClaimBase,
+    Event,
+    EventT,
+    GuardOptions,
+    GuardState,
+    ReplyPolicy,
+    Scope,
+    as_notification,
+    resolve_subject,
+    summary_of,
+)
 from ._proto import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncClaim", "AsyncCoordinator"]
@@ -225,6 +236,8 @@ class AsyncCoordinator(ClientBase):
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
         (or replace it: ``reply_to(mailbox=..., message_id=...)``).
         """
+        if notification is not None:
+            notification = as_notification(notification)  # a raw body is decoded once, for both uses below
         subject, dedup_id = resolve_subject(
             notification,
             mailbox=mailbox,
