@@ -161,6 +161,20 @@ COORDINATORS_HELP = (
 )
 
 
+def start_coordinator(env: Environment, prefix: str, variant: Variant, rate_limit: float | None) -> CoordinatorProcess:
+    """A coordinator process run as ``variant`` says, on the benchmark's etcd under ``prefix``."""
+    return CoordinatorProcess(
+        env.tmp,
+        env.etcd.endpoint,
+        prefix,
+        max_batch=variant.max_batch,
+        in_flight=variant.in_flight,
+        uvloop=variant.uvloop,
+        rate_limit=rate_limit,
+        serve_args=("--access-log",) if variant.access_log else (),
+    )
+
+
 class Coordinators(contextlib.ExitStack):
     """One coordinator process per variant, all on one etcd, each with its own key prefix."""
 
@@ -169,16 +183,7 @@ class Coordinators(contextlib.ExitStack):
         self.processes: list[tuple[str, CoordinatorProcess]] = []
         try:
             for index, variant in enumerate(variants):
-                process = CoordinatorProcess(
-                    env.tmp,
-                    env.etcd.endpoint,
-                    f"bench/{run}/{index}/",
-                    max_batch=variant.max_batch,
-                    in_flight=variant.in_flight,
-                    uvloop=variant.uvloop,
-                    rate_limit=rate_limit,
-                    serve_args=("--access-log",) if variant.access_log else (),
-                )
+                process = start_coordinator(env, f"bench/{run}/{index}/", variant, rate_limit)
                 self.callback(process.stop)
                 self.processes.append((variant.label, process))
         except BaseException:

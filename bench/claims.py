@@ -65,6 +65,7 @@ from ._load import (
     parse_coordinators,
     put_if_absent,
     shim_counts,
+    start_coordinator,
     subject,
 )
 from .node import node_claims_workload, node_problem
@@ -181,20 +182,18 @@ async def _postgres_workload(server: PostgresProcess, clients: int, stack: conte
 
 
 async def replicas_workload(
-    env: Environment, stack: contextlib.AsyncExitStack, variant: Variant, count: int, clients: int, run: str
+    env: Environment,
+    stack: contextlib.AsyncExitStack,
+    variant: Variant,
+    count: int,
+    clients: int,
+    run: str,
+    rate_limit: float | None,
 ) -> Workload:
     """One ClaimReply RPC per claim, client ``i`` calling replica ``i % count``; the CPU column is all replicas'."""
     processes = []
     for _ in range(count):
-        process = CoordinatorProcess(
-            env.tmp,
-            env.etcd.endpoint,
-            f"bench/{run}/replicas/",
-            max_batch=variant.max_batch,
-            in_flight=variant.in_flight,
-            uvloop=variant.uvloop,
-            rate_limit=0,
-        )
+        process = start_coordinator(env, f"bench/{run}/replicas/", variant, rate_limit)
         stack.callback(process.stop)
         processes.append(process)
     operations = [
@@ -277,7 +276,9 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
             workloads.append(coordinator_workload(env, process, name, clients, operation))
 
         if options.replicas > 1:
-            workloads.append(await replicas_workload(env, stack, variants[0], options.replicas, clients, run))
+            workloads.append(
+                await replicas_workload(env, stack, variants[0], options.replicas, clients, run, options.rate_limit)
+            )
 
         if options.node == "yes" or (options.node == "auto" and node_problem() is None):
             label, process = coordinators.processes[0]
