@@ -358,6 +358,13 @@ SETTINGS: tuple[Setting, ...] = (
         "a Watch stream whose client has not taken its next message within this long is ended (ABORTED)",
         "DURATION",
     ),
+    Setting(
+        "watch_events_per_second",
+        _number,
+        2000.0,
+        "Watch messages per second written to all streams of one principal (0: no limit)",
+        "PER_SECOND",
+    ),
     Setting("call_deadline", _duration, 30.0, "a unary call is cut off after this long, whatever the client asked"),
     Setting("max_message_bytes", _integer, 1 << 20, "largest request message accepted", "BYTES"),
     Setting(
@@ -420,6 +427,7 @@ class Config:
     max_watches: int
     call_deadline: float
     watch_drain_timeout: float
+    watch_events_per_second: float
     max_message_bytes: int
     request_timeout: float
     max_streams_per_connection: int
@@ -470,6 +478,7 @@ class Config:
             max_watches=self.max_watches,
             call_deadline_s=self.call_deadline,
             watch_drain_timeout_s=self.watch_drain_timeout,
+            watch_events_per_second=self.watch_events_per_second,
         )
 
     def rules(self) -> Rules:
@@ -658,6 +667,8 @@ def _check(config: Config) -> None:
         fail("must be at least 1", "rate_burst")
     if config.call_deadline <= 0:
         fail("must be more than 0", "call_deadline")
+    if config.watch_events_per_second < 0:
+        fail("must be 0 (no limit) or more", "watch_events_per_second")
     if config.watch_drain_timeout <= 0:
         fail("must be more than 0", "watch_drain_timeout")
     if config.max_message_bytes < 4096:

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from . import domain, limits
+from ._shared import LastConverted
 from .domain import (
     Caller,
     ClaimResult,
@@ -113,6 +114,8 @@ class Engine:
     def __init__(self, store: Store, rules: Rules, clock: Callable[[], int]) -> None:
         self.store = store
         self.rules = rules
+        # Every watcher of a mailbox gets the same batch from the feed: its events are made once, for all.
+        self._shared_events: LastConverted[list[Change], list[Event]] = LastConverted(lambda b: list(_events(b)))
         self._clock = clock
 
     # --- deliveries and claims -----------------------------------------------------------------------------
@@ -506,10 +509,11 @@ class Engine:
     # --- watch and upkeep ----------------------------------------------------------------------------------
 
     async def watch(
-        self, caller: Caller, mailbox: str, after_revision: int = 0
+        self, caller: Caller, mailbox: str, after_revision: int = 0, *, max_lag_s: float = 10.0
     ) -> AsyncGenerator[Snapshot | Event, None]:
         """A snapshot, then every transition; with ``after_revision`` (a reconnecting watcher's last revision),
-        the transitions since then instead of the snapshot, while etcd still has them."""
+        the transitions since then instead of the snapshot, while etcd still has them. A watcher that has more
+        changes waiting every time it takes one, for ``max_lag_s``, is not keeping up: SlowConsumer."""
         _check_mailbox(caller, mailbox)
         if after_revision < 0:
             raise InvalidArgument("after_revision", "must be 0 (start with a snapshot) or a revision the stream sent")
@@ -523,14 +527,32 @@ class Engine:
             else:
                 subjects, revision = await self.store.snapshot(mailbox)
                 yield Snapshot(subjects, revision)
+            loop = asyncio.get_running_loop()
+            behind_since: float | None = None
             while True:
                 batch = await queue.get()
                 if isinstance(batch, FeedLost):
                     if batch.slow_subscriber:
                         raise SlowConsumer(str(batch))
                     raise StoreUnavailable(f"the watch of mailbox {mailbox!r} ended: {batch}; watch again")
-                for event in _events(change for change in batch if change.revision > revision):
-                    yield event  # (what is not newer is in the snapshot or the history already)
+                # Monotonic time, not the injected clock: how far behind a stream is is this process's business.
+                if queue.empty():
+                    behind_since = None
+                elif behind_since is None:
+                    behind_since = loop.time()
+                elif loop.time() - behind_since > max_lag_s:
+                    raise SlowConsumer(
+                        f"this watcher stayed behind the mailbox's changes for {max_lag_s:g} s (the server's watch "
+                        "drain timeout) and is cut off; watch again: a new Watch starts from a fresh snapshot. "
+                        "A principal's watches share a limit of events per second (the server's "
+                        "--watch-events-per-second): one stream per mailbox keeps up where many fall behind"
+                    )
+                if batch[0].revision > revision:
+                    events: Iterable[Event] = self._shared_events(batch)
+                else:  # (what is not newer is in the snapshot or the history already)
+                    events = list(_events(change for change in batch if change.revision > revision))
+                for event in events:
+                    yield event
 
     async def sweep_in_doubt(self) -> int:
         """Moves every SENDING subject whose send marker etcd expired to IN_DOUBT; returns how many it moved."""

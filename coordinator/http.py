@@ -34,6 +34,7 @@ from google.rpc import status_pb2
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto.coordinator_connect import CoordinatorASGIApplication
 
+from ._shared import Encoded
 from .interceptor import RpcObserver
 from .protojson import ProtoJson
 from .service import SERVICE_NAME, CoordinatorServicer
@@ -122,7 +123,7 @@ class HttpCall:
         return self._peer
 
     async def write(self, message: Any) -> None:
-        await self.outbox.put(message)
+        await self.outbox.put(message.message if type(message) is Encoded else message)
 
     def add_done_callback(self, callback: Callable[[Any], object]) -> None:
         self._done_callbacks.append(callback)

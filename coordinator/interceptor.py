@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 
 from inbox_claims._wire import PRINCIPAL_METADATA
 
+from ._shared import writes_encoded
 from .auth import current_principal
 from .metrics import Metrics
 from .status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort
@@ -311,7 +312,7 @@ class RpcObserver:
             return grpc.stream_stream_rpc_method_handler(
                 self._unary(method, handler.unary_stream, timed=False),  # a stream written with context.write
                 request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
+                response_serializer=writes_encoded(handler.response_serializer),
             )
         return handler  # client-streaming calls (reflection) pass through untouched
 

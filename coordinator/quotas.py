@@ -19,6 +19,9 @@ class QuotaSettings:
     # A Watch stream whose next message gRPC has not taken within this long is ended with ABORTED: its client
     # stopped reading (HTTP/2 flow control holds the write back). docs/operations.md, "Slow watchers".
     watch_drain_timeout_s: float = 10.0
+    # Messages per second that all Watch streams of one principal may be written together (0: no limit); a
+    # stream that stays behind for watch_drain_timeout_s is ended. docs/operations.md, "Slow watchers".
+    watch_events_per_second: float = 2000.0
 
 
 class RateLimiter:

@@ -18,6 +18,7 @@ from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 from inbox_claims._wire import BATCH_MAX_CALLS
 
+from ._shared import Encoded, LastConverted
 from .auth import (
     ALL_ACCESS,
     ROLES,
@@ -54,6 +55,7 @@ from .errors import (
     StoreUnavailable,
     Unauthenticated,
 )
+from .pacing import WritePacer
 from .quotas import QuotaSettings, RateLimiter, WatchSlots
 from .status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort, error_metadata, retry_after_ms
 
@@ -252,14 +254,19 @@ class _DrainWatch:
     in docs/reliability.md, "Slow watchers". One guard task per stream checks the write's age four times per
     timeout, so a healthy stream's writes cost nothing extra."""
 
-    def __init__(self, timeout_s: float, feed: AsyncGenerator[Any, None], who: str) -> None:
+    def __init__(
+        self, timeout_s: float, feed: AsyncGenerator[Any, None], who: str, pacer: WritePacer, principal: str
+    ) -> None:
         self.timeout_s = timeout_s
+        self._pacer = pacer
+        self._principal = principal
         self._who = who
         self.slow = False
         self._feed = feed
         self._writing_since: float | None = None
 
     async def write(self, context: grpc.aio.ServicerContext[Any, Any], message: Any) -> None:
+        await self._pacer.turn(self._principal)
         loop = asyncio.get_running_loop()
         self._writing_since = loop.time()
         try:
@@ -345,6 +352,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.batch_observer = batch_observer
         self._rates = RateLimiter(self.quotas.calls_per_second, self.quotas.burst)
         self._watches = WatchSlots(self.quotas.max_watches)
+        self._pacer = WritePacer(self.quotas.watch_events_per_second)
+        # The engine hands every watcher of a mailbox the same event: it is serialized once, for all of them.
+        self._encoded_events: LastConverted[Event, Encoded] = LastConverted(
+            lambda event: Encoded.of(pb.WatchResponse(event=event_out(event)))
+        )
 
     def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any], calls: int = 1) -> Caller:
         caller = self.authenticator.authenticate(credentials_of(context, self.authenticator.uses_certificates))
@@ -554,16 +566,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             # being slow still holds buffers until its client reads its status or goes away.
             # grpc-stubs declare the callback type as a class, where any callable of the context will do.
             context.add_done_callback(lambda _context: self._watches.release(caller.principal))  # type: ignore[arg-type]
-            watch = self._engine.watch(caller, request.mailbox, request.after_revision)
+            watch = self._engine.watch(
+                caller, request.mailbox, request.after_revision, max_lag_s=self.quotas.watch_drain_timeout_s
+            )
             async with contextlib.aclosing(watch) as items:
                 drain = _DrainWatch(
                     self.quotas.watch_drain_timeout_s,
                     items,
                     f"Watch of mailbox {request.mailbox!r} by {caller.principal!r}",
+                    self._pacer,
+                    caller.principal,
                 )
                 guard = asyncio.create_task(drain.guard(), name="watch drain guard")
                 try:
                     async for item in items:
+                        message: pb.WatchResponse | Encoded
                         if isinstance(item, Snapshot):
                             message = pb.WatchResponse(
                                 snapshot=pb.WatchSnapshot(
@@ -572,7 +589,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                 )
                             )
                         else:
-                            message = pb.WatchResponse(event=event_out(item))
+                            message = self._encoded_events(item)
                         await drain.write(context, message)
                 finally:
                     guard.cancel()

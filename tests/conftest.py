@@ -15,6 +15,7 @@ import pytest
 from coordinator.domain import Rules
 from coordinator.etcd_process import EtcdServer, free_port
 from coordinator.limits import Limits
+from coordinator.quotas import QuotaSettings
 from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
 from inbox_claims import RetryPolicy
@@ -101,6 +102,7 @@ async def start_coordinator(etcd: EtcdServer, prefix: str) -> AsyncIterator[Star
         endpoint: str | None = None,
         sweep_interval_s: float = 0.2,
         etcd_options: dict[str, Any] | None = None,
+        quotas: QuotaSettings | None = None,
         **rules: Any,
     ) -> CoordinatorServer:
         etcd_settings = EtcdSettings([endpoint or etcd.endpoint], prefix=prefix, call_timeout_s=2.0)
@@ -111,6 +113,7 @@ async def start_coordinator(etcd: EtcdServer, prefix: str) -> AsyncIterator[Star
             sweep_interval_s=sweep_interval_s,
             health_interval_s=0.3,
             shutdown_grace_s=1.0,
+            quotas=quotas or QuotaSettings(),
         )
         server = CoordinatorServer(settings)
         await server.start()

@@ -14,8 +14,10 @@ import grpc
 import pytest
 
 from coordinator.etcd_process import EtcdServer, free_port
+from coordinator.quotas import QuotaSettings
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from tests.conftest import StartCoordinator
 from tests.helpers import Actor, eventually, message, serve_process
 
 HANGING = 200
@@ -161,3 +163,61 @@ async def _slow_streams_ended(metrics_url: str, watching: int, still_watching: i
 
     await eventually(all_seen, within=30, interval=0.2)
     await eventually(cut_off, within=120, interval=0.2)
+
+
+async def test_a_principal_over_its_watch_budget_is_cut_off_while_another_principal_gets_every_event(
+    start_coordinator: StartCoordinator, mailbox: str
+) -> None:
+    """gRPC's default windows (BDP probing on): the crowd's streams are never held back by flow control, so
+    what ends them is their principal's write budget, whether they read or not."""
+    budget, cycles_per_second = 100, 30  # the crowd wants 20 x 60 messages/s; the board 60/s, inside its own
+    server = await start_coordinator(
+        quotas=QuotaSettings(watch_events_per_second=budget, watch_drain_timeout_s=1.0, calls_per_second=0)
+    )
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agent, board = Actor(channel, "agent-a"), Actor(channel, "ana", kind="human")
+        crowd_stub = pb_grpc.CoordinatorStub(channel)
+        board_stream = board.stub.Watch(pb.WatchRequest(mailbox=mailbox), metadata=board.metadata)
+        await _read_snapshot(board_stream)
+        crowd = [
+            crowd_stub.Watch(pb.WatchRequest(mailbox=mailbox), metadata=(("x-inbox-principal", "crowd"),))
+            for _ in range(20)
+        ]
+        for call in crowd:
+            await _read_snapshot(call)
+
+        made = 0
+
+        async def claims_flow() -> None:
+            nonlocal made
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            while True:
+                subject = message(mailbox, f"m-{made}")
+                claim = await agent.claim(subject)
+                await agent.release(subject, claim.status.fencing_token)
+                made += 1
+                await asyncio.sleep(max(0.0, started + made / cycles_per_second - loop.time()))
+
+        received: list[pb.WatchEvent] = []
+
+        async def read_board() -> None:
+            while (response := await board_stream.read()) is not grpc.aio.EOF:
+                assert isinstance(response, pb.WatchResponse)
+                received.append(response.event)
+
+        flow, reader = asyncio.create_task(claims_flow()), asyncio.create_task(read_board())
+        try:
+            errors = await asyncio.gather(*(_final_status(call) for call in crowd))
+        finally:
+            flow.cancel()
+        assert {e.code() for e in errors} == {grpc.StatusCode.ABORTED}
+        assert all("--watch-events-per-second" in (e.details() or "") for e in errors), errors[0].details()
+        assert all("fresh snapshot" in (e.details() or "") for e in errors)
+
+        # The board, a principal of its own under its budget, got every event and is still open.
+        await eventually(lambda: _true(len(received) >= 2 * made), within=15)
+        assert len(received) == 2 * made
+        assert sum(e.type == pb.EVENT_TYPE_RELEASED for e in received) == made
+        assert not reader.done()
+        reader.cancel()

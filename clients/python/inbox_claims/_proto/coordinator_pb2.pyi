@@ -22,7 +22,8 @@ Conventions used throughout:
 * Limits: request message 1 MiB; a unary call's time on the server 30 s (a Batch's calls share one);
   a request message must arrive within 10 s of its call's start; 1000 concurrent calls per connection
   (further calls wait in the client); 500 calls/s per principal, burst 1000; 64 open watches per
-  principal. All are server settings; README.md "Limits" lists them with the field limits.
+  principal, written 2,000 messages/s in all. All are server settings; README.md "Limits" lists them with
+  the field limits.
 * Subject.kind must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD: UNSPECIFIED is INVALID_ARGUMENT.
 
 Request ids and retries:

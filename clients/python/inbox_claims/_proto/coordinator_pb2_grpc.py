@@ -219,7 +219,10 @@ class CoordinatorServicer:
         snapshot. Errors: RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
         A client that stops reading is cut off: when one message has waited longer than the server's watch
         drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
-        changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
+        changes behind, or it stays behind its mailbox's changes for the drain timeout (a principal's streams
+        together are written at most the server's watch events per second, 2,000 by default; a principal with
+        many streams of a busy mailbox falls behind even when it reads), the stream ends with ABORTED
+        (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
         not RESOURCE_EXHAUSTED: nothing is wrong with the caller's quota, and retrying after a pause does not
         help; the answer is to restart at a higher level, a new Watch with a fresh snapshot, since the events
         missed are gone. The status reaches the client after the messages already buffered for it.

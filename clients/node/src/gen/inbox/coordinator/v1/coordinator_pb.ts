@@ -19,7 +19,8 @@
 // * Limits: request message 1 MiB; a unary call's time on the server 30 s (a Batch's calls share one);
 //   a request message must arrive within 10 s of its call's start; 1000 concurrent calls per connection
 //   (further calls wait in the client); 500 calls/s per principal, burst 1000; 64 open watches per
-//   principal. All are server settings; README.md "Limits" lists them with the field limits.
+//   principal, written 2,000 messages/s in all. All are server settings; README.md "Limits" lists them with
+//   the field limits.
 // * Subject.kind must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD: UNSPECIFIED is INVALID_ARGUMENT.
 //
 // Request ids and retries:
@@ -2023,7 +2024,10 @@ export const Coordinator: GenService<{
    * snapshot. Errors: RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
    * A client that stops reading is cut off: when one message has waited longer than the server's watch
    * drain timeout (10 s by default) for the client's HTTP/2 window, or the client is 4,096 batches of
-   * changes behind, the stream ends with ABORTED (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
+   * changes behind, or it stays behind its mailbox's changes for the drain timeout (a principal's streams
+   * together are written at most the server's watch events per second, 2,000 by default; a principal with
+   * many streams of a busy mailbox falls behind even when it reads), the stream ends with ABORTED
+   * (SLOW_CONSUMER) and a message saying to watch again. ABORTED,
    * not RESOURCE_EXHAUSTED: nothing is wrong with the caller's quota, and retrying after a pause does not
    * help; the answer is to restart at a higher level, a new Watch with a fresh snapshot, since the events
    * missed are gone. The status reaches the client after the messages already buffered for it.
