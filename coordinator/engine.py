@@ -541,6 +541,12 @@ class Engine:
                 elif behind_since is None:
                     behind_since = loop.time()
                 elif loop.time() - behind_since > max_lag_s:
+                    log.warning(
+                        "Watch of mailbox %r by %r stayed behind its changes for %g s; cut off",
+                        mailbox,
+                        caller.principal,
+                        max_lag_s,
+                    )
                     raise SlowConsumer(
                         f"this watcher stayed behind the mailbox's changes for {max_lag_s:g} s (the server's watch "
                         "drain timeout) and is cut off; watch again: a new Watch starts from a fresh snapshot. "
