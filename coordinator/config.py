@@ -289,7 +289,8 @@ SETTINGS: tuple[Setting, ...] = (
         "claim_lease_bucket",
         _duration,
         1.0,
-        "claims expiring within one bucket share an etcd lease; a claim frees up to this much after its TTL",
+        "expiries are rounded up to it, and claims expiring together share an etcd lease; a claim frees up to "
+        "this much after its TTL, plus under 1 s (etcd's leases are whole seconds) and etcd's expiry check",
         "DURATION",
     ),
     Setting("record_lease_bucket", _duration, 10.0, "the same for reply and delivery records (hours long)", "DURATION"),
