@@ -7,9 +7,25 @@ import bisect
 import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 # Keys whose expiries fall within this much of each other share a lease.
 SHARED_WITHIN_MS = 1000
+
+
+@dataclass
+class _Lease:
+    """etcd starts a lease's TTL when it applies the grant: after the request, no later than the answer. So the
+    lease ends between ``ends`` (request + TTL) and the answer + TTL; a slow grant (a slow etcd, a slow network)
+    ends late by as much as it took."""
+
+    future: asyncio.Future[int]
+    ends: int
+    requested_ms: int
+    answered_ms: int | None = None
+
+    def latest_end(self, now: int) -> int:
+        return self.ends + ((self.answered_ms if self.answered_ms is not None else now) - self.requested_ms)
 
 
 class LeaseBuckets:
@@ -22,6 +38,7 @@ class LeaseBuckets:
     Leases are kept by the moment they themselves end, not by a fixed grid: etcd's TTLs are whole seconds
     counted from the grant, so a lease granted for a grid boundary would end up to a second after it, and a key
     on it up to two seconds after its expiry (found by the fault run's claim-free bound, docs/reliability.md).
+    A lease is shared only while the latest it can end is still inside that second (see _Lease).
 
     Only the distance from now to an expiry counts, and leases are kept on the monotonic clock: a step of the
     wall clock (NTP, a VM resumed) must not hand a new claim a lease granted minutes earlier for another instant.
@@ -36,39 +53,39 @@ class LeaseBuckets:
         self._grant = grant
         self._clock = clock
         self._monotonic_ms = monotonic_ms
-        self._ends: list[int] = []  # sorted: when each lease ends, on the monotonic clock
-        self._leases: dict[int, asyncio.Future[int]] = {}
+        self._ends: list[int] = []  # sorted: the earliest each lease can end, on the monotonic clock
+        self._leases: dict[int, _Lease] = {}
 
     async def lease_for(self, expires_ms: int) -> int:
         now = self._monotonic_ms()
         due = now + expires_ms - self._clock()
         self._forget_past(now)
         index = bisect.bisect_left(self._ends, due)
-        if index < len(self._ends) and self._ends[index] < due + SHARED_WITHIN_MS:
-            future = self._leases[self._ends[index]]
-            if not (future.done() and future.exception() is not None):
-                return await asyncio.shield(future)
-            self._drop(self._ends[index])
+        while index < len(self._ends) and self._ends[index] < due + SHARED_WITHIN_MS:
+            lease = self._leases[self._ends[index]]
+            if lease.future.done() and lease.future.exception() is not None:
+                self._drop(self._ends[index])
+                continue
+            if lease.latest_end(now) < due + SHARED_WITHIN_MS:
+                return await asyncio.shield(lease.future)
+            index += 1
         ttl_s = max(1, math.ceil((due - now) / 1000))
-        ends = now + ttl_s * 1000  # etcd counts from when it applies the grant, a little later: never earlier
-        future = asyncio.get_running_loop().create_future()
+        ends = now + ttl_s * 1000
+        lease = _Lease(asyncio.get_running_loop().create_future(), ends, now)
         if ends in self._leases:
             self._drop(ends)
         bisect.insort(self._ends, ends)
-        self._leases[ends] = future
+        self._leases[ends] = lease
         try:
-            future.set_result(await self._grant(ttl_s))
+            lease.future.set_result(await self._grant(ttl_s))
         except BaseException as exc:
-            if self._leases.get(ends) is future:
+            if self._leases.get(ends) is lease:
                 self._drop(ends)
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: the other waiters re-raise it themselves
+            lease.future.set_exception(exc)
+            lease.future.exception()  # mark retrieved: the other waiters re-raise it themselves
             raise
-        if self._monotonic_ms() - now > SHARED_WITHIN_MS // 4 and self._leases.get(ends) is future:
-            # etcd applied the grant somewhere between the request and the answer, so this lease may end that
-            # much later than `ends`: keep it for this key, share it with none (a slow etcd, a slow network).
-            self._drop(ends)
-        return await asyncio.shield(future)
+        lease.answered_ms = self._monotonic_ms()
+        return await asyncio.shield(lease.future)
 
     def _drop(self, ends: int) -> None:
         del self._leases[ends]
