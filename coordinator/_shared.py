@@ -1,13 +1,10 @@
-"""Work done once for every watcher of a mailbox: a batch of changes becomes events once, an event becomes a
-serialized message once, however many streams carry it."""
+"""Work done once for every watcher of a mailbox: a batch of changes becomes events once, however many
+streams carry them (the serialized message likewise: coordinator/_encoded.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
-
-from google.protobuf.message import Message
+from typing import Generic, TypeVar
 
 Key = TypeVar("Key")
 Value = TypeVar("Value")
@@ -33,29 +30,3 @@ class LastConverted(Generic[Key, Value]):
         if len(self._entries) > self._size:
             del self._entries[next(iter(self._entries))]
         return value
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    """A response serialized once, to be written as the same bytes to many gRPC streams. The HTTP face, which
-    writes JSON, takes ``message``."""
-
-    message: Message
-    data: bytes
-
-    @classmethod
-    def of(cls, message: Message) -> Encoded:
-        return cls(message, message.SerializeToString())
-
-
-def writes_encoded(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes]:
-    """A gRPC response serializer that writes an :class:`Encoded` message's bytes as they are."""
-
-    def serialize(message: Any) -> bytes:
-        if type(message) is Encoded:
-            return message.data
-        if serializer is None:
-            return bytes(message)
-        return serializer(message)
-
-    return serialize

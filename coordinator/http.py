@@ -34,7 +34,7 @@ from google.rpc import status_pb2
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto.coordinator_connect import CoordinatorASGIApplication
 
-from ._shared import Encoded
+from ._encoded import Encoded
 from .interceptor import RpcObserver
 from .protojson import ProtoJson
 from .service import SERVICE_NAME, CoordinatorServicer

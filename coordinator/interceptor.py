@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError
 
 from inbox_claims._wire import PRINCIPAL_METADATA
 
-from ._shared import writes_encoded
+from ._encoded import writes_encoded
 from .auth import current_principal
 from .metrics import Metrics
 from .status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort

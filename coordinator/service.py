@@ -18,7 +18,8 @@ from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 from inbox_claims._wire import BATCH_MAX_CALLS
 
-from ._shared import Encoded, LastConverted
+from ._encoded import Encoded
+from ._shared import LastConverted
 from .auth import (
     ALL_ACCESS,
     ROLES,

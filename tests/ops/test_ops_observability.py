@@ -8,7 +8,7 @@ import io
 import json
 import logging
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -160,14 +160,24 @@ async def test_metrics_count_results_time_calls_and_follow_the_gauges(
         await eventually(watch_counted, within=10)
 
 
-async def test_etcd_down_is_not_serving_counted_and_logged(private_etcd: EtcdServer, prefix: str, mailbox: str) -> None:
+@contextlib.contextmanager
+def _rpc_log_lines(level: int) -> Iterator[io.StringIO]:
+    """The coordinator's per-call log (inbox_coordinator.rpc) as JSON lines, from ``level`` up, for one test."""
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logs.JsonFormatter())
     rpc_log = logging.getLogger("inbox_coordinator.rpc")
     rpc_log.addHandler(handler)
-    rpc_log.setLevel(logging.INFO)
+    rpc_log.setLevel(level)
     try:
+        yield stream
+    finally:
+        rpc_log.removeHandler(handler)
+        rpc_log.setLevel(logging.NOTSET)
+
+
+async def test_etcd_down_is_not_serving_counted_and_logged(private_etcd: EtcdServer, prefix: str, mailbox: str) -> None:
+    with _rpc_log_lines(logging.INFO) as stream:
         async with (
             _coordinator(private_etcd.endpoint, prefix, access_log=True) as server,
             grpc.aio.insecure_channel(server.address) as channel,
@@ -198,9 +208,6 @@ async def test_etcd_down_is_not_serving_counted_and_logged(private_etcd: EtcdSer
 
             await eventually(serving, within=20)
             assert metrics.value("inbox_coordinator_serving") == 1
-    finally:
-        rpc_log.removeHandler(handler)
-        rpc_log.setLevel(logging.NOTSET)
 
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     by_request = {line.get("request_id"): line for line in lines if line.get("event") == "rpc"}
@@ -224,13 +231,7 @@ async def test_etcd_down_is_not_serving_counted_and_logged(private_etcd: EtcdSer
 async def test_without_the_access_log_answers_are_debug_lines_and_refusals_info(etcd: EtcdServer, prefix: str) -> None:
     """The default: a line per answered call only at debug (it costs the coordinator ~50 µs of CPU a call), a
     refusal still at info, and the metrics count both."""
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logs.JsonFormatter())
-    rpc_log = logging.getLogger("inbox_coordinator.rpc")
-    rpc_log.addHandler(handler)
-    rpc_log.setLevel(logging.DEBUG)
-    try:
+    with _rpc_log_lines(logging.DEBUG) as stream:
         async with (
             _coordinator(etcd.endpoint, prefix) as server,
             grpc.aio.insecure_channel(server.address) as channel,
@@ -245,9 +246,6 @@ async def test_without_the_access_log_answers_are_debug_lines_and_refusals_info(
             for result in ("granted", "invalid_argument"):
                 labels = {"service": SERVICE_NAME, "method": "ClaimReply", "result": result}
                 assert metrics.value("inbox_coordinator_rpcs_total", labels) == 1
-    finally:
-        rpc_log.removeHandler(handler)
-        rpc_log.setLevel(logging.NOTSET)
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     levels = {line.get("request_id"): line["level"] for line in lines if line.get("event") == "rpc"}
     assert levels == {"req-answered": "debug", "req-refused": "info"}

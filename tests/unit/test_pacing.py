@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from coordinator._shared import Encoded, LastConverted, writes_encoded
+from coordinator._encoded import Encoded, writes_encoded
+from coordinator._shared import LastConverted
 from coordinator.pacing import WritePacer
 from inbox_claims._proto import coordinator_pb2 as pb
 

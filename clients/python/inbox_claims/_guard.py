@@ -177,42 +177,6 @@ def current_claim_base() -> ClaimBase | None:
     return _current.get()
 
 
-def resolve_subject(
-    notification: Event | None,
-    *,
-    mailbox: str | None,
-    message_id: str | None,
-    thread_id: str | None,
-    notification_id: str | None,
-    scope: Scope,
-) -> tuple[Subject, str]:
-    """The subject to claim and the notification id to dedup on, from a notification and/or explicit ids.
-
-    Explicit arguments win over the notification's fields (``mailbox=`` lets several grants that see one inbox
-    coordinate on the mailbox address instead of the grant id).
-    """
-    if notification is not None:
-        notification = as_notification(notification)
-        if not notification.is_message_event:
-            raise ValueError(f"a {notification.type} notification is not about a message: there is nothing to reply to")
-        mailbox = mailbox or notification.mailbox
-        message_id = message_id or notification.message_id
-        thread_id = thread_id or notification.thread_id
-        if notification_id is None:
-            notification_id = notification.notification_id
-    if not mailbox:
-        raise ValueError("reply_to needs a mailbox: pass mailbox= (the notification carries no grant_id)")
-    if scope == "message":
-        if not message_id:
-            raise ValueError("reply_to(scope='message') needs a message id: pass message_id=")
-        return Subject.message(mailbox, message_id), notification_id or ""
-    if scope == "thread":
-        if not thread_id:
-            raise ValueError("reply_to(scope='thread') needs a thread id: pass thread_id= (none in the notification)")
-        return Subject.thread(mailbox, thread_id), notification_id or ""
-    raise ValueError(f"scope must be 'message' or 'thread', not {scope!r}")
-
-
 # The coordinator's limits on a summary's texts (coordinator/limits.py): longer ones are cut, not refused.
 SUMMARY_SUBJECT_LINE_MAX_BYTES = 512
 SUMMARY_SENDER_MAX_BYTES = 512
@@ -270,6 +234,54 @@ class GuardState:
 
     Thread-safe: in the sync client the renewal runs in its own thread while the caller drafts and sends.
     """
+
+    @classmethod
+    def for_reply(
+        cls,
+        core: Core,
+        notification: Event | None,
+        *,
+        mailbox: str | None,
+        message_id: str | None,
+        thread_id: str | None,
+        notification_id: str | None,
+        scope: Scope,
+        ttl: int,
+        note: str,
+    ) -> GuardState:
+        """The state of ``reply_to``'s claim (both clients): the subject to claim, the notification id to dedup on
+        and the summary, from one decoding of the notification and/or explicit ids.
+
+        Explicit arguments win over the notification's fields (``mailbox=`` lets several grants that see one inbox
+        coordinate on the mailbox address instead of the grant id).
+        """
+        if notification is not None:
+            notification = as_notification(notification)
+            if not notification.is_message_event:
+                raise ValueError(
+                    f"a {notification.type} notification is not about a message: there is nothing to reply to"
+                )
+            mailbox = mailbox or notification.mailbox
+            message_id = message_id or notification.message_id
+            thread_id = thread_id or notification.thread_id
+            if notification_id is None:
+                notification_id = notification.notification_id
+        if not mailbox:
+            raise ValueError("reply_to needs a mailbox: pass mailbox= (the notification carries no grant_id)")
+        if scope == "message":
+            if not message_id:
+                raise ValueError("reply_to(scope='message') needs a message id: pass message_id=")
+            subject = Subject.message(mailbox, message_id)
+        elif scope == "thread":
+            if not thread_id:
+                raise ValueError(
+                    "reply_to(scope='thread') needs a thread id: pass thread_id= (none in the notification)"
+                )
+            subject = Subject.thread(mailbox, thread_id)
+        else:
+            raise ValueError(f"scope must be 'message' or 'thread', not {scope!r}")
+        summary = summary_of(notification)
+        return cls(core, subject, notification_id=notification_id or "", ttl=ttl, note=note, summary=summary)
 
     def __init__(
         self,

@@ -38,9 +38,6 @@ from ._guard import (
     GuardState,
     ReplyPolicy,
     Scope,
-    as_notification,
-    resolve_subject,
-    summary_of,
 )
 from ._proto import coordinator_pb2_grpc as pb_grpc
 
@@ -251,18 +248,16 @@ class Coordinator(ClientBase):
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
         (or replace it: ``reply_to(mailbox=..., message_id=...)``).
         """
-        if notification is not None:
-            notification = as_notification(notification)  # a raw body is decoded once, for both uses below
-        subject, dedup_id = resolve_subject(
+        state = GuardState.for_reply(
+            self._core,
             notification,
             mailbox=mailbox,
             message_id=message_id,
             thread_id=thread_id,
             notification_id=notification_id,
             scope=scope,
-        )
-        state = GuardState(
-            self._core, subject, notification_id=dedup_id, ttl=ttl, note=note, summary=summary_of(notification)
+            ttl=ttl,
+            note=note,
         )
         return Claim(self, state, on_lost)
 
