@@ -8,17 +8,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .quotas import RateLimiter
+
 # Watch writes started per turn of the event loop. Measured with `bench slow-watchers` (docs/performance.md,
 # "Slow watchers"): 1, 2 and 4 protect other callers alike; writing a whole fan-out in one turn does not.
 WRITES_PER_TURN = 4
-# Principals remembered with a full bucket and nothing waiting before the idle ones are forgotten.
+# Principals remembered before those with nothing waiting are forgotten (their budgets live in the RateLimiter).
 _IDLE_PRINCIPALS_KEPT = 4096
 
 
 @dataclass
 class _Principal:
-    tokens: float
-    stamp: float
     waiting: deque[asyncio.Future[None]] = field(default_factory=deque)
 
 
@@ -42,10 +42,8 @@ class WritePacer:
         per_turn: int = WRITES_PER_TURN,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._rate = events_per_second
-        self._burst = max(events_per_second, 1.0)
+        self._budget = RateLimiter(events_per_second, max(1, int(events_per_second)), clock)
         self._per_turn = per_turn
-        self._clock = clock
         self._principals: dict[str, _Principal] = {}
         self._queued: deque[str] = deque()  # principals with streams waiting, in round-robin order
         self._started_this_turn = 0
@@ -58,7 +56,7 @@ class WritePacer:
     async def turn(self, principal: str) -> None:
         """Returns when the principal's stream may write."""
         state = self._state(principal)
-        if not state.waiting and self._started_this_turn < self._per_turn and self._take(state):
+        if not state.waiting and self._started_this_turn < self._per_turn and self._take(principal) == 0:
             self._started_this_turn += 1
             self._schedule(0.0)
             return
@@ -74,22 +72,12 @@ class WritePacer:
         if state is None:
             if len(self._principals) >= _IDLE_PRINCIPALS_KEPT:
                 self._forget_idle()
-            state = self._principals[principal] = _Principal(self._burst, self._clock())
+            state = self._principals[principal] = _Principal()
         return state
 
-    def _take(self, state: _Principal) -> bool:
-        if self._rate <= 0:
-            return True
-        now = self._clock()
-        state.tokens = min(self._burst, state.tokens + (now - state.stamp) * self._rate)
-        state.stamp = now
-        if state.tokens >= 1.0:
-            state.tokens -= 1.0
-            return True
-        return False
-
-    def _seconds_to_token(self, state: _Principal) -> float:
-        return max(0.0, (1.0 - state.tokens) / self._rate) if self._rate > 0 else 0.0
+    def _take(self, principal: str) -> float:
+        """0 when the principal's stream may write now (its token taken), else the seconds until it may."""
+        return self._budget.acquire(principal)
 
     def _schedule(self, delay: float) -> None:
         if self._next_turn is not None:
@@ -118,12 +106,12 @@ class WritePacer:
                     state.waiting.popleft()
                 if not state.waiting:
                     continue
-                if self._take(state):
+                wait = self._take(principal)
+                if wait == 0:
                     state.waiting.popleft().set_result(None)
                     self._started_this_turn += 1
                     progress = True
                 else:
-                    wait = self._seconds_to_token(state)
                     soonest = wait if soonest is None else min(soonest, wait)
                 if state.waiting:
                     self._queued.append(principal)
@@ -133,9 +121,6 @@ class WritePacer:
             self._schedule(soonest or 0.001)
 
     def _forget_idle(self) -> None:
-        now = self._clock()
         for principal, state in list(self._principals.items()):
-            if not state.waiting and (
-                self._rate <= 0 or state.tokens + (now - state.stamp) * self._rate >= self._burst
-            ):
+            if not state.waiting:
                 del self._principals[principal]
