@@ -243,9 +243,19 @@ async def test_without_the_access_log_answers_are_debug_lines_and_refusals_info(
             error = await rpc_error(agent.claim(message("grant-a", ""), request_id="req-refused"))
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
             metrics = server.metrics
-            for result in ("granted", "invalid_argument"):
-                labels = {"service": SERVICE_NAME, "method": "ClaimReply", "result": result}
-                assert metrics.value("inbox_coordinator_rpcs_total", labels) == 1
+
+            async def counted() -> bool:
+                # The refusal reaches the client as the server sends it, a moment before the observer counts it.
+                return all(
+                    metrics.value(
+                        "inbox_coordinator_rpcs_total",
+                        {"service": SERVICE_NAME, "method": "ClaimReply", "result": result},
+                    )
+                    == 1
+                    for result in ("granted", "invalid_argument")
+                )
+
+            await eventually(counted, within=5)
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     levels = {line.get("request_id"): line["level"] for line in lines if line.get("event") == "rpc"}
     assert levels == {"req-answered": "debug", "req-refused": "info"}
