@@ -123,7 +123,9 @@ async def test_metrics_count_results_time_calls_and_follow_the_gauges(
             samples = await _scrape(server.metrics_server.address)  # type: ignore[union-attr]
             watching = samples.get(("inbox_coordinator_watch_subscribers", frozenset()), 0)
             subjects = samples.get(("inbox_coordinator_etcd_keys", frozenset({("family", "subjects")})), 0)
-            return samples if watching == 1 and subjects >= 2 else None
+            # A refusal is sent before the observer counts it (grpc's abort answers at once): wait for the count too.
+            refused = _rpcs(samples, "ClaimReply", "invalid_argument")
+            return samples if watching == 1 and subjects >= 2 and refused == 1 else None
 
         samples = await eventually(gauges, within=10)
         assert _rpcs(samples, "ClaimReply", "granted") == 2
