@@ -94,7 +94,10 @@ def _check_summary(summary: Summary | None) -> None:
         raise InvalidArgument("summary.received_at", "is before 1970; leave it unset when unknown")
 
 
-def _check_token(token: int) -> None:
+def _check_fenced_call(caller: Caller, request_id: str, subject: Subject, token: int) -> None:
+    """What every call carrying a fencing token checks first, in the order its errors name the fields."""
+    _check_request_id(request_id)
+    _check_subject(caller, subject)
     if token <= 0:
         raise InvalidArgument("fencing_token", "is required: pass the token ClaimReply granted (a positive number)")
 
@@ -204,9 +207,7 @@ class Engine:
     async def renew(
         self, caller: Caller, *, request_id: str, subject: Subject, token: int, ttl_seconds: int
     ) -> tuple[FenceResult, Stored | None]:
-        _check_request_id(request_id)
-        _check_subject(caller, subject)
-        _check_token(token)
+        _check_fenced_call(caller, request_id, subject, token)
         ttl = self.rules.limits.ttl(ttl_seconds)
         arguments = domain.fingerprint("RenewClaim", subject, token, ttl)
         return await self._apply(
@@ -227,9 +228,7 @@ class Engine:
     async def release(
         self, caller: Caller, *, request_id: str, subject: Subject, token: int, redeliverable: bool = False
     ) -> tuple[FenceResult, Stored | None]:
-        _check_request_id(request_id)
-        _check_subject(caller, subject)
-        _check_token(token)
+        _check_fenced_call(caller, request_id, subject, token)
         arguments = domain.fingerprint("ReleaseClaim", subject, token, redeliverable)
         return await self._apply(
             subject,
@@ -248,9 +247,7 @@ class Engine:
     async def begin_send(
         self, caller: Caller, *, request_id: str, subject: Subject, token: int
     ) -> tuple[FenceResult, Stored | None]:
-        _check_request_id(request_id)
-        _check_subject(caller, subject)
-        _check_token(token)
+        _check_fenced_call(caller, request_id, subject, token)
         arguments = domain.fingerprint("BeginSend", subject, token)
         now = self._clock()
         transition, after = await self.store.apply(
@@ -273,9 +270,7 @@ class Engine:
     async def confirm_sent(
         self, caller: Caller, *, request_id: str, subject: Subject, token: int, sent_message_id: str
     ) -> tuple[FenceResult, Stored | None]:
-        _check_request_id(request_id)
-        _check_subject(caller, subject)
-        _check_token(token)
+        _check_fenced_call(caller, request_id, subject, token)
         limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
         arguments = domain.fingerprint("ConfirmSent", subject, token, sent_message_id)
         return await self._apply(
@@ -303,9 +298,7 @@ class Engine:
         sent_message_id: str,
         note: str,
     ) -> tuple[FenceResult, Stored | None]:
-        _check_request_id(request_id)
-        _check_subject(caller, subject)
-        _check_token(token)
+        _check_fenced_call(caller, request_id, subject, token)
         limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
         arguments = domain.fingerprint("MarkReplied", subject, token, sent_message_id, note)
@@ -335,9 +328,7 @@ class Engine:
         reason: str,
         redeliverable: bool = False,
     ) -> tuple[FenceResult, Stored | None]:
-        _check_request_id(request_id)
-        _check_subject(caller, subject)
-        _check_token(token)
+        _check_fenced_call(caller, request_id, subject, token)
         limits.check_text("reason", reason, limits.NOTE_MAX_BYTES, required=False)
         arguments = domain.fingerprint("AbortSend", subject, token, reason, redeliverable)
         return await self._apply(
