@@ -6,20 +6,12 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from .quotas import RateLimiter
 
 # Watch writes started per turn of the event loop. Measured with `bench slow-watchers` (docs/performance.md,
 # "Slow watchers"): 1, 2 and 4 protect other callers alike; writing a whole fan-out in one turn does not.
 WRITES_PER_TURN = 4
-# Principals remembered before those with nothing waiting are forgotten (their budgets live in the RateLimiter).
-_IDLE_PRINCIPALS_KEPT = 4096
-
-
-@dataclass
-class _Principal:
-    waiting: deque[asyncio.Future[None]] = field(default_factory=deque)
 
 
 class WritePacer:
@@ -44,40 +36,30 @@ class WritePacer:
     ) -> None:
         self._budget = RateLimiter(events_per_second, max(1, int(events_per_second)), clock)
         self._per_turn = per_turn
-        self._principals: dict[str, _Principal] = {}
+        # The streams waiting, by principal; a principal with none has no entry (its budget is the RateLimiter's).
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
         self._queued: deque[str] = deque()  # principals with streams waiting, in round-robin order
         self._started_this_turn = 0
         self._next_turn: asyncio.Handle | asyncio.TimerHandle | None = None
 
     @property
     def waiting(self) -> int:
-        return sum(len(principal.waiting) for principal in self._principals.values())
+        return sum(len(waiting) for waiting in self._waiting.values())
 
     async def turn(self, principal: str) -> None:
         """Returns when the principal's stream may write."""
-        state = self._state(principal)
-        if not state.waiting and self._started_this_turn < self._per_turn and self._take(principal) == 0:
+        waiting = self._waiting.get(principal)
+        if waiting is None and self._started_this_turn < self._per_turn and self._budget.acquire(principal) == 0:
             self._started_this_turn += 1
             self._schedule(0.0)
             return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if not state.waiting:
+        if waiting is None:
+            waiting = self._waiting[principal] = deque()
             self._queued.append(principal)
-        state.waiting.append(waiter)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting.append(waiter)
         self._schedule(0.0)
         await waiter
-
-    def _state(self, principal: str) -> _Principal:
-        state = self._principals.get(principal)
-        if state is None:
-            if len(self._principals) >= _IDLE_PRINCIPALS_KEPT:
-                self._forget_idle()
-            state = self._principals[principal] = _Principal()
-        return state
-
-    def _take(self, principal: str) -> float:
-        """0 when the principal's stream may write now (its token taken), else the seconds until it may."""
-        return self._budget.acquire(principal)
 
     def _schedule(self, delay: float) -> None:
         if self._next_turn is not None:
@@ -99,28 +81,21 @@ class WritePacer:
                 if self._started_this_turn >= self._per_turn:
                     break
                 principal = self._queued.popleft()
-                state = self._principals.get(principal)
-                if state is None:
-                    continue
-                while state.waiting and state.waiting[0].done():  # its stream was cancelled while waiting
-                    state.waiting.popleft()
-                if not state.waiting:
-                    continue
-                wait = self._take(principal)
+                waiting = self._waiting[principal]
+                while waiting and waiting[0].done():  # its stream was cancelled while waiting
+                    waiting.popleft()
+                wait = self._budget.acquire(principal) if waiting else None
                 if wait == 0:
-                    state.waiting.popleft().set_result(None)
+                    waiting.popleft().set_result(None)
                     self._started_this_turn += 1
                     progress = True
-                else:
+                elif wait is not None:
                     soonest = wait if soonest is None else min(soonest, wait)
-                if state.waiting:
+                if waiting:
                     self._queued.append(principal)
+                else:
+                    del self._waiting[principal]
         if self._started_this_turn:
             self._schedule(0.0)  # the next turn resets the count, and goes on with what still waits
         elif self._queued:
             self._schedule(soonest or 0.001)
-
-    def _forget_idle(self) -> None:
-        for principal, state in list(self._principals.items()):
-            if not state.waiting:
-                del self._principals[principal]

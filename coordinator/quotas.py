@@ -24,6 +24,11 @@ class QuotaSettings:
     watch_events_per_second: float = 2000.0
 
 
+# Buckets kept before the full ones are forgotten (a full bucket answers as a new one does). Without auth,
+# principals are whatever names callers send, so the table must not grow with them.
+_BUCKETS_KEPT = 4096
+
+
 class RateLimiter:
     """One token bucket per principal; ``acquire`` answers 0 when the calls may go, else seconds to wait."""
 
@@ -32,6 +37,11 @@ class RateLimiter:
         self._burst = float(burst)
         self._clock = clock
         self._buckets: dict[str, tuple[float, float]] = {}
+        self._forget_full_at = _BUCKETS_KEPT
+
+    @property
+    def buckets(self) -> int:
+        return len(self._buckets)
 
     def acquire(self, key: str, calls: int = 1) -> float:
         """Takes ``calls`` tokens. A batch larger than the burst goes once the bucket is full and leaves
@@ -39,7 +49,12 @@ class RateLimiter:
         if self._rate <= 0:
             return 0.0
         now = self._clock()
-        tokens, stamp = self._buckets.get(key, (self._burst, now))
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) >= self._forget_full_at:
+                self._forget_full(now)
+            bucket = (self._burst, now)
+        tokens, stamp = bucket
         tokens = min(self._burst, tokens + (now - stamp) * self._rate)
         needed = min(float(calls), self._burst)
         if tokens >= needed:
@@ -47,6 +62,15 @@ class RateLimiter:
             return 0.0
         self._buckets[key] = (tokens, now)
         return (needed - tokens) / self._rate
+
+    def _forget_full(self, now: float) -> None:
+        self._buckets = {
+            key: (tokens, stamp)
+            for key, (tokens, stamp) in self._buckets.items()
+            if tokens + (now - stamp) * self._rate < self._burst
+        }
+        # Swept again only once the table doubled: a crowd of busy principals costs O(1) a call, not a sweep each.
+        self._forget_full_at = max(_BUCKETS_KEPT, 2 * len(self._buckets))
 
 
 class WatchSlots:
