@@ -17,6 +17,10 @@ SENT_MESSAGE_ID_MAX_BYTES = 512
 # The summary a person tells one email from another by (ClaimReply's and Takeover's `summary`).
 SUMMARY_SUBJECT_LINE_MAX_BYTES = 512  # RFC 5322 allows 998 per line; a row on a screen shows far less
 SUMMARY_SENDER_MAX_BYTES = 512  # a display name and an address (at most 254)
+# Replies written outside the coordinator (RecordOutgoing) and the thread a claimed message belongs to.
+THREAD_ID_MAX_BYTES = 512  # a provider's thread id, as long as a subject id may be
+MESSAGE_ID_MAX_BYTES = 512  # RecordOutgoing's message id: a provider message id, as SUBJECT_ID_MAX_BYTES
+SENDER_MAX_BYTES = 512  # RecordOutgoing's sender, as people read it: as SUMMARY_SENDER_MAX_BYTES
 PAGE_SIZE_DEFAULT = 100
 PAGE_SIZE_MAX = 1000
 
@@ -60,6 +64,17 @@ def check_text(field: str, value: str, max_bytes: int, *, required: bool) -> str
     if not value.isascii() and any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):
         raise InvalidArgument(field, "contains an unpaired surrogate; send valid UTF-8")
     return value
+
+
+def check_time_ms(field: str, value_ms: int | None, *, required: bool) -> int | None:
+    """A provider's timestamp (a message's date): not before 1970; ``None`` only if optional."""
+    if value_ms is None:
+        if required:
+            raise InvalidArgument(field, "is required and was unset")
+        return None
+    if value_ms < 0:
+        raise InvalidArgument(field, "is before 1970; send the message's date as the provider gives it")
+    return value_ms
 
 
 def check_page_size(requested: int) -> int:

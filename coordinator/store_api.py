@@ -11,12 +11,24 @@ import asyncio
 import base64
 import binascii
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from .domain import DeliveryRecord, EndMark, Stored, Subject, SubjectKind, SubjectRecord, Transition
+from .domain import (
+    DeliveryRecord,
+    EndMark,
+    OutsideReply,
+    Stored,
+    Subject,
+    SubjectKind,
+    SubjectRecord,
+    ThreadEntry,
+    ThreadLink,
+    ThreadView,
+    Transition,
+)
 from .errors import InvalidArgument
 
 
@@ -31,6 +43,9 @@ class ClaimAttempt:
     end: EndMark | None = None
     # The store revision at which ``delivery`` was recorded.
     delivery_revision: int = 0
+    # With a thread link: the thread's latest reply written outside, and the revision it was written at (0: none).
+    outside: OutsideReply | None = None
+    outside_revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,9 +105,39 @@ class Store(Protocol):
         """Records a notification id; returns the earlier record instead when it was seen before."""
 
     async def claim(
-        self, subject: Subject, record: SubjectRecord, delivery: DeliveryRecord | None, delivery_expires_ms: int
+        self,
+        subject: Subject,
+        record: SubjectRecord,
+        delivery: DeliveryRecord | None,
+        delivery_expires_ms: int,
+        *,
+        thread: ThreadLink | None = None,
+        thread_expires_ms: int = 0,
+        outside_revision: int = 0,
     ) -> ClaimAttempt:
-        """Create-if-absent (with the delivery record, if given, in the same transaction)."""
+        """Create-if-absent (with the delivery record, if given, in the same transaction). With ``thread``: only
+        while the thread's latest outside reply is the one written at ``outside_revision`` (0: none), and the
+        subject is entered in the thread (until ``thread_expires_ms``) in the same transaction."""
+
+    async def read_thread(self, mailbox: str, thread_id: str, notification_id: str | None) -> ThreadView:
+        """The thread's claimed subjects (each as it is now), its latest outside reply and, with
+        ``notification_id``, that notification's delivery record."""
+
+    async def commit_outgoing(
+        self,
+        mailbox: str,
+        thread_id: str,
+        view: ThreadView,
+        writes: Sequence[tuple[ThreadEntry, SubjectRecord]],
+        mark: OutsideReply | None,
+        mark_expires_ms: int,
+        delivery: DeliveryRecord | None,
+        delivery_expires_ms: int,
+    ) -> dict[Subject, Stored] | None:
+        """Writes RecordOutgoing's decision in one transaction: each subject as its entry read it, the thread's
+        new latest outside reply (None: unchanged) and the delivery record; only if the thread gained no subject
+        or outside reply, no written subject changed and the notification is still unseen since ``view`` was
+        read. Returns the written subjects, or None when something changed (read again, decide again)."""
 
     async def apply(
         self,

@@ -14,7 +14,7 @@ from coordinator.domain import Subject, SubjectKind
 from coordinator.etcd_process import EtcdServer
 from coordinator.store_api import encode_cursor
 from inbox_claims._proto import coordinator_pb2 as pb
-from tests.helpers import Actor, message, rpc_error
+from tests.helpers import Actor, message, rpc_error, thread
 
 GRANTED = pb.ClaimReplyResponse.GRANTED
 
@@ -133,6 +133,67 @@ async def test_other_field_limits(agent: Actor, channel: grpc.aio.Channel, mailb
         assert (error.details() or "").startswith(field), error.details()
         assert words in (error.details() or ""), error.details()
     assert (await agent.status(subject)).state == pb.SUBJECT_STATE_FREE
+
+
+async def test_thread_and_outgoing_field_limits(agent: Actor, mailbox: str) -> None:
+    """ClaimReply's thread and received time, and every field of RecordOutgoing, each with its named limit."""
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    def at(seconds: int, nanos: int = 0) -> Timestamp:
+        return Timestamp(seconds=seconds, nanos=nanos)
+
+    def claim(subject: pb.Subject, **fields: object) -> pb.ClaimReplyRequest:
+        return pb.ClaimReplyRequest(request_id="r-claim", subject=subject, **fields)  # type: ignore[arg-type]
+
+    def outgoing(**fields: object) -> pb.RecordOutgoingRequest:
+        request: dict[str, object] = {
+            "request_id": "r-out",
+            "mailbox": mailbox,
+            "message_id": "gmail-1",
+            "thread_id": "t-1",
+            "sent_at": at(1_700_000_000),
+        }
+        return pb.RecordOutgoingRequest(**(request | fields))  # type: ignore[arg-type]
+
+    subject = message(mailbox, "m")
+    too_long = "x" * (limits.THREAD_ID_MAX_BYTES + 1)
+    cases = [
+        (claim(subject, thread_id=too_long, received_at=at(1)), "thread_id", f"{limits.THREAD_ID_MAX_BYTES} bytes"),
+        (claim(subject, thread_id="t-1"), "received_at", "required with thread_id"),
+        (claim(subject, received_at=at(1)), "thread_id", "required with received_at"),
+        (claim(subject, thread_id="t-1", received_at=at(-1)), "received_at", "before 1970"),
+        (claim(subject, thread_id="t-1", received_at=at(1, -5)), "received_at.nanos", "0..999999999"),
+        (claim(thread(mailbox, "t-1"), thread_id="t-2", received_at=at(1)), "thread_id", "another thread"),
+        (outgoing(message_id=""), "message_id", "required"),
+        (outgoing(message_id="x" * (limits.MESSAGE_ID_MAX_BYTES + 1)), "message_id", "512 bytes"),
+        (outgoing(thread_id=""), "thread_id", "required"),
+        (outgoing(thread_id=too_long), "thread_id", "512 bytes"),
+        (outgoing(sent_at=None), "sent_at", "required"),
+        (outgoing(sent_at=at(-60)), "sent_at", "before 1970"),
+        (outgoing(sender="s" * (limits.SENDER_MAX_BYTES + 1)), "sender", "512 bytes"),
+        (outgoing(sender="Ana\nLima"), "sender", "control character"),
+        (outgoing(notification_id="n" * 257), "notification_id", "256 bytes"),
+        (outgoing(mailbox=""), "mailbox", "required"),
+    ]
+    for request, field, words in cases:
+        if isinstance(request, pb.ClaimReplyRequest):
+            error = await rpc_error(agent.stub.ClaimReply(request, metadata=agent.metadata))
+        else:
+            assert isinstance(request, pb.RecordOutgoingRequest)
+            error = await rpc_error(agent.stub.RecordOutgoing(request, metadata=agent.metadata))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, error.details())
+        assert (error.details() or "").startswith(field), error.details()
+        assert words in (error.details() or ""), error.details()
+    assert (await agent.status(subject)).state == pb.SUBJECT_STATE_FREE
+    # At the limits, both are accepted.
+    longest = "t" * limits.THREAD_ID_MAX_BYTES
+    granted = await agent.stub.ClaimReply(claim(subject, thread_id=longest, received_at=at(0)), metadata=agent.metadata)
+    assert granted.result == GRANTED
+    answer = await agent.stub.RecordOutgoing(
+        outgoing(thread_id=longest, sender="s" * limits.SENDER_MAX_BYTES), metadata=agent.metadata
+    )
+    assert answer.result == pb.RecordOutgoingResponse.ANSWERED_OUTSIDE
+    assert [status.subject.id for status in answer.subjects] == ["m"]
 
 
 async def test_missing_principal_is_unauthenticated(channel: grpc.aio.Channel, mailbox: str) -> None:

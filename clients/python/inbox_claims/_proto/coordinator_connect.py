@@ -60,6 +60,9 @@ class Coordinator(Protocol):
     async def get_caller(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
+    async def record_outgoing(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+
     async def batch(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
@@ -208,6 +211,16 @@ class CoordinatorASGIApplication(ConnectASGIApplication[Coordinator]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.get_caller,
+                ),
+                "/inbox.coordinator.v1.Coordinator/RecordOutgoing": Endpoint.unary(
+                    method=MethodInfo(
+                        name="RecordOutgoing",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.record_outgoing,
                 ),
                 "/inbox.coordinator.v1.Coordinator/Batch": Endpoint.unary(
                     method=MethodInfo(
@@ -512,6 +525,26 @@ class CoordinatorClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    async def record_outgoing(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="RecordOutgoing",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     async def batch(
         self,
         request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest,
@@ -561,6 +594,8 @@ class CoordinatorSync(Protocol):
     def mark_replied(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def get_caller(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+    def record_outgoing(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def batch(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
@@ -709,6 +744,16 @@ class CoordinatorWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.get_caller,
+                ),
+                "/inbox.coordinator.v1.Coordinator/RecordOutgoing": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="RecordOutgoing",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.record_outgoing,
                 ),
                 "/inbox.coordinator.v1.Coordinator/Batch": EndpointSync.unary(
                     method=MethodInfo(
@@ -1007,6 +1052,26 @@ class CoordinatorClientSync(ConnectClientSync):
                 service_name="inbox.coordinator.v1.Coordinator",
                 input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest,
                 output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    def record_outgoing(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="RecordOutgoing",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
             headers=headers,

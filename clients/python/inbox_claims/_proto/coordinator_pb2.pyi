@@ -28,7 +28,7 @@ Conventions used throughout:
 
 Request ids and retries:
 * Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
-  Takeover, ResolveInDoubt, and each of them inside a Batch) carries a `request_id` chosen by the client:
+  Takeover, ResolveInDoubt, MarkReplied, RecordOutgoing, and each of them inside a Batch) carries a `request_id` chosen by the client:
   1 to 128 bytes, one per logical operation of a principal (a random UUID). Every retry of that operation
   (after a timeout, UNAVAILABLE, ABORTED or DEADLINE_EXCEEDED) sends the same request id with the same
   arguments, and is answered as the first attempt was, through any replica and after any restart: the
@@ -236,6 +236,12 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """A reply record's retention ended; the subject is FREE again."""
     EVENT_TYPE_MARKED_REPLIED: _EventType.ValueType  # 12
     """The holder recorded a reply made by hand (MarkReplied); the subject is REPLIED, `status.note` says how."""
+    EVENT_TYPE_ANSWERED_OUTSIDE: _EventType.ValueType  # 13
+    """Someone answered in the subject's thread without the coordinator (RecordOutgoing, ANSWERED_OUTSIDE):
+    `status.outside_reply` says who and when. A CLAIMED subject became REPLIED (`previous_holder`,
+    `previous_token`: the claim it ended), a FREE one REPLIED; a SENDING or IN_DOUBT one kept its state (both
+    replies happened).
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper): ...
 
@@ -257,6 +263,12 @@ EVENT_TYPE_RETENTION_ENDED: EventType.ValueType  # 11
 """A reply record's retention ended; the subject is FREE again."""
 EVENT_TYPE_MARKED_REPLIED: EventType.ValueType  # 12
 """The holder recorded a reply made by hand (MarkReplied); the subject is REPLIED, `status.note` says how."""
+EVENT_TYPE_ANSWERED_OUTSIDE: EventType.ValueType  # 13
+"""Someone answered in the subject's thread without the coordinator (RecordOutgoing, ANSWERED_OUTSIDE):
+`status.outside_reply` says who and when. A CLAIMED subject became REPLIED (`previous_holder`,
+`previous_token`: the claim it ended), a FREE one REPLIED; a SENDING or IN_DOUBT one kept its state (both
+replies happened).
+"""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 @_typing.final
@@ -315,6 +327,8 @@ class SubjectStatus(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     REPLIED_BY_HAND_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    REPLIED_OUTSIDE_FIELD_NUMBER: _builtins.int
+    OUTSIDE_REPLY_FIELD_NUMBER: _builtins.int
     state: Global___SubjectState.ValueType
     holder: _builtins.str
     """The principal holding the claim or who sent the reply. Empty when FREE."""
@@ -333,6 +347,12 @@ class SubjectStatus(_message.Message):
     """The TTL in seconds the holder asked for on its last claim or renewal."""
     replied_by_hand: _builtins.bool
     """REPLIED: recorded by MarkReplied (a person answered outside the coordinator), not by a confirmed send."""
+    replied_outside: _builtins.bool
+    """REPLIED: recorded because someone answered in the subject's thread without the coordinator
+    (RecordOutgoing, ANSWERED_OUTSIDE), not by this subject's own send. `holder` is then who answered (the
+    message's sender), `holder_kind` HUMAN, `sent_at` the reply's date as the provider gives it and
+    `sent_message_id` its message id; `outside_reply.stopped_holder` names the claim it ended, if one was held.
+    """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     @_builtins.property
@@ -368,6 +388,13 @@ class SubjectStatus(_message.Message):
         Unset when none was given or the coordinator does not store summaries (--no-store-summaries).
         """
 
+    @_builtins.property
+    def outside_reply(self) -> Global___OutsideReply:
+        """A reply written outside the coordinator in the subject's thread: with `replied_outside` on a REPLIED
+        subject, or on a SENDING or IN_DOUBT one, past its commit point when the reply was recorded: then both
+        replies happened (the subject's own send and this one).
+        """
+
     def __init__(
         self,
         *,
@@ -387,14 +414,58 @@ class SubjectStatus(_message.Message):
         ttl_seconds: _builtins.int = ...,
         replied_by_hand: _builtins.bool = ...,
         summary: Global___MessageSummary | None = ...,
+        replied_outside: _builtins.bool = ...,
+        outside_reply: Global___OutsideReply | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "outside_reply", b"outside_reply", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "replied_by_hand", b"replied_by_hand", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "state", b"state", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "outside_reply", b"outside_reply", "replied_by_hand", b"replied_by_hand", "replied_outside", b"replied_outside", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "state", b"state", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubjectStatus: _TypeAlias = SubjectStatus  # noqa: Y015
+
+@_typing.final
+class OutsideReply(_message.Message):
+    """A reply written outside the coordinator (docs/design.md#replies-written-outside), as RecordOutgoing recorded
+    it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SENDER_FIELD_NUMBER: _builtins.int
+    SENT_AT_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    RECORDED_BY_FIELD_NUMBER: _builtins.int
+    STOPPED_HOLDER_FIELD_NUMBER: _builtins.int
+    sender: _builtins.str
+    """Who sent it, as the message's `from` says ("Ana Lima <ana@shop.example>"). Up to 512 bytes."""
+    message_id: _builtins.str
+    """The provider's id of the message."""
+    recorded_by: _builtins.str
+    """The principal whose client reported it (RecordOutgoing's caller)."""
+    stopped_holder: _builtins.str
+    """The principal whose claim it ended (the subject was CLAIMED); empty when none was held."""
+    @_builtins.property
+    def sent_at(self) -> _timestamp_pb2.Timestamp:
+        """The message's date, as the provider gives it (not a coordinator's clock)."""
+
+    def __init__(
+        self,
+        *,
+        sender: _builtins.str = ...,
+        sent_at: _timestamp_pb2.Timestamp | None = ...,
+        message_id: _builtins.str = ...,
+        recorded_by: _builtins.str = ...,
+        stopped_holder: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sent_at", b"sent_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message_id", b"message_id", "recorded_by", b"recorded_by", "sender", b"sender", "sent_at", b"sent_at", "stopped_holder", b"stopped_holder"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutsideReply: _TypeAlias = OutsideReply  # noqa: Y015
 
 @_typing.final
 class MessageSummary(_message.Message):
@@ -554,6 +625,8 @@ class ClaimReplyRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    THREAD_ID_FIELD_NUMBER: _builtins.int
+    RECEIVED_AT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     notification_id: _builtins.str
     """Optional: the webhook notification that led to this claim. When set, the delivery is recorded in the
@@ -566,12 +639,25 @@ class ClaimReplyRequest(_message.Message):
     """
     note: _builtins.str
     """Optional, up to 1024 bytes. Shown to humans watching the mailbox."""
+    thread_id: _builtins.str
+    """The message's thread (Nylas: `data.object.thread_id`), with `received_at`: a reply written outside the
+    coordinator in this thread after the message arrived then ends the claim (see RecordOutgoing). 0 to 512
+    bytes (THREAD_ID_MAX_BYTES), no control characters. For a thread subject it is the subject's id (leave it
+    empty, or repeat it: another thread is INVALID_ARGUMENT).
+    """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     @_builtins.property
     def summary(self) -> Global___MessageSummary:
         """Optional: which email this is (subject line, sender, received time), shown to the people watching.
         Over a limit: INVALID_ARGUMENT naming `summary.subject_line` or `summary.sender` and the limit.
+        """
+
+    @_builtins.property
+    def received_at(self) -> _timestamp_pb2.Timestamp:
+        """When the message was received, as the provider gives it (Nylas: `data.object.date`); required with
+        `thread_id` (INVALID_ARGUMENT otherwise), not before 1970. A message of the thread received at or before a
+        reply written outside answers ALREADY_REPLIED; one received after it is a new question.
         """
 
     def __init__(
@@ -583,10 +669,12 @@ class ClaimReplyRequest(_message.Message):
         ttl_seconds: _builtins.int = ...,
         note: _builtins.str = ...,
         summary: Global___MessageSummary | None = ...,
+        thread_id: _builtins.str = ...,
+        received_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["received_at", b"received_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "notification_id", b"notification_id", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "notification_id", b"notification_id", "received_at", b"received_at", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "thread_id", b"thread_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1448,6 +1536,113 @@ class MarkRepliedResponse(_message.Message):
 Global___MarkRepliedResponse: _TypeAlias = MarkRepliedResponse  # noqa: Y015
 
 @_typing.final
+class RecordOutgoingRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MAILBOX_FIELD_NUMBER: _builtins.int
+    NOTIFICATION_ID_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    THREAD_ID_FIELD_NUMBER: _builtins.int
+    SENT_AT_FIELD_NUMBER: _builtins.int
+    SENDER_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    mailbox: _builtins.str
+    """The mailbox the message belongs to, as ClaimReply names it (the grant id, or the address)."""
+    notification_id: _builtins.str
+    """Optional: the webhook notification it came in (dedup as in ClaimReply: a redelivery answers
+    DUPLICATE_DELIVERY). 0 to 256 bytes, no control characters.
+    """
+    message_id: _builtins.str
+    """The provider's id of the sent message (Nylas: `data.object.id`). 1 to 512 bytes (MESSAGE_ID_MAX_BYTES)."""
+    thread_id: _builtins.str
+    """Its thread (Nylas: `data.object.thread_id`). 1 to 512 bytes (THREAD_ID_MAX_BYTES)."""
+    sender: _builtins.str
+    """Who sent it, as people read it ("Ana Lima <ana@shop.example>"): shown on the board. Up to 512 bytes
+    (SENDER_MAX_BYTES), no control characters.
+    """
+    @_builtins.property
+    def sent_at(self) -> _timestamp_pb2.Timestamp:
+        """Its date, as the provider gives it (Nylas: `data.object.date`). Required, not before 1970."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        mailbox: _builtins.str = ...,
+        notification_id: _builtins.str = ...,
+        message_id: _builtins.str = ...,
+        thread_id: _builtins.str = ...,
+        sent_at: _timestamp_pb2.Timestamp | None = ...,
+        sender: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sent_at", b"sent_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mailbox", b"mailbox", "message_id", b"message_id", "notification_id", b"notification_id", "request_id", b"request_id", "sender", b"sender", "sent_at", b"sent_at", "thread_id", b"thread_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordOutgoingRequest: _TypeAlias = RecordOutgoingRequest  # noqa: Y015
+
+@_typing.final
+class RecordOutgoingResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Result:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ResultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[RecordOutgoingResponse._Result.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        RESULT_UNSPECIFIED: RecordOutgoingResponse._Result.ValueType  # 0
+        OWN_REPLY: RecordOutgoingResponse._Result.ValueType  # 1
+        """The mailbox's own reply, sent through the coordinator (or being sent): `subjects` are the subjects it
+        belongs to. Nothing changed.
+        """
+        ANSWERED_OUTSIDE: RecordOutgoingResponse._Result.ValueType  # 2
+        """A reply written outside the coordinator: `subjects` are the subjects of its thread it answered, as they
+        are now (REPLIED with `replied_outside`; SENDING or IN_DOUBT with `outside_reply`: both happened).
+        """
+        DUPLICATE_DELIVERY: RecordOutgoingResponse._Result.ValueType  # 3
+        """The notification id was seen before: `delivery` is its first sighting; nothing changed."""
+
+    class Result(_Result, metaclass=_ResultEnumTypeWrapper): ...
+    RESULT_UNSPECIFIED: RecordOutgoingResponse.Result.ValueType  # 0
+    OWN_REPLY: RecordOutgoingResponse.Result.ValueType  # 1
+    """The mailbox's own reply, sent through the coordinator (or being sent): `subjects` are the subjects it
+    belongs to. Nothing changed.
+    """
+    ANSWERED_OUTSIDE: RecordOutgoingResponse.Result.ValueType  # 2
+    """A reply written outside the coordinator: `subjects` are the subjects of its thread it answered, as they
+    are now (REPLIED with `replied_outside`; SENDING or IN_DOUBT with `outside_reply`: both happened).
+    """
+    DUPLICATE_DELIVERY: RecordOutgoingResponse.Result.ValueType  # 3
+    """The notification id was seen before: `delivery` is its first sighting; nothing changed."""
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    SUBJECTS_FIELD_NUMBER: _builtins.int
+    DELIVERY_FIELD_NUMBER: _builtins.int
+    result: Global___RecordOutgoingResponse.Result.ValueType
+    @_builtins.property
+    def subjects(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubjectStatus]: ...
+    @_builtins.property
+    def delivery(self) -> Global___DeliveryRecord: ...
+    def __init__(
+        self,
+        *,
+        result: Global___RecordOutgoingResponse.Result.ValueType = ...,
+        subjects: _abc.Iterable[Global___SubjectStatus] | None = ...,
+        delivery: Global___DeliveryRecord | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery", "result", b"result", "subjects", b"subjects"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordOutgoingResponse: _TypeAlias = RecordOutgoingResponse  # noqa: Y015
+
+@_typing.final
 class BatchCall(_message.Message):
     """One call of a Batch: the request of the unary RPC of the same name."""
 
@@ -1462,6 +1657,7 @@ class BatchCall(_message.Message):
     ABORT_SEND_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
     MARK_REPLIED_FIELD_NUMBER: _builtins.int
+    RECORD_OUTGOING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def record_delivery(self) -> Global___RecordDeliveryRequest: ...
     @_builtins.property
@@ -1480,6 +1676,8 @@ class BatchCall(_message.Message):
     def get_status(self) -> Global___GetStatusRequest: ...
     @_builtins.property
     def mark_replied(self) -> Global___MarkRepliedRequest: ...
+    @_builtins.property
+    def record_outgoing(self) -> Global___RecordOutgoingRequest: ...
     def __init__(
         self,
         *,
@@ -1492,12 +1690,13 @@ class BatchCall(_message.Message):
         abort_send: Global___AbortSendRequest | None = ...,
         get_status: Global___GetStatusRequest | None = ...,
         mark_replied: Global___MarkRepliedRequest | None = ...,
+        record_outgoing: Global___RecordOutgoingRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied", "record_outgoing"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -1576,6 +1775,7 @@ class BatchResult(_message.Message):
     ABORT_SEND_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
     MARK_REPLIED_FIELD_NUMBER: _builtins.int
+    RECORD_OUTGOING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def error(self) -> Global___CallError: ...
     @_builtins.property
@@ -1596,6 +1796,8 @@ class BatchResult(_message.Message):
     def get_status(self) -> Global___GetStatusResponse: ...
     @_builtins.property
     def mark_replied(self) -> Global___MarkRepliedResponse: ...
+    @_builtins.property
+    def record_outgoing(self) -> Global___RecordOutgoingResponse: ...
     def __init__(
         self,
         *,
@@ -1609,12 +1811,13 @@ class BatchResult(_message.Message):
         abort_send: Global___AbortSendResponse | None = ...,
         get_status: Global___GetStatusResponse | None = ...,
         mark_replied: Global___MarkRepliedResponse | None = ...,
+        record_outgoing: Global___RecordOutgoingResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied", "record_outgoing"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

@@ -105,6 +105,11 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.FromString,
                 _registered_method=True)
+        self.RecordOutgoing = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/RecordOutgoing',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.FromString,
+                _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/inbox.coordinator.v1.Coordinator/Batch',
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest.SerializeToString,
@@ -131,7 +136,10 @@ class CoordinatorServicer:
         retry of the granting request), HELD with the current holder (which may be the caller itself, when it
         claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
         subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
-        Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
+        With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
+        coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
+        `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+        (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,7 +147,8 @@ class CoordinatorServicer:
 
     def RenewClaim(self, request, context):
         """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
-        STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+        STALE_TOKEN once the claim expired, was released or was taken over, or someone answered in its thread
+        without the coordinator (`status.replied_outside`; see RecordOutgoing): stop working on the subject. A retry
         answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
         (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -159,7 +168,8 @@ class CoordinatorServicer:
     def BeginSend(self, request, context):
         """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
         current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
-        subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+        subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
+        coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
         ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
         once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -282,6 +292,33 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordOutgoing(self, request, context):
+        """Records a message the mailbox sent: a webhook notification about a message in the Sent folder, or from one
+        of the mailbox's own addresses (the clients decide which, docs/client.md "Outgoing messages", and never
+        hand such a notification to the user's handler). The coordinator tells the mailbox's own replies from
+        replies written elsewhere (docs/design.md#replies-written-outside):
+        * OWN_REPLY: the message is the reply a subject of its thread sent (the `sent_message_id` its ConfirmSent
+        or MarkReplied recorded), or the thread has a subject past BeginSend and not yet confirmed (SENDING or
+        IN_DOUBT: the echo of that send, arriving before its ConfirmSent). Nothing changes; `subjects` are those
+        subjects.
+        * ANSWERED_OUTSIDE: someone answered in the thread without the coordinator (a person in Gmail, Outlook or a
+        helpdesk). In the same etcd transaction as the thread's record of it: every subject of the thread whose
+        message was received at or before `sent_at` (as ClaimReply's `received_at` said) and that is CLAIMED or
+        FREE becomes REPLIED with `replied_outside` (a CLAIMED holder's token goes stale: its RenewClaim and
+        BeginSend answer STALE_TOKEN with that status); a SENDING or IN_DOUBT one keeps its state and gains
+        `outside_reply` (both replies happened); a REPLIED one stays as it is. Later ClaimReply calls for a message
+        of the thread received at or before `sent_at` answer ALREADY_REPLIED (the reply retention, 72 h by
+        default); a message received after it is a new question, claimable as usual. `subjects` are the subjects
+        this reply answered, as they are now. Recording the same reply again changes nothing more.
+        * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
+        Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
+        id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
+        thread id or sent time; REQUEST_ID_REUSED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Batch(self, request, context):
         """Several independent calls in one round trip: what a client sends when many of its callers (the
         handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
@@ -369,6 +406,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetCaller,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.SerializeToString,
+            ),
+            'RecordOutgoing': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordOutgoing,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -754,6 +796,33 @@ class Coordinator:
             '/inbox.coordinator.v1.Coordinator/GetCaller',
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.SerializeToString,
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordOutgoing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/RecordOutgoing',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.FromString,
             options,
             channel_credentials,
             insecure,

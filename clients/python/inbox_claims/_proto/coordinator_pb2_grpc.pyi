@@ -28,7 +28,7 @@ Conventions used throughout:
 
 Request ids and retries:
 * Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
-  Takeover, ResolveInDoubt, and each of them inside a Batch) carries a `request_id` chosen by the client:
+  Takeover, ResolveInDoubt, MarkReplied, RecordOutgoing, and each of them inside a Batch) carries a `request_id` chosen by the client:
   1 to 128 bytes, one per logical operation of a principal (a random UUID). Every retry of that operation
   (after a timeout, UNAVAILABLE, ABORTED or DEADLINE_EXCEEDED) sends the same request id with the same
   arguments, and is answered as the first attempt was, through any replica and after any restart: the
@@ -131,11 +131,15 @@ class CoordinatorStub:
     retry of the granting request), HELD with the current holder (which may be the caller itself, when it
     claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
     subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
-    Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
+    With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
+    coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
+    `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+    (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
     """
     RenewClaim: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RenewClaimRequest, _coordinator_pb2.RenewClaimResponse]
     """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
-    STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+    STALE_TOKEN once the claim expired, was released or was taken over, or someone answered in its thread
+    without the coordinator (`status.replied_outside`; see RecordOutgoing): stop working on the subject. A retry
     answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
     (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
@@ -147,7 +151,8 @@ class CoordinatorStub:
     BeginSend: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BeginSendRequest, _coordinator_pb2.BeginSendResponse]
     """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
     current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
-    subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+    subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
+    coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
     ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
     once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
@@ -229,6 +234,29 @@ class CoordinatorStub:
     answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
     Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
     """
+    RecordOutgoing: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RecordOutgoingRequest, _coordinator_pb2.RecordOutgoingResponse]
+    """Records a message the mailbox sent: a webhook notification about a message in the Sent folder, or from one
+    of the mailbox's own addresses (the clients decide which, docs/client.md "Outgoing messages", and never
+    hand such a notification to the user's handler). The coordinator tells the mailbox's own replies from
+    replies written elsewhere (docs/design.md#replies-written-outside):
+    * OWN_REPLY: the message is the reply a subject of its thread sent (the `sent_message_id` its ConfirmSent
+      or MarkReplied recorded), or the thread has a subject past BeginSend and not yet confirmed (SENDING or
+      IN_DOUBT: the echo of that send, arriving before its ConfirmSent). Nothing changes; `subjects` are those
+      subjects.
+    * ANSWERED_OUTSIDE: someone answered in the thread without the coordinator (a person in Gmail, Outlook or a
+      helpdesk). In the same etcd transaction as the thread's record of it: every subject of the thread whose
+      message was received at or before `sent_at` (as ClaimReply's `received_at` said) and that is CLAIMED or
+      FREE becomes REPLIED with `replied_outside` (a CLAIMED holder's token goes stale: its RenewClaim and
+      BeginSend answer STALE_TOKEN with that status); a SENDING or IN_DOUBT one keeps its state and gains
+      `outside_reply` (both replies happened); a REPLIED one stays as it is. Later ClaimReply calls for a message
+      of the thread received at or before `sent_at` answer ALREADY_REPLIED (the reply retention, 72 h by
+      default); a message received after it is a new question, claimable as usual. `subjects` are the subjects
+      this reply answered, as they are now. Recording the same reply again changes nothing more.
+    * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
+    Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
+    id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
+    thread id or sent time; REQUEST_ID_REUSED.
+    """
     Batch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
     handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
@@ -256,11 +284,15 @@ class CoordinatorAsyncStub(CoordinatorStub):
     retry of the granting request), HELD with the current holder (which may be the caller itself, when it
     claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
     subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
-    Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
+    With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
+    coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
+    `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+    (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
     """
     RenewClaim: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RenewClaimRequest, _coordinator_pb2.RenewClaimResponse]  # type: ignore[assignment]
     """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
-    STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+    STALE_TOKEN once the claim expired, was released or was taken over, or someone answered in its thread
+    without the coordinator (`status.replied_outside`; see RecordOutgoing): stop working on the subject. A retry
     answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
     (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
@@ -272,7 +304,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     BeginSend: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BeginSendRequest, _coordinator_pb2.BeginSendResponse]  # type: ignore[assignment]
     """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
     current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
-    subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+    subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
+    coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
     ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
     once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
@@ -354,6 +387,29 @@ class CoordinatorAsyncStub(CoordinatorStub):
     answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
     Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
     """
+    RecordOutgoing: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RecordOutgoingRequest, _coordinator_pb2.RecordOutgoingResponse]  # type: ignore[assignment]
+    """Records a message the mailbox sent: a webhook notification about a message in the Sent folder, or from one
+    of the mailbox's own addresses (the clients decide which, docs/client.md "Outgoing messages", and never
+    hand such a notification to the user's handler). The coordinator tells the mailbox's own replies from
+    replies written elsewhere (docs/design.md#replies-written-outside):
+    * OWN_REPLY: the message is the reply a subject of its thread sent (the `sent_message_id` its ConfirmSent
+      or MarkReplied recorded), or the thread has a subject past BeginSend and not yet confirmed (SENDING or
+      IN_DOUBT: the echo of that send, arriving before its ConfirmSent). Nothing changes; `subjects` are those
+      subjects.
+    * ANSWERED_OUTSIDE: someone answered in the thread without the coordinator (a person in Gmail, Outlook or a
+      helpdesk). In the same etcd transaction as the thread's record of it: every subject of the thread whose
+      message was received at or before `sent_at` (as ClaimReply's `received_at` said) and that is CLAIMED or
+      FREE becomes REPLIED with `replied_outside` (a CLAIMED holder's token goes stale: its RenewClaim and
+      BeginSend answer STALE_TOKEN with that status); a SENDING or IN_DOUBT one keeps its state and gains
+      `outside_reply` (both replies happened); a REPLIED one stays as it is. Later ClaimReply calls for a message
+      of the thread received at or before `sent_at` answer ALREADY_REPLIED (the reply retention, 72 h by
+      default); a message received after it is a new question, claimable as usual. `subjects` are the subjects
+      this reply answered, as they are now. Recording the same reply again changes nothing more.
+    * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
+    Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
+    id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
+    thread id or sent time; REQUEST_ID_REUSED.
+    """
     Batch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]  # type: ignore[assignment]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
     handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
@@ -390,7 +446,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         retry of the granting request), HELD with the current holder (which may be the caller itself, when it
         claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
         subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
-        Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
+        With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
+        coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
+        `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+        (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod
@@ -400,7 +459,8 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.RenewClaimResponse, _abc.Awaitable[_coordinator_pb2.RenewClaimResponse]]:
         """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
-        STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+        STALE_TOKEN once the claim expired, was released or was taken over, or someone answered in its thread
+        without the coordinator (`status.replied_outside`; see RecordOutgoing): stop working on the subject. A retry
         answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
         (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -424,7 +484,8 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.BeginSendResponse, _abc.Awaitable[_coordinator_pb2.BeginSendResponse]]:
         """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
         current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
-        subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+        subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
+        coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
         ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
         once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -559,6 +620,35 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         another is not offered. The server still checks every call. In development mode (no token file) it
         answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
         Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
+        """
+
+    @_abc_1.abstractmethod
+    def RecordOutgoing(
+        self,
+        request: _coordinator_pb2.RecordOutgoingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RecordOutgoingResponse, _abc.Awaitable[_coordinator_pb2.RecordOutgoingResponse]]:
+        """Records a message the mailbox sent: a webhook notification about a message in the Sent folder, or from one
+        of the mailbox's own addresses (the clients decide which, docs/client.md "Outgoing messages", and never
+        hand such a notification to the user's handler). The coordinator tells the mailbox's own replies from
+        replies written elsewhere (docs/design.md#replies-written-outside):
+        * OWN_REPLY: the message is the reply a subject of its thread sent (the `sent_message_id` its ConfirmSent
+          or MarkReplied recorded), or the thread has a subject past BeginSend and not yet confirmed (SENDING or
+          IN_DOUBT: the echo of that send, arriving before its ConfirmSent). Nothing changes; `subjects` are those
+          subjects.
+        * ANSWERED_OUTSIDE: someone answered in the thread without the coordinator (a person in Gmail, Outlook or a
+          helpdesk). In the same etcd transaction as the thread's record of it: every subject of the thread whose
+          message was received at or before `sent_at` (as ClaimReply's `received_at` said) and that is CLAIMED or
+          FREE becomes REPLIED with `replied_outside` (a CLAIMED holder's token goes stale: its RenewClaim and
+          BeginSend answer STALE_TOKEN with that status); a SENDING or IN_DOUBT one keeps its state and gains
+          `outside_reply` (both replies happened); a REPLIED one stays as it is. Later ClaimReply calls for a message
+          of the thread received at or before `sent_at` answer ALREADY_REPLIED (the reply retention, 72 h by
+          default); a message received after it is a new question, claimable as usual. `subjects` are the subjects
+          this reply answered, as they are now. Recording the same reply again changes nothing more.
+        * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
+        Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
+        id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
+        thread id or sent time; REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod
