@@ -325,14 +325,26 @@ class Claim(ClaimBase):
         self._client = client
         self._on_lost = on_lost
         self._stop = threading.Event()
+        self._admitted = False
         self.lost = threading.Event()
-        """Set once the claim is found lost (taken over, expired, or unrenewable past its TTL)."""
+        """Set once the claim is found lost (taken over, expired, answered from the mailbox, or unrenewable)."""
 
-    def __enter__(self) -> Self:
-        self._client._drive(self._state.enter())
-        self._make_current()
+    def admit(self, *, within: float | None = None) -> Self:
+        """Makes the claim's one ClaimReply call (a refusal is raised, as entering raises it) and starts its
+        renewal, without entering the block yet: ``with claim:`` later, in any thread, runs the block on the claim
+        already held (see :meth:`AsyncClaim.admit`). ``within``: seconds for the call with its retries."""
+        if self._admitted:
+            return self
+        deadline = time.monotonic() + within if within is not None else None
+        self._client._drive(self._state.enter(deadline))
+        self._admitted = True
         thread = threading.Thread(target=self._renew, name=f"inbox-claims renewal {self.token}", daemon=True)
         thread.start()
+        return self
+
+    def __enter__(self) -> Self:
+        self.admit()
+        self._make_current()
         return self
 
     def _renew(self) -> None:
