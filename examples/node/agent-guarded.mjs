@@ -26,7 +26,7 @@ app.post("/webhooks/nylas", express.raw({ type: "*/*" }), async (req, res) => {
   seen.add(notification.id);
   if (!["message.created", "message.updated"].includes(notification.type)) return;
   const message = notification.data.object;
-  await coord.replyTo({ mailbox: message.grant_id, messageId: message.id, notificationId: notification.id }, { ttl: 30 }, async (claim) => {
+  await coord.replyTo(notification, { ttl: 30 }, async (claim) => {
   const draft = await draftReply(message);
   await claim.send(() => sendReply(message.grant_id, message, draft, claim.idempotencyKey));
   }).catch((error) => { if (!(error instanceof ClaimNotGranted)) throw error; });
