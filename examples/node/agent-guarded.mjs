@@ -3,7 +3,7 @@
 // the LLM drafts; claim.send passes the fenced commit point, sends with the claim's Idempotency-Key, records it.
 import crypto from "node:crypto";
 import express from "express";
-import { ClaimNotGranted, Coordinator } from "inbox-claims";
+import { ClaimLost, ClaimNotGranted, Coordinator } from "inbox-claims";
 import { draftReply } from "./llm.mjs";
 import { sendReply } from "./send.mjs";
 
@@ -29,7 +29,7 @@ app.post("/webhooks/nylas", express.raw({ type: "*/*" }), async (req, res) => {
   await coord.replyTo(notification, { ttl: 30 }, async (claim) => {
   const draft = await draftReply(message);
   await claim.send(() => sendReply(message.grant_id, message, draft, claim.idempotencyKey));
-  }).catch((error) => { if (!(error instanceof ClaimNotGranted)) throw error; });
+  }).catch((error) => { if (!(error instanceof ClaimNotGranted || error instanceof ClaimLost)) throw error; });
 });
 
 const server = app.listen(Number(process.env.PORT ?? 8001), "127.0.0.1", () => console.log(`listening on ${server.address().port}`));

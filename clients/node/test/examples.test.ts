@@ -1,5 +1,6 @@
 // examples/node: the guarded agent differs from the unguarded one by at most 5 lines of code, and the demo (two
-// agents, two coordinator replicas, redeliveries, a created+updated pair, a human claim) sends once per message.
+// agents, two coordinator replicas, redeliveries, a created+updated pair, a human claim, the copies of the agents'
+// own replies, a person answering from Gmail while an agent drafts) sends once per message, and never to a copy.
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
@@ -46,4 +47,7 @@ test("the Node demo: one send per message across two agents and two coordinator 
   assert.match(stdout, /msg-redelivered-\w+: 1 send\(s\), expected 1/);
   assert.match(stdout, /msg-created-updated-\w+: 1 send\(s\), expected 1/);
   assert.match(stdout, /msg-human-\w+: 0 send\(s\), expected 0/);
+  assert.match(stdout, /msg-gmail-\w+: 0 send\(s\), expected 0/);
+  assert.match(stdout, /msg-gmail-\w+: REPLIED, answered from the mailbox by Ana Lima <ana@shop.example>/);
+  assert.match(stdout, /replies to the mailbox's own messages \(their 4 copies delivered, answered 200\): 0, expected 0/);
 });
