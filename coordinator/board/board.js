@@ -171,8 +171,27 @@ function clock(date) {
   return today ? time : date.toLocaleDateString([], { month: "short", day: "numeric" }) + " " + time;
 }
 
+// A reply written outside the coordinator (a person in Gmail, a helpdesk): who, when, and what it meant here.
+function answeredOutside(status) {
+  const reply = status.outsideReply;
+  if (!reply) return "";
+  const words = `answered from the mailbox by ${reply.sender || "someone"} at ${clock(when(reply.sentAt))}`;
+  if (status.repliedOutside) {
+    const stopped = reply.stoppedHolder ? ` ${reply.stoppedHolder} stopped because a person answered.` : "";
+    return `${words[0].toUpperCase()}${words.slice(1)}.${stopped}`;
+  }
+  const both = { [SENDING]: "both replies go out", [IN_DOUBT]: "check whether this one went out too" }[status.state];
+  return `Also ${words}: ${both || "both replies went out"}.`;
+}
+
 function whatIsHappening(status) {
-  const holder = status.holder;
+  const outside = answeredOutside(status);
+  if (status.repliedOutside) return outside;
+  const here = whatIsHappeningHere(status, status.holder);
+  return outside ? `${here}. ${outside}` : here;
+}
+
+function whatIsHappeningHere(status, holder) {
   switch (status.state) {
     case CLAIMED:
       return isAgent(status)

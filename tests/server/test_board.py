@@ -128,6 +128,53 @@ async def test_two_people_see_an_agent_claim_a_takeover_and_a_reply_by_hand_live
         await expect(row(bo, "msg-refund")).to_be_visible()
 
 
+async def test_a_reply_from_the_mailbox_shows_who_answered_and_that_the_agent_stopped(
+    server: CoordinatorServer, browser: Browser, mailbox: str
+) -> None:
+    page = await open_board(browser, board_url(server, mailbox), name="bo")
+    await expect(page.locator("#empty")).to_be_visible()
+    asked = Timestamp(seconds=int(time.time()) - 600)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agent = Actor(channel, "agent-a")
+        drafting, sending = message(mailbox, "msg-drafting"), message(mailbox, "msg-sending")
+        await claim(
+            agent, drafting, "Refund for order 1182?", "Bea Costa <bea@example.org>", thread_id="t-1", received_at=asked
+        )
+        held = await claim(
+            agent, sending, "Where is my parcel?", "Cem <cem@example.org>", thread_id="t-2", received_at=asked
+        )
+        await agent.begin(sending, held.status.fencing_token)
+        await expect(row(page, "msg-drafting")).to_contain_text("agent-a (an agent) is writing a reply", timeout=LIVE)
+
+        async def from_gmail(thread_id: str, message_id: str) -> pb.RecordOutgoingResponse:
+            request = pb.RecordOutgoingRequest(
+                request_id=new_request_id(),
+                mailbox=mailbox,
+                message_id=message_id,
+                thread_id=thread_id,
+                sent_at=Timestamp(seconds=int(time.time()) - 60),
+                sender="ana@shop.example",
+            )
+            return await agent.stub.RecordOutgoing(request, metadata=agent.metadata)
+
+        await from_gmail("t-2", "copy-1")  # the send's own copy, before its confirmation: nothing changes
+        assert (await from_gmail("t-1", "gmail-1")).result == pb.RecordOutgoingResponse.ANSWERED_OUTSIDE
+        assert (await from_gmail("t-2", "gmail-2")).result == pb.RecordOutgoingResponse.ANSWERED_OUTSIDE
+        ended = row(page, "msg-drafting")
+        await expect(ended).to_contain_text(
+            re.compile(
+                r"Answered from the mailbox by ana@shop\.example at .+\. agent-a stopped because a person answered\."
+            ),
+            timeout=LIVE,
+        )
+        await expect(ended.locator(".holder")).to_contain_text("ana@shop.example")
+        await expect(row(page, "msg-sending")).to_contain_text(
+            "agent-a is sending the reply right now. Also answered from the mailbox by ana@shop.example", timeout=LIVE
+        )
+        await expect(row(page, "msg-sending")).to_contain_text(": both replies go out.")
+        await page.screenshot(path=ARTIFACTS / "board-answered-from-the-mailbox.png")
+
+
 async def test_a_person_claims_gives_back_and_settles_an_unconfirmed_send_from_the_keyboard(
     server: CoordinatorServer, browser: Browser, mailbox: str
 ) -> None:

@@ -47,6 +47,7 @@ from ._errors import (
 from ._settings import SETTINGS, client_arguments
 from ._types import (
     ClaimOutcome,
+    EventType,
     HolderKind,
     RetryPolicy,
     Subject,
@@ -184,6 +185,27 @@ def holder_text(status: SubjectStatus) -> str:
     return f"{status.holder}{kind}"
 
 
+def answered_outside(status: SubjectStatus, *, who: bool = True) -> str:
+    """A reply written outside the coordinator, in people's words: ``answered from the mailbox by Ana Lima
+    <ana@shop.example> at 14:05``, and what it meant for the subject (an agent stopped; both replies went out).
+    ``who=False`` leaves out the sender where the holder already names them (a table's HOLDER column)."""
+    reply = status.outside_reply
+    if reply is None:
+        return ""
+    words = "answered from the mailbox"
+    if who or not status.replied_outside:
+        words += f" by {reply.sender or 'someone'}"
+    if reply.sent_at is not None:
+        words += f" at {clock(reply.sent_at)}"
+    if status.replied_outside:
+        return words + (f"; {reply.stopped_holder} stopped, a person answered" if reply.stopped_holder else "")
+    also = {
+        SubjectState.SENDING: "is sending a reply too: both go out",
+        SubjectState.IN_DOUBT: "may have sent a reply too",
+    }.get(status.state, "sent a reply too: both went out")
+    return f"{words}; {status.holder} {also}"
+
+
 def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
     """A person-readable account of one subject."""
     lines = [f"{describe_subject(status.subject)}: {status.state.name}"]
@@ -208,12 +230,16 @@ def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
             f"  send by   {holder_text(status)} began {ago(status.send_started_at, now)} and was never confirmed"
         )
         lines.append("  check the mailbox's sent folder, then: inboxctl resolve MAILBOX ID --sent | --not-sent")
+    elif state is SubjectState.REPLIED and status.replied_outside:
+        lines.append(f"  replied   {answered_outside(status)} ({ago(status.sent_at, now)})")
     elif state is SubjectState.REPLIED:
         how = "by hand " if status.replied_by_hand else ""
         lines.append(f"  replied   {how}by {holder_text(status)} {ago(status.sent_at, now)} ({clock(status.sent_at)})")
         if status.sent_message_id:
             lines.append(f"  sent id   {status.sent_message_id}")
         lines.append(f"  kept      until {clock(status.expires_at)} ({within(status.expires_at, now)})")
+    if status.outside_reply is not None and not status.replied_outside:
+        lines.append(f"  also      {answered_outside(status)}")
     if status.fencing_token and state is not SubjectState.FREE:
         lines.append(f"  token     {status.fencing_token}")
     if status.note:
@@ -242,7 +268,7 @@ def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
             _cut(holder_text(status), 36),
             ago(since, now),
             "never" if status.state is SubjectState.IN_DOUBT else within(expires, now),
-            _cut(status.note, 40),
+            _cut(answered_outside(status, who=False) or status.note, 80 if status.outside_reply else 40),
         )
         if described:
             summary = status.summary
@@ -270,6 +296,8 @@ def event_line(event: WatchEvent, now: datetime) -> str:
         parts.append(f"expires {within(status.expires_at, now)}")
     if event.reason:
         parts.append(f"reason: {event.reason}")
+    if event.type is EventType.ANSWERED_OUTSIDE:
+        parts = [clock(now), event.type.name, describe_subject(status.subject) + ":", answered_outside(status)]
     return " ".join(parts)
 
 
