@@ -883,8 +883,8 @@ def answered_outside(
     """What a reply written outside makes of a subject it answered; None: the subject stays as it is.
 
     FREE or CLAIMED: REPLIED, answered outside (a CLAIMED holder's token stops holding: ``_check_token``).
-    SENDING or IN_DOUBT: past the commit point, so the state stays and the record says both replies happened.
-    REPLIED: it was answered already."""
+    SENDING, IN_DOUBT or REPLIED by its own send: past the commit point, so the state stays and the record says
+    both replies went out (the first outside reply it learns of). Answered outside already: as it is."""
     if current is None or current.state is State.CLAIMED:
         kept = current.summary if current is not None else summary if rules.store_summaries else None
         return SubjectRecord(
@@ -900,7 +900,7 @@ def answered_outside(
             outside_reply=replace(reply, stopped_holder=current.holder if current is not None else ""),
             summary=kept,
         )
-    if current.state in (State.SENDING, State.IN_DOUBT) and current.outside_reply is None:
+    if current.outside_reply is None and not current.replied_outside:
         return replace(current, outside_reply=reply)
     return None
 
@@ -927,8 +927,9 @@ def plan_outgoing(rules: Rules, view: ThreadView, reply: OutsideReply, now_ms: i
     2. a reply already recorded as written outside (a retry, another notification of it): recorded again,
        which changes nothing more;
     3. while a subject of the thread is past BeginSend and unconfirmed (SENDING or IN_DOUBT) with no copy yet,
-       the copy of that send, arriving before its ConfirmSent: OWN_REPLY, and the subject keeps it as its
-       ``echo`` until its confirmation settles it (a person's reply recorded in this moment is taken for it);
+       for a message received at or before this one's date, the copy of that send, arriving before its
+       ConfirmSent: OWN_REPLY, and the subject keeps it as its ``echo`` until its confirmation settles it (a
+       person's reply recorded in this moment is taken for it);
     4. otherwise a reply written outside: it answers every subject of the thread whose message was received at
        or before its date (``answered_outside``), and becomes the thread's latest outside reply if it is."""
     present = [(entry, entry.stored.record) for entry in view.entries if entry.stored is not None]
@@ -938,7 +939,14 @@ def plan_outgoing(rules: Rules, view: ThreadView, reply: OutsideReply, now_ms: i
     known = any(_knows_outside(record, reply.message_id) for _, record in present) or (
         view.mark is not None and view.mark.message_id == reply.message_id
     )
-    waiting = [(entry, record) for entry, record in present if _in_flight(record) and record.echo is None]
+    # A send answering a message received after this one's date cannot be what sent it.
+    waiting = [
+        (entry, record)
+        for entry, record in present
+        if _in_flight(record)
+        and record.echo is None
+        and (record.received_ms is None or record.received_ms <= reply.sent_ms)
+    ]
     if not known and waiting:
         entry, record = waiting[0]
         return OutgoingPlan(

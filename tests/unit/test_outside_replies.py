@@ -276,6 +276,20 @@ async def test_the_mailboxs_own_reply_changes_nothing(engine: Engine) -> None:
     # Its echo again (message.updated: another notification id) is still the mailbox's own.
     again = await _outgoing(engine, mailbox, "t-1", "sent-1", notification_id="n-updated")
     assert again.result is OutgoingResult.OWN_REPLY
+    # A person answers after the agents' replies went out: both went out, and the reply records say so.
+    await engine.confirm_sent(OTHER, request_id=_rid(), subject=drafting, token=other, sent_message_id="sent-2")
+    late = await _outgoing(engine, mailbox, "t-1", "gmail-1")
+    assert sorted(subject.id for subject, _ in late.subjects) == ["answered", "drafting"]
+    assert late.result is OutgoingResult.ANSWERED_OUTSIDE
+    replied = dict(late.subjects)[answered]
+    assert replied is not None
+    assert (replied.record.state, replied.record.replied_outside, replied.record.holder) == (
+        State.REPLIED,
+        False,
+        "agent-a",
+    )
+    assert replied.record.outside_reply is not None
+    assert replied.record.outside_reply.message_id == "gmail-1"
 
 
 async def test_a_thread_claim_is_ended_like_a_message_claim(engine: Engine) -> None:
@@ -406,3 +420,20 @@ async def test_a_claim_and_a_reply_recorded_in_one_group_commit_never_both_land(
             store.commit_outgoing(mailbox, thread, view, (), outside, wall_clock_ms() + 60_000, None, 0),
         )
         assert attempt.created is None or written is None, "the claim landed beside a reply that never saw it"
+
+
+async def test_a_send_for_a_later_question_is_not_taken_for_the_copy_of_an_earlier_reply(engine: Engine) -> None:
+    """A person answers the first question at 10:05; the customer asks again at 10:07 and an agent's answer to
+    that is in flight when the person's notification, late, arrives: the message dated 10:05 cannot be the copy
+    of an answer to a question asked at 10:07, so it is the person's, and it ends the claim on the first."""
+    mailbox = _box()
+    first, later = Subject(mailbox, SubjectKind.MESSAGE, "first"), Subject(mailbox, SubjectKind.MESSAGE, "later")
+    _, held = await _claim(engine, AGENT, first, "t-1", ASKED)
+    _, token = await _claim(engine, OTHER, later, "t-1", ASKED_AGAIN)
+    await engine.begin_send(OTHER, request_id=_rid(), subject=later, token=token)
+    outcome = await _outgoing(engine, mailbox, "t-1", "gmail-1", ANSWERED)
+    assert (outcome.result, [subject for subject, _ in outcome.subjects]) == (OutgoingResult.ANSWERED_OUTSIDE, [first])
+    assert (await engine.begin_send(AGENT, request_id=_rid(), subject=first, token=held))[0] is FenceResult.STALE_TOKEN
+    sending = await engine.status(OTHER, later)
+    assert sending is not None
+    assert (sending.record.state, sending.record.outside_reply) == (State.SENDING, None)

@@ -239,8 +239,8 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     EVENT_TYPE_ANSWERED_OUTSIDE: _EventType.ValueType  # 13
     """Someone answered in the subject's thread without the coordinator (RecordOutgoing, ANSWERED_OUTSIDE):
     `status.outside_reply` says who and when. A CLAIMED subject became REPLIED (`previous_holder`,
-    `previous_token`: the claim it ended), a FREE one REPLIED; a SENDING or IN_DOUBT one kept its state (both
-    replies happened).
+    `previous_token`: the claim it ended), a FREE one REPLIED; a SENDING, IN_DOUBT or REPLIED one kept its state
+    (both replies went out).
     """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper): ...
@@ -266,8 +266,8 @@ EVENT_TYPE_MARKED_REPLIED: EventType.ValueType  # 12
 EVENT_TYPE_ANSWERED_OUTSIDE: EventType.ValueType  # 13
 """Someone answered in the subject's thread without the coordinator (RecordOutgoing, ANSWERED_OUTSIDE):
 `status.outside_reply` says who and when. A CLAIMED subject became REPLIED (`previous_holder`,
-`previous_token`: the claim it ended), a FREE one REPLIED; a SENDING or IN_DOUBT one kept its state (both
-replies happened).
+`previous_token`: the claim it ended), a FREE one REPLIED; a SENDING, IN_DOUBT or REPLIED one kept its state
+(both replies went out).
 """
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
@@ -390,9 +390,9 @@ class SubjectStatus(_message.Message):
 
     @_builtins.property
     def outside_reply(self) -> Global___OutsideReply:
-        """A reply written outside the coordinator in the subject's thread: with `replied_outside` on a REPLIED
-        subject, or on a SENDING or IN_DOUBT one, past its commit point when the reply was recorded: then both
-        replies happened (the subject's own send and this one).
+        """A reply written outside the coordinator in the subject's thread: with `replied_outside`, the one that
+        answered it; without, on a SENDING, IN_DOUBT or REPLIED subject past its commit point when the reply was
+        recorded: then both replies went out (the subject's own send and this one).
         """
 
     def __init__(
@@ -1601,7 +1601,7 @@ class RecordOutgoingResponse(_message.Message):
         """
         ANSWERED_OUTSIDE: RecordOutgoingResponse._Result.ValueType  # 2
         """A reply written outside the coordinator: `subjects` are the subjects of its thread it answered, as they
-        are now (REPLIED with `replied_outside`; SENDING or IN_DOUBT with `outside_reply`: both happened).
+        are now (REPLIED with `replied_outside`; SENDING, IN_DOUBT or REPLIED with `outside_reply`: both went out).
         """
         DUPLICATE_DELIVERY: RecordOutgoingResponse._Result.ValueType  # 3
         """The notification id was seen before: `delivery` is its first sighting; nothing changed."""
@@ -1614,7 +1614,7 @@ class RecordOutgoingResponse(_message.Message):
     """
     ANSWERED_OUTSIDE: RecordOutgoingResponse.Result.ValueType  # 2
     """A reply written outside the coordinator: `subjects` are the subjects of its thread it answered, as they
-    are now (REPLIED with `replied_outside`; SENDING or IN_DOUBT with `outside_reply`: both happened).
+    are now (REPLIED with `replied_outside`; SENDING, IN_DOUBT or REPLIED with `outside_reply`: both went out).
     """
     DUPLICATE_DELIVERY: RecordOutgoingResponse.Result.ValueType  # 3
     """The notification id was seen before: `delivery` is its first sighting; nothing changed."""

@@ -305,8 +305,8 @@ class CoordinatorServicer:
         helpdesk). In the same etcd transaction as the thread's record of it: every subject of the thread whose
         message was received at or before `sent_at` (as ClaimReply's `received_at` said) and that is CLAIMED or
         FREE becomes REPLIED with `replied_outside` (a CLAIMED holder's token goes stale: its RenewClaim and
-        BeginSend answer STALE_TOKEN with that status); a SENDING or IN_DOUBT one keeps its state and gains
-        `outside_reply` (both replies happened); a REPLIED one stays as it is. Later ClaimReply calls for a message
+        BeginSend answer STALE_TOKEN with that status); a SENDING, IN_DOUBT or REPLIED one keeps its state and
+        gains `outside_reply` (both replies went out). Later ClaimReply calls for a message
         of the thread received at or before `sent_at` answer ALREADY_REPLIED (the reply retention, 72 h by
         default); a message received after it is a new question, claimable as usual. `subjects` are the subjects
         this reply answered, as they are now. Recording the same reply again changes nothing more.

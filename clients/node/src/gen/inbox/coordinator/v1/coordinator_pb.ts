@@ -270,9 +270,9 @@ export type SubjectStatus = Message<"inbox.coordinator.v1.SubjectStatus"> & {
   repliedOutside: boolean;
 
   /**
-   * A reply written outside the coordinator in the subject's thread: with `replied_outside` on a REPLIED
-   * subject, or on a SENDING or IN_DOUBT one, past its commit point when the reply was recorded: then both
-   * replies happened (the subject's own send and this one).
+   * A reply written outside the coordinator in the subject's thread: with `replied_outside`, the one that
+   * answered it; without, on a SENDING, IN_DOUBT or REPLIED subject past its commit point when the reply was
+   * recorded: then both replies went out (the subject's own send and this one).
    *
    * @generated from field: inbox.coordinator.v1.OutsideReply outside_reply = 18;
    */
@@ -1620,7 +1620,7 @@ export enum RecordOutgoingResponse_Result {
 
   /**
    * A reply written outside the coordinator: `subjects` are the subjects of its thread it answered, as they
-   * are now (REPLIED with `replied_outside`; SENDING or IN_DOUBT with `outside_reply`: both happened).
+   * are now (REPLIED with `replied_outside`; SENDING, IN_DOUBT or REPLIED with `outside_reply`: both went out).
    *
    * @generated from enum value: ANSWERED_OUTSIDE = 2;
    */
@@ -2112,8 +2112,8 @@ export enum EventType {
   /**
    * Someone answered in the subject's thread without the coordinator (RecordOutgoing, ANSWERED_OUTSIDE):
    * `status.outside_reply` says who and when. A CLAIMED subject became REPLIED (`previous_holder`,
-   * `previous_token`: the claim it ended), a FREE one REPLIED; a SENDING or IN_DOUBT one kept its state (both
-   * replies happened).
+   * `previous_token`: the claim it ended), a FREE one REPLIED; a SENDING, IN_DOUBT or REPLIED one kept its state
+   * (both replies went out).
    *
    * @generated from enum value: EVENT_TYPE_ANSWERED_OUTSIDE = 13;
    */
@@ -2357,8 +2357,8 @@ export const Coordinator: GenService<{
    *   helpdesk). In the same etcd transaction as the thread's record of it: every subject of the thread whose
    *   message was received at or before `sent_at` (as ClaimReply's `received_at` said) and that is CLAIMED or
    *   FREE becomes REPLIED with `replied_outside` (a CLAIMED holder's token goes stale: its RenewClaim and
-   *   BeginSend answer STALE_TOKEN with that status); a SENDING or IN_DOUBT one keeps its state and gains
-   *   `outside_reply` (both replies happened); a REPLIED one stays as it is. Later ClaimReply calls for a message
+   *   BeginSend answer STALE_TOKEN with that status); a SENDING, IN_DOUBT or REPLIED one keeps its state and
+   *   gains `outside_reply` (both replies went out). Later ClaimReply calls for a message
    *   of the thread received at or before `sent_at` answer ALREADY_REPLIED (the reply retention, 72 h by
    *   default); a message received after it is a new question, claimable as usual. `subjects` are the subjects
    *   this reply answered, as they are now. Recording the same reply again changes nothing more.
