@@ -1,4 +1,5 @@
-"""python -m bench {claims,contended,dedup,cycle,watch,slow-watchers,http,memory,embedded-db,profile,all} [options];
+"""python -m bench {claims,contended,dedup,cycle,outgoing,watch,slow-watchers,http,memory,embedded-db,profile,all}
+[options];
 each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
@@ -13,7 +14,7 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims, embedded_db, http, memory, profile, slow_watchers, watch
+from . import calls, claims, embedded_db, http, memory, outgoing, profile, slow_watchers, watch
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -38,6 +39,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         "the full reply cycle (ClaimReply, BeginSend, ConfirmSent) vs the 3 raw etcd transactions it needs",
         functools.partial(calls.add_arguments, command="cycle"),
         calls.runner("cycle"),
+    ),
+    "outgoing": (
+        "what replies written outside cost: ClaimReply with a thread, RecordOutgoing, vs ClaimReply as before",
+        outgoing.add_arguments,
+        outgoing.run,
     ),
     "watch": (
         "Watch fan-out: delay from a claim to each of 1,000 watchers of its mailbox, vs raw etcd watches",
@@ -78,6 +84,7 @@ QUICK: dict[str, list[str]] = {
     "contended": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
     "dedup": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
     "cycle": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
+    "outgoing": ["--seconds", "0.25", "--rounds", "1"],
     "watch": ["--watchers", "50", "--events", "5", "--rounds", "1"],
     "slow-watchers": ["--hanging", "20", "--clients", "4", "--seconds", "0.5", "--rounds", "1", "--settle", "1"],
     "memory": ["--claims", "1000", "--mailboxes", "20", "--watchers", "50"],

@@ -247,7 +247,9 @@ class Engine:
                 delivery,
                 self.rules.delivery_expiry(now),
                 thread=link,
-                thread_expires_ms=self.rules.reply_expiry(now),
+                # As long as a delivery record: past that no copy of the claim's send comes back, and a claim
+                # does not stay CLAIMED for a day; the thread's record of an outside reply lasts longer.
+                thread_expires_ms=self.rules.delivery_expiry(now),
                 outside_revision=outside_revision,
             )
             if attempt.created is not None:
