@@ -240,15 +240,16 @@ def _outside_stats(
         if event.get("ev") == "outgoing" and event.get("outcome") in ("answered_outside", "own_reply"):
             message_id = str(event.get("id"))
             recorded[message_id] = min(recorded.get(message_id, float("inf")), float(event["t"]))
-    subjects_of_tokens: dict[tuple[str, int], SubjectKey] = {}
+    # A token alone names no subject (claims committed together share one revision): with who and for what.
+    granted: dict[tuple[str, str, int], SubjectKey] = {}
     for event in record.events:
         if event.get("ev") == "granted":
             key = SubjectKey(str(event["mailbox"]), str(event["kind"]), str(event["id"]))
-            subjects_of_tokens[(str(event.get("agent")), int(event["token"]))] = key
+            granted[(str(event.get("agent")), str(event.get("nid")), int(event["token"]))] = key
     commits: dict[SubjectKey, list[float]] = defaultdict(list)
     for event in record.events:
         if event.get("ev") == "sending" and event.get("token"):
-            committed = subjects_of_tokens.get((str(event.get("agent")), int(event["token"])))
+            committed = granted.get((str(event.get("agent")), str(event.get("nid")), int(event["token"])))
             if committed is not None:
                 commits[committed].append(float(event["t"]))
     delays: list[float] = []

@@ -232,7 +232,10 @@ class AsyncCoordinator(ClientBase):
 
         ``notification``: what the handler has, the raw body, the decoded event or a parsed notification.
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
-        (or replace it: ``reply_to(mailbox=..., message_id=...)``).
+        (or replace it: ``reply_to(mailbox=..., message_id=...)``). A notification about a message the mailbox
+        sent (in a sent folder, or from one of its own addresses: the client's ``sent_folders`` and
+        ``mailbox_addresses``) is never claimed: entering reports it with RecordOutgoing, logs one line and
+        raises :class:`OutgoingMessage`.
         """
         state = GuardState.for_reply(
             self._core,

@@ -246,7 +246,9 @@ class Coordinator(ClientBase):
 
         ``notification``: what the handler has, the raw body, the decoded event or a parsed notification.
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
-        (or replace it: ``reply_to(mailbox=..., message_id=...)``).
+        (or replace it: ``reply_to(mailbox=..., message_id=...)``). A notification about a message the mailbox
+        sent is never claimed: entering reports it with RecordOutgoing and raises :class:`OutgoingMessage`
+        (see :meth:`AsyncCoordinator.reply_to`).
         """
         state = GuardState.for_reply(
             self._core,
