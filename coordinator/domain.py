@@ -621,11 +621,8 @@ def abort_send(
     record = current.record
     if record.state not in (State.SENDING, State.IN_DOUBT):
         raise _wrong_state("AbortSend", token, record.state, "SENDING (before BeginSend use ReleaseClaim)")
-    if record.echo is not None and (record.received_ms is None or record.received_ms <= record.echo.sent_ms):
-        # The message taken for this send's copy was not it (nothing went out): someone answered from the
-        # mailbox, so the subject is answered, not free to be answered again.
-        answered = answered_outside(rules, replace(record, state=State.CLAIMED), record.echo, now_ms)
-        assert answered is not None
+    answered = _answered_by_its_copy(rules, record, now_ms)
+    if answered is not None:
         return Transition(FenceResult.OK, write=_stamped(answered, request_id, request_fingerprint))
     return Transition(
         FenceResult.OK,
@@ -670,6 +667,16 @@ def mark_replied(
         raise _wrong_state("MarkReplied", token, record.state, "CLAIMED (after BeginSend use ConfirmSent)")
     replied = replace(_replied(rules, record, sent_message_id, now_ms), note=note or record.note, replied_by_hand=True)
     return Transition(FenceResult.OK, write=_stamped(replied, request_id, request_fingerprint))
+
+
+def _answered_by_its_copy(rules: Rules, record: SubjectRecord, now_ms: int) -> SubjectRecord | None:
+    """A send that certainly did not go out (aborted, resolved as not sent) whose ``echo`` was taken for its copy:
+    that message was someone answering from the mailbox, so the subject is answered, not free to be answered
+    again. None when there is no such copy (or it predates the message)."""
+    echo = record.echo
+    if echo is None or (record.received_ms is not None and record.received_ms > echo.sent_ms):
+        return None
+    return answered_outside(rules, replace(record, state=State.CLAIMED), echo, now_ms)
 
 
 def mark_in_doubt(current: Stored | None, *, swept_revision: int) -> Transition:
@@ -814,6 +821,9 @@ def resolve_in_doubt(
     if outcome is ResolveOutcome.SENT:
         resolved = _stamped(_replied(rules, current.record, sent_message_id, now_ms), request_id, request_fingerprint)
         return Transition(FenceResult.OK, write=replace(resolved, note=note or resolved.note))
+    answered = _answered_by_its_copy(rules, current.record, now_ms)
+    if answered is not None:  # not sent, so the message taken for its copy was someone's answer (as abort_send)
+        return Transition(FenceResult.OK, write=_stamped(replace(answered, note=note), request_id, request_fingerprint))
     return Transition(
         FenceResult.OK,
         end=EndMark(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from coordinator import domain
@@ -178,3 +180,36 @@ def test_a_delivery_is_settled_by_an_end_mark_of_a_later_claim_whatever_the_cloc
     older = EndMark(EndReason.RELEASED, "agent-a", 40, "agent-a", "r-0", NOW + 600_000)  # a claim before it
     assert domain.is_duplicate_delivery(delivery, subject, None, released, other, "r-3", delivery_revision=50)
     assert not domain.is_duplicate_delivery(delivery, subject, None, older, other, "r-3", delivery_revision=50)
+
+
+def test_a_send_that_did_not_go_out_leaves_its_copy_as_someone_elses_answer() -> None:
+    """A message of the thread taken for a send's copy (its echo): when the send is aborted or resolved as not
+    sent, that message was a person's answer, so the subject is REPLIED from the mailbox, not free again; and
+    when the send is confirmed with another message id, both went out."""
+    copy = domain.OutsideReply("ana@shop.example", NOW + 5_000, "gmail-1", "agent-c")
+    claimed = _claimed()
+    sending = domain.begin_send(RULES, claimed, AGENT, token=10, now_ms=NOW).write
+    assert sending is not None
+    with_copy = Stored(replace(sending, echo=copy, received_ms=NOW), token=10, revision=11)
+    in_doubt = Stored(replace(with_copy.record, state=State.IN_DOUBT), token=10, revision=12)
+
+    aborted = domain.abort_send(RULES, with_copy, None, AGENT, token=10, reason="bounced", request_id="r-2", now_ms=NOW)
+    resolved = domain.resolve_in_doubt(
+        RULES, in_doubt, HUMAN, outcome=domain.ResolveOutcome.NOT_SENT, sent_message_id="", note="not in Sent",
+        request_id="r-3", now_ms=NOW,
+    )  # fmt: skip
+    for transition in (aborted, resolved):
+        assert transition.end is None
+        assert transition.write is not None
+        assert (transition.write.state, transition.write.replied_outside) == (State.REPLIED, True)
+        assert transition.write.outside_reply == replace(copy, stopped_holder="agent-a")
+    confirmed = domain.confirm_sent(RULES, with_copy, AGENT, token=10, sent_message_id="sent-1", now_ms=NOW).write
+    assert confirmed is not None
+    assert (confirmed.state, confirmed.replied_outside, confirmed.outside_reply) == (State.REPLIED, False, copy)
+    itself = domain.confirm_sent(RULES, with_copy, AGENT, token=10, sent_message_id="gmail-1", now_ms=NOW).write
+    assert itself is not None
+    assert itself.outside_reply is None  # it was its own copy
+    # A copy dated before the message arrived cannot have answered it: the abort frees the subject as before.
+    early = Stored(replace(with_copy.record, received_ms=NOW + 10_000), token=10, revision=11)
+    freed = domain.abort_send(RULES, early, None, AGENT, token=10, reason="bounced", request_id="r-4", now_ms=NOW)
+    assert freed.end is not None
