@@ -189,8 +189,10 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbortSend(self, request, context):
-        """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-        the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+        """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE; REPLIED with
+        `replied_outside` instead when a message of the thread had been taken for this send's copy (RecordOutgoing,
+        OWN_REPLY): it was someone's answer. Call it only when the mail API refused the request; when the outcome is
+        unknown, leave the subject SENDING. Answers OK (also
         to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
         ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -255,7 +257,7 @@ class CoordinatorServicer:
 
     def ResolveInDoubt(self, request, context):
         """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
-        deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
+        deadline): SENT makes it REPLIED, NOT_SENT makes it FREE (or REPLIED with `replied_outside`, as AbortSend). Someone must check the mailbox's sent folder
         first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
         Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
         INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);

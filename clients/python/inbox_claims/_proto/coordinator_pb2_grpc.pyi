@@ -164,8 +164,10 @@ class CoordinatorStub:
     with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
     """
     AbortSend: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AbortSendRequest, _coordinator_pb2.AbortSendResponse]
-    """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-    the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+    """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE; REPLIED with
+    `replied_outside` instead when a message of the thread had been taken for this send's copy (RecordOutgoing,
+    OWN_REPLY): it was someone's answer. Call it only when the mail API refused the request; when the outcome is
+    unknown, leave the subject SENDING. Answers OK (also
     to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
     ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
@@ -209,7 +211,7 @@ class CoordinatorStub:
     """
     ResolveInDoubt: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ResolveInDoubtRequest, _coordinator_pb2.ResolveInDoubtResponse]
     """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
-    deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
+    deadline): SENT makes it REPLIED, NOT_SENT makes it FREE (or REPLIED with `replied_outside`, as AbortSend). Someone must check the mailbox's sent folder
     first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
     Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
     INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
@@ -317,8 +319,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
     """
     AbortSend: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AbortSendRequest, _coordinator_pb2.AbortSendResponse]  # type: ignore[assignment]
-    """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-    the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+    """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE; REPLIED with
+    `replied_outside` instead when a message of the thread had been taken for this send's copy (RecordOutgoing,
+    OWN_REPLY): it was someone's answer. Call it only when the mail API refused the request; when the outcome is
+    unknown, leave the subject SENDING. Answers OK (also
     to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
     ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
@@ -362,7 +366,7 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     ResolveInDoubt: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ResolveInDoubtRequest, _coordinator_pb2.ResolveInDoubtResponse]  # type: ignore[assignment]
     """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
-    deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
+    deadline): SENT makes it REPLIED, NOT_SENT makes it FREE (or REPLIED with `replied_outside`, as AbortSend). Someone must check the mailbox's sent folder
     first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
     Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
     INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
@@ -509,8 +513,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.AbortSendRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.AbortSendResponse, _abc.Awaitable[_coordinator_pb2.AbortSendResponse]]:
-        """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-        the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+        """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE; REPLIED with
+        `replied_outside` instead when a message of the thread had been taken for this send's copy (RecordOutgoing,
+        OWN_REPLY): it was someone's answer. Call it only when the mail API refused the request; when the outcome is
+        unknown, leave the subject SENDING. Answers OK (also
         to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
         ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -584,7 +590,7 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ResolveInDoubtResponse, _abc.Awaitable[_coordinator_pb2.ResolveInDoubtResponse]]:
         """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
-        deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
+        deadline): SENT makes it REPLIED, NOT_SENT makes it FREE (or REPLIED with `replied_outside`, as AbortSend). Someone must check the mailbox's sent folder
         first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
         Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
         INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
