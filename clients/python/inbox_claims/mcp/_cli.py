@@ -1,0 +1,5 @@
+"""Placeholder until the command line lands."""
+
+
+def main() -> int:
+    raise SystemExit("inbox-claims-mcp: not yet")
