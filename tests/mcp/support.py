@@ -8,6 +8,7 @@ from typing import Any
 
 from mcp import Client
 from mcp.server import ServerRequestContext
+from mcp.types import TextContent
 
 from inbox_claims import AsyncCoordinator
 from inbox_claims.mcp import AgentSession, NylasReplies, build_server
@@ -45,3 +46,10 @@ def reply_arguments(mailbox: str, message_id: str, body: str = "It ships today."
         "subject": "Re: Where is my order?",
         "body": body,
     }
+
+
+def text(result: Any) -> str:
+    """The text a tool result says (its first content block)."""
+    block = result.content[0]
+    assert isinstance(block, TextContent), result
+    return block.text
