@@ -7,6 +7,7 @@ re-exposes an email MCP server's tools unchanged, with its send tools fenced by 
 """
 
 from ._answers import Answer, Outcome
+from ._guard import Guard, SendTool, Upstream, build_guard
 from ._session import DEFAULT_TTL, AgentSession, SentReplies, fingerprint
 from ._tools import INSTRUCTIONS, TOOLS, NylasReplies, build_server
 
@@ -16,9 +17,13 @@ __all__ = [
     "TOOLS",
     "AgentSession",
     "Answer",
+    "Guard",
     "NylasReplies",
     "Outcome",
+    "SendTool",
     "SentReplies",
+    "Upstream",
+    "build_guard",
     "build_server",
     "fingerprint",
     "main",
