@@ -43,14 +43,14 @@ async def guarded(address: str, principal: str, outbox: Outbox, *, ttl: int = 30
     """One agent session behind the guard: its own upstream connection, as one guard process has."""
     async with (
         AsyncCoordinator(address, principal=principal) as coordinator,
-        Client(fake_email_server(outbox)) as upstream,
+        Upstream(lambda: Client(fake_email_server(outbox))) as upstream,
     ):
         session = AgentSession(coordinator, ttl=ttl)
 
         async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
             return session
 
-        guard = build_guard(Upstream(upstream), [SendTool.parse(SEND_TOOL_SPEC)], session_for)
+        guard = build_guard(upstream, [SendTool.parse(SEND_TOOL_SPEC)], session_for)
         try:
             async with Client(guard) as client:
                 yield client
@@ -122,10 +122,13 @@ async def test_duplicate_and_concurrent_sends_from_two_sessions_send_one_reply_p
     assert len(answered) >= len(messages)
     assert all(result.structured_content is not None for result in answered)  # the upstream's own result
     assert all("do not reply" in text(result) for result in refused)
-    assert not once_more.is_error
     sent_a = outbox.sends_for(messages[0])[0]
     if sent_a["body"] == "from a":  # the first session sent it: its repeat gets the upstream's first result again
+        assert not once_more.is_error
         assert once_more.structured_content == {"id": sent_a["id"], "thread_id": f"thread-{sent_a['id']}"}
+    else:  # the other session did: the repeat is refused, and sends nothing
+        assert once_more.is_error
+        assert "do not reply" in text(once_more)
 
 
 async def test_a_repeated_send_answers_the_upstreams_first_result(server: CoordinatorServer, mailbox: str) -> None:

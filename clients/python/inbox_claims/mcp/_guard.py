@@ -11,8 +11,10 @@ unknown: IN_DOUBT, said plainly.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import mcp_types as types
@@ -39,6 +41,8 @@ class _Raw(BaseModel):
 
 
 # JSON-RPC errors that refuse the request itself, before any tool code ran: nothing was sent.
+log = logging.getLogger("inbox_claims.mcp")
+
 _REFUSED_BEFORE_RUNNING = frozenset({types.INVALID_PARAMS, types.METHOD_NOT_FOUND, types.INVALID_REQUEST})
 
 DEFAULT_SENT_ID_PATHS = ("id", "message_id", "messageId", "data.id")
@@ -127,16 +131,62 @@ class SendTool:
 
 
 class Upstream:
-    """The email MCP server behind the guard, through the SDK's client: raw requests and raw results."""
+    """The email MCP server behind the guard, through the SDK's client: raw requests and raw results.
 
-    def __init__(self, client: Client) -> None:
-        self.client = client
+    The connection lives in a task of its own, so that an upstream that dies (a crashed stdio server, a dropped
+    HTTP connection) fails the calls in flight, not the guard: the next call connects again.
+    ``async with Upstream(lambda: Client(target)) as upstream:``.
+    """
+
+    def __init__(self, connect: Callable[[], Client]) -> None:
+        self._connect = connect
+        self._client: Client | None = None
+        self._stop = asyncio.Event()
+        self._owner: asyncio.Task[None] | None = None
+        self._opening = asyncio.Lock()
+
+    @property
+    def instructions(self) -> str | None:
+        return self._client.instructions if self._client is not None else None
+
+    async def __aenter__(self) -> Upstream:
+        await self._live()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._owner is not None:
+            await asyncio.wait([self._owner])
+
+    async def _live(self) -> Client:
+        async with self._opening:
+            if self._client is None:
+                ready = asyncio.Event()
+                self._owner = asyncio.create_task(self._own(ready), name="inbox-claims upstream")
+                await ready.wait()
+            if self._client is None:
+                raise MCPError(code=types.INTERNAL_ERROR, message="the email MCP server behind the guard is not there")
+            return self._client
+
+    async def _own(self, ready: asyncio.Event) -> None:
+        try:
+            async with self._connect() as client:
+                self._client = client
+                ready.set()
+                await self._stop.wait()
+        except Exception as error:  # the upstream went away; the next call connects again
+            log.warning("the connection to the email MCP server ended: %s", error)
+        finally:
+            self._client = None
+            ready.set()
 
     async def list_tools(self, params: types.PaginatedRequestParams | None) -> dict[str, Any]:
-        return (await self.client.session.send_request(types.ListToolsRequest(params=params), _Raw)).document()
+        client = await self._live()
+        return (await client.session.send_request(types.ListToolsRequest(params=params), _Raw)).document()
 
     async def call_tool(self, params: types.CallToolRequestParams) -> dict[str, Any]:
-        return (await self.client.session.send_request(types.CallToolRequest(params=params), _Raw)).document()
+        client = await self._live()
+        return (await client.session.send_request(types.CallToolRequest(params=params), _Raw)).document()
 
 
 def _text_of(result: Mapping[str, Any]) -> str:
