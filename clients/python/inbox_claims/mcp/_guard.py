@@ -271,7 +271,9 @@ class Guard:
 
         answer = await session.send(subject, key[1], deliver)
         if answer.outcome is Outcome.SENT:
-            return self._results.get(key) or _said(answer, is_error=False)
+            # Sent by this process: the upstream's own result. Otherwise (the reply record of an earlier process)
+            # a tool error that says it was sent: the upstream tool's output schema is not ours to fill.
+            return self._results.get(key) or _said(answer, is_error=True)
         if answer.outcome is Outcome.NOT_SENT and refused:
             if refused[-1].error is not None:
                 raise refused[-1].error  # the upstream's own JSON-RPC error, as it sent it
