@@ -1,4 +1,4 @@
-"""python -m bench {claims,contended,dedup,cycle,watch,slow-watchers,http,memory,embedded-db,profile,all} [options];
+"""python -m bench {claims,contended,dedup,cycle,watch,slow-watchers,http,memory,embedded-db,mcp,profile,all} [options];
 each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
@@ -13,7 +13,7 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims, embedded_db, http, memory, profile, slow_watchers, watch
+from . import calls, claims, embedded_db, http, mcp, memory, profile, slow_watchers, watch
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -64,6 +64,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         embedded_db.add_arguments,
         embedded_db.run,
     ),
+    "mcp": (
+        "a send tool called through the MCP guard (claim, BeginSend, the call, ConfirmSent) vs called directly",
+        mcp.add_arguments,
+        mcp.run,
+    ),
     "profile": (
         "py-spy profile of the coordinator under ClaimReply load: where its CPU goes",
         profile.add_arguments,
@@ -83,6 +88,7 @@ QUICK: dict[str, list[str]] = {
     "memory": ["--claims", "1000", "--mailboxes", "20", "--watchers", "50"],
     "embedded-db": ["--cycles", "2000", "--subjects", "500"],
     "http": ["--watchers", "20", "--events", "3", "--calls", "100", "--rounds", "1"],
+    "mcp": ["--sends", "20", "--rounds", "1"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
 
