@@ -40,9 +40,7 @@ def _email_server() -> MCPServer:
 
 
 async def run(options: argparse.Namespace, env: Environment) -> int:
-    print(
-        f"== mcp: a guarded send vs the same send tool called directly ({options.sends} sends x {options.rounds} rounds)"
-    )
+    print(f"== mcp: a guarded send vs the same send tool called directly ({options.sends} x {options.rounds} rounds)")
     upstream_server = _email_server()
     direct_ms: list[float] = []
     guarded_ms: list[float] = []
