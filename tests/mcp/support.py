@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from mcp import Client
-from mcp.server import ServerRequestContext
-from mcp.types import TextContent
+from mcp.server import MCPServer, Server, ServerRequestContext
+from mcp.types import CallToolRequest, CallToolRequestParams, ListToolsRequest, Request, TextContent
+from pydantic import BaseModel, ConfigDict
 
 from inbox_claims import AsyncCoordinator
-from inbox_claims.mcp import AgentSession, NylasReplies, build_server
+from inbox_claims.mcp import AgentSession, NylasReplies, SendTool, Upstream, build_guard, build_server
 
 API_KEY = "nyk_v0_mcp_test_key"
 
@@ -36,6 +37,55 @@ async def agent_session(
         if replies is not None:
             await replies.close()
         await coordinator.close()
+
+
+@contextlib.asynccontextmanager
+async def guarded(
+    address: str,
+    principal: str,
+    upstream: Server[Any] | MCPServer,
+    send_tools: Sequence[SendTool],
+    *,
+    ttl: int = 30,
+    upstream_mode: str = "auto",
+    **options: Any,
+) -> AsyncIterator[Client]:
+    """One agent session behind the guard, in front of ``upstream`` (in memory): its own upstream connection and
+    coordinator client, as one guard process has. ``upstream_mode`` is the era the guard speaks upstream
+    (``legacy``: the initialize handshake, as the email MCP servers of 2025 do); ``options`` are ``build_guard``'s."""
+    async with (
+        AsyncCoordinator(address, principal=principal) as coordinator,
+        Upstream(lambda: Client(upstream, mode=upstream_mode)) as connection,
+    ):
+        session = AgentSession(coordinator, ttl=ttl)
+
+        async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
+            return session
+
+        try:
+            async with Client(build_guard(connection, send_tools, session_for, **options)) as client:
+                yield client
+        finally:
+            await session.close()
+
+
+class Raw(BaseModel):
+    """A result as the server sent it, every field kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+async def raw(client: Client, request: Request[Any, Any]) -> dict[str, Any]:
+    """The server's result of ``request``, as it came."""
+    return (await client.session.send_request(request, Raw)).model_dump()
+
+
+async def raw_list(client: Client) -> dict[str, Any]:
+    return await raw(client, ListToolsRequest())
+
+
+async def raw_call(client: Client, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return await raw(client, CallToolRequest(params=CallToolRequestParams(name=name, arguments=arguments)))
 
 
 def reply_arguments(mailbox: str, message_id: str, body: str = "It ships today.") -> dict[str, Any]:

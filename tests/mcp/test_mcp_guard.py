@@ -6,56 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from mcp import Client
-from mcp.server import ServerRequestContext
-from mcp.types import CallToolRequest, CallToolRequestParams, ListToolsRequest
-from pydantic import BaseModel, ConfigDict
 
 from coordinator.server import CoordinatorServer
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
-from inbox_claims.mcp import AgentSession, SendTool, Upstream, build_guard
+from inbox_claims.mcp import SendTool
 from tests.conftest import StartCoordinator
+from tests.mcp import support
 from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox, fake_email_server
-from tests.mcp.support import text
+from tests.mcp.support import raw_call, raw_list, text
 
 
-class Raw(BaseModel):
-    """A result as the server sent it, every field kept."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-async def raw_list(client: Client) -> dict[str, Any]:
-    return (await client.session.send_request(ListToolsRequest(), Raw)).model_dump()
-
-
-async def raw_call(client: Client, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    request = CallToolRequest(params=CallToolRequestParams(name=name, arguments=arguments))
-    return (await client.session.send_request(request, Raw)).model_dump()
-
-
-@contextlib.asynccontextmanager
-async def guarded(address: str, principal: str, outbox: Outbox, *, ttl: int = 30) -> AsyncIterator[Client]:
-    """One agent session behind the guard: its own upstream connection, as one guard process has."""
-    async with (
-        AsyncCoordinator(address, principal=principal) as coordinator,
-        Upstream(lambda: Client(fake_email_server(outbox))) as upstream,
-    ):
-        session = AgentSession(coordinator, ttl=ttl)
-
-        async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
-            return session
-
-        guard = build_guard(upstream, [SendTool.parse(SEND_TOOL_SPEC)], session_for)
-        try:
-            async with Client(guard) as client:
-                yield client
-        finally:
-            await session.close()
+def guarded(address: str, principal: str, outbox: Outbox) -> contextlib.AbstractAsyncContextManager[Client]:
+    """One agent session behind the guard in front of the fake email server."""
+    return support.guarded(address, principal, fake_email_server(outbox), [SendTool.parse(SEND_TOOL_SPEC)])
 
 
 def a_reply(mailbox: str, message_id: str, body: str = "It ships today.") -> dict[str, Any]:

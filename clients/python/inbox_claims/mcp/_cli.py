@@ -27,7 +27,7 @@ from .._settings import client_arguments
 from .._wire import VERSION
 from ..cli import ConfigFile, UsageError, connection_options, resolve_settings
 from ._guard import SendTool, Upstream, build_guard
-from ._presets import PRESETS
+from ._presets import PRESETS, UNPRESETTABLE
 from ._session import DEFAULT_TTL, AgentSession, SentReplies
 from ._tools import NylasReplies, Scope, build_server
 
@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  inbox-claims-mcp serve --transport http --listen 127.0.0.1:8765\n"
         "  inbox-claims-mcp guard --send-tool 'send_message,message=reply_to_message_id,mailbox=grant_id' \\\n"
         "      -- npx some-email-mcp-server\n"
-        "  inbox-claims-mcp guard --preset agentmail -- https://mcp.example.com/mcp\n"
+        "  inbox-claims-mcp guard --preset agentmail -- npx -y agentmail-mcp\n"
+        "  inbox-claims-mcp guard --transport http --preset resend -- https://mcp.example.com/mcp\n"
         "\nsee docs/mcp.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -107,13 +108,35 @@ def build_parser() -> argparse.ArgumentParser:
         )
     serve.add_argument("--nylas-api-key", default=None, help="send_reply's Nylas API key [$NYLAS_API_KEY]")
     serve.add_argument("--nylas-api-base", default=None, help="Nylas API base URL [$NYLAS_API_URI]")
-    guard.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[], help="a known server")
+    guard.add_argument(
+        "--preset",
+        choices=sorted({*PRESETS, *UNPRESETTABLE}),
+        action="append",
+        default=[],
+        help="a known server's send tools (repeatable; docs/mcp.md lists them and where each was read)",
+    )
     guard.add_argument(
         "--send-tool",
         action="append",
         default=[],
         metavar="SPEC",
-        help="NAME,message=PATH[,mailbox=PATH][,thread=PATH][,sent_id=PATH] (repeatable)",
+        help="a tool that sends a reply: NAME,message=PATH[,mailbox=PATH][,thread=PATH][,sent_id=PATH]"
+        "[,sent_id_text=REGEX][,error_text=TEXT] (repeatable)",
+    )
+    guard.add_argument(
+        "--unfenced-tool",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a tool that sends mail without naming the message it answers (repeatable)",
+    )
+    guard.add_argument(
+        "--unfenced-sends",
+        choices=("refuse", "allow"),
+        default="refuse",
+        help="what becomes of mail that names no message it answers: an --unfenced-tool's calls, and a send "
+        "tool's calls without the replied-to id (new mail). refuse (default): a tool error, nothing sent; "
+        "allow: passed through, unclaimed",
     )
     guard.add_argument("--mailbox", default=None, help="the mailbox, when the send tools take none")
     guard.add_argument("upstream", nargs=argparse.REMAINDER, help="-- then the upstream command, or its URL")
@@ -130,15 +153,26 @@ def _coordinator(options: argparse.Namespace) -> AsyncCoordinator:
         raise UsageError(str(error)) from None
 
 
-def _send_tools(options: argparse.Namespace) -> list[SendTool]:
+def _send_tools(options: argparse.Namespace) -> tuple[list[SendTool], list[str]]:
+    """The fenced send tools and the unfenced ones, from the presets and the options."""
+    for name in options.preset:
+        if name in UNPRESETTABLE:
+            raise UsageError(f"no preset {name}: {UNPRESETTABLE[name]}")
     tools = [tool for name in options.preset for tool in PRESETS[name].tools]
+    unfenced = [tool for name in options.preset for tool in PRESETS[name].unfenced] + options.unfenced_tool
     try:
         tools += [SendTool.parse(spec) for spec in options.send_tool]
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if not tools:
-        raise UsageError("name the upstream's send tools: --preset NAME or --send-tool SPEC")
-    return tools
+    if not tools and not unfenced:
+        raise UsageError("name the upstream's send tools: --preset NAME, --send-tool SPEC or --unfenced-tool NAME")
+    mailboxless = [tool.name for tool in tools if tool.mailbox is None]
+    if mailboxless and options.mailbox is None:
+        raise UsageError(
+            f"{', '.join(mailboxless)} take(s) no mailbox argument: say which mailbox this server sends from, "
+            "with --mailbox (the address or id its claims are under)"
+        )
+    return tools, unfenced
 
 
 def _upstream_target(words: Sequence[str]) -> StdioServerParameters | str:
@@ -190,7 +224,7 @@ async def run(options: argparse.Namespace) -> None:
                 stack.push_async_callback(replies.close)
             server = build_server(session_for, replies=replies, scope=scope, version=VERSION)
         else:
-            tools, target = _send_tools(options), _upstream_target(options.upstream)
+            (tools, unfenced), target = _send_tools(options), _upstream_target(options.upstream)
             upstream = await stack.enter_async_context(Upstream(lambda: Client(target)))
             server = build_guard(
                 upstream,
@@ -198,6 +232,8 @@ async def run(options: argparse.Namespace) -> None:
                 session_for,
                 mailbox=options.mailbox,
                 scope=scope,
+                unfenced=unfenced,
+                allow_unfenced=options.unfenced_sends == "allow",
                 instructions=upstream.instructions,
             )
         await _serve(server, options, sessions)
