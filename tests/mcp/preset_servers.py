@@ -78,12 +78,27 @@ class FakeServer:
     """The server says the sent message's id, so the reply record has it."""
 
 
+CONFIRMATION = {
+    "confirm": {
+        "method": "elicitation/create",
+        "params": {
+            "mode": "form",
+            "message": "Send this email?",
+            "requestedSchema": {"type": "object", "properties": {}},
+        },
+    }
+}
+"""What a send tool asks before it sends, when it asks (2026-07-28: an ``input_required`` result)."""
+
+
 class Recorder:
-    """What a fake upstream sent; ``failing`` makes its send tools answer their failure instead."""
+    """What a fake upstream sent; ``failing`` makes its send tools answer their failure instead, ``confirming``
+    makes them ask the client to confirm first (sending only on the retry that carries the answer)."""
 
     def __init__(self) -> None:
         self.sends: list[dict[str, Any]] = []
         self.failing = False
+        self.confirming = False
 
     def server(self, fake: FakeServer) -> Server[Any]:
         tools = {tool.name: tool for tool in fake.tools}
@@ -97,9 +112,11 @@ class Recorder:
                 return _text(f"{tool.name}: nothing to send")
             if self.failing:
                 return tool.failed("the provider refused the recipient")
+            if self.confirming and not params.input_responses:
+                return {"resultType": "input_required", "inputRequests": CONFIRMATION}
             sent_id = f"sent-{len(self.sends) + 1}"
             self.sends.append({"tool": tool.name, "arguments": params.arguments or {}, "id": sent_id})
-            return tool.sent(sent_id)
+            return {**tool.sent(sent_id), "resultType": "complete"}  # dropped again on a handshake-era connection
 
         server: Server[Any] = Server(f"fake-{fake.preset}")
         server.add_request_handler("tools/list", types.PaginatedRequestParams, list_tools)

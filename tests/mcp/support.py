@@ -15,6 +15,7 @@ from inbox_claims import AsyncCoordinator
 from inbox_claims.mcp import AgentSession, NylasReplies, SendTool, Upstream, build_guard, build_server
 
 API_KEY = "nyk_v0_mcp_test_key"
+SERVER_INFO = "io.modelcontextprotocol/serverInfo"
 
 
 @contextlib.asynccontextmanager
@@ -48,11 +49,13 @@ async def guarded(
     *,
     ttl: int = 30,
     upstream_mode: str = "auto",
+    mode: str = "auto",
     **options: Any,
 ) -> AsyncIterator[Client]:
     """One agent session behind the guard, in front of ``upstream`` (in memory): its own upstream connection and
     coordinator client, as one guard process has. ``upstream_mode`` is the era the guard speaks upstream
-    (``legacy``: the initialize handshake, as the email MCP servers of 2025 do); ``options`` are ``build_guard``'s."""
+    (``legacy``: the initialize handshake, as the email MCP servers of 2025 do), ``mode`` the era its client
+    speaks to it; ``options`` are ``build_guard``'s."""
     async with (
         AsyncCoordinator(address, principal=principal) as coordinator,
         Upstream(lambda: Client(upstream, mode=upstream_mode)) as connection,
@@ -63,7 +66,7 @@ async def guarded(
             return session
 
         try:
-            async with Client(build_guard(connection, send_tools, session_for, **options)) as client:
+            async with Client(build_guard(connection, send_tools, session_for, **options), mode=mode) as client:
                 yield client
         finally:
             await session.close()
@@ -76,8 +79,11 @@ class Raw(BaseModel):
 
 
 async def raw(client: Client, request: Request[Any, Any]) -> dict[str, Any]:
-    """The server's result of ``request``, as it came."""
-    return (await client.session.send_request(request, Raw)).model_dump()
+    """The server's result of ``request``, as it came, but for the stamp that names the server answering (the
+    2026-07-28 protocol's ``serverInfo``): the guard's is its own, not its upstream's."""
+    result = (await client.session.send_request(request, Raw)).model_dump()
+    meta = {key: value for key, value in (result.pop("_meta", None) or {}).items() if key != SERVER_INFO}
+    return {**result, **({"_meta": meta} if meta else {})}
 
 
 async def raw_list(client: Client) -> dict[str, Any]:

@@ -66,6 +66,8 @@ _PASSED_THROUGH: dict[str, tuple[str, Callable[..., types.Request[Any, Any]], ty
 }
 
 
+_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+
 _CACHEABLE: tuple[CacheableMethod, ...] = (
     "tools/list",
     "prompts/list",
@@ -259,10 +261,17 @@ class Upstream:
     async def request(self, request: types.Request[Any, Any]) -> dict[str, Any]:
         """Sends ``request`` and answers the upstream's result as it came. A result of a server of the handshake
         era has no ``resultType``, which means "complete" (the 2026-07-28 protocol's own bridge): said, so that it
-        reaches a downstream client of either era (for one of the handshake era, the field is dropped again)."""
+        reaches a downstream client of either era (for one of the handshake era, the field is dropped again). The
+        ``serverInfo`` stamp a 2026-era server puts on each result names the upstream: it is left out."""
         client = await self._live()
         document = (await client.session.send_request(request, _Raw)).document()
         document.setdefault("resultType", "complete")
+        meta = document.get("_meta")
+        if isinstance(meta, dict) and _SERVER_INFO in meta:
+            # The upstream connection's stamp, not the result's: the guard's own goes on what it answers.
+            document["_meta"] = {key: value for key, value in meta.items() if key != _SERVER_INFO}
+            if not document["_meta"]:
+                del document["_meta"]
         return document
 
     async def list_tools(self, params: types.PaginatedRequestParams | None) -> dict[str, Any]:
