@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
+import signal
+import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from mcp import Client
@@ -11,10 +16,15 @@ from mcp.server import MCPServer, Server, ServerRequestContext
 from mcp.types import CallToolRequest, CallToolRequestParams, ListToolsRequest, Request, TextContent
 from pydantic import BaseModel, ConfigDict
 
-from inbox_claims import AsyncCoordinator
+from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.mcp import AgentSession, NylasReplies, SendTool, Upstream, build_guard, build_server
 
 API_KEY = "nyk_v0_mcp_test_key"
+REPO = Path(__file__).resolve().parents[2]
+TTL = 3
+"""The claim TTL of the command's processes in the tests (``--ttl``)."""
+FREE_BOUND_S = 2.0
+"""A claim frees within its TTL plus this (docs/design.md#leases-and-expiry: < 1 s bucket, ~0.5 s expiry check)."""
 SERVER_INFO = "io.modelcontextprotocol/serverInfo"
 
 
@@ -109,3 +119,28 @@ def text(result: Any) -> str:
     block = result.content[0]
     assert isinstance(block, TextContent), result
     return block.text
+
+
+def config_file(tmp_path: Path, name: str, address: str) -> Path:
+    """``inbox-claims-mcp``'s config file for principal ``name`` (its path also tells its process apart)."""
+    config = tmp_path / f"{name}.toml"
+    config.write_text(f'target = "{address}"\nprincipal = "{name}"\n')
+    return config
+
+
+async def state_of(address: str, subject: Subject) -> SubjectState:
+    """The subject's state, as an observer sees it."""
+    async with AsyncCoordinator(address, principal="observer") as coord:
+        return (await coord.status(subject)).state
+
+
+async def renewed_while_alive_then_freed_when_killed(address: str, subject: Subject, pid: int) -> None:
+    """The claim on ``subject``, held by process ``pid``, outlives its TTL while the process lives (renewed), and
+    frees within the TTL (plus the stated bound) once the process is killed with SIGKILL."""
+    await asyncio.sleep(TTL * 1.2)
+    assert await state_of(address, subject) is SubjectState.CLAIMED
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while await state_of(address, subject) is SubjectState.CLAIMED:
+        assert time.monotonic() - killed < TTL + FREE_BOUND_S, "the killed process's claim outlived its TTL"
+        await asyncio.sleep(0.1)

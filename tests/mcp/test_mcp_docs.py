@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from mcp import Client, StdioServerParameters
 
 from coordinator.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
-from tests.conftest import StartCoordinator
 from tests.mcp.fake_email import SEND_TOOL, Outbox
 from tests.mcp.support import API_KEY
 
@@ -39,17 +37,6 @@ def the_command() -> str:
     found = str(beside) if beside.exists() else shutil.which("inbox-claims-mcp")
     assert found, "inbox-claims-mcp is not installed (pip install -e '.[dev]')"
     return found
-
-
-@pytest.fixture
-async def server(start_coordinator: StartCoordinator) -> CoordinatorServer:
-    return await start_coordinator()
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeNylas]:
-    with FakeNylas(API_KEY) as nylas:
-        yield nylas
 
 
 def entry(document: dict[str, Any], name: str, address: str, **env: str) -> StdioServerParameters:

@@ -18,7 +18,6 @@ from coordinator.server import CoordinatorServer
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.mcp import SendTool
 from inbox_claims.mcp._presets import PRESETS
-from tests.conftest import StartCoordinator
 from tests.mcp import support
 from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox, fake_email_server
 from tests.mcp.preset_servers import FAKES, Recorder
@@ -38,11 +37,6 @@ def a_reply(mailbox: str, message_id: str, body: str = "It ships today.") -> dic
         "body": body,
         "reply_to_message_id": message_id,
     }
-
-
-@pytest.fixture
-async def server(start_coordinator: StartCoordinator) -> CoordinatorServer:
-    return await start_coordinator()
 
 
 def _requests(mailbox: str) -> list[types.Request[Any, Any]]:

@@ -15,14 +15,8 @@ from coordinator.server import CoordinatorServer
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.mcp._cli import main
 from inbox_claims.mcp._presets import PRESETS, UNPRESETTABLE, Preset
-from tests.conftest import StartCoordinator
 from tests.mcp.preset_servers import FAKES, FakeServer, Recorder
 from tests.mcp.support import guarded, text
-
-
-@pytest.fixture
-async def server(start_coordinator: StartCoordinator) -> CoordinatorServer:
-    return await start_coordinator()
 
 
 def behind(

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -185,22 +186,36 @@ def _upstream_target(words: Sequence[str]) -> StdioServerParameters | str:
     return StdioServerParameters(command=words[0], args=words[1:], env=dict(os.environ))
 
 
-async def _serve(server: Server[Any], options: argparse.Namespace, sessions: HttpSessions | None) -> None:
+def _listener(listen: str) -> socket.socket:
+    """The HTTP transport's listening socket: a wrong address or a port in use is a usage error, said plainly."""
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--listen {listen!r}: give HOST:PORT, e.g. 127.0.0.1:8765 (port 0: any free port)")
+    try:
+        return socket.create_server((host.strip("[]"), int(port)))
+    except OSError as error:
+        raise UsageError(f"cannot listen on {listen}: {error.strerror or error}") from None
+
+
+async def _serve(server: Server[Any], options: argparse.Namespace, sessions: HttpSessions) -> None:
     if options.transport == "stdio":
         async with stdio_server() as (read, write):
             await server.run(read, write, server.create_initialization_options())
         return
     import uvicorn
 
-    assert sessions is not None
-    host, _, port = options.listen.rpartition(":")
-    app = server.streamable_http_app(host=host)
-    config = uvicorn.Config(app, host=host, port=int(port), log_level="warning", lifespan="on")
+    listener = _listener(options.listen)
+    host, port = listener.getsockname()[:2]
+    app = server.streamable_http_app(host=options.listen.rpartition(":")[0].strip("[]"))
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
     sweeper = asyncio.create_task(sessions.sweep())
+    where = f"[{host}]" if ":" in host else host
+    print(f"inbox-claims-mcp: serving MCP on http://{where}:{port}/mcp", file=sys.stderr, flush=True)
     try:
-        await uvicorn.Server(config).serve()
+        await uvicorn.Server(config).serve(sockets=[listener])
     finally:
         sweeper.cancel()
+        listener.close()
 
 
 async def run(options: argparse.Namespace) -> None:
