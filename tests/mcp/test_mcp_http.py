@@ -21,7 +21,7 @@ from mcp import Client
 from coordinator.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
 from inbox_claims import Subject, SubjectState
-from tests.helpers import spawn, wait_for_line
+from tests.helpers import eventually, spawn, wait_for_line
 from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox
 from tests.mcp.support import (
     API_KEY,
@@ -120,27 +120,39 @@ async def test_two_http_sessions_racing_send_one_reply(
     assert "do not reply" in text(lost)
 
 
-async def test_an_http_session_idle_past_the_session_timeout_has_its_claims_released(
+async def test_an_http_session_closed_or_idle_past_the_session_timeout_has_its_claims_released(
     server: CoordinatorServer, mailbox: str, tmp_path: Path
 ) -> None:
     idle, busy = Subject.message(mailbox, "msg-idle"), Subject.message(mailbox, "msg-busy")
-    async with serving(tmp_path, server.address) as (_, url), sessions(url, 2, "legacy") as (sleeper, worker):
-        await sleeper.call_tool("claim_message", {"mailbox": mailbox, "message_id": idle.id})
-        await worker.call_tool("claim_message", {"mailbox": mailbox, "message_id": busy.id})
-        claimed = time.monotonic()
-        while await state_of(server.address, idle) is SubjectState.CLAIMED:
-            assert time.monotonic() - claimed < SESSION_TIMEOUT + TTL, "the idle session's claim was kept"
-            await worker.call_tool("who_is_answering", {"mailbox": mailbox})  # the other session stays busy
-            await asyncio.sleep(0.2)
-        released = time.monotonic() - claimed
-        still = await state_of(server.address, busy)
-        again = await sleeper.call_tool("claim_message", {"mailbox": mailbox, "message_id": idle.id})
+    left = Subject.message(mailbox, "msg-left")
+    async with serving(tmp_path, server.address) as (_, url):
+        async with Client(url, mode="legacy") as leaving:  # closing it ends its MCP session (a DELETE)
+            await leaving.call_tool("claim_message", {"mailbox": mailbox, "message_id": left.id})
+        closed = time.monotonic()
+        await eventually(lambda: is_free(server.address, left), within=SESSION_TIMEOUT / 2)
+        released_on_close = time.monotonic() - closed
+        async with sessions(url, 2, "legacy") as (sleeper, worker):
+            await sleeper.call_tool("claim_message", {"mailbox": mailbox, "message_id": idle.id})
+            await worker.call_tool("claim_message", {"mailbox": mailbox, "message_id": busy.id})
+            claimed = time.monotonic()
+            while await state_of(server.address, idle) is SubjectState.CLAIMED:
+                assert time.monotonic() - claimed < SESSION_TIMEOUT + TTL, "the idle session's claim was kept"
+                await worker.call_tool("who_is_answering", {"mailbox": mailbox})  # the other session stays busy
+                await asyncio.sleep(0.2)
+            released = time.monotonic() - claimed
+            still = await state_of(server.address, busy)
+            again = await sleeper.call_tool("claim_message", {"mailbox": mailbox, "message_id": idle.id})
     stopped = [await state_of(server.address, subject) for subject in (idle, busy)]
 
+    assert released_on_close < SESSION_TIMEOUT / 2  # at once, not by the idle timeout
     assert released >= SESSION_TIMEOUT
     assert still is SubjectState.CLAIMED  # a session in use keeps its claims (renewed past their TTL)
     assert outcome(again) == "granted"  # the idle client's next call starts a session of its own
     assert stopped == [SubjectState.FREE, SubjectState.FREE]  # SIGTERM: the server released what it held
+
+
+async def is_free(address: str, subject: Subject) -> bool:
+    return await state_of(address, subject) is SubjectState.FREE
 
 
 async def test_a_killed_http_server_frees_its_claims_within_the_ttl(

@@ -22,6 +22,7 @@ from typing import Any
 from mcp import Client, StdioServerParameters
 from mcp.server import Server, ServerRequestContext
 from mcp.server.stdio import stdio_server
+from starlette import types as asgi
 
 from .._async import AsyncCoordinator
 from .._settings import client_arguments
@@ -41,7 +42,8 @@ log = logging.getLogger("inbox_claims.mcp")
 
 class HttpSessions:
     """Over HTTP, one agent session per MCP session (its ``Mcp-Session-Id``); clients without sessions (the
-    2026 protocol) share one. A session idle for ``timeout`` seconds ends, and its claims are released."""
+    2026 protocol) share one. A session the client closes, or one idle for ``timeout`` seconds, ends, and its
+    claims are released."""
 
     def __init__(self, coordinator: AsyncCoordinator, *, ttl: int, timeout: float) -> None:
         self._coordinator = coordinator
@@ -54,7 +56,7 @@ class HttpSessions:
         headers = getattr(ctx.request, "headers", None) or {}
         key = headers.get("mcp-session-id", "")
         session = self._sessions.get(key)
-        if session is None:
+        if session is None or session.ended:  # one that is ending (its claims being released) takes no calls
             session = self._sessions[key] = AgentSession(self._coordinator, ttl=self._ttl, sent=self._sent)
         return session
 
@@ -64,8 +66,34 @@ class HttpSessions:
             now = time.monotonic()
             for key, session in list(self._sessions.items()):
                 if now - session.last_used >= self._timeout:
-                    del self._sessions[key]
-                    await session.close()
+                    await self.end(key)
+
+    async def end(self, key: str) -> None:
+        """The MCP session ``key`` ended (the client closed it, or it was idle too long): its claims are released."""
+        session = self._sessions.get(key)
+        if session is not None:
+            await session.close()  # still listed meanwhile: a shutdown that interrupts this releases the rest
+            if self._sessions.get(key) is session:
+                del self._sessions[key]
+
+    def ending_sessions(self, app: asgi.ASGIApp) -> asgi.ASGIApp:
+        """``app``, and when it ends an MCP session at the client's request (a DELETE it accepts), that session's
+        claims released before the client hears it is closed, as a stdio session's are when its client leaves."""
+
+        async def serve(scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
+            key = dict(scope.get("headers") or ()).get(b"mcp-session-id", b"").decode("latin-1")
+            if scope["type"] != "http" or scope["method"] != "DELETE" or not key:
+                await app(scope, receive, send)
+                return
+
+            async def releasing_first(message: asgi.Message) -> None:
+                if message["type"] == "http.response.start" and message["status"] < 300:
+                    await self.end(key)
+                await send(message)
+
+            await app(scope, receive, releasing_first)
+
+        return serve
 
     async def close(self) -> None:
         for session in list(self._sessions.values()):
@@ -206,7 +234,7 @@ async def _serve(server: Server[Any], options: argparse.Namespace, sessions: Htt
 
     listener = _listener(options.listen)
     host, port = listener.getsockname()[:2]
-    app = server.streamable_http_app(host=options.listen.rpartition(":")[0].strip("[]"))
+    app = sessions.ending_sessions(server.streamable_http_app(host=options.listen.rpartition(":")[0].strip("[]")))
     config = uvicorn.Config(app, log_level="warning", lifespan="on")
     sweeper = asyncio.create_task(sessions.sweep())
     where = f"[{host}]" if ":" in host else host
