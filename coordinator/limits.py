@@ -18,6 +18,9 @@ SENT_MESSAGE_ID_MAX_BYTES = 512
 SUMMARY_SUBJECT_LINE_MAX_BYTES = 512  # RFC 5322 allows 998 per line; a row on a screen shows far less
 SUMMARY_SENDER_MAX_BYTES = 512  # a display name and an address (at most 254)
 PAGE_SIZE_DEFAULT = 100
+# A ListClaims page token: the longest one issued (a mailbox and an id at their limits, JSON-escaped, in base64)
+# is under 3.4 KB; anything longer was not issued here and is refused before it is decoded.
+PAGE_TOKEN_MAX_BYTES = 4096
 PAGE_SIZE_MAX = 1000
 
 
