@@ -372,8 +372,21 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("tls_cert", _optional_path, None, "serve gRPC over TLS with this certificate chain (PEM)", "FILE"),
     Setting("tls_key", _optional_path, None, "the private key of tls_cert (PEM)", "FILE"),
-    Setting("tls_client_ca", _optional_path, None, "verify client certificates against this CA (PEM)", "FILE"),
-    Setting("require_client_cert", _boolean, False, "mTLS: refuse connections without a valid client certificate"),
+    Setting(
+        "tls_client_ca",
+        _optional_path,
+        None,
+        "mTLS: ask every client (gRPC and HTTP) for a certificate and verify it against this CA (PEM); its names "
+        "can map to principals. Needs require_client_cert",
+        "FILE",
+    ),
+    Setting(
+        "require_client_cert",
+        _boolean,
+        False,
+        "mTLS: refuse connections without a valid client certificate (with tls_client_ca: gRPC cannot ask for an "
+        "optional one)",
+    ),
     Setting(
         "allow_plaintext",
         _boolean,
@@ -677,6 +690,15 @@ def _check(config: Config) -> None:
         fail("verifying client certificates needs TLS: give tls_cert and tls_key too", "tls_client_ca")
     if config.require_client_cert and config.tls_client_ca is None:
         fail("requiring client certificates needs tls_client_ca", "require_client_cert")
+    if config.tls_client_ca is not None and not config.require_client_cert:
+        fail(
+            "a client CA is only used with require_client_cert = true: gRPC (grpcio) asks every client for a "
+            "certificate or none, never optionally, so without it no certificate would ever be seen and a mapped "
+            "one would get UNAUTHENTICATED. Set require_client_cert (every client presents a certificate), or "
+            "leave tls_client_ca out (bearer tokens only)",
+            "tls_client_ca",
+            "require_client_cert",
+        )
     if config.tls_cert is None and not config.allow_plaintext and not is_loopback(parse_host_port(config.listen)[0]):
         fail(
             "serving without TLS on a non-loopback address: give tls_cert and tls_key, or allow_plaintext when a "

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
 import json
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -37,6 +39,7 @@ from inbox_claims._wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 
 from ._encoded import Encoded
 from .http_guard import (
+    CERTIFICATE_NAMES,
     GuardedHttpProtocol,
     HostPolicy,
     HttpGuardSettings,
@@ -98,9 +101,18 @@ class HttpCall:
     """What the servicer and the observer read of a gRPC call, taken from an HTTP request: its headers as
     metadata (lower-case names, as gRPC gives them), its peer, and the status it was aborted with."""
 
-    def __init__(self, metadata: tuple[tuple[str, str], ...], peer: str, request: Any, *, stream: bool = False) -> None:
+    def __init__(
+        self,
+        metadata: tuple[tuple[str, str], ...],
+        peer: str,
+        request: Any,
+        *,
+        stream: bool = False,
+        certificate_names: tuple[str, ...] = (),
+    ) -> None:
         self._metadata = metadata  # names in lower case
         self._peer = peer
+        self._certificate_names = certificate_names
         self._request = request
         self._code: grpc.StatusCode | None = None
         self._details = ""
@@ -126,7 +138,10 @@ class HttpCall:
         return self._metadata
 
     def auth_context(self) -> Mapping[str, Iterable[bytes]]:
-        return {}  # no client certificates over HTTP: a token or (development mode) the principal headers
+        """The verified client certificate's names (mTLS), as gRPC's auth context has them."""
+        if not self._certificate_names:
+            return {}
+        return {"x509_subject_alternative_name": [name.encode() for name in self._certificate_names]}
 
     def peer(self) -> str:
         return self._peer
@@ -205,9 +220,27 @@ def _checked(metadata: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ..
     return metadata
 
 
+# The client certificate's names of the request being served, for the calls connect-python runs (its request
+# context has no scope); set by the application for each request, in the request's own task.
+_REQUEST_CERTIFICATE_NAMES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "inbox_coordinator_http_certificate_names", default=()
+)
+
+
+def _certificate_names(scope: dict[str, Any]) -> tuple[str, ...]:
+    names: tuple[str, ...] = scope.get("extensions", {}).get("tls", {}).get(CERTIFICATE_NAMES, ())
+    return names
+
+
 def _call_of(ctx: RequestContext[Any, Any], request: Any, *, stream: bool = False) -> HttpCall:
     metadata = _checked(tuple((name.lower(), value) for name, value in ctx.request_headers().allitems()))
-    return HttpCall(metadata, f"http:{ctx.client_address() or '?'}", request, stream=stream)
+    return HttpCall(
+        metadata,
+        f"http:{ctx.client_address() or '?'}",
+        request,
+        stream=stream,
+        certificate_names=_REQUEST_CERTIFICATE_NAMES.get(),
+    )
 
 
 class ConnectFace:
@@ -335,6 +368,7 @@ def build_app(
             receive = replay
         else:
             receive = bounded.receive
+        _REQUEST_CERTIFICATE_NAMES.set(_certificate_names(scope))
         await connect(cast(Any, _utf8_headers(scope)), cast(Any, receive), cast(Any, bounded.send))
 
     return app
@@ -514,7 +548,12 @@ class _UnaryJson:
         client = scope.get("client")
         try:
             request = _JSON.decode(await self._body(receive), request_type())
-            call = HttpCall(_checked(headers), f"http:{client[0]}:{client[1]}" if client else "http:?", request)
+            call = HttpCall(
+                _checked(headers),
+                f"http:{client[0]}:{client[1]}" if client else "http:?",
+                request,
+                certificate_names=_certificate_names(scope),
+            )
             try:
                 answer = _JSON.encode(await inner(request, call))
             except grpc.aio.AbortError:
@@ -678,6 +717,7 @@ class HttpFace:
         *,
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
+        ssl_client_ca: str | None = None,
         guard: HttpGuardSettings | None = None,
         reporter: Reporter | None = None,
     ) -> None:
@@ -696,6 +736,9 @@ class HttpFace:
             proxy_headers=False,  # the peer logged is the connection's; X-Forwarded-For is anyone's to write
             ssl_certfile=ssl_certfile,
             ssl_keyfile=ssl_keyfile,
+            # mTLS as on the gRPC port: with a client CA every client presents a certificate it signed.
+            ssl_ca_certs=ssl_client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_client_ca else ssl.CERT_NONE,
             timeout_graceful_shutdown=1,
         )
         self._server = _EmbeddedServer(self._config)

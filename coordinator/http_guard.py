@@ -33,7 +33,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -192,10 +192,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refused = False
         self._answering = False  # the request is in; its answer is being written
         self._idle = False  # answered, and nothing of the next request came yet
+        self._certificate_names: tuple[str, ...] = ()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._certificate_names = certificate_names(transport.get_extra_info("peercert"))
         self._await_head()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._certificate_names:
+            cast(dict[str, Any], self.scope)["extensions"] = {"tls": {CERTIFICATE_NAMES: self._certificate_names}}
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
@@ -299,6 +306,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.cycle.keep_alive = False
         if not linger:
             self.transport.close()
+
+
+# Where a request's scope carries the verified client certificate's names (mTLS), for authentication.
+CERTIFICATE_NAMES = "certificate_names"
+
+
+def certificate_names(peercert: Any) -> tuple[str, ...]:
+    """A verified client certificate's common names and DNS names (what gRPC's auth context gives)."""
+    if not peercert:
+        return ()
+    names = [value for rdn in peercert.get("subject", ()) for key, value in rdn if key == "commonName"]
+    names += [value for kind, value in peercert.get("subjectAltName", ()) if kind == "DNS"]
+    return tuple(dict.fromkeys(names))
 
 
 # --- connections: accepted here, counted, capped -------------------------------------------------------------
@@ -442,10 +462,13 @@ class Listener:
                 ssl=self._ssl,
                 ssl_handshake_timeout=self._handshake_timeout_s if self._ssl is not None else None,
             )
-        except (OSError, ssl.SSLError, TimeoutError, ConnectionError):
+        except (OSError, TimeoutError) as error:  # ssl.SSLError and ConnectionError are OSErrors too
             # The handshake failed or timed out (the transport closed the socket): no protocol ever saw it.
             connection.close()
             release()
+            if self._ssl is not None:
+                why = getattr(error, "reason", None) or str(error) or type(error).__name__
+                self._reporter.refusal("tls_handshake_failed", f"TLS handshake refused: {why}")
         except asyncio.CancelledError:
             connection.close()
             release()

@@ -235,6 +235,7 @@ class CoordinatorServer:
                 settings.http_listen,
                 ssl_certfile=str(tls.cert_file) if tls is not None else None,
                 ssl_keyfile=str(tls.key_file) if tls is not None else None,
+                ssl_client_ca=str(tls.client_ca_file) if tls is not None and tls.client_ca_file is not None else None,
                 guard=HttpGuardSettings(
                     header_timeout_s=settings.http_header_timeout_s,
                     body_timeout_s=settings.request_timeout_s,
