@@ -181,11 +181,15 @@ async def test_a_dns_rebinding_page_in_chromium_can_neither_read_nor_take_a_clai
         assert coordinator.metric('inbox_coordinator_http_refusals_total{reason="host_not_allowed"}') >= 3
 
 
-def _curl(*args: str) -> tuple[int, str]:
+def _curl(*args: str, data: bytes | None = None) -> tuple[int, str]:
+    """curl's status and body; ``data`` is sent as the body (``--data-binary @-``), as it is."""
     curl = shutil.which("curl")
     assert curl is not None, "curl is needed (apt-get install curl; .ci/run installs it)"
-    done = subprocess.run([curl, "-s", "-o", "-", "-w", "\n%{http_code}", *args], capture_output=True, text=True)
-    body, _, code = done.stdout.rpartition("\n")
+    stdin = ["--data-binary", "@-"] if data is not None else []
+    done = subprocess.run(
+        [curl, "-s", "-o", "-", "-w", "\n%{http_code}", *args, *stdin], input=data, capture_output=True, check=False
+    )
+    body, _, code = done.stdout.decode().rpartition("\n")
     return int(code), body
 
 
@@ -401,15 +405,8 @@ async def test_a_body_over_the_limit_is_413_chunked_or_not_and_a_malformed_watch
         request = json.dumps({"mailbox": "box"}).encode()
         stream_headers = ["-H", "content-type: application/connect+json", "-H", "x-inbox-principal: ana"]
         for body in (request, struct.pack(">BI", 0, len(request) + 9) + request):  # no envelope; a wrong length
-            with_chunks = ["-H", "transfer-encoding: chunked", "--data-binary", "@-"]
-            done = subprocess.run(  # noqa: ASYNC221 - a curl of its own, the coordinator is another process
-                [shutil.which("curl") or "curl", "-s", "-w", "\n%{http_code}", watch, *stream_headers, *with_chunks],
-                input=body,
-                capture_output=True,
-                check=False,
-            )
-            text, _, code = done.stdout.decode().rpartition("\n")
-            assert code == "400", text
+            code, text = _curl(watch, *stream_headers, "-H", "transfer-encoding: chunked", data=body)
+            assert code == 400, text
             assert "not one Connect envelope" in json.loads(text)["message"]
         # One envelope, chunked: the stream starts with its snapshot.
         enveloped = struct.pack(">BI", 0, len(request)) + request
@@ -440,6 +437,14 @@ async def test_principal_headers_and_page_tokens_over_http_are_checked_as_over_g
             assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
             assert b"x-inbox-principal header" in answer
             assert b"printable ASCII" in answer
+        # A body that is not the protobuf it says it is: the caller's error, not the server's.
+        code, text = _curl(
+            f"http://{coordinator.http}{API}GetCaller",
+            *("-H", "content-type: application/proto", "-H", "x-inbox-principal: ana"),
+            data=b"\xff\xff\xff",
+        )
+        assert code == 400, text
+        assert json.loads(text)["code"] == "invalid_argument"
         nested = "v1:" + base64.urlsafe_b64encode(b"[" * 1400 + b"]" * 1400).decode()
         code, body = _curl(
             f"http://{coordinator.http}{API}ListClaims",
