@@ -481,6 +481,8 @@ class _BoundedBody:
 
 _DISCONNECT = {"type": "http.disconnect"}
 _ENVELOPE_HEADER = 5  # Connect's stream framing: a flags byte and a 4-byte big-endian length
+# The stream protocols connect-python speaks, each framing its messages that way (gRPC-Web too).
+_ENVELOPED_TYPES = (b"application/connect+", b"application/grpc-web", b"application/grpc")
 
 
 async def _one_envelope(
@@ -500,7 +502,7 @@ async def _one_envelope(
     data = b"".join(chunks)
     content_type = next((value for name, value in scope["headers"] if name == b"content-type"), b"")
     problem = None
-    if not content_type.startswith(b"application/connect+"):
+    if not content_type.startswith(_ENVELOPED_TYPES):
         problem = (
             f"a stream's request has Content-Type application/connect+json (or +proto), not "
             f"{content_type.decode('latin-1') or 'none'}"
