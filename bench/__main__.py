@@ -1,5 +1,5 @@
 """python -m bench {claims,contended,dedup,cycle,watch,slow-watchers,http,http-attacks,list-claims,memory,embedded-db,
-profile,all} [options]; each --help says more.
+mcp,profile,all} [options]; each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
 temporary directory, measures a baseline in the same run, and prints ratios against it.
@@ -13,7 +13,7 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims, embedded_db, http, http_attacks, listing, memory, profile, slow_watchers, watch
+from . import calls, claims, embedded_db, http, http_attacks, listing, mcp, memory, profile, slow_watchers, watch
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -74,6 +74,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         embedded_db.add_arguments,
         embedded_db.run,
     ),
+    "mcp": (
+        "a send tool called through the MCP guard (claim, BeginSend, the call, ConfirmSent) vs called directly",
+        mcp.add_arguments,
+        mcp.run,
+    ),
     "profile": (
         "py-spy profile of the coordinator under ClaimReply load: where its CPU goes",
         profile.add_arguments,
@@ -98,6 +103,7 @@ QUICK: dict[str, list[str]] = {
         *("--hold", "1", "--held", "20"),
     ],
     "list-claims": ["--subjects", "300", "--sending", "3", "--rounds", "1"],
+    "mcp": ["--sends", "20", "--rounds", "1"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
 

@@ -30,7 +30,7 @@ import shutil
 import sys
 import tomllib
 import unicodedata
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -88,14 +88,26 @@ class UsageError(Exception):
 # -------------------------------------------------------------------------------------------- settings
 
 
-def config_path(explicit: str | None) -> tuple[Path, bool]:
-    """The config file to read, and whether it must exist (named by --config or $INBOXCTL_CONFIG)."""
+@dataclasses.dataclass(frozen=True)
+class ConfigFile:
+    """Where a command looks for its TOML settings file: the file its variable names, else ``name`` in
+    ``$XDG_CONFIG_HOME`` (``~/.config``). The keys are the ``SETTINGS`` names for every command."""
+
+    env: str
+    name: str
+
+
+INBOXCTL_CONFIG = ConfigFile("INBOXCTL_CONFIG", "inboxctl.toml")
+
+
+def config_path(explicit: str | None, file: ConfigFile = INBOXCTL_CONFIG) -> tuple[Path, bool]:
+    """The config file to read, and whether it must exist (named by --config or by its variable)."""
     if explicit:
         return Path(explicit).expanduser(), True
-    if os.environ.get("INBOXCTL_CONFIG"):
-        return Path(os.environ["INBOXCTL_CONFIG"]).expanduser(), True
+    if os.environ.get(file.env):
+        return Path(os.environ[file.env]).expanduser(), True
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "inboxctl.toml", False
+    return Path(base) / file.name, False
 
 
 def read_config(path: Path, required: bool) -> dict[str, Any]:
@@ -114,9 +126,17 @@ def read_config(path: Path, required: bool) -> dict[str, Any]:
     return document
 
 
-def resolve_settings(options: argparse.Namespace) -> dict[str, Any]:
-    """Each setting from the flag, else the environment, else the config file, else its default."""
-    file = read_config(*config_path(getattr(options, "config", None)))
+def resolve_settings(
+    options: argparse.Namespace,
+    *,
+    file: ConfigFile = INBOXCTL_CONFIG,
+    defaults: Mapping[str, Any] | None = None,
+    login_name: bool = True,
+) -> dict[str, Any]:
+    """Each setting from the flag, else the environment, else the config file, else its default (``defaults``
+    overrides ``SETTINGS``' own). ``login_name``: without a principal or a token, the login name is the principal
+    (a person at a terminal); otherwise the principal stays unset."""
+    document = read_config(*config_path(getattr(options, "config", None), file))
     resolved: dict[str, Any] = {}
     for setting in SETTINGS:
         flag = getattr(options, setting.name, None)
@@ -126,11 +146,11 @@ def resolve_settings(options: argparse.Namespace) -> dict[str, Any]:
         elif env is not None and env != "":
             value = env
         else:
-            value = file.get(setting.name, setting.default)
+            value = document.get(setting.name, (defaults or {}).get(setting.name, setting.default))
         resolved[setting.name] = value
     if resolved["kind"] not in ("agent", "human"):
         raise UsageError(f"kind must be 'agent' or 'human', not {resolved['kind']!r}")
-    if resolved["principal"] is None and resolved["token"] is None:
+    if login_name and resolved["principal"] is None and resolved["token"] is None:
         resolved["principal"] = getpass.getuser()
     return resolved
 
@@ -644,21 +664,35 @@ def _quote(text: str) -> str:
 
 
 def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
-    """The connection options, accepted before and after the command (``argparse.SUPPRESS`` keeps a value
-    given before the command from being reset by the subcommand's default)."""
+    """The connection options and ``--json``, accepted before and after the command (``argparse.SUPPRESS`` keeps
+    a value given before the command from being reset by the subcommand's default)."""
+    connection_options(parser, top=top)
+    parser.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS, help="JSON output")
+
+
+def connection_options(
+    parser: argparse.ArgumentParser,
+    *,
+    top: bool = True,
+    file: ConfigFile = INBOXCTL_CONFIG,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """The flags of ``SETTINGS`` and ``--config`` (``defaults``: the defaults shown where they differ)."""
     default = None if top else argparse.SUPPRESS
     group = parser.add_argument_group("connection (flags > environment > config file)")
     for setting in SETTINGS:
         flag = "--" + setting.name.replace("_", "-")
-        help_text = f"{setting.help} [${setting.env}]"
+        help_text = setting.help
+        if defaults and setting.name in defaults:
+            help_text = help_text.split(" (default")[0] + f" (default {defaults[setting.name]})"
+        help_text = f"{help_text} [${setting.env}]"
         if setting.name == "tls":
             group.add_argument(flag, action="store_const", const=True, default=default, help=help_text)
         elif setting.name == "kind":
             group.add_argument(flag, choices=("agent", "human"), default=default, help=help_text)
         else:
             group.add_argument(flag, metavar=setting.name.upper(), default=default, help=help_text)
-    group.add_argument("--config", metavar="FILE", default=default, help="TOML config file [$INBOXCTL_CONFIG]")
-    parser.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS, help="JSON output")
+    group.add_argument("--config", metavar="FILE", default=default, help=f"TOML config file [${file.env}]")
 
 
 def _subject_arguments(parser: argparse.ArgumentParser) -> None:
