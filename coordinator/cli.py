@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import resource
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -44,6 +45,7 @@ from .etcd_process import (
     is_broken_version,
     version_tuple,
 )
+from .http_guard import DESCRIPTOR_RESERVE, raise_descriptor_limit
 from .server import SERVICE_NAME, CoordinatorServer, ServerSettings, wall_clock_ms
 from .store import EtcdStore
 
@@ -208,6 +210,10 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
         http_listen=config.http_address,
         # The default port may be taken by another development coordinator: then there is no HTTP face.
         http_optional=config.origin("http_listen") == "default",
+        http_header_timeout_s=config.http_header_timeout,
+        http_idle_timeout_s=config.http_idle_timeout,
+        http_max_connections=config.http_max_connections,
+        http_allowed_hosts=config.http_allowed_hosts,
     )
 
 
@@ -226,9 +232,16 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
         print(f"inbox-coordinator: metrics on http://{server.metrics_server.address}/metrics", flush=True)
     if server.http is not None:
         scheme = "https" if settings.tls is not None else "http"
+        cap = server.http.connection_cap
+        lowered = (
+            f", lowered from {settings.http_max_connections} to keep {DESCRIPTOR_RESERVE} of the process's "
+            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} descriptors for gRPC and etcd"
+            if cap < settings.http_max_connections
+            else ""
+        )
         print(
             f"inbox-coordinator: claims board on {scheme}://{server.http.address}/ "
-            f"(HTTP/JSON API under /{SERVICE_NAME}/)",
+            f"(HTTP/JSON API under /{SERVICE_NAME}/; at most {cap} connections{lowered})",
             flush=True,
         )
     log.info(
@@ -289,6 +302,7 @@ def serve(options: argparse.Namespace) -> int:
     config = _load(options)
     if config is None:
         return EXIT_CONFIG
+    raise_descriptor_limit()  # before the embedded etcd starts: it inherits the limit too
     if config.tls_cert is not None:
         tls_log.capture_handshake_failures()  # before the log set-up: it moves sys.stderr
     logs.setup(config.log_level, config.log_format)

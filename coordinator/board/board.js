@@ -259,6 +259,20 @@ function cell(tr, className, text) {
   return td;
 }
 
+// Text from outside (an email's subject line and sender, ids, names, notes) is shown without the characters
+// that change how text is shown without being seen (bidirectional overrides, isolates and marks, zero-width
+// spaces: "Invoice \u202Egnp.exe" would read "Invoice exe.png"), as the coordinator stores it since it drops
+// them (proto: MessageSummary); older records may still have them. Joiners stay (emoji, Persian, Indic).
+const INVISIBLE = /(?![\u200c\u200d])[\p{Cf}\u2028\u2029]/gu;
+function plain(text) { return (text || "").replace(INVISIBLE, ""); }
+
+// Each piece in an isolate of its own (<bdi>): a right-to-left subject line cannot reorder what is beside it.
+function isolated(text) {
+  const bdi = document.createElement("bdi");
+  bdi.textContent = plain(text);
+  return bdi;
+}
+
 function render(row) {
   const { status, tr } = row;
   const now = Date.now();
@@ -269,16 +283,18 @@ function render(row) {
   const summary = status.summary || {};
   const subject = document.createElement("div");
   subject.className = "subject";
-  subject.textContent = summary.subjectLine || "(no subject given)";
+  subject.append(summary.subjectLine ? isolated(summary.subjectLine) : "(no subject given)");
   const sender = document.createElement("div");
   sender.className = "sender";
-  const where = `${status.subject.kind === "SUBJECT_KIND_THREAD" ? "conversation" : "message"} ${status.subject.id}` +
-    (session.mailboxes.length > 1 ? ` in ${status.subject.mailbox}` : "");
-  sender.textContent = [summary.sender, summary.receivedAt ? clock(when(summary.receivedAt)) : "", where].filter(Boolean).join(" · ");
+  const where = `${status.subject.kind === "SUBJECT_KIND_THREAD" ? "conversation" : "message"} ${plain(status.subject.id)}` +
+    (session.mailboxes.length > 1 ? ` in ${plain(status.subject.mailbox)}` : "");
+  const pieces = [summary.sender, summary.receivedAt ? clock(when(summary.receivedAt)) : "", where].filter(Boolean);
+  pieces.forEach((piece, index) => sender.append(...(index ? [" · "] : []), isolated(piece)));
   email.title = where;
   email.append(subject, sender);
-  cell(tr, "what", whatIsHappening(status));
-  const who = cell(tr, "holder", status.holder);
+  cell(tr, "what", plain(whatIsHappening(status)));
+  const who = cell(tr, "holder");
+  who.append(isolated(status.holder));
   const kind = document.createElement("div");
   kind.className = "kind";
   kind.textContent = isAgent(status) ? "agent" : "person";
@@ -287,7 +303,7 @@ function render(row) {
   const left = timeLeft(status, now);
   const leftCell = cell(tr, "left" + (left.soon ? " soon" : ""), left.text);
   leftCell.setAttribute("aria-label", left.text ? "time left: " + left.text : "");
-  cell(tr, "note", status.note || "");
+  cell(tr, "note").append(isolated(status.note));
   const actions = cell(tr, "actions");
   const { offered, why } = actionsFor(status);
   for (const [label, run] of offered) {

@@ -40,6 +40,7 @@ from ._guard import (
     Scope,
 )
 from ._proto import coordinator_pb2_grpc as pb_grpc
+from ._types import MessageSummary
 
 __all__ = ["AsyncClaim", "AsyncCoordinator"]
 
@@ -216,6 +217,7 @@ class AsyncCoordinator(ClientBase):
         scope: Scope = "message",
         ttl: int = 60,
         note: str = "",
+        summary: MessageSummary | None = None,
         on_lost: Callable[[AsyncClaim], object] | None = None,
         cancel_on_loss: bool = False,
     ) -> AsyncClaim:
@@ -232,8 +234,9 @@ class AsyncCoordinator(ClientBase):
 
         ``notification``: what the handler has, the raw body, the decoded event or a parsed notification.
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
-        (or replace it: ``reply_to(mailbox=..., message_id=...)``). A notification about a message the mailbox
-        sent (in a sent folder, or from one of its own addresses: the client's ``sent_folders`` and
+        (or replace it: ``reply_to(mailbox=..., message_id=...)``); ``summary`` (which email it is, shown to the
+        people watching) overrides the one read from the notification. A notification about a message the
+        mailbox sent (in a sent folder, or from one of its own addresses: the client's ``sent_folders`` and
         ``mailbox_addresses``) is never claimed: entering reports it with RecordOutgoing, logs one line and
         raises :class:`OutgoingMessage`.
         """
@@ -247,6 +250,7 @@ class AsyncCoordinator(ClientBase):
             scope=scope,
             ttl=ttl,
             note=note,
+            summary=summary,
         )
         return AsyncClaim(self, state, on_lost, cancel_on_loss)
 

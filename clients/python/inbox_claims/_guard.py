@@ -270,6 +270,7 @@ class GuardState:
         scope: Scope,
         ttl: int,
         note: str,
+        summary: MessageSummary | None = None,
     ) -> GuardState:
         """The state of ``reply_to``'s claim (both clients): the subject to claim, the notification id to dedup on
         and the summary, from one decoding of the notification and/or explicit ids.
@@ -306,7 +307,7 @@ class GuardState:
             subject = Subject.thread(mailbox, thread_id)
         else:
             raise ValueError(f"scope must be 'message' or 'thread', not {scope!r}")
-        summary = summary_of(notification)
+        summary = summary or summary_of(notification)
         state = cls(
             core,
             subject,

@@ -40,6 +40,7 @@ from ._guard import (
     Scope,
 )
 from ._proto import coordinator_pb2_grpc as pb_grpc
+from ._types import MessageSummary
 
 __all__ = ["Claim", "Coordinator"]
 
@@ -233,6 +234,7 @@ class Coordinator(ClientBase):
         scope: Scope = "message",
         ttl: int = 60,
         note: str = "",
+        summary: MessageSummary | None = None,
         on_lost: Callable[[Claim], object] | None = None,
     ) -> Claim:
         """A guarded claim on the message a notification is about; use it as ``with coord.reply_to(n) as claim``.
@@ -246,9 +248,10 @@ class Coordinator(ClientBase):
 
         ``notification``: what the handler has, the raw body, the decoded event or a parsed notification.
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
-        (or replace it: ``reply_to(mailbox=..., message_id=...)``). A notification about a message the mailbox
-        sent is never claimed: entering reports it with RecordOutgoing and raises :class:`OutgoingMessage`
-        (see :meth:`AsyncCoordinator.reply_to`).
+        (or replace it: ``reply_to(mailbox=..., message_id=...)``); ``summary`` (which email it is, shown to the
+        people watching) overrides the one read from the notification. A notification about a message the
+        mailbox sent is never claimed: entering reports it with RecordOutgoing and raises
+        :class:`OutgoingMessage` (see :meth:`AsyncCoordinator.reply_to`).
         """
         state = GuardState.for_reply(
             self._core,
@@ -260,6 +263,7 @@ class Coordinator(ClientBase):
             scope=scope,
             ttl=ttl,
             note=note,
+            summary=summary,
         )
         return Claim(self, state, on_lost)
 
