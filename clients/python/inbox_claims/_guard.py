@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import enum
 import logging
+import sys
 import threading
 import time
 import unicodedata
@@ -53,6 +54,33 @@ from ._types import (
 )
 
 log = logging.getLogger("inbox_claims")
+
+
+class _Stderr(logging.Handler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (a server or a test may have replaced it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
+
+
+# Under uvicorn or gunicorn, which configure only their own loggers, an app that set up no logging would never see
+# a refusal: they are INFO, and Python's last resort shows WARNING and up. So while nothing would take a record of
+# the inbox_claims logger (no handler on it or above, its level not set), a refusal line goes to stderr anyway;
+# once the app configures logging, or sets this logger's level, that decides.
+_UNCONFIGURED = _Stderr()
+_UNCONFIGURED.setFormatter(logging.Formatter("%(levelname)s:%(name)s: %(message)s"))
+
+
+def log_refusal(message: str, *args: object) -> None:
+    """An absorbed refusal's one INFO line, shown even where the app configured no logging."""
+    if log.level == logging.NOTSET and not log.hasHandlers():
+        _UNCONFIGURED.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, message, args, None))
+    else:
+        log.info(message, *args)
+
 
 Scope = Literal["message", "thread"]
 
@@ -151,7 +179,7 @@ class ReplyPolicy:
     @staticmethod
     def refused(notification: Notification, refusal: Exception) -> None:
         """The one log line of an absorbed refusal."""
-        log.info(
+        log_refusal(
             "not replying to message %s (notification %s): %s",
             notification.message_id,
             notification.notification_id,
