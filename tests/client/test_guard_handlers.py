@@ -74,7 +74,8 @@ def test_the_handlers_type_check_with_mypy_strict(tmp_path: Path) -> None:
 
 def _refusal_output(setup: str) -> str:
     """What a process that configured its logging with ``setup`` prints for one absorbed refusal."""
-    code = f"import logging\n{setup}\nfrom inbox_claims._guard import log_refusal\nlog_refusal('not replying to %s', 'm-1')"
+    refusal = "from inbox_claims._guard import log_refusal\nlog_refusal('not replying to %s', 'm-1')"
+    code = f"import logging\n{setup}\n{refusal}"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
     return result.stdout + result.stderr
 
