@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import json
 import logging
 import socket
@@ -473,6 +474,11 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
+# A development coordinator whose default HTTP port is taken (another coordinator, or any program, on this
+# machine) serves on the next free one of these, said plainly in its banner, rather than without a board.
+FALLBACK_PORTS = 9
+
+
 class HttpFace:
     """Serves ``build_app`` on ``host:port`` with uvicorn, on the running event loop."""
 
@@ -495,23 +501,42 @@ class HttpFace:
         )
         self._server = _EmbeddedServer(config)
         self._socket: socket.socket | None = None
+        # The port asked for, when it was taken and start(fall_back=True) served on another one.
+        self.taken_port: int | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
+    async def start(self, *, fall_back: bool = False) -> None:
+        """Binds and serves. ``fall_back``: when the port is taken, the next :data:`FALLBACK_PORTS` ports are
+        tried, then any free one (:attr:`taken_port` says which was asked for)."""
         # Bound here, not by uvicorn, whose bind failure is a SystemExit that would end the whole process.
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        self._socket = socket.create_server((self._host, self._port), family=family)
+        candidates = [self._port]
+        if fall_back and self._port:
+            candidates += [*range(self._port + 1, min(self._port + 1 + FALLBACK_PORTS, 65536)), 0]
+        bound = self._bind(family, candidates)
+        self.taken_port = self._port if bound.getsockname()[1] != self._port and self._port else None
+        self._socket = bound
         # No Nagle delay on the connections it accepts (Linux copies the option to them): asyncio sets it only on
         # sockets made with proto IPPROTO_TCP, which create_server's are not, and uvicorn writes an answer's
         # head and body apart, so the body waited for the client's delayed ACK: 40 ms per call on a kept-alive
         # connection (docs/performance.md#the-httpjson-face-python--m-bench-http).
-        self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="http face")
+        bound.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._task = asyncio.create_task(self._server.serve(sockets=[bound]), name="http face")
         while not self._server.started:
             if self._task.done():
                 self._task.result()
                 raise OSError("the HTTP face stopped before it started")
             await asyncio.sleep(0.01)
+
+    def _bind(self, family: socket.AddressFamily, ports: list[int]) -> socket.socket:
+        """A listening socket on the first of ``ports`` that is free; only a taken port moves on to the next."""
+        for port in ports[:-1]:
+            try:
+                return socket.create_server((self._host, port), family=family)
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    raise
+        return socket.create_server((self._host, ports[-1]), family=family)
 
     @property
     def address(self) -> str:

@@ -176,6 +176,8 @@ class CoordinatorServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {settings.listen}: the address is taken or not local")
         self.http: HttpFace | None = None
+        # Why an optional HTTP face is not served (its default port and the fallbacks all failed), for the banner.
+        self.http_problem = ""
         if settings.http_listen:
             app = build_app(self.servicer, observer, max_message_bytes=settings.max_message_bytes, board_dir=BOARD_DIR)
             tls = settings.tls
@@ -215,12 +217,14 @@ class CoordinatorServer:
         if self.http is None:
             return
         try:
-            await self.http.start()
+            # The default address (development mode) moves to a free port when taken; one asked for does not.
+            await self.http.start(fall_back=self.settings.http_optional)
         except OSError as error:
             self.http = None
             if not self.settings.http_optional:
                 raise OSError(f"cannot serve HTTP on {self.settings.http_listen}: {error}") from None
-            log.warning("cannot serve HTTP on %s (%s); going on without it", self.settings.http_listen, error)
+            self.http_problem = f"cannot serve HTTP on {self.settings.http_listen} ({error})"
+            log.warning("%s; going on without it", self.http_problem)
 
     def _start_metrics_server(self) -> None:
         if not self.settings.metrics_listen:
