@@ -7,8 +7,10 @@ fields are left out, and a REPLIED record keeps only what a reply record is for 
     subject:   {"s": state, "h": holder, "k": kind, "a": acquired ms, "l": ttl s, "x": expires ms, "n": note,
                  "r": request id, "f": its arguments' fingerprint, "q": last request id, "g": its fingerprint,
                  "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id,
-                 "y": 1 when replied by hand (MarkReplied), "v": [subject line, sender, received ms]}
-    delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id]}
+                 "y": 1 when replied by hand (MarkReplied), "v": [subject line, sender, received ms],
+                 "e": who settled it (ResolveInDoubt SENT)}
+    delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id],
+                "v": [subject line, sender, received ms]}
     end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "g": its fingerprint,
                 "t": at ms, "n": detail, "u": 0 when it leaves its notification redeliverable}
 """
@@ -66,6 +68,7 @@ def encode_record(record: SubjectRecord) -> bytes:
         "m": record.sent_message_id,
         "y": 1 if record.replied_by_hand else None,
         "v": _summary(record.summary),
+        "e": record.settled_by,
     }
     if record.state is State.REPLIED:
         for key in _CLAIM_ONLY:
@@ -93,6 +96,7 @@ def decode_record(value: bytes) -> SubjectRecord:
         sent_message_id=data.get("m", ""),
         replied_by_hand=bool(data.get("y")),
         summary=Summary(*data["v"]) if "v" in data else None,
+        settled_by=data.get("e", ""),
     )
 
 
@@ -133,7 +137,15 @@ def decode_end_mark(value: bytes) -> EndMark:
 
 def encode_delivery(delivery: DeliveryRecord) -> bytes:
     subject = [delivery.subject.kind.value, delivery.subject.id] if delivery.subject is not None else None
-    return _dump({"b": delivery.recorded_by, "t": delivery.recorded_ms, "r": delivery.request_id, "s": subject})
+    return _dump(
+        {
+            "b": delivery.recorded_by,
+            "t": delivery.recorded_ms,
+            "r": delivery.request_id,
+            "s": subject,
+            "v": _summary(delivery.summary),
+        }
+    )
 
 
 def decode_delivery(value: bytes, mailbox: str, notification_id: str) -> DeliveryRecord:
@@ -150,4 +162,5 @@ def decode_delivery(value: bytes, mailbox: str, notification_id: str) -> Deliver
         recorded_ms=data["t"],
         request_id=data.get("r", ""),
         subject=subject,
+        summary=Summary(*data["v"]) if "v" in data else None,
     )

@@ -77,6 +77,14 @@ class Keys:
     def delivery(self, mailbox: str, notification_id: str) -> bytes:
         return self._root + _DELIVERIES + f"{_enc(mailbox)}/{_enc(notification_id)}".encode()
 
+    def deliveries(self, mailbox: str) -> bytes:
+        """The prefix of one mailbox's delivery records."""
+        return self._root + _DELIVERIES + f"{_enc(mailbox)}/".encode()
+
+    def delivery_notification_id(self, mailbox: str, key: bytes) -> str:
+        """The notification id of a key under :meth:`deliveries`."""
+        return unquote(key[len(self.deliveries(mailbox)) :].decode())
+
     def sending_family(self) -> bytes:
         return self._root + _SENDING_FAMILY
 

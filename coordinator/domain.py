@@ -172,6 +172,8 @@ class SubjectRecord:
     replied_by_hand: bool = False
     # Kept from the claim to its reply record, so that every row a person sees names its email.
     summary: Summary | None = None
+    # REPLIED by ResolveInDoubt(SENT): the person who found the send had gone out (the holder's send it was).
+    settled_by: str = ""
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,9 @@ class DeliveryRecord:
     recorded_ms: int
     request_id: str
     subject: Subject | None = None
+    # Which email it was, as the ClaimReply that recorded it said (Rules.store_summaries): what a person finds
+    # a message to answer by among the mailbox's recent ones.
+    summary: Summary | None = None
 
 
 @dataclass(frozen=True)
@@ -317,6 +322,7 @@ def new_claim(
 
 
 def new_delivery(
+    rules: Rules,
     caller: Caller,
     *,
     mailbox: str,
@@ -324,6 +330,7 @@ def new_delivery(
     request_id: str,
     now_ms: int,
     subject: Subject | None,
+    summary: Summary | None = None,
 ) -> DeliveryRecord:
     return DeliveryRecord(
         mailbox=mailbox,
@@ -332,6 +339,7 @@ def new_delivery(
         recorded_ms=now_ms,
         request_id=request_id,
         subject=subject,
+        summary=summary if summary and rules.store_summaries else None,
     )
 
 
@@ -652,13 +660,16 @@ def require_human(caller: Caller) -> None:
         )
 
 
-def takeover_refusal(current: Stored | None) -> TakeoverResult | None:
-    """Why a takeover cannot proceed, or None when the subject is FREE or claimed by an agent."""
+def takeover_refusal(current: Stored | None, caller: Caller, from_person: str = "") -> TakeoverResult | None:
+    """Why a takeover cannot proceed, or None when the subject is FREE, claimed by an agent, or claimed by
+    ``from_person``: the colleague the caller confirmed taking it from (docs/security.md#roles). Never from
+    the caller itself, and never from a person the caller did not name: one who claimed in between, say."""
     if current is None:
         return None
-    if current.record.state is not State.CLAIMED:
+    record = current.record
+    if record.state is not State.CLAIMED:
         return TakeoverResult.ALREADY_REPLIED
-    if current.record.holder_kind is HolderKind.HUMAN:
+    if record.holder_kind is HolderKind.HUMAN and (record.holder != from_person or record.holder == caller.principal):
         return TakeoverResult.HELD
     return None
 
@@ -685,10 +696,12 @@ def takeover_release(
     request_id: str,
     now_ms: int,
     request_fingerprint: str = "",
+    from_person: str = "",
 ) -> Transition:
-    """First step of a takeover: end the agent's claim, which makes its token stale at once."""
+    """First step of a takeover: end the holder's claim (an agent's, or the named colleague's), which makes
+    its token stale at once."""
     require_human(caller)
-    if current is None or takeover_refusal(current) is not None:
+    if current is None or takeover_refusal(current, caller, from_person) is not None:
         return Transition(FenceResult.STALE_TOKEN)
     return Transition(
         FenceResult.OK,
@@ -735,7 +748,9 @@ def resolve_in_doubt(
     assert current is not None
     if outcome is ResolveOutcome.SENT:
         resolved = _stamped(_replied(rules, current.record, sent_message_id, now_ms), request_id, request_fingerprint)
-        return Transition(FenceResult.OK, write=replace(resolved, note=note or resolved.note))
+        return Transition(
+            FenceResult.OK, write=replace(resolved, note=note or resolved.note, settled_by=caller.principal)
+        )
     return Transition(
         FenceResult.OK,
         end=EndMark(

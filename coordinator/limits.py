@@ -19,6 +19,12 @@ SUMMARY_SUBJECT_LINE_MAX_BYTES = 512  # RFC 5322 allows 998 per line; a row on a
 SUMMARY_SENDER_MAX_BYTES = 512  # a display name and an address (at most 254)
 PAGE_SIZE_DEFAULT = 100
 PAGE_SIZE_MAX = 1000
+# ListRecentMessages: what a person types to find an email, how many answers, and how far back it reads (the
+# newest deliveries of the mailbox, each at most the delivery retention old).
+RECENT_QUERY_MAX_BYTES = 256
+RECENT_PAGE_SIZE_DEFAULT = 20
+RECENT_PAGE_SIZE_MAX = 100
+RECENT_DELIVERIES_READ_MAX = 2000
 
 
 @dataclass(frozen=True)
@@ -62,9 +68,10 @@ def check_text(field: str, value: str, max_bytes: int, *, required: bool) -> str
     return value
 
 
-def check_page_size(requested: int) -> int:
+def check_page_size(requested: int, default: int = PAGE_SIZE_DEFAULT, maximum: int = PAGE_SIZE_MAX) -> int:
+    """0 means ``default``; ListClaims pages by PAGE_SIZE_*, ListRecentMessages by RECENT_PAGE_SIZE_*."""
     if requested == 0:
-        return PAGE_SIZE_DEFAULT
-    if requested > PAGE_SIZE_MAX:
-        raise InvalidArgument("page_size", f"{requested} is over the limit of {PAGE_SIZE_MAX}")
+        return default
+    if requested > maximum:
+        raise InvalidArgument("page_size", f"{requested} is over the limit of {maximum}")
     return requested

@@ -100,6 +100,8 @@ export interface SubjectStatus {
   readonly summary: MessageSummary | undefined;
   /** REPLIED by markReplied (a person answered outside the coordinator), not through send. */
   readonly repliedByHand: boolean;
+  /** REPLIED by ResolveInDoubt (sent): the person who settled it; `holder` is whose send it was. */
+  readonly settledBy: string;
 }
 
 export interface DeliveryRecord {
@@ -248,6 +250,7 @@ export function statusFromPb(message: pb.SubjectStatus | undefined): SubjectStat
     ttlSeconds: message.ttlSeconds,
     summary: summaryFromPb(message.summary),
     repliedByHand: message.repliedByHand,
+    settledBy: message.settledBy,
   };
 }
 

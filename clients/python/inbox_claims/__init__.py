@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 # Value types added after 0.1 live in inbox_claims.types only: they were never at the top level.
-_NEWER_VALUE_TYPES = frozenset({"CallerIdentity", "MessageSummary"})
+_NEWER_VALUE_TYPES = frozenset({"CallerIdentity", "MessageSummary", "RecentMessage"})
 
 # The names that were at the top level in 0.1 and moved: they keep working until 0.2, with a DeprecationWarning
 # that names the new place. old name -> (module, name there).

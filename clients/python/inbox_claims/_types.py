@@ -25,6 +25,7 @@ __all__ = [
     "HolderKind",
     "LossReason",
     "MessageSummary",
+    "RecentMessage",
     "RetryPolicy",
     "Subject",
     "SubjectKind",
@@ -191,6 +192,20 @@ class SubjectStatus:
     """REPLIED by ``mark_replied`` (a person answered outside the coordinator), not by a confirmed send."""
     summary: MessageSummary | None = None
     """Which email this is (subject line, sender), when the claim gave one and the coordinator keeps them."""
+    settled_by: str = ""
+    """REPLIED by ``resolve_in_doubt(SENT)``: the person who settled it (``holder`` is whose send it was)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecentMessage:
+    """A message the coordinator saw delivered (``recent_messages``): for a person to find one to answer."""
+
+    subject: Subject
+    summary: MessageSummary | None
+    """As the delivery's claim described it; ``None`` when it gave none or summaries are not stored."""
+    first_seen_at: datetime | None
+    seen_by: str
+    """The agent whose claim recorded the delivery."""
 
 
 @dataclass(frozen=True, slots=True)
