@@ -420,6 +420,7 @@ async def populate(channel: grpc.aio.Channel, mailbox: str, count: int) -> None:
             ttl_seconds=60 + 37 * n % 1500,
             note="calling them back" if n % 5 == 1 else "",
             received_ago=300 + 233 * n % 7000,
+            notification_id=f"notification-{n:04d}" if holder in agents else "",
         )
         token = granted.status.fencing_token
         if n % 7 == 3:
@@ -444,7 +445,7 @@ async def test_a_board_of_50_rows_is_readable_and_written_as_a_screenshot(
     text = await page.locator("#board").inner_text()
     assert "fencing" not in text.lower()
     assert "token" not in text.lower()  # words for people: what a claim means for them, not how it works
-    shot = await page.screenshot(path=str(ARTIFACTS / "board-50-rows.png"), full_page=False)
+    shot = await page.screenshot(path=str(ARTIFACTS / "board-50-rows.png"), animations="disabled")
     assert len(shot) > 20_000
 
 
@@ -501,7 +502,7 @@ async def test_every_action_is_on_screen_and_accessible_at_phone_and_laptop_size
     layout = await page.locator("#claims tbody tr").first.evaluate("tr => getComputedStyle(tr).display")
     assert layout == ("block" if width < 700 else "table-row")  # cards on a phone, a table on a laptop
     name = "phone" if width < 700 else "laptop"
-    await page.screenshot(path=str(ARTIFACTS / f"board-{name}-{width}x{height}.png"), full_page=False)
+    await page.screenshot(path=str(ARTIFACTS / f"board-{name}-{width}x{height}.png"), animations="disabled")
     assert await axe_violations(page) == []
 
     # The dialogs fit the screen, and are accessible too.
@@ -516,6 +517,7 @@ async def test_every_action_is_on_screen_and_accessible_at_phone_and_laptop_size
     await page.get_by_text("Answer an email yourself").click()
     await expect(page.locator("#answer-note")).not_to_have_text("Looking…")
     assert await page.evaluate("document.documentElement.scrollWidth") <= width
+    await page.screenshot(path=str(ARTIFACTS / f"board-{name}-answer-{width}x{height}.png"), animations="disabled")
     assert await axe_violations(page) == []
 
 
