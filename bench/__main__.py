@@ -1,5 +1,5 @@
-"""python -m bench {claims,contended,dedup,cycle,watch,slow-watchers,http,memory,embedded-db,mcp,profile,all} [options];
-each --help says more.
+"""python -m bench {claims,contended,dedup,cycle,watch,slow-watchers,http,http-attacks,list-claims,memory,embedded-db,
+mcp,profile,all} [options]; each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
 temporary directory, measures a baseline in the same run, and prints ratios against it.
@@ -13,7 +13,7 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims, embedded_db, http, mcp, memory, profile, slow_watchers, watch
+from . import calls, claims, embedded_db, http, http_attacks, listing, mcp, memory, profile, slow_watchers, watch
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -48,6 +48,16 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         "the HTTP/JSON face: Watch fan-out to 200 browser-style streams vs gRPC; coordinator CPU per call vs gRPC",
         http.add_arguments,
         http.run,
+    ),
+    "http-attacks": (
+        "the HTTP face under attack: RSS under endless headers, connections held, gRPC health at a descriptor limit",
+        http_attacks.add_arguments,
+        http_attacks.run,
+    ),
+    "list-claims": (
+        "ListClaims filtered by state on a 10,000-subject mailbox vs the unfiltered listing of it",
+        listing.add_arguments,
+        listing.run,
     ),
     "slow-watchers": (
         "other callers' p99 and coordinator RSS while 200 Watch streams of one principal never read",
@@ -88,6 +98,11 @@ QUICK: dict[str, list[str]] = {
     "memory": ["--claims", "1000", "--mailboxes", "20", "--watchers", "50"],
     "embedded-db": ["--cycles", "2000", "--subjects", "500"],
     "http": ["--watchers", "20", "--events", "3", "--calls", "100", "--rounds", "1"],
+    "http-attacks": [
+        *("--line-mib", "2", "--lines-mib", "1", "--idle", "20", "--slowloris", "10", "--bodies", "10"),
+        *("--hold", "1", "--held", "20"),
+    ],
+    "list-claims": ["--subjects", "300", "--sending", "3", "--rounds", "1"],
     "mcp": ["--sends", "20", "--rounds", "1"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }

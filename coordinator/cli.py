@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import resource
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -43,6 +44,7 @@ from .etcd_process import (
     is_broken_version,
     version_tuple,
 )
+from .http_guard import DESCRIPTOR_RESERVE, raise_descriptor_limit
 from .server import SERVICE_NAME, CoordinatorServer, ServerSettings, wall_clock_ms
 from .store import EtcdStore
 
@@ -207,14 +209,26 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
         http_listen=config.http_address,
         # The default port may be taken by another development coordinator: then there is no HTTP face.
         http_optional=config.origin("http_listen") == "default",
+        http_header_timeout_s=config.http_header_timeout,
+        http_idle_timeout_s=config.http_idle_timeout,
+        http_max_connections=config.http_max_connections,
+        http_allowed_hosts=config.http_allowed_hosts,
     )
 
 
 def board_line(server: CoordinatorServer) -> str:
     """The banner's line about the HTTP face: where the claims board is (and, when its default port was taken,
     that it moved), or why there is none; empty when it was not asked for."""
+    settings = server.settings
     if server.http is not None:
-        scheme = "https" if server.settings.tls is not None else "http"
+        scheme = "https" if settings.tls is not None else "http"
+        cap = server.http.connection_cap
+        lowered = (
+            f", lowered from {settings.http_max_connections} to keep {DESCRIPTOR_RESERVE} of the process's "
+            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} descriptors for gRPC and etcd"
+            if cap < settings.http_max_connections
+            else ""
+        )
         moved = (
             f"; port {server.http.taken_port} is taken by another program, so this coordinator took the next free "
             "one (--http-listen chooses)"
@@ -223,7 +237,7 @@ def board_line(server: CoordinatorServer) -> str:
         )
         return (
             f"inbox-coordinator: claims board on {scheme}://{server.http.address}/ "
-            f"(HTTP/JSON API under /{SERVICE_NAME}/{moved})"
+            f"(HTTP/JSON API under /{SERVICE_NAME}/; at most {cap} connections{lowered}{moved})"
         )
     if server.http_problem:
         return f"inbox-coordinator: no claims board: {server.http_problem} (--http-listen chooses)"
@@ -304,6 +318,7 @@ def serve(options: argparse.Namespace) -> int:
     config = _load(options)
     if config is None:
         return EXIT_CONFIG
+    raise_descriptor_limit()  # before the embedded etcd starts: it inherits the limit too
     if config.tls_cert is not None:
         tls_log.capture_handshake_failures()  # before the log set-up: it moves sys.stderr
     logs.setup(config.log_level, config.log_format)

@@ -18,6 +18,9 @@ SENT_MESSAGE_ID_MAX_BYTES = 512
 SUMMARY_SUBJECT_LINE_MAX_BYTES = 512  # RFC 5322 allows 998 per line; a row on a screen shows far less
 SUMMARY_SENDER_MAX_BYTES = 512  # a display name and an address (at most 254)
 PAGE_SIZE_DEFAULT = 100
+# A ListClaims page token: the longest one issued (a mailbox and an id at their limits, JSON-escaped, in base64)
+# is under 3.4 KB; anything longer was not issued here and is refused before it is decoded.
+PAGE_TOKEN_MAX_BYTES = 4096
 PAGE_SIZE_MAX = 1000
 # ListRecentMessages: what a person types to find an email, how many answers, and how far back it reads (the
 # newest deliveries of the mailbox, each at most the delivery retention old).
@@ -25,6 +28,10 @@ RECENT_QUERY_MAX_BYTES = 256
 RECENT_PAGE_SIZE_DEFAULT = 20
 RECENT_PAGE_SIZE_MAX = 100
 RECENT_DELIVERIES_READ_MAX = 2000
+# ListClaims filtered by state reads the mailbox in ranges of this many subjects, at most this many ranges for
+# one page: a page costs at most 5 etcd reads of 1,000 keys, whatever the filter finds.
+LIST_RANGE_SUBJECTS = 1000
+LIST_RANGES_PER_PAGE = 5
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,27 @@ def _has_control_character(text: str) -> bool:
     if text.isprintable():  # the common case, decided in C: printable text has no control character
         return False
     return any(unicodedata.category(ch) == "Cc" for ch in text)
+
+
+# Kept: zero-width joiner and non-joiner, which emoji sequences and Persian or Indic words need and which move
+# nothing around them.
+_JOINERS = frozenset("\u200c\u200d")
+
+
+def _invisible(ch: str) -> bool:
+    category = unicodedata.category(ch)
+    return (category == "Cf" and ch not in _JOINERS) or category in ("Zl", "Zp")
+
+
+def without_invisible_formatting(text: str) -> str:
+    """``text`` without the characters that change how the text around them is shown and are not seen
+    themselves: bidirectional embeddings, overrides, isolates and marks ("Invoice U+202E gnp.exe" shows as
+    "Invoice exe.png"), zero-width spaces, the BOM, tag characters (Unicode category Cf but the joiners), and
+    the line and paragraph separators. A summary comes from an email anyone can send, so it is cleaned rather
+    than refused: refusing would let a sender's subject line fail the claim of the agent answering it."""
+    if text.isascii():
+        return text
+    return "".join(ch for ch in text if not _invisible(ch))
 
 
 def check_text(field: str, value: str, max_bytes: int, *, required: bool) -> str:

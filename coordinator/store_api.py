@@ -11,6 +11,7 @@ import asyncio
 import base64
 import binascii
 import json
+import re
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Protocol
 
 from .domain import DeliveryRecord, EndMark, Stored, Subject, SubjectKind, SubjectRecord, Transition
 from .errors import InvalidArgument
+from .limits import PAGE_TOKEN_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ Listing = list[tuple[Subject, Stored]]
 
 _CURSOR_VERSION = "v1:"
 _BAD_CURSOR = "is not a token this service issued; start without one"
+# What encode_cursor writes: a flat JSON array of three strings, no space. Only that is handed to the JSON
+# parser, whose recursion (one level per nested array) a crafted token could otherwise drive to RecursionError.
+_CURSOR_BODY = re.compile(rb'\[(?:"(?:[^"\\]|\\.)*",){2}"(?:[^"\\]|\\.)*"\]')
 
 
 def encode_cursor(subject: Subject) -> str:
@@ -68,13 +73,20 @@ def encode_cursor(subject: Subject) -> str:
 
 def decode_cursor(cursor: str, mailbox: str) -> Subject:
     """The subject a cursor resumes after; INVALID_ARGUMENT for a cursor that is not ours or not this mailbox's."""
+    if len(cursor) > PAGE_TOKEN_MAX_BYTES:
+        raise InvalidArgument(
+            "page_token", f"is {len(cursor)} characters; the limit is {PAGE_TOKEN_MAX_BYTES}: start without one"
+        )
     if not cursor.startswith(_CURSOR_VERSION):
         raise InvalidArgument("page_token", _BAD_CURSOR)
     body = cursor[len(_CURSOR_VERSION) :]
     try:
-        fields = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
-        owner, kind, subject_id = fields
+        document = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+        if _CURSOR_BODY.fullmatch(document) is None:
+            raise ValueError("not a cursor's body")
+        owner, kind, subject_id = json.loads(document)
         subject = Subject(str(owner), SubjectKind(kind), str(subject_id))
+        (subject.mailbox + subject.id).encode()  # a lone surrogate (JSON can spell one) was never issued
     except (binascii.Error, ValueError, TypeError):
         raise InvalidArgument("page_token", _BAD_CURSOR) from None
     if subject.mailbox != mailbox:

@@ -302,15 +302,20 @@ def serve_process(*flags: str, env: Mapping[str, str] | None = None) -> Iterator
     it serves; stopped with SIGTERM after, and it must then exit 0 (a crash shows as a signal)."""
     process = spawn([sys.executable, "-m", "coordinator.cli", "serve", *flags], env)
     wait_for_line(process, "serving gRPC on")
-    assert process.stdout is not None
     try:
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        process.stdout.close()
-        assert process.returncode == 0, f"the coordinator exited with {process.returncode}"
+        stop_serving(process)
+
+
+def stop_serving(process: subprocess.Popen[str]) -> None:
+    """SIGTERM, and the process must exit 0 within 20 s (a crash shows as a signal, a hang as -9)."""
+    assert process.stdout is not None
+    process.terminate()
+    try:
+        process.wait(20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    process.stdout.close()
+    assert process.returncode == 0, f"the coordinator exited with {process.returncode}"

@@ -1,10 +1,11 @@
 """A fake email MCP server for the guard's tests: tools that read mail, and a send tool that counts its sends.
 
-In memory (``fake_email_server(outbox)``) or as a process over stdio (``python -m tests.mcp.fake_email --outbox
-FILE``, every send one JSON line of FILE, so that a test can count the sends of processes it does not own).
-The outbox's ``mode`` says how ``send_message`` answers: ``send`` (sent), ``fail`` (a tool error: nothing
-went out), ``hang`` (the send is recorded, then no answer ever comes: the connection breaks mid-call). In a
-process, the mode is read from ``FILE.mode`` at each call.
+In memory (``fake_email_server(outbox)``) or as a process over stdio or streamable HTTP (``python -m
+tests.mcp.fake_email --outbox FILE [--http PORT]``, every send one JSON line of FILE, so that a test can count the
+sends of processes it does not own). It also has a prompt, resources and completions, for the guard to pass
+through. The outbox's ``mode`` says how ``send_message`` answers: ``send`` (sent), ``fail`` (a tool error:
+nothing went out), ``hang`` (the send is recorded, then no answer ever comes: the connection breaks mid-call).
+In a process, the mode is read from ``FILE.mode`` at each call.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from mcp.server import MCPServer
-from mcp.types import ToolAnnotations
+from mcp.types import Completion, CompletionArgument, ToolAnnotations
 
 SEND_TOOL = "send_message"
 SEND_TOOL_SPEC = f"{SEND_TOOL},message=reply_to_message_id,mailbox=grant_id,thread=thread_id"
@@ -71,7 +72,28 @@ INBOX = {
 
 
 def fake_email_server(outbox: Outbox) -> MCPServer:
+    """Tools (two that read, one that sends), a prompt, a resource, a resource template and completions."""
     server = MCPServer("fake-email", instructions="A fake mailbox for tests.")
+
+    @server.prompt(description="Draft a reply to one message, in the mailbox's tone.")
+    def draft_reply(message_id: str, tone: str = "friendly") -> str:
+        message = INBOX.get(message_id, {"subject": "?", "body": "?"})
+        return f"Write a {tone} reply to: {message['subject']}\n\n{message['body']}"
+
+    @server.resource("mail://signature", mime_type="text/plain", description="The mailbox's signature.")
+    def signature() -> str:
+        return "-- \nThe support team"
+
+    @server.resource("mail://messages/{message_id}", mime_type="text/plain")
+    def message_text(message_id: str) -> str:
+        message = INBOX.get(message_id)
+        if message is None:
+            raise ValueError(f"no message {message_id!r}")
+        return message["body"]
+
+    @server.completion()  # type: ignore[untyped-decorator,no-untyped-call]  # the SDK's decorator is untyped
+    async def complete(ref: object, argument: CompletionArgument, context: object) -> Completion:
+        return Completion(values=[key for key in INBOX if key.startswith(argument.value)])
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     def list_messages(grant_id: str, limit: int = 10) -> list[dict[str, str]]:
@@ -116,10 +138,15 @@ def fake_email_server(outbox: Outbox) -> MCPServer:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="A fake email MCP server over stdio that records its sends.")
+    parser = argparse.ArgumentParser(description="A fake email MCP server that records its sends.")
     parser.add_argument("--outbox", required=True, type=Path, help="a file to append every send to")
+    parser.add_argument("--http", type=int, default=None, metavar="PORT", help="serve /mcp on 127.0.0.1:PORT")
     options = parser.parse_args()
-    fake_email_server(Outbox(options.outbox)).run("stdio")
+    server = fake_email_server(Outbox(options.outbox))
+    if options.http is None:
+        server.run("stdio")
+    else:
+        server.run("streamable-http", host="127.0.0.1", port=options.http)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from mcp import Client, StdioServerParameters
 
 from coordinator.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
-from tests.conftest import StartCoordinator
+from inbox_claims.mcp._presets import PRESETS, UNPRESETTABLE
 from tests.mcp.fake_email import SEND_TOOL, Outbox
 from tests.mcp.support import API_KEY
 
@@ -39,17 +38,6 @@ def the_command() -> str:
     found = str(beside) if beside.exists() else shutil.which("inbox-claims-mcp")
     assert found, "inbox-claims-mcp is not installed (pip install -e '.[dev]')"
     return found
-
-
-@pytest.fixture
-async def server(start_coordinator: StartCoordinator) -> CoordinatorServer:
-    return await start_coordinator()
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeNylas]:
-    with FakeNylas(API_KEY) as nylas:
-        yield nylas
 
 
 def entry(document: dict[str, Any], name: str, address: str, **env: str) -> StdioServerParameters:
@@ -111,3 +99,25 @@ async def test_the_agent_client_snippet_runs_as_written(
     assert first.startswith("Sent at ")
     assert second.startswith("not replying: Already answered by another session of support-agent-1 (this agent) at ")
     assert len(fake.sends) == 1
+
+
+def test_the_presets_table_lists_every_preset_as_the_code_has_it() -> None:
+    rows = snippet_table("presets")
+    assert [row[0].strip("`") for row in rows] == list(PRESETS)
+    for row in rows:
+        preset = PRESETS[row[0].strip("`")]
+        fenced = re.findall(r"`([\w-]+)`: `message=", row[2])
+        assert fenced == [tool.name for tool in preset.tools], row[0]
+        for tool in preset.tools:
+            assert f"message={tool.message}" in row[2], row[0]
+        unfenced = [] if row[3].startswith("none") else re.findall(r"`([\w-]+)`", row[3])
+        assert unfenced == list(preset.unfenced), row[0]
+    for name in UNPRESETTABLE:
+        assert f"`--preset {name}` is refused" in DOC.read_text()
+
+
+def snippet_table(marker: str) -> list[list[str]]:
+    """The rows of the markdown table right after ``<!-- marker -->``, each a list of its cells."""
+    found = re.search(rf"<!-- {marker} -->\n\|.*\|\n\|[- |]+\|\n((?:\|.*\|\n)+)", DOC.read_text())
+    assert found is not None, f"docs/mcp.md has no table after <!-- {marker} -->"
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in found[1].splitlines()]

@@ -1,61 +1,32 @@
 """The guard in front of a fake email MCP server (its send tool counts sends), against a real coordinator and
-etcd, through the SDK's own clients in memory: every other tool passes through byte for byte, and a send tool's
-calls send at most one reply per message."""
+etcd, through the SDK's own clients in memory: every other tool, the prompts, resources and completions pass
+through byte for byte, in either protocol era on either side, and a send tool's calls send at most one reply
+per message."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
+import mcp_types as types
 import pytest
 from mcp import Client
-from mcp.server import ServerRequestContext
-from mcp.types import CallToolRequest, CallToolRequestParams, ListToolsRequest
-from pydantic import BaseModel, ConfigDict
+from mcp.shared.exceptions import MCPError
 
 from coordinator.server import CoordinatorServer
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
-from inbox_claims.mcp import AgentSession, SendTool, Upstream, build_guard
-from tests.conftest import StartCoordinator
+from inbox_claims.mcp import SendTool
+from inbox_claims.mcp._presets import PRESETS
+from tests.mcp import support
 from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox, fake_email_server
-from tests.mcp.support import text
+from tests.mcp.preset_servers import FAKES, Recorder
+from tests.mcp.support import raw, raw_call, text
 
 
-class Raw(BaseModel):
-    """A result as the server sent it, every field kept."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-async def raw_list(client: Client) -> dict[str, Any]:
-    return (await client.session.send_request(ListToolsRequest(), Raw)).model_dump()
-
-
-async def raw_call(client: Client, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    request = CallToolRequest(params=CallToolRequestParams(name=name, arguments=arguments))
-    return (await client.session.send_request(request, Raw)).model_dump()
-
-
-@contextlib.asynccontextmanager
-async def guarded(address: str, principal: str, outbox: Outbox, *, ttl: int = 30) -> AsyncIterator[Client]:
-    """One agent session behind the guard: its own upstream connection, as one guard process has."""
-    async with (
-        AsyncCoordinator(address, principal=principal) as coordinator,
-        Upstream(lambda: Client(fake_email_server(outbox))) as upstream,
-    ):
-        session = AgentSession(coordinator, ttl=ttl)
-
-        async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
-            return session
-
-        guard = build_guard(upstream, [SendTool.parse(SEND_TOOL_SPEC)], session_for)
-        try:
-            async with Client(guard) as client:
-                yield client
-        finally:
-            await session.close()
+def guarded(address: str, principal: str, outbox: Outbox) -> contextlib.AbstractAsyncContextManager[Client]:
+    """One agent session behind the guard in front of the fake email server."""
+    return support.guarded(address, principal, fake_email_server(outbox), [SendTool.parse(SEND_TOOL_SPEC)])
 
 
 def a_reply(mailbox: str, message_id: str, body: str = "It ships today.") -> dict[str, Any]:
@@ -68,33 +39,95 @@ def a_reply(mailbox: str, message_id: str, body: str = "It ships today.") -> dic
     }
 
 
-@pytest.fixture
-async def server(start_coordinator: StartCoordinator) -> CoordinatorServer:
-    return await start_coordinator()
+def _requests(mailbox: str) -> list[types.Request[Any, Any]]:
+    """Every kind of request the guard forwards, the upstream's errors included."""
+
+    def call(name: str, **arguments: Any) -> types.CallToolRequest:
+        return types.CallToolRequest(params=types.CallToolRequestParams(name=name, arguments=arguments))
+
+    return [
+        types.ListToolsRequest(),
+        call("list_messages", grant_id=mailbox),
+        call("get_message", grant_id=mailbox, message_id="msg-2"),
+        call("get_message", grant_id=mailbox, message_id="no-such"),  # the upstream's own tool error
+        call("get_message", grant_id=mailbox),  # the upstream's own answer to bad arguments
+        types.ListPromptsRequest(),
+        types.GetPromptRequest(
+            params=types.GetPromptRequestParams(name="draft_reply", arguments={"message_id": "msg-1"})
+        ),
+        types.ListResourcesRequest(),
+        types.ListResourceTemplatesRequest(),
+        types.ReadResourceRequest(params=types.ReadResourceRequestParams(uri="mail://signature")),
+        types.ReadResourceRequest(params=types.ReadResourceRequestParams(uri="mail://messages/msg-1")),
+        types.CompleteRequest(
+            params=types.CompleteRequestParams(
+                ref=types.PromptReference(type="ref/prompt", name="draft_reply"),
+                argument=types.CompletionArgument(name="message_id", value="msg-"),
+            )
+        ),
+    ]
 
 
-async def test_every_tool_and_every_other_call_passes_through_byte_for_byte(
-    server: CoordinatorServer, mailbox: str
+async def _answers(client: Client, requests: list[types.Request[Any, Any]]) -> list[Any]:
+    """Each request's result as it came, or the JSON-RPC error it was refused with."""
+    answers: list[Any] = []
+    for request in requests:
+        try:
+            answers.append(await raw(client, request))
+        except MCPError as error:
+            answers.append(("error", error.error.code, error.error.message))
+    return answers
+
+
+@pytest.mark.parametrize(
+    ("upstream_mode", "mode"),
+    [("auto", "auto"), ("legacy", "legacy"), ("legacy", "auto"), ("auto", "legacy")],
+    ids=["2026-both", "handshake-both", "handshake-upstream", "handshake-client"],
+)
+async def test_tools_prompts_resources_and_completions_pass_through_byte_for_byte_in_either_era(
+    server: CoordinatorServer, mailbox: str, upstream_mode: str, mode: str
 ) -> None:
     outbox = Outbox()
-    calls = [
-        ("list_messages", {"grant_id": mailbox}),
-        ("get_message", {"grant_id": mailbox, "message_id": "msg-2"}),
-        ("get_message", {"grant_id": mailbox, "message_id": "no-such"}),  # the upstream's own tool error
-        ("get_message", {"grant_id": mailbox}),  # the upstream's own answer to bad arguments
-    ]
-    async with Client(fake_email_server(outbox)) as direct:
-        expected_tools = await raw_list(direct)
-        expected = [await raw_call(direct, name, arguments) for name, arguments in calls]
-    async with guarded(server.address, "agent-a", outbox) as client:
-        tools = await raw_list(client)
-        through = [await raw_call(client, name, arguments) for name, arguments in calls]
+    requests = [*_requests(mailbox), types.ReadResourceRequest(params=types.ReadResourceRequestParams(uri="mail://x"))]
+    async with Client(fake_email_server(outbox), mode=mode) as direct:
+        expected = await _answers(direct, requests)
+        offered = direct.server_capabilities
+    send_tools = [SendTool.parse(SEND_TOOL_SPEC)]
+    upstream = fake_email_server(outbox)
+    async with support.guarded(
+        server.address, "agent-a", upstream, send_tools, upstream_mode=upstream_mode, mode=mode
+    ) as client:
+        through = await _answers(client, requests)
+        capabilities = client.server_capabilities
 
-    assert tools == expected_tools
-    assert {tool["name"] for tool in tools["tools"]} == {"list_messages", "get_message", SEND_TOOL}
     assert through == expected
-    assert expected[2]["isError"] is True
+    assert {tool["name"] for tool in through[0]["tools"]} == {"list_messages", "get_message", SEND_TOOL}
+    assert through[3]["isError"] is True
+    assert [prompt["name"] for prompt in through[5]["prompts"]] == ["draft_reply"]
+    assert "Where is my order?" in str(through[6])
+    assert through[9]["contents"][0]["text"] == "-- \nThe support team"
+    assert through[11]["completion"]["values"] == ["msg-1", "msg-2"]
+    assert through[-1][0] == "error"  # an unknown resource: the upstream's own refusal
+    assert (capabilities.prompts, capabilities.resources, capabilities.completions) != (None, None, None)
+    assert (capabilities.prompts is None, capabilities.resources is None, capabilities.completions is None) == (
+        offered.prompts is None,
+        offered.resources is None,
+        offered.completions is None,
+    )
     assert outbox.sends == []
+
+
+async def test_the_guard_offers_no_prompts_or_resources_its_upstream_has_not(server: CoordinatorServer) -> None:
+    tools_only = Recorder().server(FAKES["gmail"])  # a low-level server with tools and nothing else
+
+    async with support.guarded(server.address, "agent-a", tools_only, []) as client:
+        capabilities = client.server_capabilities
+        with pytest.raises(MCPError) as refused:
+            await raw(client, types.ListPromptsRequest())
+
+    assert (capabilities.prompts, capabilities.resources, capabilities.completions) == (None, None, None)
+    assert capabilities.tools is not None
+    assert refused.value.error.code == types.METHOD_NOT_FOUND
 
 
 async def test_duplicate_and_concurrent_sends_from_two_sessions_send_one_reply_per_message(
@@ -198,3 +231,32 @@ async def test_a_persons_takeover_refuses_the_guarded_send(server: CoordinatorSe
     assert refused.is_error
     assert text(refused).startswith("Being answered by ana@example.com (a person) until ")
     assert outbox.sends == []
+
+
+async def test_a_send_tool_that_asks_for_input_first_sends_only_on_the_retry_that_answers(
+    server: CoordinatorServer, mailbox: str
+) -> None:
+    recorder, fake = Recorder(), FAKES["agentmail"]
+    recorder.confirming = True
+    name, arguments = fake.reply(mailbox, "msg-1")
+    subject = Subject.message(mailbox, "msg-1")
+
+    def call(**answers: types.ElicitResult) -> types.CallToolRequest:
+        responses: dict[str, Any] = dict(answers)
+        params = types.CallToolRequestParams(name=name, arguments=arguments, input_responses=responses or None)
+        return types.CallToolRequest(params=params)
+
+    async with (
+        support.guarded(server.address, "agent-a", recorder.server(fake), PRESETS["agentmail"].tools) as client,
+        AsyncCoordinator(server.address, principal="observer") as observer,
+    ):
+        asked = await raw(client, call())
+        while_asking = (await observer.status(subject)).state
+        confirmed = await raw(client, call(confirm=types.ElicitResult(action="accept", content={})))
+        status = await observer.status(subject)
+
+    assert asked["resultType"] == "input_required"  # the upstream's question, passed on; nothing sent yet
+    assert while_asking is SubjectState.FREE
+    assert confirmed["structuredContent"] == {"messageId": "sent-1", "threadId": "thread-sent-1"}
+    assert (status.state, status.sent_message_id) == (SubjectState.REPLIED, "sent-1")
+    assert len(recorder.sends) == 1

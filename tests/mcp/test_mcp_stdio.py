@@ -8,41 +8,30 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from mcp import Client, StdioServerParameters
 
 from coordinator.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
-from inbox_claims import AsyncCoordinator, Subject, SubjectState
-from tests.conftest import StartCoordinator
+from inbox_claims import Subject, SubjectState
 from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox
-from tests.mcp.support import API_KEY, reply_arguments, text
-
-REPO = Path(__file__).resolve().parents[2]
-TTL = 3
-# A claim frees within its TTL plus this (docs/design.md#leases-and-expiry: < 1 s bucket, ~0.5 s expiry check).
-FREE_BOUND_S = 2.0
-
-
-@pytest.fixture
-async def server(start_coordinator: StartCoordinator) -> CoordinatorServer:
-    return await start_coordinator()
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeNylas]:
-    with FakeNylas(API_KEY) as nylas:
-        yield nylas
+from tests.mcp.support import (
+    API_KEY,
+    REPO,
+    TTL,
+    config_file,
+    renewed_while_alive_then_freed_when_killed,
+    reply_arguments,
+    state_of,
+    text,
+)
 
 
 def command(tmp_path: Path, name: str, address: str, *args: str) -> StdioServerParameters:
     """``inbox-claims-mcp`` configured by its own config file (its path also tells its process apart)."""
-    config = tmp_path / f"{name}.toml"
-    config.write_text(f'target = "{address}"\nprincipal = "{name}"\n')
+    config = config_file(tmp_path, name, address)
     return StdioServerParameters(
         command=sys.executable,
         args=["-m", "inbox_claims.mcp", args[0], "--config", str(config), "--ttl", str(TTL), *args[1:]],
@@ -63,11 +52,6 @@ def pid_of(marker: str, *, program: str) -> int:
             if words[1:3] == ["-m", program] and marker in words:
                 return int(entry.name)
     raise AssertionError(f"no process with {marker!r}")
-
-
-async def state_of(address: str, subject: Subject) -> SubjectState:
-    async with AsyncCoordinator(address, principal="observer") as coord:
-        return (await coord.status(subject)).state
 
 
 def answer(result: Any) -> dict[str, Any]:
@@ -104,13 +88,8 @@ async def test_a_session_that_dies_has_its_claims_freed_within_the_ttl(
     async with Client(command(tmp_path, "agent-dies", server.address, "serve")) as client:
         claimed = await client.call_tool("claim_message", {"mailbox": mailbox, "message_id": subject.id})
         assert answer(claimed)["outcome"] == "granted"
-        await asyncio.sleep(TTL * 1.2)  # renewed while the session lives
-        assert await state_of(server.address, subject) is SubjectState.CLAIMED
-        os.kill(pid_of(str(tmp_path / "agent-dies.toml"), program="inbox_claims.mcp"), signal.SIGKILL)
-        killed = time.monotonic()
-        while await state_of(server.address, subject) is SubjectState.CLAIMED:
-            assert time.monotonic() - killed < TTL + FREE_BOUND_S, "the dead session's claim outlived its TTL"
-            await asyncio.sleep(0.1)
+        pid = pid_of(str(tmp_path / "agent-dies.toml"), program="inbox_claims.mcp")
+        await renewed_while_alive_then_freed_when_killed(server.address, subject, pid)
 
 
 async def test_the_guard_over_stdio_passes_tools_through_fences_sends_and_says_in_doubt_when_the_upstream_dies(

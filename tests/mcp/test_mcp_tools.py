@@ -4,7 +4,6 @@ Nylas send endpoint that counts sends: at most one reply per message, whatever t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,13 +12,7 @@ from coordinator.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from tests.conftest import StartCoordinator
-from tests.mcp.support import API_KEY, agent_session, reply_arguments, text
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeNylas]:
-    with FakeNylas(API_KEY) as nylas:
-        yield nylas
+from tests.mcp.support import agent_session, reply_arguments, text
 
 
 @pytest.fixture

@@ -576,3 +576,30 @@ async def test_the_board_catches_up_after_the_coordinator_restarts(
         await expect(page.locator("#status-line")).to_have_text("")
     finally:
         await second.stop(grace=0.5)
+
+
+async def test_text_from_an_email_is_shown_isolated_and_without_invisible_formatting(
+    server: CoordinatorServer, browser: Browser, mailbox: str
+) -> None:
+    page = await open_board(browser, board_url(server, mailbox), name="ana")
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agent = Actor(channel, "agent-a")
+        # The coordinator drops the override from the summary; a note may still carry one (older records too).
+        sender = "\u0628\u064a\u0627 \u0643\u0648\u0633\u062a\u0627 <bea@example.org>"
+        await claim(
+            agent, message(mailbox, "msg-disguised"), "Invoice \u202egnp.exe", sender, note="see \u202eattached"
+        )
+        found = row(page, "msg-disguised")
+        await expect(found).to_contain_text("Invoice gnp.exe", timeout=LIVE)
+        texts = await found.evaluate(
+            """(tr) => ({
+                subject: tr.querySelector(".subject").textContent,
+                note: tr.querySelector(".note").textContent,
+                isolated: [...tr.querySelectorAll("bdi")].map((bdi) => bdi.textContent),
+            })"""
+        )
+    assert texts["subject"] == "Invoice gnp.exe"
+    assert texts["note"] == "see attached"
+    # The right-to-left sender sits in an isolate of its own, apart from the date and the message id beside it.
+    assert sender in texts["isolated"]
+    assert "Invoice gnp.exe" in texts["isolated"]

@@ -12,9 +12,11 @@ import pytest
 from coordinator import limits
 from coordinator.domain import Subject, SubjectKind
 from coordinator.etcd_process import EtcdServer
+from coordinator.quotas import QuotaSettings
 from coordinator.store_api import encode_cursor
 from inbox_claims._proto import coordinator_pb2 as pb
-from tests.helpers import Actor, message, rpc_error
+from tests.conftest import StartCoordinator
+from tests.helpers import Actor, message, new_request_id, rpc_error
 
 GRANTED = pb.ClaimReplyResponse.GRANTED
 
@@ -180,3 +182,53 @@ async def test_list_claims_pages_and_filters(agent: Actor, other_agent: Actor, m
         collected.extend(s.subject.id for s in sending.subjects)
     assert collected == [f"m-{n:02d}" for n in range(0, 25, 5)]
     assert all(s.state == pb.SUBJECT_STATE_SENDING for s in sending.subjects)
+
+
+async def test_list_claims_by_state_reads_a_bounded_number_of_ranges_per_page(
+    start_coordinator: StartCoordinator, mailbox: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ranges of 100 subjects, 5 a page: 2,500 subjects are 5 pages of 500 read, with one etcd read per range.
+    monkeypatch.setattr(limits, "LIST_RANGE_SUBJECTS", 100)
+    # No sweeper meanwhile: its reads of the SENDING index are etcd Range calls too.
+    coordinator = await start_coordinator(quotas=QuotaSettings(calls_per_second=0), sweep_interval_s=3600)
+    channel = grpc.aio.insecure_channel(coordinator.address)
+    agent = Actor(channel, "agent-a")
+    tokens: dict[int, int] = {}
+    for start in range(0, 2500, 250):
+        calls = [
+            pb.BatchCall(
+                claim_reply=pb.ClaimReplyRequest(request_id=new_request_id(), subject=message(mailbox, f"m-{n:04d}"))
+            )
+            for n in range(start, start + 250)
+        ]
+        answers = await agent.stub.Batch(pb.BatchRequest(calls=calls), metadata=agent.metadata)
+        tokens.update({start + i: r.claim_reply.status.fencing_token for i, r in enumerate(answers.results)})
+    sending = (7, 1234, 2499)
+    for n in sending:
+        await agent.begin(message(mailbox, f"m-{n:04d}"), tokens[n])
+
+    def ranges_read() -> float:
+        return (
+            coordinator.metrics.value("inbox_coordinator_etcd_request_duration_seconds_count", {"method": "Range"}) or 0
+        )
+
+    for state, expected in (
+        (pb.SUBJECT_STATE_SENDING, [f"m-{n:04d}" for n in sending]),
+        (pb.SUBJECT_STATE_IN_DOUBT, []),
+    ):
+        found: list[str] = []
+        pages = 0
+        token = ""
+        while True:
+            before = ranges_read()
+            page = await agent.list(mailbox, states=(state,), page_size=1, page_token=token)
+            assert ranges_read() - before <= limits.LIST_RANGES_PER_PAGE
+            pages += 1
+            found.extend(s.subject.id for s in page.subjects)
+            token = page.next_page_token
+            if not token:
+                break
+        assert found == expected
+        # A page ends when it is full or has read its 5 ranges: the walk takes at most 2,500 / 500 + one a hit.
+        assert pages <= 5 + len(expected)
+    await channel.close()

@@ -450,3 +450,21 @@ def test_whoami_says_who_the_coordinator_takes_you_to_be_and_what_you_may_do(
         }
         refused = ctl("whoami", env={**as_bo, "INBOX_TOKEN": "not-a-token"})
         assert refused.returncode == 4
+
+
+def test_text_that_would_show_as_something_else_is_written_out(ctl: Ctl, agent: Coordinator, mailbox: str) -> None:
+    # Summaries are cleaned by the coordinator; an id or a note may still carry a right-to-left override.
+    disguised = "invoice-\u202egnp.exe"
+    agent.claim(Subject.message(mailbox, disguised), note="see \u2067attached\u2069")
+    status = ctl("status", mailbox, disguised)
+    assert status.returncode == 0, status.stderr
+    assert "invoice-<U+202E>gnp.exe" in status.stdout
+    assert "note      see <U+2067>attached<U+2069>" in status.stdout
+    assert "\u202e" not in status.stdout
+    listing = ctl("ls", mailbox)
+    assert "invoice-<U+202E>gnp.exe" in listing.stdout
+    assert "\u202e" not in listing.stdout
+    document = ctl("status", mailbox, disguised, "--json").stdout
+    assert "\\u202e" in document
+    assert "\u202e" not in document
+    assert json.loads(document)["subject"]["id"] == disguised

@@ -3,16 +3,19 @@ and page tokens on the wire. The memory runs are in the fast loop; the etcd runs
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
+from coordinator.domain import Subject, SubjectKind
 from coordinator.engine import Engine
+from coordinator.limits import PAGE_TOKEN_MAX_BYTES
 from coordinator.server import wall_clock_ms
 from coordinator.service import CoordinatorServicer
-from coordinator.store_api import Store
+from coordinator.store_api import Store, encode_cursor
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import test_rules
@@ -59,6 +62,42 @@ async def test_page_tokens_are_opaque_and_checked(channel: grpc.aio.Channel) -> 
         error = await rpc_error(agent.list("other-box", page_token=bad))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert words in (error.details() or "")
+
+
+def _crafted(body: bytes, version: str = "v1:") -> str:
+    return version + base64.urlsafe_b64encode(body).decode().rstrip("=")
+
+
+# Tokens nobody issued, each as an attacker would shape it; "box" is the mailbox listed.
+CRAFTED_TOKENS = {
+    "nested arrays": _crafted(b"[" * 5000 + b"]" * 5000),
+    "nested arrays within the length limit": _crafted(b"[" * 1400 + b"]" * 1400),
+    "nested objects": _crafted(b'{"a":' * 3000 + b"1" + b"}" * 3000),
+    "arrays nested in the fields": _crafted(b'["box","m",' + b"[" * 1200 + b"]" * 1200 + b"]"),
+    "huge": _crafted(b'["box","m","' + b"x" * 600_000 + b'"]'),
+    "just over the limit": "v1:" + "A" * (PAGE_TOKEN_MAX_BYTES - 2),
+    "another version": "v2:" + encode_cursor(Subject("box", SubjectKind.MESSAGE, "m"))[3:],
+    "no version": encode_cursor(Subject("box", SubjectKind.MESSAGE, "m"))[3:],
+    "another tenant's": encode_cursor(Subject("other-tenant", SubjectKind.MESSAGE, "m")),
+    "numbers": _crafted(b'["box",1,2]'),
+    "four fields": _crafted(b'["box","m","m-1","x"]'),
+    "an unknown kind": _crafted(b'["box","letter","m-1"]'),
+    "not UTF-8": _crafted(b'["box","m","\xff\xfe"]'),
+    "a lone surrogate": _crafted(b'["box","m","\\ud800"]'),
+    "not base64": "v1:!!!",
+    "empty body": "v1:",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED_TOKENS))
+async def test_a_crafted_page_token_is_invalid_argument(channel: grpc.aio.Channel, name: str) -> None:
+    agent = Actor(channel, "agent-a")
+    await agent.claim(message("box", "m-1"))
+    error = await rpc_error(agent.list("box", states=(pb.SUBJECT_STATE_CLAIMED,), page_token=CRAFTED_TOKENS[name]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "page_token" in (error.details() or "")
+    # Whatever the tokens did, the listing still answers.
+    assert [s.subject.id for s in (await agent.list("box")).subjects] == ["m-1"]
 
 
 async def test_a_batch_answers_each_call(channel: grpc.aio.Channel) -> None:

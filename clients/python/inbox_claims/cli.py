@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 import tomllib
+import unicodedata
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -274,7 +275,34 @@ def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
 
 
 def _cut(text: str, width: int) -> str:
+    text = visible(text)
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# Kept as they are: the joiners (emoji sequences, Persian and Indic words need them and they move nothing).
+_JOINERS = frozenset("\u200c\u200d")
+
+
+def _hidden(ch: str) -> bool:
+    category = unicodedata.category(ch)
+    return (category == "Cf" and ch not in _JOINERS) or category in ("Cc", "Zl", "Zp")
+
+
+def visible(text: str) -> str:
+    """``text`` with every character that changes how the text around it shows without being seen itself
+    (bidirectional overrides and isolates, zero-width spaces, controls) written out as ``<U+202E>``: a terminal
+    seldom isolates right-to-left text, so "Invoice U+202E gnp.exe" would read "Invoice exe.png". The
+    coordinator drops them from summaries (proto: MessageSummary); ids, notes and older records may hold them."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(f"<U+{ord(ch):04X}>" if _hidden(ch) else ch for ch in text)
+
+
+def _json_visible(document: str) -> str:
+    """The same characters in JSON output, as JSON escapes: the data is unchanged, the terminal shows them."""
+    if document.isascii():
+        return document
+    return "".join(json.dumps(ch)[1:-1] if _hidden(ch) else ch for ch in document)
 
 
 def event_line(event: WatchEvent, now: datetime) -> str:
@@ -323,11 +351,11 @@ class Context:
         return bool(self.options.json)
 
     def emit(self, document: Any) -> None:
-        print(json.dumps(jsonable(document), ensure_ascii=False), file=self.out, flush=True)
+        print(_json_visible(json.dumps(jsonable(document), ensure_ascii=False)), file=self.out, flush=True)
 
     def say(self, *lines: str) -> None:
         for line in lines:
-            print(line, file=self.out)
+            print(visible(line), file=self.out)
         self.out.flush()
 
     def subject(self) -> Subject:
@@ -587,8 +615,9 @@ class WatchView:
     def draw(self) -> None:
         now = now_utc()
         rows = sorted(self.subjects.values(), key=lambda s: (_URGENCY[s.state], s.subject.kind.value, s.subject.id))
-        head = [f"inboxctl watch {self.ctx.options.mailbox}   {clock(now)}   {len(rows)} subject(s) {self.what()}", ""]
-        foot = ["", f"last event: {self.last or '-'}", "Ctrl-C to stop"]
+        mailbox = visible(self.ctx.options.mailbox)
+        head = [f"inboxctl watch {mailbox}   {clock(now)}   {len(rows)} subject(s) {self.what()}", ""]
+        foot = ["", f"last event: {visible(self.last or '-')}", "Ctrl-C to stop"]
         # Fit the terminal: the table's header row and what is around it, then as many rows as fit.
         room = max(shutil.get_terminal_size().lines - len(head) - len(foot) - 2, 1)
         shown = table(rows[:room], now) if rows else ["(nothing held)"]

@@ -408,6 +408,13 @@ class MessageSummary(_message.Message):
     ClaimReply and Takeover (the Python client fills it from the notification). It is personal data: stored in
     the claim's etcd record only while the coordinator's store_summaries setting is on (the default), and
     deleted with the claim or its reply record (docs/security.md).
+
+    Both texts are stored without invisible formatting: the characters that change how the text around them is
+    shown and are not seen themselves (Unicode category Cf: bidirectional embeddings, overrides, isolates and
+    marks, zero-width spaces, the byte order mark, tag characters; and the line and paragraph separators U+2028,
+    U+2029) are dropped, not refused, since the text comes from an email anyone can send ("Invoice U+202E
+    gnp.exe" would read "Invoice exe.png"). The zero-width joiner and non-joiner (U+200D, U+200C) stay. Readers
+    still show each text in an isolate of its own (the board, inboxctl).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1046,7 +1053,9 @@ class ListClaimsRequest(_message.Message):
     page_size: _builtins.int
     """1 to 1000; 0 means 100."""
     page_token: _builtins.str
-    """From the previous response's `next_page_token`; empty for the first page. Opaque; see ListClaims."""
+    """From the previous response's `next_page_token`; empty for the first page. Opaque, at most 4,096
+    characters; see ListClaims.
+    """
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[Global___SubjectState.ValueType]:
         """Only these states; empty means every state but FREE."""
@@ -1075,7 +1084,7 @@ class ListClaimsResponse(_message.Message):
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
-    """Empty on the last page."""
+    """Empty on the last page (and only there: a filtered page may be short, or empty, and have one)."""
     revision: _builtins.int
     """The etcd revision this page was read at."""
     @_builtins.property

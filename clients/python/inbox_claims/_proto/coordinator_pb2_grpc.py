@@ -219,8 +219,11 @@ class CoordinatorServicer:
         opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
         subjects as they are when it is read, so it includes claims made after the first page when their keys
         sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
-        one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
-        page size over 1000, or an unknown state.
+        one revision. Filtered by state, a page reads at most 5,000 subjects of the mailbox (5 etcd reads of
+        1,000), so it may hold fewer than `page_size` subjects, none even, with a `next_page_token`: the listing
+        ends only when the token is empty. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not
+        this mailbox's or not one this service issued (over 4,096 characters, say), a page size over 1000, or an
+        unknown state.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

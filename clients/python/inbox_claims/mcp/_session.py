@@ -81,6 +81,11 @@ class AgentSession:
         self._closed = False
 
     @property
+    def ended(self) -> bool:
+        """``close()`` was called: the session takes no more calls."""
+        return self._closed
+
+    @property
     def held(self) -> tuple[Subject, ...]:
         """The subjects this session holds now."""
         return tuple(self._claims)

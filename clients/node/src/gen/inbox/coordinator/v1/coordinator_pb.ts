@@ -281,6 +281,13 @@ export const SubjectStatusSchema: GenMessage<SubjectStatus> = /*@__PURE__*/
  * the claim's etcd record only while the coordinator's store_summaries setting is on (the default), and
  * deleted with the claim or its reply record (docs/security.md).
  *
+ * Both texts are stored without invisible formatting: the characters that change how the text around them is
+ * shown and are not seen themselves (Unicode category Cf: bidirectional embeddings, overrides, isolates and
+ * marks, zero-width spaces, the byte order mark, tag characters; and the line and paragraph separators U+2028,
+ * U+2029) are dropped, not refused, since the text comes from an email anyone can send ("Invoice U+202E
+ * gnp.exe" would read "Invoice exe.png"). The zero-width joiner and non-joiner (U+200D, U+200C) stay. Readers
+ * still show each text in an isolate of its own (the board, inboxctl).
+ *
  * @generated from message inbox.coordinator.v1.MessageSummary
  */
 export type MessageSummary = Message<"inbox.coordinator.v1.MessageSummary"> & {
@@ -976,7 +983,8 @@ export type ListClaimsRequest = Message<"inbox.coordinator.v1.ListClaimsRequest"
   pageSize: number;
 
   /**
-   * From the previous response's `next_page_token`; empty for the first page. Opaque; see ListClaims.
+   * From the previous response's `next_page_token`; empty for the first page. Opaque, at most 4,096
+   * characters; see ListClaims.
    *
    * @generated from field: string page_token = 4;
    */
@@ -1000,7 +1008,7 @@ export type ListClaimsResponse = Message<"inbox.coordinator.v1.ListClaimsRespons
   subjects: SubjectStatus[];
 
   /**
-   * Empty on the last page.
+   * Empty on the last page (and only there: a filtered page may be short, or empty, and have one).
    *
    * @generated from field: string next_page_token = 2;
    */
@@ -2126,8 +2134,11 @@ export const Coordinator: GenService<{
    * opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
    * subjects as they are when it is read, so it includes claims made after the first page when their keys
    * sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
-   * one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
-   * page size over 1000, or an unknown state.
+   * one revision. Filtered by state, a page reads at most 5,000 subjects of the mailbox (5 etcd reads of
+   * 1,000), so it may hold fewer than `page_size` subjects, none even, with a `next_page_token`: the listing
+   * ends only when the token is empty. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not
+   * this mailbox's or not one this service issued (over 4,096 characters, say), a page size over 1000, or an
+   * unknown state.
    *
    * @generated from rpc inbox.coordinator.v1.Coordinator.ListClaims
    */
