@@ -13,7 +13,20 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims, embedded_db, http, http_attacks, listing, mcp, memory, outgoing, profile, slow_watchers, watch
+from . import (
+    calls,
+    claims,
+    embedded_db,
+    http,
+    http_attacks,
+    listing,
+    mcp,
+    memory,
+    outgoing,
+    profile,
+    slow_watchers,
+    watch,
+)
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]

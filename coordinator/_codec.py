@@ -9,9 +9,11 @@ fields are left out, and a REPLIED record keeps only what a reply record is for 
                  "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id,
                  "y": 1 when replied by hand (MarkReplied), "v": [subject line, sender, received ms],
                  "j": 1 when replied outside, "o": the outside reply, "w": the message's received ms,
-                 "e": the outgoing message taken for this send's copy (an outside reply's shape)}
+                 "e": the outgoing message taken for this send's copy (an outside reply's shape),
+                 "z": who settled it (ResolveInDoubt SENT)}
     delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id],
-                "o": RecordOutgoing's answer ("own" or "out"), "g": its arguments' fingerprint}
+                "o": RecordOutgoing's answer ("own" or "out"), "g": its arguments' fingerprint,
+                "v": [subject line, sender, received ms]}
     outside reply (a subject's "o", a thread's latest): [sender, sent ms, message id, recorded by, stopped holder]
     thread entry: {"w": the message's received ms}
     end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "g": its fingerprint,
@@ -79,6 +81,7 @@ def encode_record(record: SubjectRecord) -> bytes:
         "o": _outside(record.outside_reply),
         "w": record.received_ms,
         "e": _outside(record.echo),
+        "z": record.settled_by,
     }
     if record.state is State.REPLIED:
         for key in _CLAIM_ONLY:
@@ -110,6 +113,7 @@ def decode_record(value: bytes) -> SubjectRecord:
         outside_reply=OutsideReply(*data["o"]) if "o" in data else None,
         received_ms=data.get("w"),
         echo=OutsideReply(*data["e"]) if "e" in data else None,
+        settled_by=data.get("z", ""),
     )
 
 
@@ -181,6 +185,7 @@ def encode_delivery(delivery: DeliveryRecord) -> bytes:
             "s": subject,
             "o": outgoing,
             "g": delivery.fingerprint,
+            "v": _summary(delivery.summary),
         }
     )
 
@@ -201,4 +206,5 @@ def decode_delivery(value: bytes, mailbox: str, notification_id: str) -> Deliver
         subject=subject,
         outgoing=_OUTGOING_IN[data["o"]] if "o" in data else None,
         fingerprint=data.get("g", ""),
+        summary=Summary(*data["v"]) if "v" in data else None,
     )

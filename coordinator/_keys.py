@@ -100,6 +100,13 @@ class Keys:
         if len(parts) != 3 or parts[0] != "s":
             return None
         return Subject(mailbox, SubjectKind(parts[1]), unquote(parts[2]))
+    def deliveries(self, mailbox: str) -> bytes:
+        """The prefix of one mailbox's delivery records."""
+        return self._root + _DELIVERIES + f"{_enc(mailbox)}/".encode()
+
+    def delivery_notification_id(self, mailbox: str, key: bytes) -> str:
+        """The notification id of a key under :meth:`deliveries`."""
+        return unquote(key[len(self.deliveries(mailbox)) :].decode())
 
     def sending_family(self) -> bytes:
         return self._root + _SENDING_FAMILY

@@ -35,13 +35,12 @@ from .config import (
     load,
     parse_host_port,
 )
-from .embedded import EmbeddedEtcd, EmbeddedEtcdError, EmbeddedSettings, version_problem
+from .embedded import EmbeddedEtcd, EmbeddedEtcdError, EmbeddedSettings, etcd_for_data_dir, version_problem
 from .errors import StoreUnavailable
 from .etcd_process import (
     EtcdNotFound,
     EtcdStartError,
     etcd_version,
-    find_etcd_binary,
     is_broken_version,
     version_tuple,
 )
@@ -217,6 +216,34 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
     )
 
 
+def board_line(server: CoordinatorServer) -> str:
+    """The banner's line about the HTTP face: where the claims board is (and, when its default port was taken,
+    that it moved), or why there is none; empty when it was not asked for."""
+    settings = server.settings
+    if server.http is not None:
+        scheme = "https" if settings.tls is not None else "http"
+        cap = server.http.connection_cap
+        lowered = (
+            f", lowered from {settings.http_max_connections} to keep {DESCRIPTOR_RESERVE} of the process's "
+            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} descriptors for gRPC and etcd"
+            if cap < settings.http_max_connections
+            else ""
+        )
+        moved = (
+            f"; port {server.http.taken_port} is taken by another program, so this coordinator took the next free "
+            "one (--http-listen chooses)"
+            if server.http.taken_port is not None
+            else ""
+        )
+        return (
+            f"inbox-coordinator: claims board on {scheme}://{server.http.address}/ "
+            f"(HTTP/JSON API under /{SERVICE_NAME}/; at most {cap} connections{lowered}{moved})"
+        )
+    if server.http_problem:
+        return f"inbox-coordinator: no claims board: {server.http_problem} (--http-listen chooses)"
+    return ""
+
+
 async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
     """Serve until SIGINT or SIGTERM; ``supervise`` (the embedded etcd's keeper) ending with an error stops
     the server too, and that error is raised after the drain."""
@@ -230,20 +257,9 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
     print(f"inbox-coordinator: serving gRPC on {server.address}; stop with Ctrl-C or SIGTERM", flush=True)
     if server.metrics_server is not None:
         print(f"inbox-coordinator: metrics on http://{server.metrics_server.address}/metrics", flush=True)
-    if server.http is not None:
-        scheme = "https" if settings.tls is not None else "http"
-        cap = server.http.connection_cap
-        lowered = (
-            f", lowered from {settings.http_max_connections} to keep {DESCRIPTOR_RESERVE} of the process's "
-            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} descriptors for gRPC and etcd"
-            if cap < settings.http_max_connections
-            else ""
-        )
-        print(
-            f"inbox-coordinator: claims board on {scheme}://{server.http.address}/ "
-            f"(HTTP/JSON API under /{SERVICE_NAME}/; at most {cap} connections{lowered})",
-            flush=True,
-        )
+    board = board_line(server)
+    if board:
+        print(board, flush=True)
     log.info(
         "serving",
         extra={
@@ -391,14 +407,15 @@ def check(options: argparse.Namespace) -> int:
     for setting in SETTINGS:
         print(f"  {describe(config, setting.name)}")
     if config.embedded_etcd:
+        data_dir = (config.data_dir or default_data_dir()).expanduser().resolve()
         try:
-            binary = find_etcd_binary()
+            binary = etcd_for_data_dir(data_dir)
             version = etcd_version(binary)
         except (EtcdNotFound, RuntimeError) as error:
             print(f"no etcd endpoints, and no etcd for the embedded development mode: {error}", file=sys.stderr)
             return EXIT_FAILURE
         print(f"no etcd endpoints: serve would start an embedded DEVELOPMENT etcd ({binary}, version {version})")
-        problem = version_problem((config.data_dir or default_data_dir()).expanduser().resolve(), binary, version)
+        problem = version_problem(data_dir, binary, version)
         if problem is not None:
             print(f"inbox-coordinator check: serve would refuse to start: {problem}", file=sys.stderr)
             return EXIT_FAILURE

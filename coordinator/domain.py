@@ -216,6 +216,8 @@ class SubjectRecord:
     # SENDING or IN_DOUBT: an outgoing message of the thread taken for this send's copy, arriving before the
     # send's ConfirmSent. The confirmation settles it (``_replied``, ``abort_send``).
     echo: OutsideReply | None = None
+    # REPLIED by ResolveInDoubt(SENT): the person who found the send had gone out (the holder's send it was).
+    settled_by: str = ""
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,9 @@ class DeliveryRecord:
     # first answer and a reuse of its request id for another message is refused.
     outgoing: OutgoingResult | None = None
     fingerprint: str = ""
+    # Which email it was, as the ClaimReply that recorded it said (Rules.store_summaries): what a person finds
+    # a message to answer by among the mailbox's recent ones.
+    summary: Summary | None = None
 
 
 @dataclass(frozen=True)
@@ -367,6 +372,7 @@ def new_claim(
 
 
 def new_delivery(
+    rules: Rules,
     caller: Caller,
     *,
     mailbox: str,
@@ -376,6 +382,7 @@ def new_delivery(
     subject: Subject | None,
     outgoing: OutgoingResult | None = None,
     fingerprint: str = "",
+    summary: Summary | None = None,
 ) -> DeliveryRecord:
     return DeliveryRecord(
         mailbox=mailbox,
@@ -386,6 +393,7 @@ def new_delivery(
         subject=subject,
         outgoing=outgoing,
         fingerprint=fingerprint,
+        summary=summary if summary and rules.store_summaries else None,
     )
 
 
@@ -737,13 +745,16 @@ def require_human(caller: Caller) -> None:
         )
 
 
-def takeover_refusal(current: Stored | None) -> TakeoverResult | None:
-    """Why a takeover cannot proceed, or None when the subject is FREE or claimed by an agent."""
+def takeover_refusal(current: Stored | None, caller: Caller, from_person: str = "") -> TakeoverResult | None:
+    """Why a takeover cannot proceed, or None when the subject is FREE, claimed by an agent, or claimed by
+    ``from_person``: the colleague the caller confirmed taking it from (docs/security.md#roles). Never from
+    the caller itself, and never from a person the caller did not name: one who claimed in between, say."""
     if current is None:
         return None
-    if current.record.state is not State.CLAIMED:
+    record = current.record
+    if record.state is not State.CLAIMED:
         return TakeoverResult.ALREADY_REPLIED
-    if current.record.holder_kind is HolderKind.HUMAN:
+    if record.holder_kind is HolderKind.HUMAN and (record.holder != from_person or record.holder == caller.principal):
         return TakeoverResult.HELD
     return None
 
@@ -770,10 +781,12 @@ def takeover_release(
     request_id: str,
     now_ms: int,
     request_fingerprint: str = "",
+    from_person: str = "",
 ) -> Transition:
-    """First step of a takeover: end the agent's claim, which makes its token stale at once."""
+    """First step of a takeover: end the holder's claim (an agent's, or the named colleague's), which makes
+    its token stale at once."""
     require_human(caller)
-    if current is None or takeover_refusal(current) is not None:
+    if current is None or takeover_refusal(current, caller, from_person) is not None:
         return Transition(FenceResult.STALE_TOKEN)
     return Transition(
         FenceResult.OK,
@@ -820,7 +833,9 @@ def resolve_in_doubt(
     assert current is not None
     if outcome is ResolveOutcome.SENT:
         resolved = _stamped(_replied(rules, current.record, sent_message_id, now_ms), request_id, request_fingerprint)
-        return Transition(FenceResult.OK, write=replace(resolved, note=note or resolved.note))
+        return Transition(
+            FenceResult.OK, write=replace(resolved, note=note or resolved.note, settled_by=caller.principal)
+        )
     answered = _answered_by_its_copy(rules, current.record, now_ms)
     if answered is not None:  # not sent, so the message taken for its copy was someone's answer (as abort_send)
         return Transition(FenceResult.OK, write=_stamped(replace(answered, note=note), request_id, request_fingerprint))

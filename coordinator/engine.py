@@ -188,6 +188,7 @@ class Engine:
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=True)
         now = self._clock()
         record = domain.new_delivery(
+            self.rules,
             caller,
             mailbox=mailbox,
             notification_id=notification_id,
@@ -235,12 +236,14 @@ class Engine:
         )
         delivery = (
             domain.new_delivery(
+                self.rules,
                 caller,
                 mailbox=subject.mailbox,
                 notification_id=notification_id,
                 request_id=request_id,
                 now_ms=now,
                 subject=subject,
+                summary=summary,
             )
             if notification_id
             else None
@@ -555,6 +558,33 @@ class Engine:
             cursor = last
         return Page(found, cursor, revision)
 
+    async def recent_messages(
+        self, caller: Caller, *, mailbox: str, query: str, page_size: int
+    ) -> list[DeliveryRecord]:
+        """The mailbox's recently delivered messages, newest first, one per subject, whose summary or id contains
+        ``query`` (case-insensitive): the deliveries ClaimReply recorded, among the newest
+        RECENT_DELIVERIES_READ_MAX of them."""
+        _check_mailbox(caller, mailbox)
+        limits.check_text("query", query, limits.RECENT_QUERY_MAX_BYTES, required=False)
+        size = limits.check_page_size(page_size, limits.RECENT_PAGE_SIZE_DEFAULT, limits.RECENT_PAGE_SIZE_MAX)
+        wanted = query.casefold()
+        seen: set[Subject] = set()
+        found: list[DeliveryRecord] = []
+        for delivery in await self.store.recent_deliveries(mailbox, limits.RECENT_DELIVERIES_READ_MAX):
+            subject = delivery.subject
+            if subject is None or subject in seen:
+                continue
+            seen.add(subject)
+            summary = delivery.summary or domain.Summary()
+            if wanted and not any(
+                wanted in text.casefold() for text in (summary.subject_line, summary.sender, subject.id)
+            ):
+                continue
+            found.append(delivery)
+            if len(found) == size:
+                break
+        return found
+
     # --- humans --------------------------------------------------------------------------------------------
 
     async def takeover(
@@ -566,15 +596,18 @@ class Engine:
         ttl_seconds: int,
         note: str,
         summary: Summary | None = None,
+        from_person: str = "",
     ) -> TakeoverOutcome:
         domain.require_human(caller)
         domain.require_role(caller, "takeover", "Takeover")
         _check_request_id(request_id)
         _check_subject(caller, subject)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        limits.check_text("from_person", from_person, limits.PRINCIPAL_MAX_BYTES, required=False)
         summary = _checked_summary(summary)
         ttl = self.rules.limits.ttl(ttl_seconds)
-        arguments = domain.fingerprint("Takeover", subject, ttl, note)
+        # from_person only when given: a retry from a client that never sends it keeps its fingerprint.
+        arguments = domain.fingerprint("Takeover", subject, ttl, note, *([from_person] if from_person else []))
         if not summary:
             # A person taking over from a terminal rarely knows the subject line; the agent's claim does.
             before = await self.store.status(subject)
@@ -593,7 +626,7 @@ class Engine:
         outcome: TakeoverOutcome | None = None
         # Two steps, because etcd refuses to delete and create one key in one transaction, and the new token must
         # be a new create revision. An agent may claim in between: then its claim is taken over too, a few times
-        # at most; a human who claims in between keeps it (HELD).
+        # at most; a human who claims in between keeps it (HELD), unless it is the colleague named in from_person.
         for _ in range(_TAKEOVER_ROUNDS):
             retried = False
 
@@ -606,7 +639,12 @@ class Engine:
                 if holds:
                     return Transition(FenceResult.OK)
                 return domain.takeover_release(
-                    current, caller, request_id=request_id, now_ms=self._clock(), request_fingerprint=arguments
+                    current,
+                    caller,
+                    request_id=request_id,
+                    now_ms=self._clock(),
+                    request_fingerprint=arguments,
+                    from_person=from_person,
                 )
 
             transition, current = await self.store.apply(subject, decide, self._end_mark_expiry())
@@ -616,13 +654,14 @@ class Engine:
                 result = TakeoverResult.TAKEN_OVER if previous else TakeoverResult.GRANTED
                 return TakeoverOutcome(result, current, holder, token)
             if transition.end is None and current is not None:
-                return TakeoverOutcome(domain.takeover_refusal(current) or TakeoverResult.HELD, current, holder, token)
+                refusal = domain.takeover_refusal(current, caller, from_person)
+                return TakeoverOutcome(refusal or TakeoverResult.HELD, current, holder, token)
             attempt = await self.store.claim(subject, record, None, 0)
             if attempt.created is not None:
                 result = TakeoverResult.TAKEN_OVER if previous else TakeoverResult.GRANTED
                 return TakeoverOutcome(result, attempt.created, holder, token)
             assert attempt.current is not None
-            refusal = domain.takeover_refusal(attempt.current)
+            refusal = domain.takeover_refusal(attempt.current, caller, from_person)
             outcome = TakeoverOutcome(refusal or TakeoverResult.HELD, attempt.current, holder, token)
             if refusal is not None:
                 return outcome

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import contextlib
 import contextvars
+import errno
 import json
 import logging
 import socket
@@ -725,6 +726,11 @@ class _EmbeddedServer(uvicorn.Server):
         self.started = True
 
 
+# A development coordinator whose default HTTP port is taken (another coordinator, or any program, on this
+# machine) serves on the next free one of these, said plainly in its banner, rather than without a board.
+FALLBACK_PORTS = 9
+
+
 class HttpFace:
     """Serves ``build_app`` on ``host:port`` with uvicorn's HTTP/1.1 protocol, on the running event loop, behind
     the guard of coordinator/http_guard.py."""
@@ -762,6 +768,8 @@ class HttpFace:
         )
         self._server = _EmbeddedServer(self._config)
         self._socket: socket.socket | None = None
+        # The port asked for, when it was taken and start(fall_back=True) served on another one.
+        self.taken_port: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._listener: Listener | None = None
 
@@ -770,11 +778,17 @@ class HttpFace:
         assert self._listener is not None
         return self._listener.cap
 
-    async def start(self) -> None:
+    async def start(self, *, fall_back: bool = False) -> None:
+        """Binds and serves. ``fall_back``: when the port is taken, the next :data:`FALLBACK_PORTS` ports are
+        tried, then any free one (:attr:`taken_port` says which was asked for)."""
         cap = connection_cap(self._guard.max_connections)
         # Bound here, not by uvicorn, whose bind failure is a SystemExit that would end the whole process.
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        self._socket = socket.create_server((self._host, self._port), family=family, backlog=1024)
+        candidates = [self._port]
+        if fall_back and self._port:
+            candidates += [*range(self._port + 1, min(self._port + 1 + FALLBACK_PORTS, 65536)), 0]
+        self._socket = self._bind(family, candidates)
+        self.taken_port = self._port if self._socket.getsockname()[1] != self._port and self._port else None
         # No Nagle delay on the connections it accepts (Linux copies the option to them): asyncio sets it only on
         # sockets made with proto IPPROTO_TCP, which create_server's are not, and uvicorn writes an answer's
         # head and body apart, so the body waited for the client's delayed ACK: 40 ms per call on a kept-alive
@@ -807,6 +821,16 @@ class HttpFace:
             reporter=self._reporter,
         )
         self._listener.start()
+
+    def _bind(self, family: socket.AddressFamily, ports: list[int]) -> socket.socket:
+        """A listening socket on the first of ``ports`` that is free; only a taken port moves on to the next."""
+        for port in ports[:-1]:
+            try:
+                return socket.create_server((self._host, port), family=family, backlog=1024)
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    raise
+        return socket.create_server((self._host, ports[-1]), family=family, backlog=1024)
 
     @property
     def address(self) -> str:

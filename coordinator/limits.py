@@ -26,6 +26,12 @@ PAGE_SIZE_DEFAULT = 100
 # is under 3.4 KB; anything longer was not issued here and is refused before it is decoded.
 PAGE_TOKEN_MAX_BYTES = 4096
 PAGE_SIZE_MAX = 1000
+# ListRecentMessages: what a person types to find an email, how many answers, and how far back it reads (the
+# newest deliveries of the mailbox, each at most the delivery retention old).
+RECENT_QUERY_MAX_BYTES = 256
+RECENT_PAGE_SIZE_DEFAULT = 20
+RECENT_PAGE_SIZE_MAX = 100
+RECENT_DELIVERIES_READ_MAX = 2000
 # ListClaims filtered by state reads the mailbox in ranges of this many subjects, at most this many ranges for
 # one page: a page costs at most 5 etcd reads of 1,000 keys, whatever the filter finds.
 LIST_RANGE_SUBJECTS = 1000
@@ -105,9 +111,10 @@ def check_time_ms(field: str, value_ms: int | None, *, required: bool) -> int | 
     return value_ms
 
 
-def check_page_size(requested: int) -> int:
+def check_page_size(requested: int, default: int = PAGE_SIZE_DEFAULT, maximum: int = PAGE_SIZE_MAX) -> int:
+    """0 means ``default``; ListClaims pages by PAGE_SIZE_*, ListRecentMessages by RECENT_PAGE_SIZE_*."""
     if requested == 0:
-        return PAGE_SIZE_DEFAULT
-    if requested > PAGE_SIZE_MAX:
-        raise InvalidArgument("page_size", f"{requested} is over the limit of {PAGE_SIZE_MAX}")
+        return default
+    if requested > maximum:
+        raise InvalidArgument("page_size", f"{requested} is over the limit of {maximum}")
     return requested

@@ -269,6 +269,11 @@ class MemoryStore:
         self._publish(Change(subject, current, after, transition.end, revision))
         return transition, after
 
+    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+        self._expire()
+        mine = [leased for (box, _), leased in self._deliveries.items() if box == mailbox]
+        return [leased.value for leased in sorted(mine, key=lambda leased: -leased.revision)[:limit]]
+
     async def status(self, subject: Subject) -> Stored | None:
         self._expire()
         return self._subjects.get(subject)

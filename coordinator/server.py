@@ -219,6 +219,8 @@ class CoordinatorServer:
         if self.port == 0:
             raise OSError(f"cannot serve gRPC on {settings.listen} (--listen): the address is taken or not local")
         self.http: HttpFace | None = None
+        # Why an optional HTTP face is not served (its default port and the fallbacks all failed), for the banner.
+        self.http_problem = ""
         if settings.http_listen:
             reporter = Reporter(self.metrics.http_connections.set, lambda reason: _count(self.metrics, reason))
             app = build_app(
@@ -274,7 +276,8 @@ class CoordinatorServer:
         if self.http is None:
             return
         try:
-            await self.http.start()
+            # The default address (development mode) moves to a free port when taken; one asked for does not.
+            await self.http.start(fall_back=self.settings.http_optional)
         except OSError as error:
             self.http = None
             why = (
@@ -285,7 +288,8 @@ class CoordinatorServer:
             )
             if not self.settings.http_optional:
                 raise OSError(f"cannot serve HTTP on {self.settings.http_listen} (--http-listen): {why}") from None
-            log.warning("cannot serve HTTP on %s (%s); going on without it", self.settings.http_listen, why)
+            self.http_problem = f"cannot serve HTTP on {self.settings.http_listen} ({why})"
+            log.warning("%s; going on without it", self.http_problem)
 
     def _start_metrics_server(self) -> None:
         if not self.settings.metrics_listen:

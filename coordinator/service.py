@@ -219,6 +219,7 @@ def status_out(subject: Subject, stored: Stored | None) -> pb.SubjectStatus:
         summary=summary_out(record.summary),
         replied_outside=record.replied_outside,
         outside_reply=outside_reply_out(record.outside_reply),
+        settled_by=record.settled_by,
     )
 
 
@@ -556,6 +557,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             revision=page.revision,
         )
 
+    async def _list_recent_messages(
+        self, caller: Caller, request: pb.ListRecentMessagesRequest
+    ) -> pb.ListRecentMessagesResponse:
+        deliveries = await self._engine.recent_messages(
+            caller, mailbox=request.mailbox, query=request.query, page_size=request.page_size
+        )
+        return pb.ListRecentMessagesResponse(
+            messages=[
+                pb.RecentMessage(
+                    subject=subject_out(delivery.subject),
+                    summary=summary_out(delivery.summary),
+                    first_seen_at=_timestamp(delivery.recorded_ms),
+                    seen_by=delivery.recorded_by,
+                )
+                for delivery in deliveries
+                if delivery.subject is not None
+            ]
+        )
+
     async def _takeover(self, caller: Caller, request: pb.TakeoverRequest) -> pb.TakeoverResponse:
         subject = subject_in(request.subject)
         outcome = await self._engine.takeover(
@@ -565,6 +585,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             ttl_seconds=request.ttl_seconds,
             note=request.note,
             summary=summary_in(request.summary),
+            from_person=request.from_person,
         )
         return pb.TakeoverResponse(
             result=_TAKEOVER_RESULTS[outcome.result],
@@ -597,6 +618,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     AbortSend = _unary(_abort_send)
     GetStatus = _unary(_get_status)
     ListClaims = _unary(_list_claims)
+    ListRecentMessages = _unary(_list_recent_messages)
     Takeover = _unary(_takeover)
     ResolveInDoubt = _unary(_resolve_in_doubt)
     MarkReplied = _unary(_mark_replied)

@@ -513,6 +513,24 @@ class EtcdStore:
         response = await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))
         return _stored(response.kvs[0]) if response.kvs else None
 
+    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+        # etcd sorts a range by create revision and cuts it at the limit itself: one read, bounded by the limit.
+        base = self.keys.deliveries(mailbox)
+        response = await self.etcd.call(
+            self.etcd.kv.Range,
+            rpc.RangeRequest(
+                key=base,
+                range_end=prefix_end(base),
+                limit=limit,
+                sort_order=rpc.RangeRequest.DESCEND,
+                sort_target=rpc.RangeRequest.CREATE,
+            ),
+        )
+        return [
+            _codec.decode_delivery(kv.value, mailbox, self.keys.delivery_notification_id(mailbox, kv.key))
+            for kv in response.kvs
+        ]
+
     async def list_subjects(
         self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0
     ) -> tuple[Listing, str | None, int]:

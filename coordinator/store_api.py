@@ -165,6 +165,9 @@ class Store(Protocol):
 
     async def status(self, subject: Subject) -> Stored | None: ...
 
+    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+        """The mailbox's ``limit`` newest delivery records (by the revision that wrote them), newest first."""
+
     async def list_subjects(
         self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0
     ) -> tuple[Listing, str | None, int]:

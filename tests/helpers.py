@@ -157,10 +157,19 @@ class Actor:
         response = await self.stub.GetStatus(pb.GetStatusRequest(subject=subject), metadata=self.metadata)
         return response.status
 
-    async def takeover(self, subject: pb.Subject, ttl: int = 0, note: str = "") -> pb.TakeoverResponse:
+    async def takeover(
+        self, subject: pb.Subject, ttl: int = 0, note: str = "", from_person: str = ""
+    ) -> pb.TakeoverResponse:
         return await self.stub.Takeover(
-            pb.TakeoverRequest(request_id=new_request_id(), subject=subject, ttl_seconds=ttl, note=note),
+            pb.TakeoverRequest(
+                request_id=new_request_id(), subject=subject, ttl_seconds=ttl, note=note, from_person=from_person
+            ),
             metadata=self.metadata,
+        )
+
+    async def recent(self, mailbox: str, query: str = "", page_size: int = 0) -> pb.ListRecentMessagesResponse:
+        return await self.stub.ListRecentMessages(
+            pb.ListRecentMessagesRequest(mailbox=mailbox, query=query, page_size=page_size), metadata=self.metadata
         )
 
     async def resolve(

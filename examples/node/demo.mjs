@@ -41,7 +41,7 @@ function notification(id, messageId, type = "message.created", { thread = `threa
 
 async function startAgent(principal, coordinator, nylas) {
   const port = await freePort();
-  const env = { ...process.env, PORT: String(port), PRINCIPAL: principal, INBOX_COORDINATOR: coordinator, NYLAS_WEBHOOK_SECRET: SECRET,
+  const env = { ...process.env, PORT: String(port), INBOX_PRINCIPAL: principal, INBOX_COORDINATOR_TARGET: coordinator, NYLAS_WEBHOOK_SECRET: SECRET,
     NYLAS_API_KEY: API_KEY, NYLAS_API_BASE: nylas.apiBase, LLM_DELAY_MS: process.env.LLM_DELAY_MS ?? "1000", INBOX_MAILBOX_ADDRESSES: SHOP };
   const child = spawn(process.execPath, [join(here, "agent-guarded.mjs")], { env, stdio: ["ignore", "inherit", "inherit"] });
   const url = `http://127.0.0.1:${port}/webhooks/nylas`;
@@ -123,6 +123,9 @@ async function main() {
     console.log(`  replies to the mailbox's own messages (their ${echoes.length} copies delivered, answered ${[...new Set(echoes)].join(", ")}): ${toCopies.length}, expected 0`);
     if (toCopies.length !== 0 || echoes.length < 4 || echoes.some((s) => s !== 200)) failures.push(`copies of sent messages: ${toCopies.length} replied to, answered ${echoes}`);
     if (nylas.problems.length) failures.push(`the fake Nylas refused requests: ${nylas.problems}`);
+    // Every reply went out with the claim's idempotency key (the same for every agent and both languages).
+    const keyless = nylas.sends.filter((sent) => !/^ic1-[0-9a-f]{64}$/.test(sent.idempotencyKey));
+    if (keyless.length) failures.push(`sends without the claim's Idempotency-Key: ${keyless.map((sent) => sent.id)}`);
   } finally {
     for (const agent of agents) agent.child.kill("SIGTERM");
     await nylas.close();

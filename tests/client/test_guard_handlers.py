@@ -78,6 +78,25 @@ def test_the_handlers_type_check_with_mypy_strict(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _refusal_output(setup: str) -> str:
+    """What a process that configured its logging with ``setup`` prints for one absorbed refusal."""
+    refusal = "from inbox_claims._guard import log_refusal\nlog_refusal('not replying to %s', 'm-1')"
+    code = f"import logging\n{setup}\n{refusal}"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    return result.stdout + result.stderr
+
+
+def test_a_refusal_line_shows_where_the_app_configured_no_logging_and_follows_it_where_it_did() -> None:
+    # uvicorn and gunicorn configure their own loggers only: the line must still show.
+    assert _refusal_output("") == "INFO:inbox_claims: not replying to m-1\n"
+    # An app that configures logging decides: shown at INFO in its format, not at WARNING, not twice.
+    assert _refusal_output("logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')") == (
+        "inbox_claims not replying to m-1\n"
+    )
+    assert _refusal_output("logging.basicConfig(level=logging.WARNING)") == ""
+    assert _refusal_output("logging.getLogger('inbox_claims').setLevel(logging.WARNING)") == ""
+
+
 # ---------------------------------------------------------------------------------------- the servers
 
 
@@ -269,6 +288,10 @@ def test_the_unguarded_handler_replies_twice_and_the_guarded_one_once(
 
     with workers(framework, f"{framework}_guarded", coordinator, nylas, tmp_path) as pair:
         after = run_the_deliveries(pair, nylas)
+    # The redeliveries were dropped, each with its line in the worker's output, though the handler configures
+    # no logging and uvicorn (or werkzeug) only its own.
+    output = "".join(worker.log.read_text() for worker in pair)
+    assert "INFO:inbox_claims: not replying to message" in output, output
     assert after.redelivered == Counter({after.message_ids[0]: 1})
     assert after.created_and_updated == Counter({after.message_ids[1]: 1})
     assert after.twenty_twice == Counter(dict.fromkeys(after.message_ids[2:], 1))

@@ -127,6 +127,10 @@ async def test_other_field_limits(agent: Actor, channel: grpc.aio.Channel, mailb
             "does not belong to this mailbox",
         ),
         (Actor(channel, "p" * 129).claim(subject), "principal", "128 bytes"),
+        (agent.recent(mailbox, query="q" * 257), "query", "256 bytes"),
+        (agent.recent(mailbox, query="a\x07b"), "query", "control character"),
+        (agent.recent(mailbox, page_size=101), "page_size", "100"),
+        (Actor(channel, "ana", kind="human").takeover(subject, from_person="p" * 129), "from_person", "128 bytes"),
         (Actor(channel, "ana", kind="robot").claim(subject), "x-inbox-principal-kind", "'agent' or 'human'"),
     ]
     for call, field, words in cases:

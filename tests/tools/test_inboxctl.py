@@ -174,6 +174,12 @@ def test_takeover_fences_the_agent(ctl: Ctl, agent: Coordinator, mailbox: str) -
     assert agent.begin_send(subject, agent_token) == FenceResult(ok=False, status=agent.status(subject))
     again = ctl("takeover", mailbox, "msg-vip", env={"INBOX_PRINCIPAL": "bo@example.com"})
     assert (again.returncode, "not taken over: a human holds it" in again.stdout) == (1, True)
+    assert f"to take it from {ANA} (a colleague), say so: add --from {ANA}" in again.stdout
+    # From a colleague, by naming them: Ana's claim ends (her token is stale), Bo holds it.
+    from_ana = ctl("takeover", mailbox, "msg-vip", "--from", ANA, env={"INBOX_PRINCIPAL": "bo@example.com"})
+    assert from_ana.returncode == 0, from_ana.stdout + from_ana.stderr
+    assert f"took message msg-vip in {mailbox} over from {ANA}" in from_ana.stdout
+    assert agent.status(subject).holder == "bo@example.com"
 
 
 def test_replied_records_a_reply_by_hand_and_the_agent_then_leaves_it(

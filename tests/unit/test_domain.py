@@ -89,15 +89,42 @@ def test_release_after_begin_send_is_refused() -> None:
         domain.release(Stored(begun, 10, 11), None, AGENT, token=10, request_id="r", now_ms=NOW)
 
 
-def test_takeover_only_by_humans_and_only_from_agents() -> None:
+def test_takeover_only_by_humans_from_agents_or_from_the_colleague_named() -> None:
     with pytest.raises(PermissionDenied):
         domain.takeover_release(_claimed(), AGENT, request_id="r", now_ms=NOW)
     taken = domain.takeover_release(_claimed(), HUMAN, request_id="r", now_ms=NOW)
     assert taken.end is not None
     assert (taken.end.reason, taken.end.previous_holder, taken.end.token) == (EndReason.TAKEN_OVER, "agent-a", 10)
-    from_human = domain.takeover_release(_claimed(caller=HUMAN), HUMAN, request_id="r", now_ms=NOW)
-    assert from_human.end is None
-    assert domain.takeover_refusal(_claimed(caller=HUMAN)) is domain.TakeoverResult.HELD
+    bo = Caller("bo", HolderKind.HUMAN)
+    # A colleague's claim: only when the caller names that very colleague (having confirmed it on screen).
+    assert domain.takeover_release(_claimed(caller=bo), HUMAN, request_id="r", now_ms=NOW).end is None
+    assert domain.takeover_refusal(_claimed(caller=bo), HUMAN) is domain.TakeoverResult.HELD
+    assert domain.takeover_refusal(_claimed(caller=bo), HUMAN, "carla") is domain.TakeoverResult.HELD
+    from_bo = domain.takeover_release(_claimed(caller=bo), HUMAN, request_id="r", now_ms=NOW, from_person="bo")
+    assert from_bo.end is not None
+    assert (from_bo.end.reason, from_bo.end.previous_holder, from_bo.end.by) == (EndReason.TAKEN_OVER, "bo", "ana")
+    # Never from oneself, named or not; an agent's claim whatever person is named.
+    assert domain.takeover_refusal(_claimed(caller=HUMAN), HUMAN, "ana") is domain.TakeoverResult.HELD
+    assert domain.takeover_refusal(_claimed(), HUMAN, "bo") is None
+
+
+def test_a_send_settled_as_sent_credits_the_person_who_settled_it() -> None:
+    begun = domain.begin_send(RULES, _claimed(), AGENT, token=10, now_ms=NOW).write
+    assert begun is not None
+    in_doubt = domain.mark_in_doubt(Stored(begun, 10, 11), swept_revision=11).write
+    assert in_doubt is not None
+    settled = domain.resolve_in_doubt(
+        RULES,
+        Stored(in_doubt, 10, 12),
+        HUMAN,
+        outcome=domain.ResolveOutcome.SENT,
+        sent_message_id="",
+        note="found it in Sent",
+        request_id="q",
+        now_ms=NOW,
+    ).write
+    assert settled is not None
+    assert (settled.state, settled.holder, settled.settled_by) == (domain.State.REPLIED, "agent-a", "ana")
 
 
 def test_classify_change_names_every_transition() -> None:
@@ -174,7 +201,7 @@ def test_a_delivery_is_settled_by_an_end_mark_of_a_later_claim_whatever_the_cloc
     other = Caller("agent-b", HolderKind.AGENT)
     # Recorded at revision 50 by a replica whose clock ran 5 minutes fast.
     delivery = domain.new_delivery(
-        AGENT, mailbox="mb", notification_id="n-1", request_id="r-1", now_ms=NOW + 300_000, subject=subject
+        RULES, AGENT, mailbox="mb", notification_id="n-1", request_id="r-1", now_ms=NOW + 300_000, subject=subject
     )
     released = EndMark(EndReason.RELEASED, "agent-a", 50, "agent-a", "r-2", NOW)  # the claim of revision 50
     older = EndMark(EndReason.RELEASED, "agent-a", 40, "agent-a", "r-0", NOW + 600_000)  # a claim before it

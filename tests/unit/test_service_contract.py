@@ -111,3 +111,33 @@ async def test_a_batch_answers_each_call(channel: grpc.aio.Channel) -> None:
     answers = sorted(r.claim_reply.result for r in results[:2])
     assert answers == sorted([pb.ClaimReplyResponse.GRANTED, pb.ClaimReplyResponse.HELD])
     assert results[2].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+async def test_recent_messages_and_a_takeover_from_a_named_colleague_over_the_wire(channel: grpc.aio.Channel) -> None:
+    mailbox = f"wire-{uuid.uuid4().hex}"
+    agent = Actor(channel, "agent-a")
+    bo, ana = Actor(channel, "bo", kind="human"), Actor(channel, "ana", kind="human")
+    summary = pb.MessageSummary(subject_line="Refund for order 1182?", sender="Bea <bea@example.org>")
+    await agent.stub.ClaimReply(
+        pb.ClaimReplyRequest(
+            request_id=uuid.uuid4().hex, subject=message(mailbox, "m-1"), notification_id="n-1", summary=summary
+        ),
+        metadata=agent.metadata,
+    )
+    (recent,) = (await ana.recent(mailbox, query="refund")).messages
+    assert (recent.subject.id, recent.summary.subject_line, recent.seen_by) == (
+        "m-1",
+        "Refund for order 1182?",
+        "agent-a",
+    )
+    assert recent.first_seen_at.seconds > 0
+    error = await rpc_error(ana.recent(mailbox, page_size=101))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "page_size" in (error.details() or "")
+
+    held = await bo.claim(message(mailbox, "m-2"))
+    assert (await ana.takeover(message(mailbox, "m-2"))).result == pb.TakeoverResponse.HELD
+    taken = await ana.takeover(message(mailbox, "m-2"), from_person="bo")
+    assert (taken.result, taken.previous_holder) == (pb.TakeoverResponse.TAKEN_OVER, "bo")
+    assert taken.previous_token == held.status.fencing_token
+    assert taken.status.holder == "ana"

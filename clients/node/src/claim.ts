@@ -36,6 +36,18 @@ import {
 
 export type Scope = "message" | "thread";
 
+/** The code of the process warning a send without the claim's idempotency key gets (see Claim.send). */
+export const NO_IDEMPOTENCY_KEY_WARNING = "INBOX_CLAIMS_NO_IDEMPOTENCY_KEY";
+
+function warnNoIdempotencyKey(messageId: string): void {
+  process.emitWarning(
+    `claim.send() for ${messageId}: the send function took no idempotency key and never read claim.idempotencyKey, so the ` +
+      "mail API got no Idempotency-Key. Send it as that header: claim.send((idempotencyKey) => sendReply(..., idempotencyKey)) " +
+      "(docs/node.md); without it the provider cannot refuse a second reply that got past everything else.",
+    { code: NO_IDEMPOTENCY_KEY_WARNING },
+  );
+}
+
 /** What to claim when there is no parsed notification (explicit ids win over a notification's). */
 export interface ReplyTarget {
   mailbox: string;
@@ -155,6 +167,8 @@ export class Claim {
   private status_: SubjectStatus | undefined;
   private loss_: ClaimLost | undefined;
   private sentMessageId_: string | undefined;
+  // Whether anything read the idempotency key (send() hands it to its function, which then counts as taking it).
+  private keyTaken = false;
   // Until this performance.now() value the claim certainly holds: the coordinator counts the TTL from when it
   // handled the last claim or renewal, which is after we sent it.
   private validUntil = 0;
@@ -222,6 +236,7 @@ export class Claim {
    * Send it as the mail API's Idempotency-Key: every agent computes the same key for the same subject.
    */
   get idempotencyKey(): string {
+    this.keyTaken = true;
     return idempotencyKey(this.subject);
   }
 
@@ -318,12 +333,15 @@ export class Claim {
 
   /**
    * Sends the reply through the fenced commit point, once: BeginSend (refused: ClaimLost, and `fn` is never
-   * called), then `fn()`, which must return the sent message's id (a string) or undefined/null, then
-   * ConfirmSent. If `fn` throws SendRejected, AbortSend frees the subject and the error is rethrown; any other
-   * error leaves the subject SENDING (reported IN_DOUBT later) and throws SendOutcomeUnknown (its cause).
-   * Resolves to what `fn` returned.
+   * called), then `fn(idempotencyKey)`, which must send with that key as the mail API's Idempotency-Key header
+   * and return the sent message's id (a string) or undefined/null, then ConfirmSent. If `fn` throws
+   * SendRejected, AbortSend frees the subject and the error is rethrown; any other error leaves the subject
+   * SENDING (reported IN_DOUBT later) and throws SendOutcomeUnknown (its cause). Resolves to what `fn` returned.
+   * A send function that takes no key and never reads `claim.idempotencyKey` sends without it: that is warned
+   * about (a process warning, INBOX_CLAIMS_NO_IDEMPOTENCY_KEY), since the provider's own refusal of a second
+   * reply, the last backstop, then cannot work.
    */
-  async send(fn: () => Promise<string | null | undefined> | string | null | undefined): Promise<string | undefined> {
+  async send(fn: (idempotencyKey: string) => Promise<string | null | undefined> | string | null | undefined): Promise<string | undefined> {
     if (this.phase === "lost") throw this.lostError();
     if (this.phase !== "claimed") throw new Error(`claim.send() runs once, inside replyTo's work (this claim is ${this.phase})`);
     this.phase = "beginning"; // renewal stops acting; until BeginSend answers, the end of work aborts
@@ -337,7 +355,8 @@ export class Claim {
     this.phase = "sending";
     let sent: unknown;
     try {
-      sent = await fn();
+      sent = await fn(fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject));
+      if (!this.keyTaken) warnNoIdempotencyKey(this.subject.id);
     } catch (error) {
       if (error instanceof SendRejected) {
         await this.abort(error);

@@ -1,5 +1,6 @@
 // The coordinator client: connect-es over real gRPC (HTTP/2), retries with backoff, request ids, and the Batch coalescing.
 import { randomUUID } from "node:crypto";
+import { readFileSync } from "node:fs";
 import { isIP } from "node:net";
 import { setTimeout as sleep } from "node:timers/promises";
 import { create, type Message } from "@bufbuild/protobuf";
@@ -155,8 +156,79 @@ function isLoopback(host: string): boolean {
 
 const lowerFirst = (name: string): string => name.charAt(0).toLowerCase() + name.slice(1);
 
+/**
+ * The environment variables a client is configured by, the same as the Python client's `from_env()` and
+ * `inboxctl` read (clients/python/inbox_claims/_settings.py): one set of names for every agent and tool.
+ */
+export const ENVIRONMENT = {
+  target: "INBOX_COORDINATOR_TARGET",
+  principal: "INBOX_PRINCIPAL",
+  kind: "INBOX_PRINCIPAL_KIND",
+  token: "INBOX_TOKEN",
+  tls: "INBOX_TLS",
+  caFile: "INBOX_CA_FILE",
+  certFile: "INBOX_CERT_FILE",
+  keyFile: "INBOX_KEY_FILE",
+  callTimeout: "INBOX_CALL_TIMEOUT",
+} as const;
+
+/** The per-call timeout fromEnv() gives when INBOX_CALL_TIMEOUT is unset (the Python client's from_env default). */
+export const ENV_DEFAULT_TIMEOUT_MS = 5_000;
+
+function readPem(path: string, variable: string): Buffer {
+  try {
+    return readFileSync(path);
+  } catch (error) {
+    throw new TypeError(`cannot read ${variable}=${path}: ${(error as NodeJS.ErrnoException).code ?? String(error)}`);
+  }
+}
+
+/** The options fromEnv() takes from `env` (an empty variable counts as unset). */
+export function optionsFromEnv(env: Record<string, string | undefined> = process.env): CoordinatorOptions {
+  const get = (name: string): string | undefined => env[name] || undefined;
+  const options: CoordinatorOptions = { target: get(ENVIRONMENT.target) ?? DEFAULT_TARGET };
+  const principal = get(ENVIRONMENT.principal);
+  if (principal !== undefined) options.principal = principal;
+  const kind = get(ENVIRONMENT.kind) ?? "agent"; // inboxctl's default is a person at a terminal; this is an agent
+  if (kind !== "agent" && kind !== "human") throw new TypeError(`${ENVIRONMENT.kind} must be "agent" or "human", not ${JSON.stringify(kind)}`);
+  options.kind = kind;
+  const token = get(ENVIRONMENT.token);
+  if (token !== undefined) options.token = token;
+  const tls = get(ENVIRONMENT.tls);
+  if (tls !== undefined) options.tls = ["1", "true", "yes", "on"].includes(tls.toLowerCase());
+  const ca = get(ENVIRONMENT.caFile), cert = get(ENVIRONMENT.certFile), key = get(ENVIRONMENT.keyFile);
+  if (ca !== undefined) options.rootCertificates = readPem(ca, ENVIRONMENT.caFile);
+  if (cert !== undefined) options.clientCertificate = readPem(cert, ENVIRONMENT.certFile);
+  if (key !== undefined) options.clientKey = readPem(key, ENVIRONMENT.keyFile);
+  const seconds = get(ENVIRONMENT.callTimeout);
+  if (seconds === undefined) options.timeoutMs = ENV_DEFAULT_TIMEOUT_MS;
+  else {
+    const parsed = Number(seconds);
+    if (!(parsed > 0)) throw new TypeError(`${ENVIRONMENT.callTimeout} must be a number of seconds, not ${JSON.stringify(seconds)}`);
+    options.timeoutMs = parsed * 1000;
+  }
+  return options;
+}
+
 /** A client of the Inbox Coordinator. One per process is enough: concurrent calls share Batch RPCs. Call close() when done. */
 export class Coordinator {
+  /**
+   * A client configured by the environment, as the Python client's `AsyncCoordinator.from_env()`:
+   * INBOX_COORDINATOR_TARGET (default 127.0.0.1:50051), INBOX_TOKEN (a bearer token) or, in development mode,
+   * INBOX_PRINCIPAL (with INBOX_PRINCIPAL_KIND, default "agent"), INBOX_TLS, INBOX_CA_FILE, INBOX_CERT_FILE,
+   * INBOX_KEY_FILE, INBOX_CALL_TIMEOUT (seconds per call, default 5). `overrides` win over them. Throws, naming
+   * the variables to set, when neither INBOX_TOKEN nor INBOX_PRINCIPAL says who the client is.
+   */
+  static fromEnv(overrides: CoordinatorOptions = {}, env: Record<string, string | undefined> = process.env): Coordinator {
+    const options = { ...optionsFromEnv(env), ...overrides };
+    if (options.principal === undefined && options.token === undefined) {
+      throw new TypeError(
+        `Coordinator.fromEnv() found no identity: set ${ENVIRONMENT.token} (a bearer token) or, in development mode, ${ENVIRONMENT.principal} (the agent's name)`,
+      );
+    }
+    return new Coordinator(options);
+  }
+
   readonly target: string;
   readonly principal: string | undefined;
   readonly kind: HolderKind;

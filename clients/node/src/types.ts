@@ -110,6 +110,8 @@ export interface SubjectStatus {
    * IN_DOUBT or REPLIED subject that sent its own, both replies went out.
    */
   readonly outsideReply: OutsideReply | undefined;
+  /** REPLIED by ResolveInDoubt (sent): the person who settled it; `holder` is whose send it was. */
+  readonly settledBy: string;
 }
 
 /** A reply written outside the coordinator in a subject's thread (a person in Gmail, Outlook, a helpdesk). */
@@ -283,6 +285,7 @@ export function statusFromPb(message: pb.SubjectStatus | undefined): SubjectStat
     repliedByHand: message.repliedByHand,
     repliedOutside: message.repliedOutside,
     outsideReply: outsideReplyFromPb(message.outsideReply),
+    settledBy: message.settledBy,
   };
 }
 

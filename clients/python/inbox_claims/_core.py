@@ -57,6 +57,7 @@ from ._types import (
     OutgoingOutcome,
     OutgoingResult,
     OutsideReply,
+    RecentMessage,
     RetryPolicy,
     Subject,
     SubjectKind,
@@ -293,7 +294,7 @@ def outside_reply_from_pb(message: pb.SubjectStatus) -> OutsideReply | None:
     )
 
 
-def summary_from_pb(message: pb.SubjectStatus) -> MessageSummary | None:
+def summary_from_pb(message: pb.SubjectStatus | pb.RecentMessage) -> MessageSummary | None:
     if not message.HasField("summary"):
         return None
     summary = message.summary
@@ -345,6 +346,19 @@ def status_from_pb(message: pb.SubjectStatus) -> SubjectStatus:
         summary=summary_from_pb(message),
         replied_outside=message.replied_outside,
         outside_reply=outside_reply_from_pb(message),
+        settled_by=message.settled_by,
+    )
+
+
+def _recent(response: pb.ListRecentMessagesResponse) -> tuple[RecentMessage, ...]:
+    return tuple(
+        RecentMessage(
+            subject=subject_from_pb(message.subject),
+            summary=summary_from_pb(message),
+            first_seen_at=_time(message, "first_seen_at"),
+            seen_by=message.seen_by,
+        )
+        for message in response.messages
     )
 
 
@@ -839,6 +853,14 @@ class Core:
         )
         return self.call(Op("ListClaims", request, _page), timeout=timeout)
 
+    def recent_messages(
+        self, mailbox: str, *, query: str = "", page_size: int = 0, timeout: float | None = None
+    ) -> Flow[tuple[RecentMessage, ...]]:
+        """ListRecentMessages: the mailbox's recently delivered messages (the delivery retention, 24 h), newest
+        first, whose subject line, sender or id contains ``query``: what a person picks one to answer from."""
+        request = pb.ListRecentMessagesRequest(mailbox=mailbox, query=query, page_size=operator.index(page_size))
+        return self.call(Op("ListRecentMessages", request, _recent), timeout=timeout)
+
     def iter_claims(
         self, mailbox: str, *, states: Iterable[SubjectState] = (), page_size: int = 0
     ) -> Stream[SubjectStatus]:
@@ -893,16 +915,19 @@ class Core:
         ttl: int = 0,
         note: str = "",
         summary: MessageSummary | None = None,
+        from_person: str = "",
         timeout: float | None = None,
     ) -> Flow[TakeoverResult]:
         """Takeover (humans only): ends an agent's claim (its token goes stale at once) and gives the caller a
-        new one. Never takes from a human (HELD) nor after the send began (ALREADY_REPLIED)."""
+        new one. From a person only when ``from_person`` names them (the caller confirmed it; otherwise HELD);
+        never after the send began (ALREADY_REPLIED)."""
         request = pb.TakeoverRequest(
             request_id=new_request_id(),
             subject=subject_to_pb(subject),
             ttl_seconds=_ttl(ttl),
             note=note,
             summary=summary_to_pb(summary),
+            from_person=from_person,
         )
         return self.call(Op("Takeover", request, _takeover_result), timeout=timeout)
 
@@ -1132,6 +1157,7 @@ class ClientBase:
     status = rpc(Core.status)
     caller = rpc(Core.caller)
     list_claims = rpc(Core.list_claims)
+    recent_messages = rpc(Core.recent_messages)
     iter_claims = stream(Core.iter_claims)
     watch = stream(Core.watch)
     takeover = rpc(Core.takeover)

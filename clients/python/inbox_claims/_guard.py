@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import enum
 import logging
+import sys
 import threading
 import time
 import unicodedata
@@ -57,6 +58,33 @@ from ._types import (
 )
 
 log = logging.getLogger("inbox_claims")
+
+
+class _Stderr(logging.Handler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (a server or a test may have replaced it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
+
+
+# Under uvicorn or gunicorn, which configure only their own loggers, an app that set up no logging would never see
+# a refusal: they are INFO, and Python's last resort shows WARNING and up. So while nothing would take a record of
+# the inbox_claims logger (no handler on it or above, its level not set), a refusal line goes to stderr anyway;
+# once the app configures logging, or sets this logger's level, that decides.
+_UNCONFIGURED = _Stderr()
+_UNCONFIGURED.setFormatter(logging.Formatter("%(levelname)s:%(name)s: %(message)s"))
+
+
+def log_refusal(message: str, *args: object) -> None:
+    """An absorbed refusal's one INFO line, shown even where the app configured no logging."""
+    if log.level == logging.NOTSET and not log.hasHandlers():
+        _UNCONFIGURED.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, message, args, None))
+    else:
+        log.info(message, *args)
+
 
 Scope = Literal["message", "thread"]
 
@@ -158,7 +186,7 @@ class ReplyPolicy:
         """The one log line of an absorbed refusal (an outgoing message's was written when it was found)."""
         if isinstance(refusal, OutgoingMessage):
             return
-        log.info(
+        log_refusal(
             "not replying to message %s (notification %s): %s",
             notification.message_id,
             notification.notification_id,
@@ -410,7 +438,7 @@ class GuardState:
             if self._outgoing_op is not None:
                 recorded = yield from self.core.call(self._outgoing_op, deadline=deadline)
             refusal = OutgoingMessage(self.subject, self.notification_id, self.outgoing, recorded)
-            log.info("%s", refusal)
+            log_refusal("%s", refusal)
             raise refusal
         started = time.monotonic()
         result = yield from self.core.call(self._claim_op, deadline=deadline)

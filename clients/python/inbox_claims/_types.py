@@ -28,6 +28,7 @@ __all__ = [
     "OutgoingOutcome",
     "OutgoingResult",
     "OutsideReply",
+    "RecentMessage",
     "RetryPolicy",
     "Subject",
     "SubjectKind",
@@ -231,6 +232,20 @@ class SubjectStatus:
     outside_reply: OutsideReply | None = None
     """A reply written outside in its thread: with ``replied_outside``, the one that answered it; on a SENDING,
     IN_DOUBT or REPLIED subject that sent its own, both replies went out."""
+    settled_by: str = ""
+    """REPLIED by ``resolve_in_doubt(SENT)``: the person who settled it (``holder`` is whose send it was)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecentMessage:
+    """A message the coordinator saw delivered (``recent_messages``): for a person to find one to answer."""
+
+    subject: Subject
+    summary: MessageSummary | None
+    """As the delivery's claim described it; ``None`` when it gave none or summaries are not stored."""
+    first_seen_at: datetime | None
+    seen_by: str
+    """The agent whose claim recorded the delivery."""
 
 
 @dataclass(frozen=True, slots=True)

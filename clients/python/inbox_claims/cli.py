@@ -522,7 +522,9 @@ async def cmd_release(ctx: Context) -> int:
 
 async def cmd_takeover(ctx: Context) -> int:
     subject = ctx.subject()
-    result = await ctx.client.takeover(subject, ttl=ctx.options.ttl, note=ctx.options.note)
+    result = await ctx.client.takeover(
+        subject, ttl=ctx.options.ttl, note=ctx.options.note, from_person=ctx.options.from_person or ""
+    )
     if ctx.json:
         ctx.emit(result)
     elif result.outcome is TakeoverOutcome.TAKEN_OVER:
@@ -534,8 +536,14 @@ async def cmd_takeover(ctx: Context) -> int:
     elif result.outcome is TakeoverOutcome.GRANTED:
         ctx.say(f"nobody held {describe_subject(subject)}: you hold it now (token {result.status.fencing_token})")
     else:
-        why = "a human holds it" if result.outcome is TakeoverOutcome.HELD else "the reply already began or went out"
-        ctx.say(f"not taken over: {why}", *status_lines(result.status, now_utc()))
+        held = result.outcome is TakeoverOutcome.HELD
+        why = "a human holds it" if held else "the reply already began or went out"
+        hint = (
+            [f"to take it from {result.status.holder} (a colleague), say so: add --from {_quote(result.status.holder)}"]
+            if held and result.status.holder not in (ctx.options.from_person, ctx.client.principal)
+            else []
+        )
+        ctx.say(f"not taken over: {why}", *status_lines(result.status, now_utc()), *hint)
     return EXIT_OK if result.holds else EXIT_REFUSED
 
 
@@ -761,8 +769,10 @@ COMMANDS: dict[str, tuple[Command, str, str]] = {
     ),
     "takeover": (
         cmd_takeover,
-        "take a message over from an agent (humans with the takeover role): the agent cannot send any more",
-        "  inboxctl takeover grant-7f3a msg-123 --note 'VIP customer, I will answer'",
+        "take a message over from an agent, or with --from from a colleague (humans with the takeover role): the "
+        "holder cannot send any more",
+        "  inboxctl takeover grant-7f3a msg-123 --note 'VIP customer, I will answer'\n"
+        "  inboxctl takeover grant-7f3a msg-123 --from bo@example.com",
     ),
     "replied": (
         cmd_replied,
@@ -826,6 +836,14 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("claim", "takeover"):
             sub.add_argument("--ttl", type=int, default=DEFAULT_CLAIM_TTL, help="seconds the claim lasts (default 900)")
             sub.add_argument("--note", default="", help="shown to everyone watching the mailbox")
+        if name == "takeover":
+            sub.add_argument(
+                "--from",
+                dest="from_person",
+                default=None,
+                metavar="PERSON",
+                help="take it from this colleague (a person), who holds it now; without it a person's claim stands",
+            )
         if name in ("release", "replied"):
             sub.add_argument("--fencing-token", type=int, default=None, help="the claim's token (default: yours)")
         if name == "replied":

@@ -4,12 +4,12 @@
 With the httpx client you already have (its ``base_url`` and ``Authorization`` header set, or pass
 ``api_base=``/``api_key=``)::
 
-    from inbox_claims import guard, nylas
+    from inbox_claims import guard, nylas as guarded_nylas
 
     @guard
     async def answer(event: dict[str, Any]) -> None:
         draft = await write_reply(event)                          # the Nylas send body (a dict), or a NylasReply
-        await nylas.send(http, event["data"]["object"]["grant_id"], draft)
+        await guarded_nylas.send(http, event["data"]["object"]["grant_id"], draft)
 
 :func:`send` adds the claim's ``Idempotency-Key``, applies the status rules below, and, awaited inside a
 guarded claim, passes the fenced commit point itself (it is ``await claim.send(nylas.send(...))``, which

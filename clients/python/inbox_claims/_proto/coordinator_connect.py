@@ -42,6 +42,9 @@ class Coordinator(Protocol):
     async def get_status(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
+    async def list_recent_messages(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+
     async def list_claims(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
@@ -151,6 +154,16 @@ class CoordinatorASGIApplication(ConnectASGIApplication[Coordinator]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.get_status,
+                ),
+                "/inbox.coordinator.v1.Coordinator/ListRecentMessages": Endpoint.unary(
+                    method=MethodInfo(
+                        name="ListRecentMessages",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.list_recent_messages,
                 ),
                 "/inbox.coordinator.v1.Coordinator/ListClaims": Endpoint.unary(
                     method=MethodInfo(
@@ -405,6 +418,26 @@ class CoordinatorClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    async def list_recent_messages(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="ListRecentMessages",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     async def list_claims(
         self,
         request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsRequest,
@@ -583,6 +616,8 @@ class CoordinatorSync(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def get_status(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+    def list_recent_messages(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def list_claims(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def watch(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.WatchRequest, ctx: RequestContext) -> Iterator[inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.WatchResponse]:
@@ -684,6 +719,16 @@ class CoordinatorWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.get_status,
+                ),
+                "/inbox.coordinator.v1.Coordinator/ListRecentMessages": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="ListRecentMessages",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.list_recent_messages,
                 ),
                 "/inbox.coordinator.v1.Coordinator/ListClaims": EndpointSync.unary(
                     method=MethodInfo(
@@ -932,6 +977,26 @@ class CoordinatorClientSync(ConnectClientSync):
                 service_name="inbox.coordinator.v1.Coordinator",
                 input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusRequest,
                 output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    def list_recent_messages(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="ListRecentMessages",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
             headers=headers,

@@ -329,6 +329,7 @@ class SubjectStatus(_message.Message):
     SUMMARY_FIELD_NUMBER: _builtins.int
     REPLIED_OUTSIDE_FIELD_NUMBER: _builtins.int
     OUTSIDE_REPLY_FIELD_NUMBER: _builtins.int
+    SETTLED_BY_FIELD_NUMBER: _builtins.int
     state: Global___SubjectState.ValueType
     holder: _builtins.str
     """The principal holding the claim or who sent the reply. Empty when FREE."""
@@ -352,6 +353,10 @@ class SubjectStatus(_message.Message):
     (RecordOutgoing, ANSWERED_OUTSIDE), not by this subject's own send. `holder` is then who answered (the
     message's sender), `holder_kind` HUMAN, `sent_at` the reply's date as the provider gives it and
     `sent_message_id` its message id; `outside_reply.stopped_holder` names the claim it ended, if one was held.
+    """
+    settled_by: _builtins.str
+    """REPLIED by ResolveInDoubt(OUTCOME_SENT): the person who found the reply sent and settled it (`holder` stays
+    the principal whose send it was). Empty otherwise.
     """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
@@ -416,10 +421,11 @@ class SubjectStatus(_message.Message):
         summary: Global___MessageSummary | None = ...,
         replied_outside: _builtins.bool = ...,
         outside_reply: Global___OutsideReply | None = ...,
+        settled_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "outside_reply", b"outside_reply", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "outside_reply", b"outside_reply", "replied_by_hand", b"replied_by_hand", "replied_outside", b"replied_outside", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "state", b"state", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "outside_reply", b"outside_reply", "replied_by_hand", b"replied_by_hand", "replied_outside", b"replied_outside", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "settled_by", b"settled_by", "state", b"state", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1187,6 +1193,94 @@ class ListClaimsResponse(_message.Message):
 Global___ListClaimsResponse: _TypeAlias = ListClaimsResponse  # noqa: Y015
 
 @_typing.final
+class ListRecentMessagesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAILBOX_FIELD_NUMBER: _builtins.int
+    QUERY_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    mailbox: _builtins.str
+    query: _builtins.str
+    """Only messages whose subject line, sender or message id contains this text (case-insensitive); empty: all.
+    Up to 256 bytes (RECENT_QUERY_MAX_BYTES), no control characters.
+    """
+    page_size: _builtins.int
+    """1 to 100; 0 means 20."""
+    def __init__(
+        self,
+        *,
+        mailbox: _builtins.str = ...,
+        query: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mailbox", b"mailbox", "page_size", b"page_size", "query", b"query"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRecentMessagesRequest: _TypeAlias = ListRecentMessagesRequest  # noqa: Y015
+
+@_typing.final
+class RecentMessage(_message.Message):
+    """A message the coordinator saw delivered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    FIRST_SEEN_AT_FIELD_NUMBER: _builtins.int
+    SEEN_BY_FIELD_NUMBER: _builtins.int
+    seen_by: _builtins.str
+    @_builtins.property
+    def subject(self) -> Global___Subject: ...
+    @_builtins.property
+    def summary(self) -> Global___MessageSummary:
+        """As the delivery's ClaimReply described it; unset when it gave none or summaries are not stored."""
+
+    @_builtins.property
+    def first_seen_at(self) -> _timestamp_pb2.Timestamp:
+        """When its first delivery was recorded, and by whom (the agent that claimed it)."""
+
+    def __init__(
+        self,
+        *,
+        subject: Global___Subject | None = ...,
+        summary: Global___MessageSummary | None = ...,
+        first_seen_at: _timestamp_pb2.Timestamp | None = ...,
+        seen_by: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_seen_at", b"first_seen_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_seen_at", b"first_seen_at", "seen_by", b"seen_by", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecentMessage: _TypeAlias = RecentMessage  # noqa: Y015
+
+@_typing.final
+class ListRecentMessagesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecentMessage]:
+        """Newest first, one per subject."""
+
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___RecentMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRecentMessagesResponse: _TypeAlias = ListRecentMessagesResponse  # noqa: Y015
+
+@_typing.final
 class WatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1321,10 +1415,17 @@ class TakeoverRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    FROM_PERSON_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     ttl_seconds: _builtins.int
     """As in ClaimReplyRequest."""
     note: _builtins.str
+    from_person: _builtins.str
+    """The person (principal of kind human) the caller takes the subject from, as the caller saw it held and
+    confirmed: a colleague gone home, or busy. The takeover proceeds when that person holds the subject (or an
+    agent does, or nobody); a subject any other person holds answers HELD. Empty: never from a person. Up to
+    128 bytes.
+    """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     @_builtins.property
@@ -1339,10 +1440,11 @@ class TakeoverRequest(_message.Message):
         ttl_seconds: _builtins.int = ...,
         note: _builtins.str = ...,
         summary: Global___MessageSummary | None = ...,
+        from_person: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_person", b"from_person", "note", b"note", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1364,8 +1466,8 @@ class TakeoverResponse(_message.Message):
         GRANTED: TakeoverResponse._Result.ValueType  # 2
         """Nobody held it: you hold it now, as with ClaimReply."""
         HELD: TakeoverResponse._Result.ValueType  # 3
-        """Another human holds it (one may claim in the instant between the two steps of a takeover; an agent that
-        does is taken over too, up to three times); `status` says who. Takeover never takes from a human.
+        """A human holds it who is not `from_person` (one may claim in the instant between the two steps of a
+        takeover; an agent that does is taken over too, up to three times); `status` says who.
         """
         ALREADY_REPLIED: TakeoverResponse._Result.ValueType  # 4
         """Too late: the send began, or the reply went out. `status` is the reply record."""
@@ -1377,8 +1479,8 @@ class TakeoverResponse(_message.Message):
     GRANTED: TakeoverResponse.Result.ValueType  # 2
     """Nobody held it: you hold it now, as with ClaimReply."""
     HELD: TakeoverResponse.Result.ValueType  # 3
-    """Another human holds it (one may claim in the instant between the two steps of a takeover; an agent that
-    does is taken over too, up to three times); `status` says who. Takeover never takes from a human.
+    """A human holds it who is not `from_person` (one may claim in the instant between the two steps of a
+    takeover; an agent that does is taken over too, up to three times); `status` says who.
     """
     ALREADY_REPLIED: TakeoverResponse.Result.ValueType  # 4
     """Too late: the send began, or the reply went out. `status` is the reply record."""

@@ -75,6 +75,11 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.ListRecentMessages = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/ListRecentMessages',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse.FromString,
+                _registered_method=True)
         self.ListClaims = channel.unary_unary(
                 '/inbox.coordinator.v1.Coordinator/ListClaims',
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsRequest.SerializeToString,
@@ -207,6 +212,19 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRecentMessages(self, request, context):
+        """The mailbox's recent messages, newest first, as the coordinator saw them: each message a ClaimReply with a
+        `notification_id` recorded a delivery for within the delivery retention (24 h by default), once, with
+        the summary that ClaimReply gave (unset when the coordinator does not store summaries), whatever became of
+        its claim since. For a person to find an email to answer themselves (the board's "Find an email"): pair
+        each with Watch or GetStatus for its state. At most the newest 2,000 deliveries of the mailbox are read
+        (RECENT_DELIVERIES_READ_MAX), so an older message may be missing on a busy mailbox. Errors: INVALID_ARGUMENT
+        (INVALID_FIELD) for a `query` over 256 bytes or with a control character, a `page_size` over 100.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListClaims(self, request, context):
         """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
         Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
@@ -249,8 +267,9 @@ class CoordinatorServicer:
     def Takeover(self, request, context):
         """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
         token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-        larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
-        BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+        larger token (TAKEN_OVER, or GRANTED when nobody held it). From another human only when the request names
+        that person in `from_person` (the caller confirmed taking it from that colleague, docs/security.md); any
+        other human holder answers HELD. Never after BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
         agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
         ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
         """
@@ -381,6 +400,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'ListRecentMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRecentMessages,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse.SerializeToString,
             ),
             'ListClaims': grpc.unary_unary_rpc_method_handler(
                     servicer.ListClaims,
@@ -639,6 +663,33 @@ class Coordinator:
             '/inbox.coordinator.v1.Coordinator/GetStatus',
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRecentMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/ListRecentMessages',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -173,6 +173,15 @@ class CoordinatorStub:
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.GetStatusResponse]
     """Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones."""
+    ListRecentMessages: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListRecentMessagesRequest, _coordinator_pb2.ListRecentMessagesResponse]
+    """The mailbox's recent messages, newest first, as the coordinator saw them: each message a ClaimReply with a
+    `notification_id` recorded a delivery for within the delivery retention (24 h by default), once, with
+    the summary that ClaimReply gave (unset when the coordinator does not store summaries), whatever became of
+    its claim since. For a person to find an email to answer themselves (the board's "Find an email"): pair
+    each with Watch or GetStatus for its state. At most the newest 2,000 deliveries of the mailbox are read
+    (RECENT_DELIVERIES_READ_MAX), so an older message may be missing on a busy mailbox. Errors: INVALID_ARGUMENT
+    (INVALID_FIELD) for a `query` over 256 bytes or with a control character, a `page_size` over 100.
+    """
     ListClaims: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListClaimsRequest, _coordinator_pb2.ListClaimsResponse]
     """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
     Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
@@ -207,8 +216,9 @@ class CoordinatorStub:
     Takeover: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
     token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-    larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
-    BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+    larger token (TAKEN_OVER, or GRANTED when nobody held it). From another human only when the request names
+    that person in `from_person` (the caller confirmed taking it from that colleague, docs/security.md); any
+    other human holder answers HELD. Never after BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
     agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
     ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
     """
@@ -331,6 +341,15 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.GetStatusResponse]  # type: ignore[assignment]
     """Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones."""
+    ListRecentMessages: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListRecentMessagesRequest, _coordinator_pb2.ListRecentMessagesResponse]  # type: ignore[assignment]
+    """The mailbox's recent messages, newest first, as the coordinator saw them: each message a ClaimReply with a
+    `notification_id` recorded a delivery for within the delivery retention (24 h by default), once, with
+    the summary that ClaimReply gave (unset when the coordinator does not store summaries), whatever became of
+    its claim since. For a person to find an email to answer themselves (the board's "Find an email"): pair
+    each with Watch or GetStatus for its state. At most the newest 2,000 deliveries of the mailbox are read
+    (RECENT_DELIVERIES_READ_MAX), so an older message may be missing on a busy mailbox. Errors: INVALID_ARGUMENT
+    (INVALID_FIELD) for a `query` over 256 bytes or with a control character, a `page_size` over 100.
+    """
     ListClaims: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListClaimsRequest, _coordinator_pb2.ListClaimsResponse]  # type: ignore[assignment]
     """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
     Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
@@ -365,8 +384,9 @@ class CoordinatorAsyncStub(CoordinatorStub):
     Takeover: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]  # type: ignore[assignment]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
     token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-    larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
-    BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+    larger token (TAKEN_OVER, or GRANTED when nobody held it). From another human only when the request names
+    that person in `from_person` (the caller confirmed taking it from that colleague, docs/security.md); any
+    other human holder answers HELD. Never after BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
     agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
     ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
     """
@@ -536,6 +556,21 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones."""
 
     @_abc_1.abstractmethod
+    def ListRecentMessages(
+        self,
+        request: _coordinator_pb2.ListRecentMessagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ListRecentMessagesResponse, _abc.Awaitable[_coordinator_pb2.ListRecentMessagesResponse]]:
+        """The mailbox's recent messages, newest first, as the coordinator saw them: each message a ClaimReply with a
+        `notification_id` recorded a delivery for within the delivery retention (24 h by default), once, with
+        the summary that ClaimReply gave (unset when the coordinator does not store summaries), whatever became of
+        its claim since. For a person to find an email to answer themselves (the board's "Find an email"): pair
+        each with Watch or GetStatus for its state. At most the newest 2,000 deliveries of the mailbox are read
+        (RECENT_DELIVERIES_READ_MAX), so an older message may be missing on a busy mailbox. Errors: INVALID_ARGUMENT
+        (INVALID_FIELD) for a `query` over 256 bytes or with a control character, a `page_size` over 100.
+        """
+
+    @_abc_1.abstractmethod
     def ListClaims(
         self,
         request: _coordinator_pb2.ListClaimsRequest,
@@ -586,8 +621,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.TakeoverResponse, _abc.Awaitable[_coordinator_pb2.TakeoverResponse]]:
         """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
         token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-        larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
-        BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+        larger token (TAKEN_OVER, or GRANTED when nobody held it). From another human only when the request names
+        that person in `from_person` (the caller confirmed taking it from that colleague, docs/security.md); any
+        other human holder answers HELD. Never after BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
         agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
         ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
         """
