@@ -100,6 +100,7 @@ class Keys:
         if len(parts) != 3 or parts[0] != "s":
             return None
         return Subject(mailbox, SubjectKind(parts[1]), unquote(parts[2]))
+
     def deliveries(self, mailbox: str) -> bytes:
         """The prefix of one mailbox's delivery records."""
         return self._root + _DELIVERIES + f"{_enc(mailbox)}/".encode()

@@ -329,6 +329,7 @@ class Engine:
             writes = plan.writes[:OUTGOING_WRITES_PER_TXN]
             delivery = (
                 domain.new_delivery(
+                    self.rules,
                     caller,
                     mailbox=mailbox,
                     notification_id=notification_id,

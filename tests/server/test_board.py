@@ -221,7 +221,6 @@ async def test_a_reply_from_the_mailbox_shows_who_answered_and_that_the_agent_st
         await page.screenshot(path=ARTIFACTS / "board-answered-from-the-mailbox.png")
 
 
-async def test_a_person_claims_gives_back_and_settles_an_unconfirmed_send_from_the_keyboard(
 async def test_a_person_settles_unconfirmed_sends_from_the_keyboard_credited_and_asked_nothing_unknowable(
     server: CoordinatorServer, browser: Browser, mailbox: str
 ) -> None:
