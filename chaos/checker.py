@@ -253,7 +253,10 @@ def _outside_stats(
             if committed is not None:
                 commits[committed].append(float(event["t"]))
     delays: list[float] = []
-    in_window = after_record = 0
+    # By the agents' own log times, which are when a BeginSend's answer was logged, not when etcd committed it: an
+    # agent paused (or slow) between its BeginSend and its log line logs a commit of the window after the record.
+    # Whether a commit really came after the record is judged from the final records (commit_after_outside_reply).
+    in_window = logged_after = 0
     for send in outside:
         key, sent_at = _send_key(send), float(send["t"])
         seen = recorded.get(str(send.get("sent_id")))
@@ -261,7 +264,7 @@ def _outside_stats(
             continue
         delays.append(seen - sent_at)
         in_window += sum(1 for t in commits.get(key, []) if sent_at <= t <= seen)
-        after_record += sum(1 for t in commits.get(key, []) if t > seen)
+        logged_after += sum(1 for t in commits.get(key, []) if t > seen)
     delays.sort()
     stopped = Counter(
         str(e.get("where")) for e in record.events if e.get("ev") == "lost" and e.get("reason") == "answered_outside"
@@ -278,7 +281,7 @@ def _outside_stats(
         "delay_p95_s": round(delays[int(len(delays) * 0.95)], 3) if delays else None,
         "delay_max_s": round(delays[-1], 3) if delays else None,
         "agent_commits_in_window": in_window,
-        "agent_commits_after_record": after_record,
+        "agent_commits_logged_after_record": logged_after,
         "agents_stopped": dict(stopped),
         "replies_per_answered_subject": dict(sorted(replies.items())),
     }
@@ -443,7 +446,8 @@ def render(record: RunRecord, report: Report) -> str:
             "replies from Gmail (outside the coordinator)",
             f"{o['replies']}, recorded {o['recorded']}: notification to record median {o['delay_median_s']} s, "
             f"p95 {o['delay_p95_s']} s, max {o['delay_max_s']} s; agent commits in that window "
-            f"{o['agent_commits_in_window']} (both went out), after it {o['agent_commits_after_record']}; "
+            f"{o['agent_commits_in_window']} (both went out), logged after it "
+            f"{o['agent_commits_logged_after_record']}; "
             f"agents stopped {o['agents_stopped']}",
         ),
         _row("replies per answered subject", o["replies_per_answered_subject"]),

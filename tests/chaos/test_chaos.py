@@ -125,7 +125,8 @@ def test_no_violation_under_every_fault_kind(runs: Runs) -> None:
     outside = stats["outside"]
     assert outside["replies"] >= 1, outside
     assert outside["recorded"] == outside["replies"], outside
-    assert outside["agent_commits_after_record"] == 0, outside
+    # No agent committed after the record: judged from the final records (violations above, which include
+    # commit_after_outside_reply), not from log times (an agent paused after its BeginSend logs its commit late).
 
 
 @pytest.mark.timeout(BOUND_S + 30)
