@@ -24,17 +24,15 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
-from aetcd import rpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator._keys import Keys, prefix_end
+from coordinator._keys import prefix_end
 from coordinator.domain import Subject, SubjectKind
-from coordinator.errors import StoreUnavailable
-from coordinator.etcd_client import EtcdClient
 from coordinator.etcd_process import EtcdServer
 from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
 from coordinator.testing.etcd_cluster import EtcdCluster
+from coordinator.testing.etcd_peek import EtcdPeek
 from inbox_claims._proto import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, eventually, message, new_request_id, rpc_error
@@ -244,35 +242,10 @@ async def test_leader_killed_under_load_keeps_every_invariant(cluster: EtcdClust
 FREE_BOUND_S = 2.0
 
 
-class _Peek:
-    """Reads etcd beside the coordinator (its own client: the coordinator learns nothing from these reads)."""
-
-    def __init__(self, cluster: EtcdCluster, prefix: str) -> None:
-        self.client = EtcdClient(EtcdSettings(cluster.endpoints, prefix=prefix, call_timeout_s=2.0), _NoObserver())
-        self.keys = Keys(prefix)
-
-    async def lease_of(self, mailbox: str, message_id: str) -> int:
-        key = self.keys.subject(Subject(mailbox, SubjectKind.MESSAGE, message_id))
-        response = await self._call("kv", "Range", rpc.RangeRequest(key=key))
-        assert response.kvs, f"{message_id} is not in etcd"
-        return int(response.kvs[0].lease)
-
-    async def lease_ends_after(self, lease: int) -> float:
-        """A wall-clock time before which etcd's leader will not expire ``lease`` (it answers in whole seconds)."""
-        response = await self._call("lease", "LeaseTimeToLive", rpc.LeaseTimeToLiveRequest(ID=lease))
-        return time.time() + int(response.TTL)
-
-    async def _call(self, stubs: str, method: str, request: Any) -> Any:
-        for _ in range(20):  # the first calls may go to the member killed: the client fails over
-            with contextlib.suppress(StoreUnavailable):
-                return await self.client.call(getattr(getattr(self.client, stubs), method), request)
-            await asyncio.sleep(0.1)
-        raise AssertionError(f"etcd did not answer {method}")
-
-
-class _NoObserver:
-    def etcd_call(self, method: str, seconds: float, error: str | None) -> None:
-        pass
+async def _lease_of(peek: EtcdPeek, mailbox: str, message_id: str) -> int:
+    found = await peek.subject_lease(Subject(mailbox, SubjectKind.MESSAGE, message_id))
+    assert found is not None, f"{message_id} is not in etcd"
+    return found.lease
 
 
 async def test_a_claim_made_after_a_leader_change_frees_within_the_bound(
@@ -282,12 +255,12 @@ async def test_a_claim_made_after_a_leader_change_frees_within_the_bound(
     change on a lease granted before it would free seconds late (the fault run of seed 9031). The coordinator
     learns the new raft term from etcd's answers and puts new keys on leases of that term."""
     async with _coordinator(cluster, prefix) as (server, channel):
-        peek = _Peek(cluster, prefix)
+        peek = EtcdPeek(cluster.endpoints, prefix)
         agent = Actor(channel, "agent-a")
         first = await agent.claim(message(mailbox, "before"), ttl=8)
         assert first.result == GRANTED
         expires = first.status.expires_at.ToMilliseconds() / 1000
-        lease_before = await peek.lease_of(mailbox, "before")
+        lease_before = await _lease_of(peek, mailbox, "before")
         term_before = server.store.etcd.raft_term
         assert term_before > 0
 
@@ -300,7 +273,9 @@ async def test_a_claim_made_after_a_leader_change_frees_within_the_bound(
 
         await eventually(new_term_seen, within=20)
         # The premise: the new leader restarted the first claim's lease, which now ends well past the bound.
-        assert await peek.lease_ends_after(lease_before) > expires + FREE_BOUND_S
+        left = await peek.lease_left(lease_before)
+        assert left is not None
+        assert left.read_at + left.ttl_left_s > expires + FREE_BOUND_S
 
         # Right after, a claim expiring in the same second as the first: by expiry alone, it shares that lease.
         left_ms = int((expires - time.time()) * 1000)
@@ -310,7 +285,7 @@ async def test_a_claim_made_after_a_leader_change_frees_within_the_bound(
         second = await agent.claim(message(mailbox, "after"), ttl=left_ms // 1000)
         assert second.result == GRANTED
         assert second.status.expires_at.ToMilliseconds() / 1000 == expires
-        assert await peek.lease_of(mailbox, "after") != lease_before
+        assert await _lease_of(peek, mailbox, "after") != lease_before
 
         # Its holder dies (never renews): the claim frees at its expiry, within the bound, never before.
         async def freed() -> float | None:
@@ -320,7 +295,7 @@ async def test_a_claim_made_after_a_leader_change_frees_within_the_bound(
         freed_at = await eventually(freed, within=30, interval=0.05)
         print(f"\nclaim after a leader change: freed {freed_at - expires:.2f} s after its expiry")
         assert expires <= freed_at < expires + FREE_BOUND_S
-        await peek.client.close()
+        await peek.close()
 
 
 async def test_member_restart_then_whole_cluster_down_and_back(cluster: EtcdCluster, prefix: str, mailbox: str) -> None:
