@@ -3,8 +3,8 @@
 A new etcd leader restarts every lease it inherits: from when it takes over, the election timeout plus the
 lease's full TTL (etcd's lessor, ``Promote``; 3.4 and 3.5 keep no remaining-TTL checkpoints by default). A claim
 whose lease lived through a leader change can therefore free late, by etcd's design. The coordinator puts no key
-on a lease granted in an earlier raft term than its latest answer from etcd carried (docs/design.md#leases-and-
-expiry), so such a claim is excused only when:
+on a lease granted in an earlier raft term than its latest answer from etcd carried
+(docs/design.md#leases-and-expiry), so such a claim is excused only when:
 
 * its actual lease (the monitor reads it from etcd when the holder dies) was granted, by the coordinator's log, in
   an earlier term than a leader who took over while the lease lived (etcd members' logs);

@@ -17,8 +17,15 @@ log = logging.getLogger(__name__)
 
 # Keys whose expiries fall within this much of each other share a lease.
 SHARED_WITHIN_MS = 1000
+# A key shares a lease whose TTL is at most this much longer than the TTL it would be granted itself.
+LONGER_TTL_SHARED_S = 1
 # A call whose lease grant keeps spanning a change of etcd's leader gives up after this many grants.
 GRANTS_PER_CALL = 3
+
+
+def _ttl_s(due: int, now: int) -> int:
+    """etcd's TTLs are whole seconds: the shortest that lasts until ``due``."""
+    return max(1, math.ceil((due - now) / 1000))
 
 
 @dataclass
@@ -28,13 +35,16 @@ class _Lease:
     ends late by as much as it took.
 
     ``term`` is the raft term the coordinator knew when it asked. A new etcd leader restarts the TTL of every
-    lease it inherits (etcd's lessor, ``Promote``: election timeout + the full TTL, from the moment it takes
-    over), so a lease is shared only while no later term has been seen, and only if its own grant saw none."""
+    lease it inherits (etcd's lessor, ``Promote``: election timeout + the full ``ttl_s``, from the moment it
+    takes over), so a lease is shared only while no later term has been seen, only if its own grant saw none,
+    and only by keys whose own TTL is about as long (a 5-second claim on a day-long lease that happens to end
+    with it would be held for a day after an election)."""
 
     future: asyncio.Future[int]
     ends: int
     requested_ms: int
     term: int
+    ttl_s: int
     answered_ms: int | None = None
 
     def latest_end(self, now: int) -> int:
@@ -55,7 +65,8 @@ class LeaseBuckets:
 
     A lease granted before etcd's leader changed ends later than its grant said (see _Lease): once ``term``
     (the latest raft term etcd's answers carried) moves on, no key is put on an older lease; keys already on
-    one are freed when etcd's new leader lets it run out.
+    one are freed when etcd's new leader lets it run out, which is at most about their own TTL later, since no
+    key shares a lease with a TTL more than ``LONGER_TTL_SHARED_S`` longer than its own.
 
     Only the distance from now to an expiry counts, and leases are kept on the monotonic clock: a step of the
     wall clock (NTP, a VM resumed) must not hand a new claim a lease granted minutes earlier for another instant.
@@ -94,21 +105,22 @@ class LeaseBuckets:
         )
 
     def _shareable(self, due: int, now: int) -> _Lease | None:
+        longest_ttl_s = _ttl_s(due, now) + LONGER_TTL_SHARED_S
         index = bisect.bisect_left(self._ends, due)
         while index < len(self._ends) and self._ends[index] < due + SHARED_WITHIN_MS:
             lease = self._leases[self._ends[index]]
             if lease.future.done() and lease.future.exception() is not None:
                 self._drop(self._ends[index])
                 continue
-            if lease.latest_end(now) < due + SHARED_WITHIN_MS:
+            if lease.latest_end(now) < due + SHARED_WITHIN_MS and lease.ttl_s <= longest_ttl_s:
                 return lease
             index += 1
         return None
 
     async def _granted(self, due: int, now: int, term: int) -> _Lease:
-        ttl_s = max(1, math.ceil((due - now) / 1000))
+        ttl_s = _ttl_s(due, now)
         ends = now + ttl_s * 1000
-        lease = _Lease(asyncio.get_running_loop().create_future(), ends, now, term)
+        lease = _Lease(asyncio.get_running_loop().create_future(), ends, now, term, ttl_s)
         if ends in self._leases:
             self._drop(ends)
         bisect.insort(self._ends, ends)

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import itertools
 import json
+import math
 import random
 import time
 import urllib.request
@@ -249,53 +250,60 @@ async def _lease_of(peek: EtcdPeek, mailbox: str, message_id: str) -> int:
 
 
 async def test_a_claim_made_after_a_leader_change_frees_within_the_bound(
-    cluster: EtcdCluster, prefix: str, mailbox: str
+    tmp_path: Path, prefix: str, mailbox: str
 ) -> None:
     """A new etcd leader restarts every lease it inherits (election timeout + its full TTL): a key put after the
     change on a lease granted before it would free seconds late (the fault run of seed 9031). The coordinator
-    learns the new raft term from etcd's answers and puts new keys on leases of that term."""
-    async with _coordinator(cluster, prefix) as (server, channel):
-        peek = EtcdPeek(cluster.endpoints, prefix)
-        agent = Actor(channel, "agent-a")
-        first = await agent.claim(message(mailbox, "before"), ttl=8)
-        assert first.result == GRANTED
-        expires = first.status.expires_at.ToMilliseconds() / 1000
-        lease_before = await _lease_of(peek, mailbox, "before")
-        term_before = server.store.etcd.raft_term
-        assert term_before > 0
+    learns the new raft term from etcd's answers and puts new keys on leases of that term.
 
-        await asyncio.sleep(2.0)
-        cluster.members[cluster.leader_index()].kill()  # stays down: see the module's note on SIGKILL
+    A key shares only a lease granted for about its own TTL, so within a second or two of the grant; an election
+    after a killed leader takes longer than that, so the leader moves here by etcd's own transfer, which a new
+    leader's lessor treats alike. A 2-second election timeout makes the restarted lease's end unmistakable."""
+    with EtcdCluster(tmp_path / "cluster", extra_args=("--election-timeout=2000",)) as cluster:
+        async with _coordinator(cluster, prefix) as (server, channel):
+            peek = EtcdPeek(cluster.endpoints, prefix)
+            agent = Actor(channel, "agent-a")
+            # Claimed just after a whole second, an 8-second claim gets a 9-second lease of its own.
+            await asyncio.sleep((1.1 - time.time() % 1) % 1)
+            first = await agent.claim(message(mailbox, "before"), ttl=8)
+            assert first.result == GRANTED
+            expires = first.status.expires_at.ToMilliseconds() / 1000
+            lease_before = await _lease_of(peek, mailbox, "before")
+            granted = await peek.lease_left(lease_before)
+            assert granted is not None
+            term_before = server.store.etcd.raft_term
+            assert term_before > 0
 
-        # The coordinator learns of the new leader from its next answer (its IN_DOUBT sweeper reads every second).
-        async def new_term_seen() -> bool:
-            return server.store.etcd.raft_term > term_before
+            await asyncio.sleep(0.5)
+            leader = await asyncio.to_thread(cluster.leader_index)
+            await asyncio.to_thread(cluster.move_leader, (leader + 1) % len(cluster.members))
+            await agent.status(message(mailbox, "before"))  # the coordinator's next answer from etcd
+            assert server.store.etcd.raft_term > term_before
+            # The premise: the new leader restarted the first claim's lease, which now ends past the bound.
+            left = await peek.lease_left(lease_before)
+            assert left is not None
+            assert left.read_at + left.ttl_left_s > expires + 1.0
 
-        await eventually(new_term_seen, within=20)
-        # The premise: the new leader restarted the first claim's lease, which now ends well past the bound.
-        left = await peek.lease_left(lease_before)
-        assert left is not None
-        assert left.read_at + left.ttl_left_s > expires + FREE_BOUND_S
+            # Right after, a claim expiring in the same second, its own TTL as long as that lease's but one: by
+            # expiry and TTL alone it would share that lease.
+            if (expires - time.time()) % 1 < 0.3:  # leave the coordinator time to decide within the same second
+                await asyncio.sleep((expires - time.time()) % 1 + 0.05)
+            own_ttl_s = math.ceil(expires - time.time())
+            assert own_ttl_s + 1 >= granted.granted_ttl_s
+            second = await agent.claim(message(mailbox, "after"), ttl=own_ttl_s - 1)
+            assert second.result == GRANTED
+            assert second.status.expires_at.ToMilliseconds() / 1000 == expires
+            assert await _lease_of(peek, mailbox, "after") != lease_before
 
-        # Right after, a claim expiring in the same second as the first: by expiry alone, it shares that lease.
-        left_ms = int((expires - time.time()) * 1000)
-        if left_ms % 1000 < 300:  # leave the coordinator time to decide within the same second
-            await asyncio.sleep((left_ms % 1000 + 50) / 1000)
-            left_ms = int((expires - time.time()) * 1000)
-        second = await agent.claim(message(mailbox, "after"), ttl=left_ms // 1000)
-        assert second.result == GRANTED
-        assert second.status.expires_at.ToMilliseconds() / 1000 == expires
-        assert await _lease_of(peek, mailbox, "after") != lease_before
+            # Its holder dies (never renews): the claim frees at its expiry, within the bound, never before.
+            async def freed() -> float | None:
+                status = await agent.status(message(mailbox, "after"))
+                return time.time() if status.state == pb.SUBJECT_STATE_FREE else None
 
-        # Its holder dies (never renews): the claim frees at its expiry, within the bound, never before.
-        async def freed() -> float | None:
-            status = await agent.status(message(mailbox, "after"))
-            return time.time() if status.state == pb.SUBJECT_STATE_FREE else None
-
-        freed_at = await eventually(freed, within=30, interval=0.05)
-        print(f"\nclaim after a leader change: freed {freed_at - expires:.2f} s after its expiry")
-        assert expires <= freed_at < expires + FREE_BOUND_S
-        await peek.close()
+            freed_at = await eventually(freed, within=30, interval=0.05)
+            print(f"\nclaim after a leader change: freed {freed_at - expires:.2f} s after its expiry")
+            assert expires <= freed_at < expires + FREE_BOUND_S
+            await peek.close()
 
 
 async def test_member_restart_then_whole_cluster_down_and_back(cluster: EtcdCluster, prefix: str, mailbox: str) -> None:

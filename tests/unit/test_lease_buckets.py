@@ -10,7 +10,7 @@ import random
 import pytest
 
 from coordinator.errors import StoreUnavailable
-from coordinator.lease_buckets import GRANTS_PER_CALL, SHARED_WITHIN_MS, LeaseBuckets
+from coordinator.lease_buckets import GRANTS_PER_CALL, LONGER_TTL_SHARED_S, SHARED_WITHIN_MS, LeaseBuckets
 
 
 class Clocks:
@@ -227,18 +227,44 @@ async def test_a_call_whose_grants_keep_spanning_elections_is_refused_as_unavail
 async def test_across_random_leader_changes_every_key_put_after_one_ends_within_the_second() -> None:
     """Keys put while the coordinator knows etcd's current term end less than a second after their expiry
     (checked at the put, against the lease's end as etcd's leader keeps it); keys already on a lease when the
-    leader changes are freed when etcd lets it run out, which is etcd's business."""
+    leader changes are freed when etcd lets it run out: at most the election timeout plus about their own TTL
+    after the change, never the TTL of a longer-lived lease that happened to end with them."""
     rng = random.Random(26)
     clocks = Clocks(1_700_000_000_000, offset_ms=rng.randrange(10**9))
     etcd = Etcd(clocks)
     leases = LeaseBuckets(etcd.grant, clocks.wall, clocks.monotonic, term=lambda: etcd.term)
     changes = 0
+    puts: list[tuple[int, int, int]] = []  # (lease, expiry, the key's own TTL in whole seconds)
     for _ in range(3000):
         clocks.wall_ms += rng.randrange(0, 300)
         if rng.random() < 0.01:
             etcd.new_leader()
             changes += 1
-        expires = _expiry(clocks, rng.choice((5, 8, 10, 60)))
+            for lease, expires, own_ttl_s in puts:
+                # Keys already on a lease: it restarts at election timeout + its TTL, about the key's own.
+                if expires > clocks.wall_ms - SHARED_WITHIN_MS:
+                    restarted = etcd.ends[lease] - clocks.wall_ms
+                    assert restarted <= Etcd.ELECTION_TIMEOUT_MS + (own_ttl_s + LONGER_TTL_SHARED_S) * 1000
+        expires = _expiry(clocks, rng.choice((5, 8, 10, 60, 3600)))
         lease = await leases.lease_for(expires)
         assert 0 <= etcd.ends[lease] - expires < SHARED_WITHIN_MS, (expires, etcd.ends[lease], etcd.term)
+        puts.append((lease, expires, -(-(expires - clocks.wall_ms) // 1000)))
     assert changes >= 20
+
+
+async def test_a_key_never_shares_a_lease_much_longer_than_its_own_ttl() -> None:
+    """A day-long lease (a delivery record's) that ends in the same second as a 5-second claim: after an
+    election etcd would keep that claim for a day."""
+    clocks = Clocks(1_700_000_000_000, offset_ms=11)
+    etcd = Etcd(clocks)
+    leases = LeaseBuckets(etcd.grant, clocks.wall, clocks.monotonic)
+    day = await leases.lease_for(clocks.wall_ms + 86_400_000)
+    clocks.wall_ms += 86_395_000
+    claim = await leases.lease_for(clocks.wall_ms + 5_000)
+    assert claim != day
+    assert etcd.ttls[claim] == 5
+    assert await leases.lease_for(clocks.wall_ms + 5_000) == claim
+    clocks.wall_ms += 1_100  # the same second of expiry a second later: a 4-second key takes the 5-second lease
+    assert await leases.lease_for(clocks.wall_ms + 3_900) == claim
+    clocks.wall_ms += 1_000  # and two seconds later a 3-second key does not
+    assert await leases.lease_for(clocks.wall_ms + 2_900) != claim
