@@ -158,7 +158,9 @@ def check(record: RunRecord) -> Report:
     measures = [m for f in record.faults if f["kind"] == "agent_kill" for m in f["details"].get("measures", [])]
     ttl = float(record.config.get("ttl", 5))
     # A coordinator with a skewed clock states expires_at off by its skew (the lease, not that stamp, decides:
-    # tests/server/test_clock_skew.py checks expiry under skew). Stamps from inside a clock_skew fault are not judged.
+    # tests/server/test_clock_skew.py checks expiry under skew). Stamps from inside a clock_skew fault are not
+    # judged: a claim's latest stamp was written inside one when its holder was killed, or its EXPIRED seen, no
+    # later than a TTL and a lease bucket after the fault (the EXPIRED up to the free bound after that).
     skewed = [
         (float(f["started"]), float(f["ended"] or f["started"]) + ttl + LEASE_BUCKET_S)
         for f in record.faults
@@ -166,7 +168,7 @@ def check(record: RunRecord) -> Report:
     ]
     free_stats = _free_stats(record, measures, violations, skewed, ttl)
     for early in record.early_expiries:
-        if any(start <= float(early["seen_at"]) <= end for start, end in skewed):
+        if any(start <= float(early["seen_at"]) <= end + FREE_BOUND_S for start, end in skewed):
             continue
         violations.append(
             Violation(
@@ -209,9 +211,7 @@ def _free_stats(
             skipped[f"ended by {end_type}"] += 1
             continue
         freed_at = m.get("freed_at")
-        lease_from = expires - ttl - LEASE_BUCKET_S
-        lease_until = float(last_held or freed_at or expires)
-        if any(start <= lease_until and lease_from <= end for start, end in skewed):
+        if any(start <= float(m["killed_at"]) <= end for start, end in skewed):
             excused_skew += 1
             continue
         if freed_at is None or (last_held is not None and float(last_held) > expires + FREE_BOUND_S):

@@ -54,7 +54,9 @@ class Monitor:
                     for status in statuses:
                         if status.state is SubjectState.CLAIMED and status.expires_at is not None:
                             claim = (str(_key(status.subject)), status.fencing_token)
-                            self.expiry[claim] = max(self.expiry.get(claim, 0.0), status.expires_at.timestamp())
+                            # The latest stamp, not the largest: one from a replica with a skewed clock can be
+                            # minutes off (the checker does not judge those), and a later renewal supersedes it.
+                            self.expiry[claim] = status.expires_at.timestamp()
                     if not isinstance(item, WatchEvent):
                         continue
                     name = item.type.value
@@ -96,7 +98,7 @@ class Monitor:
             if held:
                 last_held = asked
                 if status.expires_at is not None:
-                    expires = max(expires, status.expires_at.timestamp())
+                    expires = status.expires_at.timestamp()  # the record's own: the dead holder renews no more
             else:
                 freed_at = time.time()
                 break

@@ -152,3 +152,24 @@ def test_the_evidence_is_read_from_the_coordinators_and_the_members_logs(tmp_pat
     assert leader_changes([("etcd1", member), ("etcd2", tmp_path / "absent.log")]) == [
         LeaderChange("etcd1", 3, start + 2.75)
     ]
+
+
+def test_stamps_from_a_replica_with_a_skewed_clock_are_not_judged() -> None:
+    """A claim whose latest expiry a coordinator 5 minutes fast stated: killed within a TTL and a lease bucket
+    after that clock_skew fault, its free is not timed; its EXPIRED, seen up to the free bound later, is not an
+    early free. Later than that, both are judged."""
+    skew = {"kind": "clock_skew", "started": 900.0, "ended": 990.0, "details": {}}  # ended + TTL + 1 s = 996
+    stamped = EXPIRES + 300  # the skewed stamp
+    blurred = _late(killed_at=995.5, expires=stamped, last_held=1004.0, freed_at=1004.1, end_seen_at=1004.1)
+    record = _record([blurred], [])
+    record.faults.append(skew)
+    record.early_expiries = [{"subject": "s", "token": 4, "seen_at": 997.9, "expires": stamped}]
+    report = checker.check(record)
+    assert report.ok, report.table
+    assert report.stats["claim_free_after_kill"]["excused_clock_skew"] == 1
+
+    judged = _late(killed_at=996.5, expires=stamped, last_held=1004.0, freed_at=1004.1, end_seen_at=1004.1)
+    record = _record([judged], [])
+    record.faults.append(skew)
+    record.early_expiries = [{"subject": "s", "token": 4, "seen_at": 998.1, "expires": stamped}]
+    assert checker.check(record).counts() == {"early_free": 2}
