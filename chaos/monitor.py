@@ -80,6 +80,7 @@ class Monitor:
         last_held: float | None = None
         freed_at: float | None = None
         first = True
+        evidence: asyncio.Task[dict[str, Any]] | None = None
         deadline = killed_at + ttl + 20
         while time.time() < deadline:
             asked = time.time()
@@ -92,8 +93,8 @@ class Monitor:
             if first and not held:
                 result.update(result="not_held", state=status.state.value)
                 return result
-            if first:
-                result.update(await self._lease_evidence(claim))
+            if first:  # beside the polls: a slow read (a member just back) must not leave gaps in them
+                evidence = asyncio.create_task(self._lease_evidence(claim))
             first = False
             if held:
                 last_held = asked
@@ -104,6 +105,8 @@ class Monitor:
                 break
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.5)  # let the watch report why it ended
+        if evidence is not None:
+            result.update(await evidence)
         end = self.ended.get((str(claim.key), claim.token))
         result.update(
             result="measured",
