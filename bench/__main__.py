@@ -1,5 +1,5 @@
-"""python -m bench {claims,contended,dedup,cycle,watch,slow-watchers,http,memory,embedded-db,profile,all} [options];
-each --help says more.
+"""python -m bench {claims,contended,dedup,cycle,outgoing,watch,slow-watchers,http,http-attacks,list-claims,memory,
+embedded-db,mcp,profile,all} [options]; each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
 temporary directory, measures a baseline in the same run, and prints ratios against it.
@@ -13,7 +13,20 @@ import functools
 import sys
 from collections.abc import Awaitable, Callable
 
-from . import calls, claims, embedded_db, http, memory, profile, slow_watchers, watch
+from . import (
+    calls,
+    claims,
+    embedded_db,
+    http,
+    http_attacks,
+    listing,
+    mcp,
+    memory,
+    outgoing,
+    profile,
+    slow_watchers,
+    watch,
+)
 from ._common import Environment, SetupError, environment
 
 Runner = Callable[[argparse.Namespace, Environment], Awaitable[int]]
@@ -39,6 +52,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         functools.partial(calls.add_arguments, command="cycle"),
         calls.runner("cycle"),
     ),
+    "outgoing": (
+        "what replies written outside cost: ClaimReply with a thread, RecordOutgoing, vs ClaimReply as before",
+        outgoing.add_arguments,
+        outgoing.run,
+    ),
     "watch": (
         "Watch fan-out: delay from a claim to each of 1,000 watchers of its mailbox, vs raw etcd watches",
         watch.add_arguments,
@@ -48,6 +66,16 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         "the HTTP/JSON face: Watch fan-out to 200 browser-style streams vs gRPC; coordinator CPU per call vs gRPC",
         http.add_arguments,
         http.run,
+    ),
+    "http-attacks": (
+        "the HTTP face under attack: RSS under endless headers, connections held, gRPC health at a descriptor limit",
+        http_attacks.add_arguments,
+        http_attacks.run,
+    ),
+    "list-claims": (
+        "ListClaims filtered by state on a 10,000-subject mailbox vs the unfiltered listing of it",
+        listing.add_arguments,
+        listing.run,
     ),
     "slow-watchers": (
         "other callers' p99 and coordinator RSS while 200 Watch streams of one principal never read",
@@ -64,6 +92,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         embedded_db.add_arguments,
         embedded_db.run,
     ),
+    "mcp": (
+        "a send tool called through the MCP guard (claim, BeginSend, the call, ConfirmSent) vs called directly",
+        mcp.add_arguments,
+        mcp.run,
+    ),
     "profile": (
         "py-spy profile of the coordinator under ClaimReply load: where its CPU goes",
         profile.add_arguments,
@@ -78,11 +111,18 @@ QUICK: dict[str, list[str]] = {
     "contended": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
     "dedup": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
     "cycle": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
+    "outgoing": ["--seconds", "0.25", "--rounds", "1"],
     "watch": ["--watchers", "50", "--events", "5", "--rounds", "1"],
     "slow-watchers": ["--hanging", "20", "--clients", "4", "--seconds", "0.5", "--rounds", "1", "--settle", "1"],
     "memory": ["--claims", "1000", "--mailboxes", "20", "--watchers", "50"],
     "embedded-db": ["--cycles", "2000", "--subjects", "500"],
     "http": ["--watchers", "20", "--events", "3", "--calls", "100", "--rounds", "1"],
+    "http-attacks": [
+        *("--line-mib", "2", "--lines-mib", "1", "--idle", "20", "--slowloris", "10", "--bodies", "10"),
+        *("--hold", "1", "--held", "20"),
+    ],
+    "list-claims": ["--subjects", "300", "--sending", "3", "--rounds", "1"],
+    "mcp": ["--sends", "20", "--rounds", "1"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
 

@@ -11,6 +11,11 @@ whether it still holds the claim; only afterwards does it record the reply throu
 taken-over agent then sends a second reply, which the checker must catch. There is no such switch in the
 coordinator.
 
+``--ignore-outgoing`` is the negative control of replies written outside the coordinator: the agent hides from
+the shim that a notification is about a message the mailbox sent (no folders, a customer as sender), as a client
+that never looks would. It then answers a person's reply from Gmail as if a customer had written, and the
+coordinator never learns that the person answered, so a drafting agent sends too.
+
 Every step is a line in the agent's JSON-lines log (``--log``), which the harness reads to know which claims a
 process holds when it kills or pauses it, and which the checker reads at the end.
 """
@@ -37,6 +42,7 @@ from inbox_claims import (
     CoordinatorUnavailable,
     DuplicateDelivery,
     InboxClaimsError,
+    OutgoingMessage,
     ReplyHeld,
     RetryPolicy,
     SendOutcomeUnknown,
@@ -56,6 +62,9 @@ AGENT_RETRY = RetryPolicy(attempts=10, initial_backoff=0.1, max_backoff=2.0)
 APP_RETRIES = 5
 """How often the agent itself tries a notification again after losing its claim or failing to reach the
 coordinator (``--no-retry``: never, as in the README's example)."""
+
+
+SENDER_KINDS = {"human": "human", "outside": "person"}
 
 
 def coordinator_client(targets: str, principal: str, kind: str = "agent") -> AsyncCoordinator:
@@ -79,17 +88,21 @@ async def post_reply(
     mode: str,
     notification_id: str = "",
     idempotency_key: str = "",
+    sent_id: str = "",
 ) -> str:
     """Sends one reply through the sink (``idempotency_key`` defaults to the subject's). Returns the sent message
     id; raises :class:`SendRejected` on a 4xx (it certainly did not go out), anything else when the outcome is
-    unknown. ``mode`` is ``fenced``, ``unfenced`` or ``human``: the sender's kind is derived from it."""
+    unknown. ``mode`` is ``fenced``, ``unfenced``, ``human`` (the helpdesk tool, through the coordinator) or
+    ``outside`` (a person in Gmail, never through it, whose message id is ``sent_id``): the sender's kind is
+    derived from it."""
     reply_to = subject.id
     headers = {
         "Content-Type": "application/json",
         "Idempotency-Key": idempotency_key or subject.idempotency_key,
         "X-Chaos-Token": str(token),
         "X-Chaos-Sender": sender,
-        "X-Chaos-Sender-Kind": "human" if mode == "human" else "agent",
+        "X-Chaos-Sender-Kind": SENDER_KINDS.get(mode, "agent"),
+        "X-Chaos-Sent-Id": sent_id,
         "X-Chaos-Notification": notification_id,
         "X-Chaos-Subject-Kind": subject.kind.value,
         "X-Chaos-Subject-Id": subject.id,
@@ -112,6 +125,7 @@ class Agent:
         self.secret: str = options.secret
         self.ttl: int = options.ttl
         self.unfenced: bool = options.unfenced
+        self.ignore_outgoing: bool = options.ignore_outgoing
         self.retry: bool = not options.no_retry
         self.mode = "unfenced" if options.unfenced else "fenced"
         self.log = JsonlLog(options.log, agent=self.name, inc=options.incarnation)
@@ -199,6 +213,8 @@ class Agent:
         """
         nid = notification.notification_id
         scope: Scope = "thread" if notification.object.get(SCOPE_FIELD) == "thread" else "message"
+        if self.ignore_outgoing:
+            notification = looks_incoming(notification)
         guard = self.coord.reply_to(
             notification,
             scope=scope,
@@ -217,6 +233,19 @@ class Agent:
             return not dedup and held.holder == self.name  # our own claim from the last attempt, lapsing
         except AlreadyReplied as replied:
             self.log.write("refused", nid=nid, why="replied", state=replied.state.value)
+        except OutgoingMessage as outgoing:
+            result = outgoing.result
+            self.log.write(
+                "outgoing",
+                nid=nid,
+                id=notification.message_id,
+                thread=notification.thread_id,
+                outcome=result.outcome.value if result else "not_recorded",
+                subjects=[
+                    {"kind": status.subject.kind.value, "id": status.subject.id, "state": status.state.value}
+                    for status in (result.subjects if result else ())
+                ],
+            )
         except CoordinatorUnavailable as error:
             self.log.write("claim_error", nid=nid, error=f"{type(error).__name__}: {error}")
             return True
@@ -252,13 +281,13 @@ class Agent:
             return await self.answer_unfenced(claim, nid, send)
         if claim.lost.is_set():  # the shim saw the loss first (renewal refused or impossible): do not even try
             self.log.write("lost", nid=nid, token=token, where="renewal", reason=_reason(claim))
-            return _reason(claim) != LossReason.TAKEN_OVER.value
+            return _reason(claim) not in FINAL_LOSSES
         try:
             sent_id = await claim.send(send)
             self.log.write("confirmed", nid=nid, token=token, sent_id=sent_id, **where)
         except ClaimLost as lost:
             self.log.write("lost", nid=nid, token=token, where="begin_send", reason=lost.reason.value)
-            return lost.reason is not LossReason.TAKEN_OVER
+            return lost.reason.value not in FINAL_LOSSES
         except SendRejected as rejected:
             self.log.write("rejected", nid=nid, token=token, reason=rejected.reason)
         except SendOutcomeUnknown as unknown:
@@ -299,6 +328,18 @@ class Agent:
         return False
 
 
+# Losses after which someone else answers (or answered): the agent does not try the notification again.
+FINAL_LOSSES = {LossReason.TAKEN_OVER.value, LossReason.ANSWERED_OUTSIDE.value}
+
+
+def looks_incoming(notification: Envelope) -> Envelope:
+    """The notification with what tells an outgoing message removed (``--ignore-outgoing``)."""
+    document = json.loads(json.dumps(dict(notification.raw)))
+    document["data"]["object"]["folders"] = ["INBOX"]
+    document["data"]["object"]["from"] = [{"email": "customer@example.com"}]
+    return parse_notification(document)
+
+
 def _reason(claim: AsyncClaim) -> str:
     return claim.loss.reason.value if claim.loss is not None else "unknown"
 
@@ -329,6 +370,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--draft-sigma", type=float, default=1.0)
     parser.add_argument("--draft-cap", type=float, default=20.0)
     parser.add_argument("--unfenced", action="store_true", help="NEGATIVE CONTROL: send without the commit point")
+    parser.add_argument(
+        "--ignore-outgoing", action="store_true", help="NEGATIVE CONTROL: treat messages the mailbox sent as incoming"
+    )
     parser.add_argument(
         "--no-retry", action="store_true", help="never try a notification again after the coordinator was unreachable"
     )

@@ -13,6 +13,17 @@ Pure: it reads a :class:`RunRecord` (made by the harness from the logs and the f
   is excused only when an etcd leader change restarted the claim's own lease (chaos/leases.py).
 * ``dropped``: every message ends REPLIED or IN_DOUBT.
 * ``wrong_idempotency_key``: every send carried the subject's deterministic idempotency key.
+* ``commit_after_outside_reply``: a person answered a subject from Gmail (straight to the sink) and an agent's
+  send on it went out too, though the coordinator had recorded the person's reply first (the final record is
+  REPLIED ``replied_outside``: the claim had ended), or without the coordinator ever learning that both went out
+  (an agent's REPLIED record that names no outside reply). Both replies going out is allowed only in the window
+  docs/design.md#replies-written-outside states: the agent passed its commit point before the person's reply was
+  recorded, and the record says so.
+* ``reply_to_outgoing``: a send answered a message the mailbox sent (a person's reply).
+
+Every reply to a customer message counts, the people's too: the stats say how many replies each answered subject
+got, and measure the window (how late the people's notifications were recorded, and how many agent commits fell
+inside it).
 """
 
 from __future__ import annotations
@@ -38,6 +49,10 @@ class FinalState:
     """A ``inbox_claims.SubjectState`` value: free, claimed, sending, replied, in_doubt; ``unknown`` if unread."""
     token: int
     holder: str
+    replied_outside: bool = False
+    """REPLIED because a person answered outside the coordinator (the claim it ended keeps its token)."""
+    knows_outside: bool = False
+    """The record names a reply written outside (``outside_reply``): on an agent's reply, both went out."""
 
 
 @dataclass
@@ -98,7 +113,9 @@ def _send_key(send: dict[str, Any]) -> SubjectKey:
 
 def check(record: RunRecord) -> Report:
     violations: list[Violation] = []
-    out = [s for s in record.sends if s.get("ev") == "send" and s.get("sent")]
+    went_out = [s for s in record.sends if s.get("ev") == "send" and s.get("sent")]
+    outside = [s for s in went_out if s.get("mode") == "outside"]
+    out = [s for s in went_out if s.get("mode") != "outside"]  # through the coordinator: agents and the human
 
     # -- at most one send per subject; at most one per notification --------------------------------------------
     by_subject: dict[SubjectKey, list[dict[str, Any]]] = defaultdict(list)
@@ -135,6 +152,25 @@ def check(record: RunRecord) -> Report:
                     f"token {final.token} ({final.holder})",
                 )
             )
+
+    # -- a person's reply from Gmail ends what it answered --------------------------------------------------------
+    outside_ids = {str(s.get("sent_id")) for s in outside}
+    for send in out:
+        if str(send.get("reply_to")) in outside_ids:
+            violations.append(
+                Violation("reply_to_outgoing", f"{send['sender']} answered {send['reply_to']}, a person's reply")
+            )
+    for key in sorted({_send_key(s) for s in outside}):
+        final = record.final.get(key)
+        for send in by_subject.get(key, []):
+            why = _outside_violation(final, int(send["token"]))
+            if why:
+                violations.append(
+                    Violation(
+                        "commit_after_outside_reply",
+                        f"{key}: {send['sender']} sent (token {send['token']}) and a person answered from Gmail; {why}",
+                    )
+                )
 
     # -- acknowledged replies are never lost ---------------------------------------------------------------------
     # (Tokens are unique per subject, not across subjects: claims committed together share one revision.)
@@ -179,12 +215,80 @@ def check(record: RunRecord) -> Report:
         )
 
     stats = _stats(record, out, acknowledged, free_stats)
+    stats["outside"] = _outside_stats(record, outside, by_subject)
     errors = list(record.errors)
     crashes = [e for e in record.events if e.get("ev") == "crash"]
     errors += [f"{e.get('agent')}: {e.get('error')}" for e in crashes[:20]]
     report = Report(violations, errors, stats, "")
     report.table = render(record, report)
     return report
+
+
+def _outside_violation(final: FinalState | None, token: int) -> str:
+    """Why a send that went out beside a person's reply on its subject breaks the rule; empty when it does not."""
+    if final is None:
+        return ""  # judged as unrecorded_send
+    if final.replied_outside:
+        return "the person's reply had ended the claim (the final record is REPLIED from the mailbox)"
+    if final.token != token:
+        return ""  # judged as stale_commit
+    if final.knows_outside or final.state == "in_doubt":
+        return ""  # committed before the person's reply was recorded: the window, and the record says so
+    return "the coordinator never learned that a person answered too"
+
+
+def _outside_stats(
+    record: RunRecord, outside: list[dict[str, Any]], by_subject: dict[SubjectKey, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """The people's replies from Gmail: how late their notifications were recorded (the window), and what the
+    agents did meanwhile."""
+    recorded: dict[str, float] = {}
+    for event in record.events:
+        if event.get("ev") == "outgoing" and event.get("outcome") in ("answered_outside", "own_reply"):
+            message_id = str(event.get("id"))
+            recorded[message_id] = min(recorded.get(message_id, float("inf")), float(event["t"]))
+    # A token alone names no subject (claims committed together share one revision): with who and for what.
+    granted: dict[tuple[str, str, int], SubjectKey] = {}
+    for event in record.events:
+        if event.get("ev") == "granted":
+            key = SubjectKey(str(event["mailbox"]), str(event["kind"]), str(event["id"]))
+            granted[(str(event.get("agent")), str(event.get("nid")), int(event["token"]))] = key
+    commits: dict[SubjectKey, list[float]] = defaultdict(list)
+    for event in record.events:
+        if event.get("ev") == "sending" and event.get("token"):
+            committed = granted.get((str(event.get("agent")), str(event.get("nid")), int(event["token"])))
+            if committed is not None:
+                commits[committed].append(float(event["t"]))
+    delays: list[float] = []
+    in_window = after_record = 0
+    for send in outside:
+        key, sent_at = _send_key(send), float(send["t"])
+        seen = recorded.get(str(send.get("sent_id")))
+        if seen is None:
+            continue
+        delays.append(seen - sent_at)
+        in_window += sum(1 for t in commits.get(key, []) if sent_at <= t <= seen)
+        after_record += sum(1 for t in commits.get(key, []) if t > seen)
+    delays.sort()
+    stopped = Counter(
+        str(e.get("where")) for e in record.events if e.get("ev") == "lost" and e.get("reason") == "answered_outside"
+    )
+    answered = {_send_key(s) for s in outside}
+    replies = Counter(
+        len(by_subject.get(key, [])) + sum(1 for s in outside if _send_key(s) == key)
+        for key in set(by_subject) | answered
+    )
+    return {
+        "replies": len(outside),
+        "recorded": len(delays),
+        "delay_median_s": round(delays[len(delays) // 2], 3) if delays else None,
+        "delay_p95_s": round(delays[int(len(delays) * 0.95)], 3) if delays else None,
+        "delay_max_s": round(delays[-1], 3) if delays else None,
+        "agent_commits_in_window": in_window,
+        "agent_commits_after_record": after_record,
+        "agents_stopped": dict(stopped),
+        "replies_per_answered_subject": dict(sorted(replies.items())),
+    }
 
 
 def _free_stats(
@@ -334,6 +438,7 @@ def render(record: RunRecord, report: Report) -> str:
     if s["fault_errors"]:
         lines.append(_row("faults that failed", s["fault_errors"]))
     free = s["claim_free_after_kill"]
+    o = s["outside"]
     lines += [
         "",
         "outcomes",
@@ -341,6 +446,14 @@ def render(record: RunRecord, report: Report) -> str:
         _row("send requests (incl. unknown outcome)", f"{s['send_requests']} ({s['send_unknown_outcomes']} unknown)"),
         _row("acknowledged replies (ConfirmSent OK)", s["acknowledged_replies"]),
         _row("final states", s["final_states"]),
+        _row(
+            "replies from Gmail (outside the coordinator)",
+            f"{o['replies']}, recorded {o['recorded']}: notification to record median {o['delay_median_s']} s, "
+            f"p95 {o['delay_p95_s']} s, max {o['delay_max_s']} s; agent commits in that window "
+            f"{o['agent_commits_in_window']} (both went out), after it {o['agent_commits_after_record']}; "
+            f"agents stopped {o['agents_stopped']}",
+        ),
+        _row("replies per answered subject", o["replies_per_answered_subject"]),
         _row(
             "claim freed after holder SIGKILL",
             f"{free['measured']} measured, max {free['max_latency_s']} s after expiry (bound {free['bound_s']} s), "
@@ -363,6 +476,8 @@ def render(record: RunRecord, report: Report) -> str:
         "early_free",
         "dropped",
         "wrong_idempotency_key",
+        "commit_after_outside_reply",
+        "reply_to_outgoing",
     ):
         lines.append(_row(kind, counts.get(kind, 0)))
     for violation in report.violations[:15]:

@@ -30,8 +30,12 @@ class Config:
     ttl: int = 5
     takeovers: int = -1
     thread_fraction: float = 0.2
+    outside_fraction: float = 0.2
+    """Threads a person answers from Gmail, without the coordinator (chaos/workload.py)."""
     faults: tuple[str, ...] = ALL_KINDS
     unfenced: bool = False
+    ignore_outgoing: bool = False
+    """NEGATIVE CONTROL: agents treat the mailbox's own messages as incoming (chaos/agent.py)."""
     agent_retry: bool = True
     sink_fail_rate: float = 0.02
     draft_median: float = 1.2
@@ -92,8 +96,12 @@ def replay_command(config: Config) -> str:
     ]
     if tuple(config.faults) != ALL_KINDS:
         parts.append(f"--faults {','.join(config.faults) or 'none'}")
+    if config.outside_fraction != Config.outside_fraction:
+        parts.append(f"--outside-fraction {config.outside_fraction:g}")
     if config.unfenced:
         parts.append("--unfenced")
+    if config.ignore_outgoing:
+        parts.append("--ignore-outgoing")
     if not config.agent_retry:
         parts.append("--no-agent-retry")
     parts += [f"--etcd-arg={arg}" for arg in config.etcd_args]

@@ -48,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--unfenced", action="store_true", help="NEGATIVE CONTROL: agents send without BeginSend")
     parser.add_argument(
+        "--outside-fraction", type=float, default=0.2, help="threads a person answers from Gmail (default 0.2)"
+    )
+    parser.add_argument(
+        "--ignore-outgoing",
+        action="store_true",
+        help="NEGATIVE CONTROL: agents answer the mailbox's own messages as if customers had written them",
+    )
+    parser.add_argument(
         "--no-agent-retry",
         action="store_true",
         help="agents never retry a notification after the coordinator was unreachable (shows a silent drop)",
@@ -86,6 +94,8 @@ def config_from(options: argparse.Namespace) -> Config:
         thread_fraction=options.thread_fraction,
         faults=kinds,
         unfenced=options.unfenced,
+        outside_fraction=options.outside_fraction,
+        ignore_outgoing=options.ignore_outgoing,
         agent_retry=not options.no_agent_retry,
         sink_fail_rate=options.sink_fail_rate,
         workdir=options.workdir,

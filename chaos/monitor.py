@@ -155,7 +155,13 @@ class Monitor:
             except InboxClaimsError:
                 await asyncio.sleep(0.5)
                 continue
-            return FinalState(status.state.value, status.fencing_token, status.holder)
+            return FinalState(
+                status.state.value,
+                status.fencing_token,
+                status.holder,
+                replied_outside=status.replied_outside,
+                knows_outside=status.outside_reply is not None,
+            )
         return None
 
     async def close(self) -> None:

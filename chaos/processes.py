@@ -363,6 +363,7 @@ class Processes:
             "--lifetime",
             str(c.lifetime),
             *(["--unfenced"] if c.unfenced else []),
+            *(["--ignore-outgoing"] if c.ignore_outgoing else []),
             *([] if c.agent_retry else ["--no-retry"]),
         )
         child = Child(agent.name, argv, self.workdir / f"{agent.name}.stderr")

@@ -38,6 +38,7 @@ class Run:
             mailboxes=config.mailboxes,
             agents=config.agents,
             thread_fraction=config.thread_fraction,
+            outside_fraction=config.outside_fraction,
         )
         self.faults: list[faults.FaultRecord] = []
         self.errors: list[str] = []
@@ -74,7 +75,8 @@ class Run:
             f"started: 3 etcd members, 2 coordinators, {len(self.processes.agents)} "
             f"{'UNFENCED ' if c.unfenced else ''}agents, "
             f"sink {self.processes.sink_address}; {len(self.workload.messages)} messages, "
-            f"{len(self.workload.notifications)} notifications"
+            f"{len(self.workload.notifications)} notifications, {len(self.workload.outside)} replies from Gmail"
+            + (" (agents IGNORE OUTGOING)" if c.ignore_outgoing else "")
         )
 
     async def main_phase(self) -> None:
@@ -93,6 +95,7 @@ class Run:
         progress = asyncio.create_task(self.progress(t0))
         await asyncio.gather(
             self.webhooks.run_plan(t0),
+            self.webhooks.run_outside(t0),
             faults.run_lane(targets, cluster, t0 + 3.0, fault_end, self.faults, self.error),
             faults.run_lane(targets, process, t0 + 4.0, fault_end, self.faults, self.error),
         )
@@ -182,7 +185,7 @@ class Run:
             leader_changes=leases.leader_changes([(m.spec.name, m.log_path) for m in self.processes.cluster.members]),
             lease_grants=grants,
             terms_seen=seen,
-            errors=self.errors,
+            errors=self.errors + self.webhooks.outside_errors,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -195,7 +198,11 @@ class Run:
             "mailboxes": c.mailboxes,
             "ttl": c.ttl,
             "faults": list(c.faults),
-            "mode": "UNFENCED (negative control)" if c.unfenced else "fenced",
+            "mode": "UNFENCED (negative control)"
+            if c.unfenced
+            else "IGNORING OUTGOING (negative control)"
+            if c.ignore_outgoing
+            else "fenced",
             "etcd_version": self.etcd_version,
             "etcd_binary": " ".join((str(self.etcd_binary), *c.etcd_args)),
             "etcd_election_timeout_ms": election_timeout_ms(c.etcd_args),

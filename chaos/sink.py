@@ -3,7 +3,9 @@
 ``POST /v3/grants/<grant>/messages/send`` with the reply as JSON and these headers: ``Idempotency-Key`` (the
 shim's ``claim.idempotency_key``), ``X-Chaos-Token`` (the fencing token the sender holds), ``X-Chaos-Sender`` and
 ``X-Chaos-Sender-Kind`` (who), ``X-Chaos-Notification`` (the notification the send answers; empty for a human),
-``X-Chaos-Subject-Kind`` and ``X-Chaos-Subject-Id`` (what was claimed). Every request is one JSON line in the
+``X-Chaos-Subject-Kind`` and ``X-Chaos-Subject-Id`` (what was claimed; for a person answering from Gmail, what
+they answered), ``X-Chaos-Mode`` (``outside`` for that person: never fails; ``X-Chaos-Sent-Id`` is then its
+message id). Every request is one JSON line in the
 log, ``sent`` true when the reply "went out". The sink accepts duplicates on purpose (a real API's idempotency
 cache is the last-resort backstop, which the chaos run wants to see past): the checker must see exactly what
 went out.
@@ -48,15 +50,18 @@ async def run(listen: str, log_path: Path, fail_rate: float, seed: int, deadline
         except ValueError:
             return Response(400, b'{"error":"body is not JSON"}')
         counter += 1
-        sent_id = f"sent-{counter:06d}"
+        h = request.headers
+        outside = h.get("x-chaos-mode", "") == "outside"
+        sent_id = h.get("x-chaos-sent-id", "") if outside else f"sent-{counter:06d}"
         draw = rng.random()
-        if draw < fail_rate / 2:
+        if outside:
+            outcome, sent = "sent", True  # a person's mail client: Gmail sends it
+        elif draw < fail_rate / 2:
             outcome, sent = "sent_then_error", True
         elif draw < fail_rate:
             outcome, sent = "dropped_unsent", False
         else:
             outcome, sent = "sent", True
-        h = request.headers
         log.write(
             "send",
             sent=sent,

@@ -1,5 +1,7 @@
 """The harness as Nylas: signed webhook deliveries of the workload's notifications to the agents, on the seeded
-plan, as redeliveries during a fault, and in the final round; every attempt is recorded for the checker."""
+plan, as redeliveries during a fault, and in the final round; every attempt is recorded for the checker. And as
+the people who answer from Gmail: their replies go straight to the sink, on the plan (their notifications are
+deliveries like any other)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,14 @@ import random
 import time
 from typing import Any
 
+from inbox_claims import Subject
 from inbox_claims.testing import sign_nylas
+from inbox_claims.types import SubjectKind
 
+from .agent import post_reply
 from .common import http_request
 from .processes import AgentHandle, Processes
-from .workload import Notification, Workload, envelope
+from .workload import OUTSIDE_SENDER, Notification, OutsideReply, Workload, envelope
 
 
 class Webhooks:
@@ -22,12 +27,15 @@ class Webhooks:
         self.notifications: dict[str, Notification] = {n.notification_id: n for n in workload.notifications}
         self.attempts: dict[str, int] = {}
         self.deliveries: list[dict[str, Any]] = []
+        self.t0 = time.time()
+        """The run's start: messages' dates count from it."""
+        self.outside_errors: list[str] = []
 
     async def deliver(self, notification_id: str, agent: AgentHandle, *, reason: str) -> int:
         """POSTs one delivery attempt, signed like Nylas; 1 if the agent answered 200."""
         attempt = self.attempts.get(notification_id, 0) + 1
         self.attempts[notification_id] = attempt
-        body = envelope(self.notifications[notification_id], attempt, sent_at=int(time.time()))
+        body = envelope(self.notifications[notification_id], attempt, sent_at=int(time.time()), t0=self.t0)
         headers = {"Content-Type": "application/json", "x-nylas-signature": sign_nylas(body, self._processes.secret)}
         at = time.time()
         error = ""
@@ -52,6 +60,7 @@ class Webhooks:
 
     async def run_plan(self, t0: float) -> None:
         """The main phase's deliveries, each at its planned time after ``t0`` to its planned agent."""
+        self.t0 = t0
         pending: set[asyncio.Task[int]] = set()
         agents = self._processes.agents
         for delivery in self._workload.deliveries:
@@ -61,6 +70,22 @@ class Webhooks:
             task.add_done_callback(pending.discard)
         if pending:
             await asyncio.wait(pending)
+
+    async def run_outside(self, t0: float) -> None:
+        """The people's replies from Gmail, each straight to the sink at its planned time (Gmail always sends)."""
+
+        async def send(reply: OutsideReply) -> None:
+            await asyncio.sleep(max(t0 + reply.at - time.time(), 0.0))
+            answered = reply.answers
+            subject = Subject(answered.mailbox, SubjectKind(answered.kind), answered.id)
+            try:
+                await post_reply(
+                    self._processes.sink_address, subject, 0, OUTSIDE_SENDER, mode="outside", sent_id=reply.message_id
+                )
+            except (OSError, TimeoutError, RuntimeError) as error:
+                self.outside_errors.append(f"{reply.message_id}: {type(error).__name__}: {error}")
+
+        await asyncio.gather(*(send(reply) for reply in self._workload.outside))
 
     async def final_round(self, rng: random.Random) -> None:
         """Every notification once more, as Nylas's last attempt: to a live agent, trying others on failure."""

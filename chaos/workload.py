@@ -8,6 +8,12 @@ notification and often a ``message.updated`` one, each with its own notification
 arrive before creations and redeliveries land on other agents; the final round (planned by the harness once the
 faults have stopped) delivers every notification once more, as Nylas's last attempt 10-20 minutes after the
 first would.
+
+People answer too, without our tools: in a fraction of the threads (``outside_fraction``) a person replies
+"from Gmail" straight to the mail API (the sink) a few seconds after the thread's last message, often while an
+agent drafts; its ``message.created`` notification (in SENT, from the person) comes late, is often redelivered,
+and so arrives out of order with the others. In half of the message-scoped ones the customer then writes again
+(a new question, in the same thread, for an agent to answer).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ Scope = Literal["message", "thread"]
 
 SCOPE_FIELD = "x_chaos_scope"
 """Where the envelope tells the agent how to claim (a harness convention, standing in for an agent's policy)."""
+OUTSIDE_SENDER = "ana@shop.example"
+"""The person who answers from Gmail (never through the coordinator)."""
 
 
 @dataclass(frozen=True)
@@ -52,11 +60,30 @@ class SubjectKey:
 
 
 @dataclass(frozen=True)
+class OutsideReply:
+    """A person's reply "from Gmail": sent straight to the sink at ``at``, answering ``answers``."""
+
+    message_id: str
+    mailbox: str
+    thread_id: str
+    scope: Scope
+    at: float
+    answers: SubjectKey
+
+    @property
+    def message(self) -> Message:
+        """The reply as a message of its thread (what its notification is about)."""
+        return Message(self.mailbox, self.message_id, self.thread_id, self.scope, self.at)
+
+
+@dataclass(frozen=True)
 class Notification:
     notification_id: str
     type: str
     message: Message
     created_at: float
+    outgoing: bool = False
+    """A notification of a message the mailbox sent (a person's reply from Gmail): in SENT, from the person."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +100,7 @@ class Workload:
     notifications: tuple[Notification, ...]
     deliveries: tuple[Delivery, ...]
     """The main phase, sorted by time."""
+    outside: tuple[OutsideReply, ...] = ()
 
     def subjects(self) -> list[SubjectKey]:
         return sorted({m.subject_key for m in self.messages})
@@ -87,9 +115,11 @@ def plan(
     agents: int,
     thread_fraction: float = 0.2,
     update_fraction: float = 0.5,
+    outside_fraction: float = 0.0,
 ) -> Workload:
     """Messages arrive over the first 70 % of ``duration``; deliveries end before ``duration``."""
     rng = random.Random(f"workload/{seed}")
+    outside_rng = random.Random(f"workload/{seed}/outside")  # its own stream: the rest of the plan stays as it was
     boxes = [f"grant-{seed}-{n}" for n in range(mailboxes)]
     arrival_end = max(duration * 0.7, 1.0)
     result: list[Message] = []
@@ -113,6 +143,30 @@ def plan(
                     arrives_at=min(start + position * rng.uniform(0.0, 3.0), arrival_end),
                 )
             )
+    outside: list[OutsideReply] = []
+    threads: dict[str, list[Message]] = {}
+    for message in result:
+        threads.setdefault(message.thread_id, []).append(message)
+    for thread_id, members in sorted(threads.items()):
+        if outside_rng.random() >= outside_fraction:
+            continue
+        latest = max(members, key=lambda m: m.arrives_at)
+        # Seconds after the thread's last message, so that its date (whole seconds, as Nylas gives them) is
+        # never that of a message it did not see; an agent is often drafting then.
+        at = latest.arrives_at + outside_rng.uniform(1.1, 4.0)
+        if at > duration * 0.85:
+            continue  # too late to be delivered, redelivered and answered before the main phase ends
+        outside.append(
+            OutsideReply(
+                f"gmail-{len(outside) + 1:05d}", latest.mailbox, thread_id, latest.scope, at, latest.subject_key
+            )
+        )
+        if latest.scope == "message" and outside_rng.random() < 0.5:  # the customer writes again: a new question
+            count += 1
+            follow_up = Message(
+                latest.mailbox, f"msg-{count:05d}", thread_id, "message", at + outside_rng.uniform(2.1, 6.0)
+            )
+            result.append(follow_up)
     notifications: list[Notification] = []
     for message in result:
         notifications.append(
@@ -129,13 +183,27 @@ def plan(
             times.append(notification.created_at + rng.uniform(0.2, 15.0))
         for attempt, at in enumerate(sorted(times), start=1):
             deliveries.append(Delivery(min(at, last), notification.notification_id, attempt, rng.randrange(agents)))
+    for reply in outside:
+        notification = Notification(
+            f"ntf-{len(notifications) + 1:06d}", "message.created", reply.message, reply.at, True
+        )
+        notifications.append(notification)
+        times = [reply.at + outside_rng.uniform(0.5, 8.0)]  # late
+        if outside_rng.random() < 0.5:
+            times.append(reply.at + outside_rng.uniform(1.0, 15.0))  # and again
+        for attempt, at in enumerate(sorted(times), start=1):
+            deliveries.append(
+                Delivery(min(at, last), notification.notification_id, attempt, outside_rng.randrange(agents))
+            )
     deliveries.sort(key=lambda d: (d.at, d.notification_id, d.attempt))
-    return Workload(tuple(result), tuple(notifications), tuple(deliveries))
+    return Workload(tuple(result), tuple(notifications), tuple(deliveries), tuple(outside))
 
 
-def envelope(notification: Notification, attempt: int, *, sent_at: int) -> bytes:
-    """The Nylas v3 webhook body for one delivery attempt (the raw bytes that get signed)."""
+def envelope(notification: Notification, attempt: int, *, sent_at: int, t0: float) -> bytes:
+    """The Nylas v3 webhook body for one delivery attempt (the raw bytes that get signed). ``t0``: the run's start
+    (epoch seconds): a message's ``date`` is when it arrived (or was sent), in whole seconds, as Nylas gives it."""
     message = notification.message
+    sender = OUTSIDE_SENDER if notification.outgoing else f"customer-{message.thread_id}@example.com"
     document = {
         "specversion": "1.0",
         "type": notification.type,
@@ -151,7 +219,9 @@ def envelope(notification: Notification, attempt: int, *, sent_at: int) -> bytes
                 "thread_id": message.thread_id,
                 "object": "message",
                 "subject": f"Question {message.message_id}",
-                "from": [{"email": f"customer-{message.thread_id}@example.com"}],
+                "from": [{"email": sender}],
+                "folders": ["SENT"] if notification.outgoing else ["INBOX", "UNREAD"],
+                "date": int(t0 + message.arrives_at),
                 SCOPE_FIELD: message.scope,
             },
         },

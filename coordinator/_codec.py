@@ -7,8 +7,15 @@ fields are left out, and a REPLIED record keeps only what a reply record is for 
     subject:   {"s": state, "h": holder, "k": kind, "a": acquired ms, "l": ttl s, "x": expires ms, "n": note,
                  "r": request id, "f": its arguments' fingerprint, "q": last request id, "g": its fingerprint,
                  "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id,
-                 "y": 1 when replied by hand (MarkReplied), "v": [subject line, sender, received ms]}
-    delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id]}
+                 "y": 1 when replied by hand (MarkReplied), "v": [subject line, sender, received ms],
+                 "j": 1 when replied outside, "o": the outside reply, "w": the message's received ms,
+                 "e": the outgoing message taken for this send's copy (an outside reply's shape),
+                 "z": who settled it (ResolveInDoubt SENT)}
+    delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id],
+                "o": RecordOutgoing's answer ("own" or "out"), "g": its arguments' fingerprint,
+                "v": [subject line, sender, received ms]}
+    outside reply (a subject's "o", a thread's latest): [sender, sent ms, message id, recorded by, stopped holder]
+    thread entry: {"w": the message's received ms}
     end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "g": its fingerprint,
                 "t": at ms, "n": detail, "u": 0 when it leaves its notification redeliverable}
 """
@@ -23,6 +30,8 @@ from .domain import (
     EndMark,
     EndReason,
     HolderKind,
+    OutgoingResult,
+    OutsideReply,
     State,
     Subject,
     SubjectKind,
@@ -34,6 +43,8 @@ _STATES = {State.CLAIMED: "c", State.SENDING: "s", State.REPLIED: "r", State.IN_
 _STATES_IN = {code: state for state, code in _STATES.items()}
 _KINDS = {HolderKind.AGENT: "a", HolderKind.HUMAN: "h"}
 _KINDS_IN = {code: kind for kind, code in _KINDS.items()}
+_OUTGOING = {OutgoingResult.OWN_REPLY: "own", OutgoingResult.ANSWERED_OUTSIDE: "out"}
+_OUTGOING_IN = {code: result for result, code in _OUTGOING.items()}
 # What a reply record no longer needs once the reply went out: the claim's bookkeeping.
 # The last request ("q", "g") stays when there is one: only ResolveInDoubt (SENT) leaves one on a reply record.
 _CLAIM_ONLY = ("a", "l", "r", "f", "d")
@@ -66,6 +77,11 @@ def encode_record(record: SubjectRecord) -> bytes:
         "m": record.sent_message_id,
         "y": 1 if record.replied_by_hand else None,
         "v": _summary(record.summary),
+        "j": 1 if record.replied_outside else None,
+        "o": _outside(record.outside_reply),
+        "w": record.received_ms,
+        "e": _outside(record.echo),
+        "z": record.settled_by,
     }
     if record.state is State.REPLIED:
         for key in _CLAIM_ONLY:
@@ -93,11 +109,38 @@ def decode_record(value: bytes) -> SubjectRecord:
         sent_message_id=data.get("m", ""),
         replied_by_hand=bool(data.get("y")),
         summary=Summary(*data["v"]) if "v" in data else None,
+        replied_outside=bool(data.get("j")),
+        outside_reply=OutsideReply(*data["o"]) if "o" in data else None,
+        received_ms=data.get("w"),
+        echo=OutsideReply(*data["e"]) if "e" in data else None,
+        settled_by=data.get("z", ""),
     )
 
 
 def _summary(summary: Summary | None) -> list[Any] | None:
     return [summary.subject_line, summary.sender, summary.received_ms] if summary else None
+
+
+def _outside(reply: OutsideReply | None) -> list[Any] | None:
+    if reply is None:
+        return None
+    return [reply.sender, reply.sent_ms, reply.message_id, reply.recorded_by, reply.stopped_holder]
+
+
+def encode_outside_reply(reply: OutsideReply) -> bytes:
+    return _ENCODER.encode(_outside(reply)).encode()
+
+
+def decode_outside_reply(value: bytes) -> OutsideReply:
+    return OutsideReply(*json.loads(value))
+
+
+def encode_thread_entry(received_ms: int) -> bytes:
+    return _dump({"w": received_ms})
+
+
+def decode_thread_entry(value: bytes) -> int:
+    return int(json.loads(value)["w"])
 
 
 def encode_end_mark(mark: EndMark) -> bytes:
@@ -133,7 +176,18 @@ def decode_end_mark(value: bytes) -> EndMark:
 
 def encode_delivery(delivery: DeliveryRecord) -> bytes:
     subject = [delivery.subject.kind.value, delivery.subject.id] if delivery.subject is not None else None
-    return _dump({"b": delivery.recorded_by, "t": delivery.recorded_ms, "r": delivery.request_id, "s": subject})
+    outgoing = _OUTGOING[delivery.outgoing] if delivery.outgoing is not None else None
+    return _dump(
+        {
+            "b": delivery.recorded_by,
+            "t": delivery.recorded_ms,
+            "r": delivery.request_id,
+            "s": subject,
+            "o": outgoing,
+            "g": delivery.fingerprint,
+            "v": _summary(delivery.summary),
+        }
+    )
 
 
 def decode_delivery(value: bytes, mailbox: str, notification_id: str) -> DeliveryRecord:
@@ -150,4 +204,7 @@ def decode_delivery(value: bytes, mailbox: str, notification_id: str) -> Deliver
         recorded_ms=data["t"],
         request_id=data.get("r", ""),
         subject=subject,
+        outgoing=_OUTGOING_IN[data["o"]] if "o" in data else None,
+        fingerprint=data.get("g", ""),
+        summary=Summary(*data["v"]) if "v" in data else None,
     )

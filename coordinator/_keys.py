@@ -10,6 +10,12 @@ Under the deployment prefix P:
                                     expired it while the subject is still SENDING, the send is IN_DOUBT
     P x/<deadline ms>/<mailbox>/<kind>/<id>   the same, as replicas before the send marker wrote it (a
                                     wall-clock deadline); adopted into the two keys above by the sweeper
+    P t/<mailbox>/<thread>/s/<kind>/<id>   a subject claimed for a message of the thread, and when that
+                                    message was received (for replies written outside the coordinator)
+    P t/<mailbox>/<thread>/r        the latest reply written outside the coordinator in the thread
+
+One thread's keys share the prefix ``P t/<mailbox>/<thread>/``: RecordOutgoing reads them with one range and
+compares that range unchanged when it writes.
 
 One mailbox's subjects and end marks share the prefix ``P m/<mailbox>/``, so one etcd watch sees a
 deletion and the reason for it in the same revision.
@@ -29,10 +35,11 @@ _DELIVERIES = b"d/"
 _SENDING_FAMILY = b"x/"
 _SENDING_INDEX = _SENDING_FAMILY + b"s/"
 _SEND_MARKERS = _SENDING_FAMILY + b"l/"
+_THREADS = b"t/"
 
 # The families counted for operators (the etcd_keys metric, docs/operations.md). "sending" counts the SENDING
 # index (one key per send begun and not settled), not the send markers beside it.
-COUNTED_FAMILIES = {"subjects": _MAILBOXES, "deliveries": _DELIVERIES, "sending": _SENDING_INDEX}
+COUNTED_FAMILIES = {"subjects": _MAILBOXES, "deliveries": _DELIVERIES, "sending": _SENDING_INDEX, "threads": _THREADS}
 
 
 def _enc(component: str) -> str:
@@ -76,6 +83,31 @@ class Keys:
 
     def delivery(self, mailbox: str, notification_id: str) -> bytes:
         return self._root + _DELIVERIES + f"{_enc(mailbox)}/{_enc(notification_id)}".encode()
+
+    def thread(self, mailbox: str, thread_id: str) -> bytes:
+        """The prefix of one thread's keys: its claimed subjects and its latest outside reply."""
+        return self._root + _THREADS + f"{_enc(mailbox)}/{_enc(thread_id)}/".encode()
+
+    def thread_mark(self, mailbox: str, thread_id: str) -> bytes:
+        return self.thread(mailbox, thread_id) + b"r"
+
+    def thread_entry(self, thread_id: str, subject: Subject) -> bytes:
+        return self.thread(subject.mailbox, thread_id) + f"s/{subject.kind.value}/{_enc(subject.id)}".encode()
+
+    def parse_thread_entry(self, mailbox: str, thread_id: str, key: bytes) -> Subject | None:
+        """The subject of a key under ``thread(mailbox, thread_id)``; None for the thread's mark."""
+        parts = key[len(self.thread(mailbox, thread_id)) :].decode().split("/")
+        if len(parts) != 3 or parts[0] != "s":
+            return None
+        return Subject(mailbox, SubjectKind(parts[1]), unquote(parts[2]))
+
+    def deliveries(self, mailbox: str) -> bytes:
+        """The prefix of one mailbox's delivery records."""
+        return self._root + _DELIVERIES + f"{_enc(mailbox)}/".encode()
+
+    def delivery_notification_id(self, mailbox: str, key: bytes) -> str:
+        """The notification id of a key under :meth:`deliveries`."""
+        return unquote(key[len(self.deliveries(mailbox)) :].decode())
 
     def sending_family(self) -> bytes:
         return self._root + _SENDING_FAMILY

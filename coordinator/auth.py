@@ -308,4 +308,8 @@ def server_credentials(tls: TlsSettings) -> Any:
     client_ca = read(tls.client_ca_file, "client CA") if tls.client_ca_file is not None else None
     if tls.require_client_cert and client_ca is None:
         raise ValueError("requiring client certificates needs a client CA file")
+    if client_ca is not None and not tls.require_client_cert:
+        # grpcio asks for a client certificate only when it requires one: with a CA and no requirement, no
+        # certificate would ever be seen (and a mapped one would get UNAUTHENTICATED).
+        raise ValueError("a client CA needs require_client_cert: gRPC cannot ask for an optional client certificate")
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=tls.require_client_cert)

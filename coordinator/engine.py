@@ -6,6 +6,7 @@ Nothing here knows etcd (that is the store) or protobuf (that is the service).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -19,17 +20,21 @@ from .domain import (
     EndMark,
     EventType,
     FenceResult,
+    OutgoingResult,
+    OutsideReply,
     ResolveOutcome,
     Rules,
     State,
     Stored,
     Subject,
+    SubjectKind,
     Summary,
     TakeoverResult,
+    ThreadLink,
     Transition,
 )
-from .errors import InvalidArgument, SlowConsumer, StoreUnavailable
-from .store_api import Change, FeedLost, Store
+from .errors import InvalidArgument, SlowConsumer, StoreConflict, StoreUnavailable
+from .store_api import Change, FeedLost, Store, encode_cursor
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,13 @@ log = logging.getLogger(__name__)
 class ClaimOutcome:
     result: ClaimResult
     stored: Stored | None
+    delivery: DeliveryRecord | None = None
+
+
+@dataclass(frozen=True)
+class OutgoingOutcome:
+    result: OutgoingResult
+    subjects: tuple[tuple[Subject, Stored | None], ...] = ()
     delivery: DeliveryRecord | None = None
 
 
@@ -83,15 +95,44 @@ def _check_request_id(request_id: str) -> None:
     limits.check_text("request_id", request_id, limits.REQUEST_ID_MAX_BYTES, required=True)
 
 
-def _check_summary(summary: Summary | None) -> None:
+def _checked_summary(summary: Summary | None) -> Summary | None:
+    """The summary as it is stored: within its limits, and without invisible formatting (see limits)."""
     if summary is None:
-        return
+        return None
     limits.check_text(
         "summary.subject_line", summary.subject_line, limits.SUMMARY_SUBJECT_LINE_MAX_BYTES, required=False
     )
     limits.check_text("summary.sender", summary.sender, limits.SUMMARY_SENDER_MAX_BYTES, required=False)
     if summary.received_ms is not None and summary.received_ms < 0:
         raise InvalidArgument("summary.received_at", "is before 1970; leave it unset when unknown")
+    subject_line = limits.without_invisible_formatting(summary.subject_line)
+    sender = limits.without_invisible_formatting(summary.sender)
+    if (subject_line, sender) == (summary.subject_line, summary.sender):
+        return summary
+    return dataclasses.replace(summary, subject_line=subject_line, sender=sender)
+
+
+def _thread_link(subject: Subject, thread_id: str, received_ms: int | None) -> ThreadLink | None:
+    """ClaimReply's thread and received time, both or neither; a thread subject is its own thread."""
+    limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=False)
+    limits.check_time_ms("received_at", received_ms, required=False)
+    if subject.kind is SubjectKind.THREAD:
+        if thread_id and thread_id != subject.id:
+            raise InvalidArgument("thread_id", "names another thread than the thread subject; leave it empty")
+        if received_ms is None and not thread_id:
+            return None  # a thread claim without the time of the message it was made for is in no thread
+        thread_id = subject.id
+    if not thread_id and received_ms is None:
+        return None
+    if received_ms is None:
+        raise InvalidArgument(
+            "received_at",
+            "is required with thread_id: a reply written outside the coordinator answers the messages of its "
+            "thread received before it",
+        )
+    if not thread_id:
+        raise InvalidArgument("thread_id", "is required with received_at (the message's thread)")
+    return ThreadLink(thread_id, received_ms)
 
 
 def _check_fenced_call(caller: Caller, request_id: str, subject: Subject, token: int) -> None:
@@ -100,6 +141,14 @@ def _check_fenced_call(caller: Caller, request_id: str, subject: Subject, token:
     _check_subject(caller, subject)
     if token <= 0:
         raise InvalidArgument("fencing_token", "is required: pass the token ClaimReply granted (a positive number)")
+
+
+def _statuses(
+    view: domain.ThreadView, subjects: Iterable[Subject], written: dict[Subject, Stored]
+) -> tuple[tuple[Subject, Stored | None], ...]:
+    """The answer's subjects, as written now or as the view read them."""
+    read = {entry.subject: entry.stored for entry in view.entries}
+    return tuple((subject, written[subject] if subject in written else read.get(subject)) for subject in subjects)
 
 
 def _events(changes: Iterable[Change]) -> Iterator[Event]:
@@ -111,6 +160,13 @@ def _events(changes: Iterable[Change]) -> Iterator[Event]:
 
 # How often a takeover takes over again when an agent claimed between its two steps.
 _TAKEOVER_ROUNDS = 3
+# How often a ClaimReply decides again when the thread's latest outside reply changed under it.
+_CLAIM_ROUNDS = 4
+# How often RecordOutgoing reads and decides again when its thread changed under it.
+_OUTGOING_ROUNDS = 32
+# Subjects rewritten per RecordOutgoing transaction, within etcd's 128 operations per transaction; a thread with
+# more is answered in several, each deciding on what the one before left.
+OUTGOING_WRITES_PER_TXN = 100
 
 
 class Engine:
@@ -132,6 +188,7 @@ class Engine:
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=True)
         now = self._clock()
         record = domain.new_delivery(
+            self.rules,
             caller,
             mailbox=mailbox,
             notification_id=notification_id,
@@ -154,12 +211,15 @@ class Engine:
         ttl_seconds: int,
         note: str,
         summary: Summary | None = None,
+        thread_id: str = "",
+        received_ms: int | None = None,
     ) -> ClaimOutcome:
         _check_request_id(request_id)
         _check_subject(caller, subject)
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
-        _check_summary(summary)
+        summary = _checked_summary(summary)
+        link = _thread_link(subject, thread_id, received_ms)
         ttl = self.rules.limits.ttl(ttl_seconds)
         now = self._clock()
         arguments = domain.fingerprint("ClaimReply", subject, notification_id, ttl, note)
@@ -172,35 +232,136 @@ class Engine:
             now_ms=now,
             fingerprint=arguments,
             summary=summary,
+            received_ms=link.received_ms if link is not None else None,
         )
         delivery = (
             domain.new_delivery(
+                self.rules,
                 caller,
                 mailbox=subject.mailbox,
                 notification_id=notification_id,
                 request_id=request_id,
                 now_ms=now,
                 subject=subject,
+                summary=summary,
             )
             if notification_id
             else None
         )
-        attempt = await self.store.claim(subject, record, delivery, self.rules.delivery_expiry(now))
-        if attempt.created is not None:
-            return ClaimOutcome(ClaimResult.GRANTED, attempt.created)
-        if attempt.delivery is not None and domain.is_duplicate_delivery(
-            attempt.delivery, subject, attempt.current, attempt.end, caller, request_id, attempt.delivery_revision
-        ):
-            return ClaimOutcome(ClaimResult.DUPLICATE_DELIVERY, None, attempt.delivery)
-        if attempt.current is None:
+        candidate = record
+        outside_revision = 0
+        for _ in range(_CLAIM_ROUNDS):
+            attempt = await self.store.claim(
+                subject,
+                candidate,
+                delivery,
+                self.rules.delivery_expiry(now),
+                thread=link,
+                # As long as a delivery record: past that no copy of the claim's send comes back, and a claim
+                # does not stay CLAIMED for a day; the thread's record of an outside reply lasts longer.
+                thread_expires_ms=self.rules.delivery_expiry(now),
+                outside_revision=outside_revision,
+            )
+            if attempt.created is not None:
+                answered = attempt.created.record.replied_outside
+                return ClaimOutcome(ClaimResult.ALREADY_REPLIED if answered else ClaimResult.GRANTED, attempt.created)
+            if attempt.delivery is not None and domain.is_duplicate_delivery(
+                attempt.delivery, subject, attempt.current, attempt.end, caller, request_id, attempt.delivery_revision
+            ):
+                return ClaimOutcome(ClaimResult.DUPLICATE_DELIVERY, None, attempt.delivery)
+            if attempt.current is not None:
+                conflict = domain.claim_conflict(attempt.current, caller, request_id, arguments)
+                return ClaimOutcome(conflict, attempt.current)
+            if link is not None and attempt.outside_revision != outside_revision:
+                # The thread's latest reply written outside is not the one decided on: did it answer this message?
+                outside_revision = attempt.outside_revision
+                mark = attempt.outside
+                answered_by = mark if mark is not None and domain.answered_before(mark, link) else None
+                candidate = (
+                    record
+                    if answered_by is None
+                    else domain.answered_outside(self.rules, None, answered_by, now, summary) or record
+                )
+                continue
             # The delivery is recorded but the subject is free: either our own retry whose first answer was
             # lost, or a redelivery after the claim it led to lapsed (its holder crashed). Claim again.
-            retry = await self.store.claim(subject, record, None, 0)
-            if retry.created is not None:
-                return ClaimOutcome(ClaimResult.GRANTED, retry.created)
-            assert retry.current is not None
-            return ClaimOutcome(domain.claim_conflict(retry.current, caller, request_id, arguments), retry.current)
-        return ClaimOutcome(domain.claim_conflict(attempt.current, caller, request_id, arguments), attempt.current)
+            delivery = None
+        raise StoreConflict(f"the thread of {subject.id!r} kept changing while this ClaimReply ran; retry it")
+
+    async def record_outgoing(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        mailbox: str,
+        notification_id: str,
+        message_id: str,
+        thread_id: str,
+        sent_ms: int | None,
+        sender: str,
+    ) -> OutgoingOutcome:
+        """A message the mailbox sent: the mailbox's own reply, or one written outside the coordinator, which
+        answers the messages of its thread received before it (docs/design.md#replies-written-outside)."""
+        _check_request_id(request_id)
+        _check_mailbox(caller, mailbox)
+        limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
+        limits.check_text("message_id", message_id, limits.MESSAGE_ID_MAX_BYTES, required=True)
+        limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=True)
+        sent = limits.check_time_ms("sent_at", sent_ms, required=True)
+        assert sent is not None
+        limits.check_text("sender", sender, limits.SENDER_MAX_BYTES, required=False)
+        now = self._clock()
+        arguments = domain.fingerprint("RecordOutgoing", mailbox, notification_id, message_id, thread_id, sent, sender)
+        reply = OutsideReply(sender, sent, message_id, caller.principal)
+        first_result: OutgoingResult | None = None
+        for _ in range(_OUTGOING_ROUNDS):
+            view = await self.store.read_thread(mailbox, thread_id, notification_id or None)
+            seen = view.delivery
+            if seen is not None:
+                if seen.outgoing is None or not domain.is_own_delivery(seen, caller, request_id):
+                    return OutgoingOutcome(OutgoingResult.DUPLICATE_DELIVERY, (), seen)
+                domain.is_retry(seen.request_id, seen.fingerprint, request_id, arguments, "RecordOutgoing")
+                if first_result is None:  # a retry: its first attempt's answer, from what that attempt left
+                    subjects = domain.recorded_answer(view, seen.outgoing, message_id)
+                    return OutgoingOutcome(seen.outgoing, _statuses(view, subjects, {}))
+            plan = domain.plan_outgoing(self.rules, view, reply, now)
+            result = first_result or plan.result  # once a round committed, its answer is the call's
+            writes = plan.writes[:OUTGOING_WRITES_PER_TXN]
+            delivery = (
+                domain.new_delivery(
+                    self.rules,
+                    caller,
+                    mailbox=mailbox,
+                    notification_id=notification_id,
+                    request_id=request_id,
+                    now_ms=now,
+                    subject=None,
+                    outgoing=result,
+                    fingerprint=arguments,
+                )
+                if notification_id and seen is None
+                else None
+            )
+            if not writes and plan.mark is None and delivery is None:
+                return OutgoingOutcome(result, _statuses(view, plan.subjects, {}))
+            written = await self.store.commit_outgoing(
+                mailbox,
+                thread_id,
+                view,
+                writes,
+                plan.mark,
+                self.rules.reply_expiry(now),
+                delivery,
+                self.rules.delivery_expiry(now),
+            )
+            if written is None:
+                log.debug("RecordOutgoing on thread %r of %r lost a race; deciding again", thread_id, mailbox)
+                continue
+            if len(plan.writes) <= len(writes):
+                return OutgoingOutcome(result, _statuses(view, plan.subjects, written))
+            # More subjects than one transaction takes: the next round decides on what this one left.
+            first_result = result
+        raise StoreConflict(f"the thread {thread_id!r} kept changing while this RecordOutgoing ran; retry it")
 
     # --- calls with a fencing token ------------------------------------------------------------------------
 
@@ -334,6 +495,7 @@ class Engine:
         return await self._apply(
             subject,
             lambda current, end: domain.abort_send(
+                self.rules,
                 current,
                 end,
                 caller,
@@ -374,20 +536,55 @@ class Engine:
         _check_mailbox(caller, mailbox)
         size = limits.check_page_size(page_size)
         wanted = states or frozenset(State) - {State.FREE}
+        # Unfiltered, every subject read is listed: one range of the page's size. Filtered, most may not be, so
+        # the mailbox is read in ranges of LIST_RANGE_SUBJECTS, at most LIST_RANGES_PER_PAGE of them a page (one
+        # subject per round trip took 4.7 s for page_size 1 on 6,000 subjects); a page that ends on that bound
+        # holds fewer than ``size`` (none, even) and a token that goes on from the last subject read.
+        limit = max(size, limits.LIST_RANGE_SUBJECTS) if states else size
         found: list[tuple[Subject, Stored]] = []
         cursor = page_token
         revision = 0
-        # Filtering happens after reading, so keep reading until the page is full or the mailbox ends.
-        while True:
+        for _ in range(limits.LIST_RANGES_PER_PAGE):
             items, last, revision = await self.store.list_subjects(
-                mailbox, cursor=cursor, limit=size - len(found), revision=revision
+                mailbox, cursor=cursor, limit=limit, revision=revision
             )
-            found.extend(item for item in items if item[1].record.state in wanted)
+            for index, item in enumerate(items):
+                if item[1].record.state in wanted:
+                    found.append(item)
+                    if len(found) == size:
+                        more = last is not None or index < len(items) - 1
+                        return Page(found, encode_cursor(item[0]) if more else None, revision)
             if last is None:
                 return Page(found, None, revision)
-            if len(found) >= size:
-                return Page(found, last, revision)
             cursor = last
+        return Page(found, cursor, revision)
+
+    async def recent_messages(
+        self, caller: Caller, *, mailbox: str, query: str, page_size: int
+    ) -> list[DeliveryRecord]:
+        """The mailbox's recently delivered messages, newest first, one per subject, whose summary or id contains
+        ``query`` (case-insensitive): the deliveries ClaimReply recorded, among the newest
+        RECENT_DELIVERIES_READ_MAX of them."""
+        _check_mailbox(caller, mailbox)
+        limits.check_text("query", query, limits.RECENT_QUERY_MAX_BYTES, required=False)
+        size = limits.check_page_size(page_size, limits.RECENT_PAGE_SIZE_DEFAULT, limits.RECENT_PAGE_SIZE_MAX)
+        wanted = query.casefold()
+        seen: set[Subject] = set()
+        found: list[DeliveryRecord] = []
+        for delivery in await self.store.recent_deliveries(mailbox, limits.RECENT_DELIVERIES_READ_MAX):
+            subject = delivery.subject
+            if subject is None or subject in seen:
+                continue
+            seen.add(subject)
+            summary = delivery.summary or domain.Summary()
+            if wanted and not any(
+                wanted in text.casefold() for text in (summary.subject_line, summary.sender, subject.id)
+            ):
+                continue
+            found.append(delivery)
+            if len(found) == size:
+                break
+        return found
 
     # --- humans --------------------------------------------------------------------------------------------
 
@@ -400,15 +597,18 @@ class Engine:
         ttl_seconds: int,
         note: str,
         summary: Summary | None = None,
+        from_person: str = "",
     ) -> TakeoverOutcome:
         domain.require_human(caller)
         domain.require_role(caller, "takeover", "Takeover")
         _check_request_id(request_id)
         _check_subject(caller, subject)
         limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
-        _check_summary(summary)
+        limits.check_text("from_person", from_person, limits.PRINCIPAL_MAX_BYTES, required=False)
+        summary = _checked_summary(summary)
         ttl = self.rules.limits.ttl(ttl_seconds)
-        arguments = domain.fingerprint("Takeover", subject, ttl, note)
+        # from_person only when given: a retry from a client that never sends it keeps its fingerprint.
+        arguments = domain.fingerprint("Takeover", subject, ttl, note, *([from_person] if from_person else []))
         if not summary:
             # A person taking over from a terminal rarely knows the subject line; the agent's claim does.
             before = await self.store.status(subject)
@@ -427,7 +627,7 @@ class Engine:
         outcome: TakeoverOutcome | None = None
         # Two steps, because etcd refuses to delete and create one key in one transaction, and the new token must
         # be a new create revision. An agent may claim in between: then its claim is taken over too, a few times
-        # at most; a human who claims in between keeps it (HELD).
+        # at most; a human who claims in between keeps it (HELD), unless it is the colleague named in from_person.
         for _ in range(_TAKEOVER_ROUNDS):
             retried = False
 
@@ -440,7 +640,12 @@ class Engine:
                 if holds:
                     return Transition(FenceResult.OK)
                 return domain.takeover_release(
-                    current, caller, request_id=request_id, now_ms=self._clock(), request_fingerprint=arguments
+                    current,
+                    caller,
+                    request_id=request_id,
+                    now_ms=self._clock(),
+                    request_fingerprint=arguments,
+                    from_person=from_person,
                 )
 
             transition, current = await self.store.apply(subject, decide, self._end_mark_expiry())
@@ -450,13 +655,14 @@ class Engine:
                 result = TakeoverResult.TAKEN_OVER if previous else TakeoverResult.GRANTED
                 return TakeoverOutcome(result, current, holder, token)
             if transition.end is None and current is not None:
-                return TakeoverOutcome(domain.takeover_refusal(current) or TakeoverResult.HELD, current, holder, token)
+                refusal = domain.takeover_refusal(current, caller, from_person)
+                return TakeoverOutcome(refusal or TakeoverResult.HELD, current, holder, token)
             attempt = await self.store.claim(subject, record, None, 0)
             if attempt.created is not None:
                 result = TakeoverResult.TAKEN_OVER if previous else TakeoverResult.GRANTED
                 return TakeoverOutcome(result, attempt.created, holder, token)
             assert attempt.current is not None
-            refusal = domain.takeover_refusal(attempt.current)
+            refusal = domain.takeover_refusal(attempt.current, caller, from_person)
             outcome = TakeoverOutcome(refusal or TakeoverResult.HELD, attempt.current, holder, token)
             if refusal is not None:
                 return outcome

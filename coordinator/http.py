@@ -14,9 +14,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
+import errno
 import json
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -28,13 +31,24 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from google.protobuf import descriptor_pool, json_format, message_factory
+from google.protobuf import message as message_module
 from google.protobuf.any_pb2 import Any as AnyMessage
 from google.rpc import status_pb2
 
 from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._proto.coordinator_connect import CoordinatorASGIApplication
+from inbox_claims._wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 
 from ._encoded import Encoded
+from .http_guard import (
+    CERTIFICATE_NAMES,
+    GuardedHttpProtocol,
+    HostPolicy,
+    HttpGuardSettings,
+    Listener,
+    Reporter,
+    connection_cap,
+)
 from .interceptor import RpcObserver
 from .protojson import ProtoJson
 from .service import SERVICE_NAME, CoordinatorServicer
@@ -71,6 +85,20 @@ class _StrictJsonCodec(connect_codecs.ProtoJSONCodec):  # type: ignore[type-arg]
         return _COMPACT.encode(_PROTO_JSON.to_dict(message)).encode()
 
 
+class _StrictProtoCodec(connect_codecs.ProtoBinaryCodec):  # type: ignore[type-arg]
+    """The binary protobuf codec, whose failure to parse a body (not a protobuf, a truncated one) is the caller's:
+    INVALID_ARGUMENT, where connect-python 0.9.0 answers UNKNOWN (HTTP 500)."""
+
+    def decode(self, data: bytes | bytearray, message: Any) -> Any:
+        try:
+            message.ParseFromString(bytes(data))
+        except (message_module.DecodeError, ValueError, RecursionError) as error:
+            raise ConnectError(
+                Code.INVALID_ARGUMENT, f"the body is not a {message.DESCRIPTOR.name} in protobuf's binary form: {error}"
+            ) from None
+        return message
+
+
 _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 _PROTO_JSON = ProtoJson()
 
@@ -79,6 +107,8 @@ _PROTO_JSON = ProtoJson()
 for _name, _codec in list(connect_codecs._codecs.items()):
     if isinstance(_codec, connect_codecs.ProtoJSONCodec):
         connect_codecs._codecs[_name] = _StrictJsonCodec()
+    elif isinstance(_codec, connect_codecs.ProtoBinaryCodec):
+        connect_codecs._codecs[_name] = _StrictProtoCodec()
 
 _CONNECT_CODES = {
     code: Code[code.name.replace("CANCELLED", "CANCELED")] for code in grpc.StatusCode if code.name != "OK"
@@ -89,9 +119,18 @@ class HttpCall:
     """What the servicer and the observer read of a gRPC call, taken from an HTTP request: its headers as
     metadata (lower-case names, as gRPC gives them), its peer, and the status it was aborted with."""
 
-    def __init__(self, metadata: tuple[tuple[str, str], ...], peer: str, request: Any, *, stream: bool = False) -> None:
+    def __init__(
+        self,
+        metadata: tuple[tuple[str, str], ...],
+        peer: str,
+        request: Any,
+        *,
+        stream: bool = False,
+        certificate_names: tuple[str, ...] = (),
+    ) -> None:
         self._metadata = metadata  # names in lower case
         self._peer = peer
+        self._certificate_names = certificate_names
         self._request = request
         self._code: grpc.StatusCode | None = None
         self._details = ""
@@ -117,7 +156,10 @@ class HttpCall:
         return self._metadata
 
     def auth_context(self) -> Mapping[str, Iterable[bytes]]:
-        return {}  # no client certificates over HTTP: a token or (development mode) the principal headers
+        """The verified client certificate's names (mTLS), as gRPC's auth context has them."""
+        if not self._certificate_names:
+            return {}
+        return {"x509_subject_alternative_name": [name.encode() for name in self._certificate_names]}
 
     def peer(self) -> str:
         return self._peer
@@ -180,9 +222,43 @@ class HttpCall:
 _STATUS_DETAILS_METADATA = "grpc-status-details-bin"
 
 
+# The headers that name a development-mode caller. gRPC refuses metadata values outside printable ASCII before
+# a call starts; over HTTP they arrive as any bytes, which read as Latin-1 would make another name of them.
+_PRINCIPAL_HEADERS = (PRINCIPAL_METADATA, PRINCIPAL_KIND_METADATA)
+
+
+def _checked(metadata: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    for name, value in metadata:
+        if name in _PRINCIPAL_HEADERS and not (value.isascii() and value.isprintable()):
+            raise ConnectError(
+                Code.INVALID_ARGUMENT,
+                f"the {name} header holds bytes outside printable ASCII, which gRPC metadata (and so this header) "
+                "cannot carry: name the principal in ASCII",
+            )
+    return metadata
+
+
+# The client certificate's names of the request being served, for the calls connect-python runs (its request
+# context has no scope); set by the application for each request, in the request's own task.
+_REQUEST_CERTIFICATE_NAMES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "inbox_coordinator_http_certificate_names", default=()
+)
+
+
+def _certificate_names(scope: dict[str, Any]) -> tuple[str, ...]:
+    names: tuple[str, ...] = scope.get("extensions", {}).get("tls", {}).get(CERTIFICATE_NAMES, ())
+    return names
+
+
 def _call_of(ctx: RequestContext[Any, Any], request: Any, *, stream: bool = False) -> HttpCall:
-    metadata = tuple((name.lower(), value) for name, value in ctx.request_headers().allitems())
-    return HttpCall(metadata, f"http:{ctx.client_address() or '?'}", request, stream=stream)
+    metadata = _checked(tuple((name.lower(), value) for name, value in ctx.request_headers().allitems()))
+    return HttpCall(
+        metadata,
+        f"http:{ctx.client_address() or '?'}",
+        request,
+        stream=stream,
+        certificate_names=_REQUEST_CERTIFICATE_NAMES.get(),
+    )
 
 
 class ConnectFace:
@@ -251,39 +327,218 @@ def _stream(inner: Callable[[Any, Any], Awaitable[None]]) -> Callable[[Any, Requ
 
 
 def build_app(
-    servicer: CoordinatorServicer, observer: RpcObserver, *, max_message_bytes: int, board_dir: Path | None = None
+    servicer: CoordinatorServicer,
+    observer: RpcObserver,
+    *,
+    max_message_bytes: int,
+    board_dir: Path | None = None,
+    hosts: HostPolicy | None = None,
+    reporter: Reporter | None = None,
 ) -> ASGIApp:
-    """The ASGI application: the Connect routes, and the claims board's files (``/``) when ``board_dir``."""
+    """The ASGI application: the Connect routes, and the claims board's files (``/``) when ``board_dir``; only
+    for the Host names ``hosts`` allows, and for a browser only from the same origin."""
     face = ConnectFace(servicer, observer)
-    fast = _UnaryJson(face.unary, max_message_bytes)
+    fast = _UnaryJson(face.unary)
     connect = CoordinatorASGIApplication(
         cast(Any, face),
         read_max_bytes=max_message_bytes,
         # Answers are a few hundred bytes: compressing them costs more CPU than it saves on the wire.
         compressions=(),
     )
+    streams = frozenset(
+        f"/{SERVICE_NAME}/{method.name}"
+        for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods
+        if method.server_streaming
+    )
     prefix = f"/{SERVICE_NAME}/"
     board = _load_board(board_dir) if board_dir is not None else {}
+    hosts = hosts or HostPolicy.for_listen("127.0.0.1")
+    reporter = reporter or Reporter()
 
     async def app(
         scope: dict[str, Any], receive: Callable[..., Awaitable[Any]], send: Callable[..., Awaitable[Any]]
     ) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(prefix):
-            size = _content_length(scope)
-            if size is not None and size > max_message_bytes:
-                # Said before the body is read, and as what it is: too large, not "retry later" (Connect's 429).
-                message = f"the request body is {size} bytes; the limit is {max_message_bytes} (--max-message-bytes)"
-                await _send(
-                    send, 413, b"application/json", json.dumps({"code": "resource_exhausted", "message": message})
-                )
-                return
-            if not await fast(scope, receive, send):
-                await connect(cast(Any, scope), cast(Any, receive), cast(Any, send))
+        if scope["type"] != "http":
             return
-        if scope["type"] == "http":
+        api = scope["path"].startswith(prefix)
+        refusal = _misdirected(scope, hosts, api=api)
+        if refusal is not None:
+            status, reason, message = refusal
+            reporter.refusal(reason, message)
+            await _send_refusal(send, status, message, json_body=api)
+            return
+        if not api:
             await _static(board, scope, send)
+            return
+        size = _content_length(scope)
+        if size is not None and size > max_message_bytes:
+            # Said before the body is read, and as what it is: too large, not "retry later" (Connect's 429).
+            reporter.refusal("body_too_large", _too_large(size, max_message_bytes))
+            await _send_refusal(send, 413, _too_large(size, max_message_bytes), json_body=True)
+            return
+        bounded = _BoundedBody(receive, send, max_message_bytes, reporter)
+        if await fast(scope, bounded.receive, bounded.send):
+            return
+        if scope["path"] in streams:
+            replay = await _one_envelope(scope, bounded, send)
+            if replay is None:
+                return
+            receive = replay
+        else:
+            receive = bounded.receive
+        _REQUEST_CERTIFICATE_NAMES.set(_certificate_names(scope))
+        await connect(cast(Any, _utf8_headers(scope)), cast(Any, receive), cast(Any, bounded.send))
 
     return app
+
+
+def _too_large(size: int | None, limit: int) -> str:
+    said = f"is {size} bytes" if size is not None else f"is over {limit} bytes"
+    return f"the request body {said}; the limit is {limit} (--max-message-bytes)"
+
+
+async def _send_refusal(send: Callable[..., Awaitable[Any]], status: int, message: str, *, json_body: bool) -> None:
+    """A refusal made before the API saw the request. The connection stays open: closing it with the rest of a
+    body unread would be a reset, which can throw the answer away before the client reads it; what is left of
+    the body is read and dropped, within the body's deadline (--request-timeout)."""
+    code = {413: "resource_exhausted", 421: "permission_denied", 403: "permission_denied", 400: "invalid_argument"}
+    body = (json.dumps({"code": code.get(status, "unknown"), "message": message}) if json_body else message).encode()
+    content_type = b"application/json" if json_body else b"text/plain; charset=utf-8"
+    headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _misdirected(scope: dict[str, Any], hosts: HostPolicy, *, api: bool) -> tuple[int, str, str] | None:
+    """Why a request is not for this face (a Host it does not answer to, a page of another origin), or None."""
+    host: str | None = None
+    origin: str | None = None
+    host_count = 0
+    for name, value in scope["headers"]:
+        if name == b"host":
+            host_count += 1
+            host = value.decode("latin-1")
+        elif name == b"origin":
+            origin = value.decode("latin-1")
+    if host_count > 1:
+        return 400, "host_not_allowed", "the request has more than one Host header"
+    if not hosts.allows_host(host):
+        return (
+            421,
+            "host_not_allowed",
+            f"this coordinator does not answer to the name {host!r} (it answers to {hosts.describe()}); behind a "
+            "proxy, add the name the proxy forwards with --http-allowed-hosts",
+        )
+    if api and not hosts.allows_origin(origin, host):
+        return (
+            403,
+            "cross_origin",
+            f"a page of another origin ({origin}) may not call this coordinator: only the board it serves may",
+        )
+    return None
+
+
+class _BoundedBody:
+    """The request body as the application reads it, cut at ``limit`` bytes whether or not a length was declared
+    (a chunked body has none): past it the client is answered 413 and the application reads a disconnect; what
+    the application sends after that is dropped."""
+
+    def __init__(
+        self,
+        receive: Callable[..., Awaitable[Any]],
+        send: Callable[..., Awaitable[Any]],
+        limit: int,
+        reporter: Reporter,
+    ) -> None:
+        self._receive = receive
+        self._send = send
+        self._limit = limit
+        self._reporter = reporter
+        self._size = 0
+        self._refused = False
+        self._started = False
+
+    async def receive(self) -> Any:
+        if self._refused:
+            return _DISCONNECT
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self._size += len(message.get("body", b""))
+            if self._size > self._limit:
+                self._refused = True
+                self._reporter.refusal("body_too_large", _too_large(None, self._limit))
+                if not self._started:
+                    await _send_refusal(self._send, 413, _too_large(None, self._limit), json_body=True)
+                return _DISCONNECT
+        return message
+
+    async def send(self, message: Any) -> None:
+        if self._refused:
+            return
+        if message["type"] == "http.response.start":
+            self._started = True
+        await self._send(message)
+
+
+_DISCONNECT = {"type": "http.disconnect"}
+_ENVELOPE_HEADER = 5  # Connect's stream framing: a flags byte and a 4-byte big-endian length
+# The stream protocols connect-python speaks, each framing its messages that way (gRPC-Web too).
+_ENVELOPED_TYPES = (b"application/connect+", b"application/grpc-web", b"application/grpc")
+
+
+async def _one_envelope(
+    scope: dict[str, Any], body: _BoundedBody, send: Callable[..., Awaitable[Any]]
+) -> Callable[..., Awaitable[Any]] | None:
+    """A server stream's request, read whole before the stream starts: it must be one Connect envelope. One that
+    is not is answered 400 naming the framing (connect-python would answer 200 and an 'unimplemented' end of
+    stream: no message a person could act on). The receive to hand on, or None when answered here."""
+    chunks: list[bytes] = []
+    while True:
+        message = await body.receive()
+        if message["type"] != "http.request":
+            return None  # gone, or answered 413 by the body's limit
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    data = b"".join(chunks)
+    content_type = next((value for name, value in scope["headers"] if name == b"content-type"), b"")
+    problem = None
+    if not content_type.startswith(_ENVELOPED_TYPES):
+        problem = (
+            f"a stream's request has Content-Type application/connect+json (or +proto), not "
+            f"{content_type.decode('latin-1') or 'none'}"
+        )
+    elif len(data) < _ENVELOPE_HEADER or _ENVELOPE_HEADER + int.from_bytes(data[1:5], "big") != len(data):
+        problem = (
+            f"the request body ({len(data)} bytes) is not one Connect envelope: a flags byte (0), the message's "
+            "length in 4 bytes (big-endian), then the message; a chunked body is fine, its bytes must be one envelope"
+        )
+    if problem is not None:
+        await _send_refusal(body.send, 400, problem, json_body=True)
+        return None
+    delivered = False
+
+    async def replay() -> Any:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        return await body.receive()  # connect-python waits on it for the client's disconnect
+
+    return replay
+
+
+def _utf8_headers(scope: dict[str, Any]) -> dict[str, Any]:
+    """connect-python decodes every header as UTF-8 and answers 500 when one is not; a client's Latin-1
+    User-Agent is no server error. Such values are handed on as their Latin-1 reading, in UTF-8."""
+    headers = scope["headers"]
+    try:
+        for _name, value in headers:
+            value.decode()
+    except UnicodeDecodeError:
+        fixed = [(name, value.decode("latin-1").encode()) for name, value in headers]
+        return {**scope, "headers": fixed}
+    return scope
 
 
 class _UnaryJson:
@@ -294,11 +549,8 @@ class _UnaryJson:
     JSON error body, HTTP status by code); anything else (GET, application/proto, a compressed body, streams)
     is the Connect application's."""
 
-    def __init__(
-        self, methods: dict[str, tuple[type[Any], Callable[[Any, Any], Awaitable[Any]]]], max_message_bytes: int
-    ) -> None:
+    def __init__(self, methods: dict[str, tuple[type[Any], Callable[[Any, Any], Awaitable[Any]]]]) -> None:
         self._methods = methods
-        self._max_bytes = max_message_bytes
 
     async def __call__(
         self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]], send: Callable[..., Awaitable[Any]]
@@ -316,7 +568,12 @@ class _UnaryJson:
         client = scope.get("client")
         try:
             request = _JSON.decode(await self._body(receive), request_type())
-            call = HttpCall(headers, f"http:{client[0]}:{client[1]}" if client else "http:?", request)
+            call = HttpCall(
+                _checked(headers),
+                f"http:{client[0]}:{client[1]}" if client else "http:?",
+                request,
+                certificate_names=_certificate_names(scope),
+            )
             try:
                 answer = _JSON.encode(await inner(request, call))
             except grpc.aio.AbortError:
@@ -332,19 +589,13 @@ class _UnaryJson:
         return True
 
     async def _body(self, receive: Callable[..., Awaitable[Any]]) -> bytes:
+        """The whole body (``receive`` cuts one over the limit, answering 413, and then reads as a disconnect)."""
         chunks: list[bytes] = []
-        size = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 raise ConnectError(Code.CANCELED, "the client went away before sending the whole request")
             chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self._max_bytes:  # a body without a Content-Length, longer than the limit
-                raise ConnectError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"the request body is over {self._max_bytes} bytes, the limit (--max-message-bytes)",
-                )
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
@@ -358,13 +609,9 @@ async def _send_error(
     send: Callable[..., Awaitable[Any]], error: Exception, headers: Iterable[tuple[str, str]]
 ) -> None:
     status, body = _connect_error(error)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [*_JSON_RESPONSE_HEADERS, *((name.encode(), value.encode()) for name, value in headers)],
-        }
-    )
+    length = (b"content-length", b"%d" % len(body))
+    extra = ((name.encode(), value.encode()) for name, value in headers)
+    await send({"type": "http.response.start", "status": status, "headers": [*_JSON_RESPONSE_HEADERS, length, *extra]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -466,52 +713,124 @@ async def _send(send: Callable[..., Awaitable[Any]], status: int, content_type: 
 
 
 class _EmbeddedServer(uvicorn.Server):
-    """uvicorn inside the coordinator's loop: the coordinator owns the signals and the shutdown."""
+    """uvicorn inside the coordinator's loop: the coordinator owns the signals and the shutdown, and accepts the
+    connections itself (``Listener``), so uvicorn opens no listener of its own."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Any:
         yield
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.lifespan.startup()
+        self.servers = []
+        self.started = True
+
+
+# A development coordinator whose default HTTP port is taken (another coordinator, or any program, on this
+# machine) serves on the next free one of these, said plainly in its banner, rather than without a board.
+FALLBACK_PORTS = 9
+
 
 class HttpFace:
-    """Serves ``build_app`` on ``host:port`` with uvicorn, on the running event loop."""
+    """Serves ``build_app`` on ``host:port`` with uvicorn's HTTP/1.1 protocol, on the running event loop, behind
+    the guard of coordinator/http_guard.py."""
 
     def __init__(
-        self, app: ASGIApp, listen: str, *, ssl_certfile: str | None = None, ssl_keyfile: str | None = None
+        self,
+        app: ASGIApp,
+        listen: str,
+        *,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_client_ca: str | None = None,
+        guard: HttpGuardSettings | None = None,
+        reporter: Reporter | None = None,
     ) -> None:
         host, _, port = listen.rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
-        config = uvicorn.Config(
+        self._guard = guard or HttpGuardSettings()
+        self._reporter = reporter or Reporter()
+        self._config = uvicorn.Config(
             app,
             lifespan="off",
             http="httptools",  # C parser: h11 (pure Python) doubled the CPU of a call (docs/performance.md)
+            ws="none",  # no WebSocket: an upgrade request is answered as any other request
             log_config=None,
             access_log=False,  # the RpcObserver logs every call, as for gRPC
             server_header=False,  # "server: uvicorn" tells a stranger what to attack, and nobody else anything
             proxy_headers=False,  # the peer logged is the connection's; X-Forwarded-For is anyone's to write
             ssl_certfile=ssl_certfile,
             ssl_keyfile=ssl_keyfile,
+            # mTLS as on the gRPC port: with a client CA every client presents a certificate it signed.
+            ssl_ca_certs=ssl_client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_client_ca else ssl.CERT_NONE,
             timeout_graceful_shutdown=1,
         )
-        self._server = _EmbeddedServer(config)
+        self._server = _EmbeddedServer(self._config)
         self._socket: socket.socket | None = None
+        # The port asked for, when it was taken and start(fall_back=True) served on another one.
+        self.taken_port: int | None = None
         self._task: asyncio.Task[None] | None = None
+        self._listener: Listener | None = None
 
-    async def start(self) -> None:
+    @property
+    def connection_cap(self) -> int:
+        assert self._listener is not None
+        return self._listener.cap
+
+    async def start(self, *, fall_back: bool = False) -> None:
+        """Binds and serves. ``fall_back``: when the port is taken, the next :data:`FALLBACK_PORTS` ports are
+        tried, then any free one (:attr:`taken_port` says which was asked for)."""
+        cap = connection_cap(self._guard.max_connections)
         # Bound here, not by uvicorn, whose bind failure is a SystemExit that would end the whole process.
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        self._socket = socket.create_server((self._host, self._port), family=family)
+        candidates = [self._port]
+        if fall_back and self._port:
+            candidates += [*range(self._port + 1, min(self._port + 1 + FALLBACK_PORTS, 65536)), 0]
+        self._socket = self._bind(family, candidates)
+        self.taken_port = self._port if self._socket.getsockname()[1] != self._port and self._port else None
         # No Nagle delay on the connections it accepts (Linux copies the option to them): asyncio sets it only on
         # sockets made with proto IPPROTO_TCP, which create_server's are not, and uvicorn writes an answer's
         # head and body apart, so the body waited for the client's delayed ACK: 40 ms per call on a kept-alive
         # connection (docs/performance.md#the-httpjson-face-python--m-bench-http).
         self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="http face")
+        self._task = asyncio.create_task(self._server.serve(), name="http face")
         while not self._server.started:
             if self._task.done():
                 self._task.result()
                 raise OSError("the HTTP face stopped before it started")
             await asyncio.sleep(0.01)
+        server = self._server
+
+        def protocol(release: Callable[[], None]) -> asyncio.Protocol:
+            return GuardedHttpProtocol(
+                guard=self._guard,
+                reporter=self._reporter,
+                release=release,
+                config=self._config,
+                server_state=server.server_state,
+                app_state=server.lifespan.state,
+            )
+
+        self._listener = Listener(
+            self._socket,
+            protocol,
+            cap=cap,
+            ssl_context=self._config.ssl,
+            handshake_timeout_s=self._guard.header_timeout_s,
+            reporter=self._reporter,
+        )
+        self._listener.start()
+
+    def _bind(self, family: socket.AddressFamily, ports: list[int]) -> socket.socket:
+        """A listening socket on the first of ``ports`` that is free; only a taken port moves on to the next."""
+        for port in ports[:-1]:
+            try:
+                return socket.create_server((self._host, port), family=family, backlog=1024)
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    raise
+        return socket.create_server((self._host, ports[-1]), family=family, backlog=1024)
 
     @property
     def address(self) -> str:
@@ -522,6 +841,8 @@ class HttpFace:
     async def stop(self) -> None:
         if self._task is None:
             return
+        if self._listener is not None:
+            await self._listener.close()
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

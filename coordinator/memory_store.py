@@ -16,12 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ._keys import Keys
-from .domain import DeliveryRecord, EndMark, State, Stored, Subject, SubjectRecord, Transition
+from .domain import (
+    DeliveryRecord,
+    EndMark,
+    OutsideReply,
+    State,
+    Stored,
+    Subject,
+    SubjectRecord,
+    ThreadEntry,
+    ThreadLink,
+    ThreadView,
+    Transition,
+)
 from .errors import InvalidArgument, StoreConflict
 from .store_api import Change, ClaimAttempt, FeedLost, FeedQueue, Listing, decode_cursor, encode_cursor
 
@@ -41,6 +53,16 @@ class _Leased(Generic[V]):
 
 
 @dataclass
+class _Thread:
+    """One thread's keys: its claimed subjects (their messages' received times) and its latest outside reply.
+    ``changed``: the revision of its last write, as the range compare of etcd's RecordOutgoing sees it."""
+
+    entries: dict[Subject, _Leased[int]] = field(default_factory=dict)
+    mark: _Leased[OutsideReply] | None = None
+    changed: int = 0
+
+
+@dataclass
 class _Mailbox:
     history: list[Change] = field(default_factory=list)
     subscribers: set[FeedQueue] = field(default_factory=set)
@@ -57,6 +79,7 @@ class MemoryStore:
         self._sending: set[Subject] = set()
         self._send_markers: dict[Subject, int] = {}
         self._mailboxes: dict[str, _Mailbox] = {}
+        self._threads: dict[tuple[str, str], _Thread] = {}
 
     # --- the write path ------------------------------------------------------------------------------------
 
@@ -76,6 +99,11 @@ class MemoryStore:
             del self._ends[subject]
         for subject in [s for s, at in self._send_markers.items() if now >= at]:
             del self._send_markers[subject]
+        for thread in self._threads.values():
+            for subject in [s for s, leased in thread.entries.items() if leased.expired(now)]:
+                del thread.entries[subject]
+            if thread.mark is not None and thread.mark.expired(now):
+                thread.mark = None
 
     def _put_subject(self, subject: Subject, stored: Stored) -> None:
         self._subjects[subject] = stored
@@ -107,12 +135,23 @@ class MemoryStore:
         return None
 
     async def claim(
-        self, subject: Subject, record: SubjectRecord, delivery: DeliveryRecord | None, delivery_expires_ms: int
+        self,
+        subject: Subject,
+        record: SubjectRecord,
+        delivery: DeliveryRecord | None,
+        delivery_expires_ms: int,
+        *,
+        thread: ThreadLink | None = None,
+        thread_expires_ms: int = 0,
+        outside_revision: int = 0,
     ) -> ClaimAttempt:
         self._expire()
         current = self._subjects.get(subject)
         seen = self._deliveries.get((delivery.mailbox, delivery.notification_id)) if delivery is not None else None
-        if current is None and seen is None:
+        linked = self._threads.setdefault((subject.mailbox, thread.thread_id), _Thread()) if thread else None
+        mark = linked.mark if linked is not None else None
+        mark_moved = linked is not None and (mark.revision if mark is not None else 0) != outside_revision
+        if current is None and seen is None and not mark_moved:
             revision = self._next_revision()
             created = Stored(record, token=revision, revision=revision)
             self._put_subject(subject, created)
@@ -120,6 +159,9 @@ class MemoryStore:
                 self._deliveries[(delivery.mailbox, delivery.notification_id)] = _Leased(
                     delivery, revision, delivery_expires_ms
                 )
+            if thread is not None and linked is not None:
+                linked.entries[subject] = _Leased(thread.received_ms, revision, thread_expires_ms)
+                linked.changed = revision
             self._publish(Change(subject, None, created, None, revision))
             return ClaimAttempt(created, None, None)
         end = self._ends.get(subject) if delivery is not None else None
@@ -129,7 +171,64 @@ class MemoryStore:
             seen.value if seen is not None else None,
             end.value if end is not None else None,
             seen.revision if seen is not None else 0,
+            mark.value if mark is not None else None,
+            mark.revision if mark is not None else 0,
         )
+
+    async def read_thread(self, mailbox: str, thread_id: str, notification_id: str | None) -> ThreadView:
+        self._expire()
+        thread = self._threads.get((mailbox, thread_id), _Thread())
+        entries = tuple(
+            ThreadEntry(subject, leased.value, self._subjects.get(subject))
+            for subject, leased in sorted(thread.entries.items(), key=lambda item: _ORDER.subject(item[0]))
+        )
+        seen = self._deliveries.get((mailbox, notification_id)) if notification_id else None
+        return ThreadView(
+            entries,
+            thread.mark.value if thread.mark is not None else None,
+            self._revision,
+            thread.mark.revision if thread.mark is not None else 0,
+            seen.value if seen is not None else None,
+        )
+
+    async def commit_outgoing(
+        self,
+        mailbox: str,
+        thread_id: str,
+        view: ThreadView,
+        writes: Sequence[tuple[ThreadEntry, SubjectRecord]],
+        mark: OutsideReply | None,
+        mark_expires_ms: int,
+        delivery: DeliveryRecord | None,
+        delivery_expires_ms: int,
+    ) -> dict[Subject, Stored] | None:
+        self._expire()
+        thread = self._threads.setdefault((mailbox, thread_id), _Thread())
+        unchanged = all(
+            (self._subjects[e.subject].revision if e.subject in self._subjects else None)
+            == (e.stored.revision if e.stored is not None else None)
+            for e, _ in writes
+        )
+        if (
+            thread.changed > view.revision
+            or not unchanged
+            or (delivery is not None and (mailbox, delivery.notification_id) in self._deliveries)
+        ):
+            return None
+        revision = self._next_revision()
+        written = {}
+        for entry, record in writes:
+            previous = self._subjects.get(entry.subject)
+            after = Stored(record, token=previous.token if previous is not None else revision, revision=revision)
+            self._put_subject(entry.subject, after)
+            self._publish(Change(entry.subject, previous, after, None, revision))
+            written[entry.subject] = after
+        if mark is not None:
+            thread.mark = _Leased(mark, revision, mark_expires_ms)
+            thread.changed = revision
+        if delivery is not None:
+            self._deliveries[(mailbox, delivery.notification_id)] = _Leased(delivery, revision, delivery_expires_ms)
+        return written
 
     async def apply(
         self,
@@ -169,6 +268,11 @@ class MemoryStore:
             self._ends[subject] = _Leased(transition.end, revision, end_mark_expires_ms)
         self._publish(Change(subject, current, after, transition.end, revision))
         return transition, after
+
+    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+        self._expire()
+        mine = [leased for (box, _), leased in self._deliveries.items() if box == mailbox]
+        return [leased.value for leased in sorted(mine, key=lambda leased: -leased.revision)[:limit]]
 
     async def status(self, subject: Subject) -> Stored | None:
         self._expire()

@@ -85,6 +85,15 @@ class Metrics:
             ["alarm"],
         )
         self.serving = gauge("serving", "1 while the health service says SERVING (etcd reachable), else 0")
+        self.http_connections = gauge(
+            "http_connections", "Open connections to the HTTP face (from accept to close, TLS handshakes included)"
+        )
+        self.http_refusals = counter(
+            "http_refusals",
+            "Requests and connections the HTTP face refused before the API saw them, by reason (over_capacity, "
+            "header_too_long, header_timeout, body_timeout, body_too_large, host_not_allowed, cross_origin, ...)",
+            ["reason"],
+        )
         self.build_info = gauge("build_info", "The version running", ["version"])
         self.build_info.labels(VERSION).set(1)
         r.register(_LogDrops())

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,7 @@ from .domain import Rules
 from .engine import Engine
 from .errors import StoreUnavailable
 from .http import BOARD_DIR, HttpFace, build_app
+from .http_guard import HostPolicy, HttpGuardSettings, Reporter
 from .interceptor import RpcObserver
 from .limits import Limits
 from .metrics import Metrics, MetricsServer, refresh_gauges
@@ -70,6 +73,13 @@ class ServerSettings:
     # HOST:PORT for the HTTP/JSON face (Connect protocol) and the claims board; empty serves none.
     http_listen: str = ""
     http_optional: bool = False
+    # The HTTP face's deadlines (its body's is request_timeout_s, as for gRPC) and its connection cap (lowered
+    # to the descriptor limit less http_guard.DESCRIPTOR_RESERVE), and the Host names it answers to besides
+    # those it listens on.
+    http_header_timeout_s: float = 10.0
+    http_idle_timeout_s: float = 30.0
+    http_max_connections: int = 1000
+    http_allowed_hosts: tuple[str, ...] = ()
 
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -150,6 +160,35 @@ def grpc_options(settings: ServerSettings) -> list[tuple[str, int]]:
     ]
 
 
+def _check_free(listen: str, setting: str) -> None:
+    """OSError, in a line naming ``setting``, when another process listens on ``listen`` (gRPC would say only
+    "Failed to bind", after logging its own lines)."""
+    host, _, port = listen.rpartition(":")
+    if port in ("", "0"):
+        return
+    try:
+        addresses = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (OSError, ValueError):
+        return  # gRPC says what it makes of the address
+    for family, kind, proto, _name, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a TIME_WAIT is no owner
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise OSError(
+                        f"cannot serve on {listen} ({setting}): the port is taken, another process listens on it; "
+                        f"stop that process or choose another port with {setting}"
+                    ) from None
+
+
+def _count(metrics: Metrics, reason: str) -> None:
+    metrics.http_refusals.labels(reason).inc()
+
+
 class CoordinatorServer:
     """One coordinator replica. Stateless: etcd holds everything, so replicas can come and go."""
 
@@ -168,22 +207,44 @@ class CoordinatorServer:
         pb_grpc.add_CoordinatorServicer_to_server(self.servicer, registry)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), registry)
-        self.port = (
-            self._server.add_secure_port(settings.listen, server_credentials(settings.tls))
-            if settings.tls is not None
-            else self._server.add_insecure_port(settings.listen)
-        )
+        _check_free(settings.listen, "--listen")
+        try:
+            self.port = (
+                self._server.add_secure_port(settings.listen, server_credentials(settings.tls))
+                if settings.tls is not None
+                else self._server.add_insecure_port(settings.listen)
+            )
+        except RuntimeError:  # grpc's "Failed to bind", with no more said
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {settings.listen}: the address is taken or not local")
+            raise OSError(f"cannot serve gRPC on {settings.listen} (--listen): the address is taken or not local")
         self.http: HttpFace | None = None
+        # Why an optional HTTP face is not served (its default port and the fallbacks all failed), for the banner.
+        self.http_problem = ""
         if settings.http_listen:
-            app = build_app(self.servicer, observer, max_message_bytes=settings.max_message_bytes, board_dir=BOARD_DIR)
+            reporter = Reporter(self.metrics.http_connections.set, lambda reason: _count(self.metrics, reason))
+            app = build_app(
+                self.servicer,
+                observer,
+                max_message_bytes=settings.max_message_bytes,
+                board_dir=BOARD_DIR,
+                hosts=HostPolicy.for_listen(settings.http_listen.rpartition(":")[0], settings.http_allowed_hosts),
+                reporter=reporter,
+            )
             tls = settings.tls
             self.http = HttpFace(
                 app,
                 settings.http_listen,
                 ssl_certfile=str(tls.cert_file) if tls is not None else None,
                 ssl_keyfile=str(tls.key_file) if tls is not None else None,
+                ssl_client_ca=str(tls.client_ca_file) if tls is not None and tls.client_ca_file is not None else None,
+                guard=HttpGuardSettings(
+                    header_timeout_s=settings.http_header_timeout_s,
+                    body_timeout_s=settings.request_timeout_s,
+                    idle_timeout_s=settings.http_idle_timeout_s,
+                    max_connections=settings.http_max_connections,
+                ),
+                reporter=reporter,
             )
         self.metrics_server: MetricsServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -215,12 +276,20 @@ class CoordinatorServer:
         if self.http is None:
             return
         try:
-            await self.http.start()
+            # The default address (development mode) moves to a free port when taken; one asked for does not.
+            await self.http.start(fall_back=self.settings.http_optional)
         except OSError as error:
             self.http = None
+            why = (
+                "the port is taken, another process listens on it; stop that process or choose another port with "
+                "--http-listen"
+                if error.errno == errno.EADDRINUSE
+                else str(error)
+            )
             if not self.settings.http_optional:
-                raise OSError(f"cannot serve HTTP on {self.settings.http_listen}: {error}") from None
-            log.warning("cannot serve HTTP on %s (%s); going on without it", self.settings.http_listen, error)
+                raise OSError(f"cannot serve HTTP on {self.settings.http_listen} (--http-listen): {why}") from None
+            self.http_problem = f"cannot serve HTTP on {self.settings.http_listen} ({why})"
+            log.warning("%s; going on without it", self.http_problem)
 
     def _start_metrics_server(self) -> None:
         if not self.settings.metrics_listen:

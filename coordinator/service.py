@@ -36,6 +36,8 @@ from .domain import (
     EventType,
     FenceResult,
     HolderKind,
+    OutgoingResult,
+    OutsideReply,
     ResolveOutcome,
     State,
     Stored,
@@ -125,6 +127,12 @@ _EVENT_TYPES = {
     EventType.RESOLVED_NOT_SENT: pb.EVENT_TYPE_RESOLVED_NOT_SENT,
     EventType.RETENTION_ENDED: pb.EVENT_TYPE_RETENTION_ENDED,
     EventType.MARKED_REPLIED: pb.EVENT_TYPE_MARKED_REPLIED,
+    EventType.ANSWERED_OUTSIDE: pb.EVENT_TYPE_ANSWERED_OUTSIDE,
+}
+_OUTGOING_RESULTS = {
+    OutgoingResult.OWN_REPLY: pb.RecordOutgoingResponse.OWN_REPLY,
+    OutgoingResult.ANSWERED_OUTSIDE: pb.RecordOutgoingResponse.ANSWERED_OUTSIDE,
+    OutgoingResult.DUPLICATE_DELIVERY: pb.RecordOutgoingResponse.DUPLICATE_DELIVERY,
 }
 _RESOLVE_OUTCOMES = {
     pb.ResolveInDoubtRequest.OUTCOME_SENT: ResolveOutcome.SENT,
@@ -147,11 +155,33 @@ def subject_in(message: pb.Subject, field: str = "subject") -> Subject:
     return Subject(message.mailbox, kind, message.id)
 
 
+def time_in(container: Any, name: str, field: str) -> int | None:
+    """A Timestamp field in milliseconds; None when unset."""
+    if not container.HasField(name):
+        return None
+    stamp: Timestamp = getattr(container, name)
+    if stamp.nanos < 0 or stamp.nanos > 999_999_999:
+        raise InvalidArgument(f"{field}.nanos", "must be 0..999999999")
+    return int(stamp.ToMilliseconds())
+
+
 def summary_in(message: pb.MessageSummary) -> Summary:
     received = message.received_at
     if received.nanos < 0 or received.nanos > 999_999_999:
         raise InvalidArgument("summary.received_at.nanos", "must be 0..999999999")
     return Summary(message.subject_line, message.sender, received.ToMilliseconds() if received.seconds else None)
+
+
+def outside_reply_out(reply: OutsideReply | None) -> pb.OutsideReply | None:
+    if reply is None:
+        return None
+    return pb.OutsideReply(
+        sender=reply.sender,
+        sent_at=_timestamp(reply.sent_ms),
+        message_id=reply.message_id,
+        recorded_by=reply.recorded_by,
+        stopped_holder=reply.stopped_holder,
+    )
 
 
 def summary_out(summary: Summary | None) -> pb.MessageSummary | None:
@@ -187,6 +217,9 @@ def status_out(subject: Subject, stored: Stored | None) -> pb.SubjectStatus:
         ttl_seconds=record.ttl_seconds,
         replied_by_hand=record.replied_by_hand,
         summary=summary_out(record.summary),
+        replied_outside=record.replied_outside,
+        outside_reply=outside_reply_out(record.outside_reply),
+        settled_by=record.settled_by,
     )
 
 
@@ -203,7 +236,10 @@ def delivery_out(delivery: DeliveryRecord) -> pb.DeliveryRecord:
 def event_out(event: Event) -> pb.WatchEvent:
     change = event.change
     previous = change.previous
-    ended = change.now is None
+    # A reply written outside ends a claim without deleting its key: the claim it ended is named as a deletion's.
+    ended = change.now is None or (
+        event.type is EventType.ANSWERED_OUTSIDE and previous is not None and previous.record.state is State.CLAIMED
+    )
     return pb.WatchEvent(
         type=_EVENT_TYPES[event.type],
         status=status_out(change.subject, change.now),
@@ -391,10 +427,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             ttl_seconds=request.ttl_seconds,
             note=request.note,
             summary=summary_in(request.summary),
+            thread_id=request.thread_id,
+            received_ms=time_in(request, "received_at", "received_at"),
         )
         return pb.ClaimReplyResponse(
             result=_CLAIM_RESULTS[outcome.result],
             status=status_out(subject, outcome.stored),
+            delivery=delivery_out(outcome.delivery) if outcome.delivery is not None else None,
+        )
+
+    async def _record_outgoing(self, caller: Caller, request: pb.RecordOutgoingRequest) -> pb.RecordOutgoingResponse:
+        outcome = await self._engine.record_outgoing(
+            caller,
+            request_id=request.request_id,
+            mailbox=request.mailbox,
+            notification_id=request.notification_id,
+            message_id=request.message_id,
+            thread_id=request.thread_id,
+            sent_ms=time_in(request, "sent_at", "sent_at"),
+            sender=request.sender,
+        )
+        return pb.RecordOutgoingResponse(
+            result=_OUTGOING_RESULTS[outcome.result],
+            subjects=[status_out(subject, stored) for subject, stored in outcome.subjects],
             delivery=delivery_out(outcome.delivery) if outcome.delivery is not None else None,
         )
 
@@ -502,6 +557,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             revision=page.revision,
         )
 
+    async def _list_recent_messages(
+        self, caller: Caller, request: pb.ListRecentMessagesRequest
+    ) -> pb.ListRecentMessagesResponse:
+        deliveries = await self._engine.recent_messages(
+            caller, mailbox=request.mailbox, query=request.query, page_size=request.page_size
+        )
+        return pb.ListRecentMessagesResponse(
+            messages=[
+                pb.RecentMessage(
+                    subject=subject_out(delivery.subject),
+                    summary=summary_out(delivery.summary),
+                    first_seen_at=_timestamp(delivery.recorded_ms),
+                    seen_by=delivery.recorded_by,
+                )
+                for delivery in deliveries
+                if delivery.subject is not None
+            ]
+        )
+
     async def _takeover(self, caller: Caller, request: pb.TakeoverRequest) -> pb.TakeoverResponse:
         subject = subject_in(request.subject)
         outcome = await self._engine.takeover(
@@ -511,6 +585,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             ttl_seconds=request.ttl_seconds,
             note=request.note,
             summary=summary_in(request.summary),
+            from_person=request.from_person,
         )
         return pb.TakeoverResponse(
             result=_TAKEOVER_RESULTS[outcome.result],
@@ -543,9 +618,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     AbortSend = _unary(_abort_send)
     GetStatus = _unary(_get_status)
     ListClaims = _unary(_list_claims)
+    ListRecentMessages = _unary(_list_recent_messages)
     Takeover = _unary(_takeover)
     ResolveInDoubt = _unary(_resolve_in_doubt)
     MarkReplied = _unary(_mark_replied)
+    RecordOutgoing = _unary(_record_outgoing)
     GetCaller = _unary(_get_caller)
 
     # The generated base declares a response iterator; a handler that writes with context.write returns None.
@@ -677,6 +754,7 @@ _BATCH_CALLS: dict[str, Handler[Any, Any]] = {
     "abort_send": CoordinatorServicer._abort_send,
     "get_status": CoordinatorServicer._get_status,
     "mark_replied": CoordinatorServicer._mark_replied,
+    "record_outgoing": CoordinatorServicer._record_outgoing,
 }
 # Each carried call is observed under the path of the unary RPC it stands for: /<service>/ClaimReply.
 _BATCH_PATHS = {field: f"/{SERVICE_NAME}/{field.title().replace('_', '')}" for field in _BATCH_CALLS}

@@ -22,7 +22,19 @@ from aetcd import rpc
 
 from . import _codec
 from ._keys import Keys, prefix_end
-from .domain import DeliveryRecord, EndMark, State, Stored, Subject, SubjectRecord, Transition
+from .domain import (
+    DeliveryRecord,
+    EndMark,
+    OutsideReply,
+    State,
+    Stored,
+    Subject,
+    SubjectRecord,
+    ThreadEntry,
+    ThreadLink,
+    ThreadView,
+    Transition,
+)
 from .errors import CoordinatorError, InvalidArgument, StoreConflict, StoreUnavailable
 from .etcd_channels import open_channel as open_channel  # where tests and tools have always found it
 from .etcd_client import EtcdClient, EtcdObserver, EtcdSettings, is_lease_not_found, is_quota_full
@@ -39,6 +51,7 @@ log = logging.getLogger(__name__)
 _RECENT_WRITES = 4096  # subjects whose last write by this replica is remembered (~0.5 KiB each)
 _CAS_ATTEMPTS = 32
 _RANGE_PAGE = 1000
+_THREAD_READS = 100  # subjects read per transaction (etcd takes at most 128 operations in one)
 
 
 class _NoObserver:
@@ -174,24 +187,46 @@ class EtcdStore:
         record: SubjectRecord,
         delivery: DeliveryRecord | None,
         delivery_expires_ms: int,
+        *,
+        thread: ThreadLink | None = None,
+        thread_expires_ms: int = 0,
+        outside_revision: int = 0,
     ) -> ClaimAttempt:
         """Create-if-absent in one transaction; on failure the same round trip reads what is in the way."""
         subject_key = self.keys.subject(subject)
         delivery_key = self.keys.delivery(delivery.mailbox, delivery.notification_id) if delivery is not None else None
+        mark_key = self.keys.thread_mark(subject.mailbox, thread.thread_id) if thread is not None else None
+        reads = [subject_key]
+        if delivery_key is not None:
+            reads += [delivery_key, self.keys.end_mark(subject)]
+        if mark_key is not None:
+            reads.append(mark_key)
+        writes = {subject_key}
+        if delivery_key is not None:
+            writes.add(delivery_key)
+        entry_key = self.keys.thread_entry(thread.thread_id, subject) if thread is not None else None
+        if entry_key is not None and mark_key is not None:
+            # The mark too, though only compared: a RecordOutgoing writing it must not share this group commit,
+            # where both compares would see the state before either write.
+            writes |= {entry_key, mark_key}
 
         async def attempt() -> Any:
             compare = [_absent(subject_key)]
             success = [_op_put(subject_key, _codec.encode_record(record), await self._lease(record.expires_ms))]
-            failure = [_op_get(subject_key)]
             if delivery is not None and delivery_key is not None:
                 compare.append(_absent(delivery_key))
                 lease = await self._lease(delivery_expires_ms)
                 success.append(_op_put(delivery_key, _codec.encode_delivery(delivery), lease))
-                failure.append(_op_get(delivery_key))
-                failure.append(_op_get(self.keys.end_mark(subject)))
-            return await self._txn(compare, success, failure, writes)
+            if thread is not None and mark_key is not None and entry_key is not None:
+                # Granted only while the thread's latest outside reply is the one the caller decided on: a reply
+                # recorded meanwhile may answer this message (docs/design.md#replies-written-outside).
+                compare.append(
+                    _absent(mark_key) if outside_revision == 0 else _unchanged_since(mark_key, outside_revision)
+                )
+                entry = _codec.encode_thread_entry(thread.received_ms)
+                success.append(_op_put(entry_key, entry, await self._lease(thread_expires_ms)))
+            return await self._txn(compare, success, [_op_get(key) for key in reads], frozenset(writes))
 
-        writes = frozenset((subject_key,) if delivery_key is None else (subject_key, delivery_key))
         wrote = True
         try:
             response = await self._with_leases(attempt)
@@ -200,9 +235,6 @@ class EtcdStore:
                 raise
             # etcd refuses a transaction that could write, whatever its compare would say. What stands in the
             # way is still readable: a subject that is replied to or held, or a known delivery, is answered.
-            reads = [subject_key]
-            if delivery_key is not None:
-                reads += [delivery_key, self.keys.end_mark(subject)]
             response, wrote = await self._read_at_one_revision(reads), False
             if _first_kv(response.responses[0]) is None and (
                 delivery_key is None or _first_kv(response.responses[1]) is None
@@ -213,9 +245,11 @@ class EtcdStore:
             created = Stored(record, token=revision, revision=revision)
             self._remember(subject_key, created)
             return ClaimAttempt(created, None, None)
-        subject_kv = _first_kv(response.responses[0])
-        delivery_kv = _first_kv(response.responses[1]) if delivery is not None else None
-        end_kv = _first_kv(response.responses[2]) if delivery is not None else None
+        found = dict(zip(reads, (_first_kv(answer) for answer in response.responses), strict=True))
+        subject_kv = found[subject_key]
+        delivery_kv = found[delivery_key] if delivery_key is not None else None
+        end_kv = found[self.keys.end_mark(subject)] if delivery_key is not None else None
+        mark_kv = found[mark_key] if mark_key is not None else None
         return ClaimAttempt(
             None,
             _stored(subject_kv) if subject_kv is not None else None,
@@ -224,6 +258,8 @@ class EtcdStore:
             else None,
             _codec.decode_end_mark(end_kv.value) if end_kv is not None else None,
             delivery_kv.mod_revision if delivery_kv is not None else 0,
+            _codec.decode_outside_reply(mark_kv.value) if mark_kv is not None else None,
+            mark_kv.mod_revision if mark_kv is not None else 0,
         )
 
     async def _read_at_one_revision(self, keys: Sequence[bytes]) -> Any:
@@ -257,6 +293,96 @@ class EtcdStore:
         # The record can expire between the compare and the read of the same transaction? No: both see one
         # revision. It is absent only if it was deleted by hand; treat that as a fresh sighting.
         return _codec.decode_delivery(kv.value, delivery.mailbox, delivery.notification_id) if kv is not None else None
+
+    # --- threads (replies written outside the coordinator) ------------------------------------------------
+
+    async def read_thread(self, mailbox: str, thread_id: str, notification_id: str | None) -> ThreadView:
+        """The thread's keys in one range (and the delivery record) at one revision, then its subjects."""
+        prefix = self.keys.thread(mailbox, thread_id)
+        ops = [rpc.RequestOp(request_range=rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix)))]
+        if notification_id:
+            ops.append(_op_get(self.keys.delivery(mailbox, notification_id)))
+        response = await self._txn([], ops, [], frozenset())
+        linked: list[tuple[Subject, int]] = []
+        mark: OutsideReply | None = None
+        mark_revision = 0
+        for kv in response.responses[0].response_range.kvs:
+            subject = self.keys.parse_thread_entry(mailbox, thread_id, kv.key)
+            if subject is None:
+                mark, mark_revision = _codec.decode_outside_reply(kv.value), int(kv.mod_revision)
+            else:
+                linked.append((subject, _codec.decode_thread_entry(kv.value)))
+        delivery = None
+        if notification_id:
+            delivery_kv = _first_kv(response.responses[1])
+            if delivery_kv is not None:
+                delivery = _codec.decode_delivery(delivery_kv.value, mailbox, notification_id)
+        # Read after the range, not at its revision: commit_outgoing compares each subject it writes with what is
+        # read here, and the thread's range with the range's revision.
+        entries = []
+        for start in range(0, len(linked), _THREAD_READS):
+            chunk = linked[start : start + _THREAD_READS]
+            subjects = await self._txn([], [_op_get(self.keys.subject(s)) for s, _ in chunk], [], frozenset())
+            for (subject, received_ms), answer in zip(chunk, subjects.responses, strict=True):
+                kv = _first_kv(answer)
+                entries.append(ThreadEntry(subject, received_ms, _stored(kv) if kv is not None else None))
+        return ThreadView(tuple(entries), mark, int(response.header.revision), mark_revision, delivery)
+
+    async def commit_outgoing(
+        self,
+        mailbox: str,
+        thread_id: str,
+        view: ThreadView,
+        writes: Sequence[tuple[ThreadEntry, SubjectRecord]],
+        mark: OutsideReply | None,
+        mark_expires_ms: int,
+        delivery: DeliveryRecord | None,
+        delivery_expires_ms: int,
+    ) -> dict[Subject, Stored] | None:
+        """RecordOutgoing's writes in one transaction, compared with what ``read_thread`` saw (see Store)."""
+        prefix = self.keys.thread(mailbox, thread_id)
+        mark_key = self.keys.thread_mark(mailbox, thread_id)
+        keys = {mark_key}
+
+        async def attempt() -> Any:
+            # No key of the thread written since the view: no subject entered, no other outside reply recorded.
+            compare = [
+                rpc.Compare(
+                    key=prefix,
+                    range_end=prefix_end(prefix),
+                    result=rpc.Compare.LESS,
+                    target=rpc.Compare.MOD,
+                    mod_revision=view.revision + 1,
+                )
+            ]
+            ops = []
+            for entry, record in writes:
+                key = self.keys.subject(entry.subject)
+                compare.append(_absent(key) if entry.stored is None else _unchanged_since(key, entry.stored.revision))
+                ops.append(_op_put(key, _codec.encode_record(record), await self._lease(record.expires_ms)))
+                keys.add(key)
+            if mark is not None:
+                ops.append(_op_put(mark_key, _codec.encode_outside_reply(mark), await self._lease(mark_expires_ms)))
+            if delivery is not None:
+                delivery_key = self.keys.delivery(mailbox, delivery.notification_id)
+                compare.append(_absent(delivery_key))
+                lease = await self._lease(delivery_expires_ms)
+                ops.append(_op_put(delivery_key, _codec.encode_delivery(delivery), lease))
+                keys.add(delivery_key)
+            return await self._txn(compare, ops, [], frozenset(keys))
+
+        response = await self._with_leases(attempt)
+        if not response.succeeded:
+            return None
+        revision = int(response.header.revision)
+        written = {}
+        for entry, record in writes:
+            after = Stored(
+                record, token=entry.stored.token if entry.stored is not None else revision, revision=revision
+            )
+            self._remember(self.keys.subject(entry.subject), after)
+            written[entry.subject] = after
+        return written
 
     async def read(self, subject: Subject) -> tuple[Stored | None, EndMark | None]:
         reads = [_op_get(self.keys.subject(subject)), _op_get(self.keys.end_mark(subject))]
@@ -389,6 +515,24 @@ class EtcdStore:
     async def status(self, subject: Subject) -> Stored | None:
         response = await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))
         return _stored(response.kvs[0]) if response.kvs else None
+
+    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+        # etcd sorts a range by create revision and cuts it at the limit itself: one read, bounded by the limit.
+        base = self.keys.deliveries(mailbox)
+        response = await self.etcd.call(
+            self.etcd.kv.Range,
+            rpc.RangeRequest(
+                key=base,
+                range_end=prefix_end(base),
+                limit=limit,
+                sort_order=rpc.RangeRequest.DESCEND,
+                sort_target=rpc.RangeRequest.CREATE,
+            ),
+        )
+        return [
+            _codec.decode_delivery(kv.value, mailbox, self.keys.delivery_notification_id(mailbox, kv.key))
+            for kv in response.kvs
+        ]
 
     async def list_subjects(
         self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0

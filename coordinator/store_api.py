@@ -11,13 +11,27 @@ import asyncio
 import base64
 import binascii
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from .domain import DeliveryRecord, EndMark, Stored, Subject, SubjectKind, SubjectRecord, Transition
+from .domain import (
+    DeliveryRecord,
+    EndMark,
+    OutsideReply,
+    Stored,
+    Subject,
+    SubjectKind,
+    SubjectRecord,
+    ThreadEntry,
+    ThreadLink,
+    ThreadView,
+    Transition,
+)
 from .errors import InvalidArgument
+from .limits import PAGE_TOKEN_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,9 @@ class ClaimAttempt:
     end: EndMark | None = None
     # The store revision at which ``delivery`` was recorded.
     delivery_revision: int = 0
+    # With a thread link: the thread's latest reply written outside, and the revision it was written at (0: none).
+    outside: OutsideReply | None = None
+    outside_revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,9 @@ Listing = list[tuple[Subject, Stored]]
 
 _CURSOR_VERSION = "v1:"
 _BAD_CURSOR = "is not a token this service issued; start without one"
+# What encode_cursor writes: a flat JSON array of three strings, no space. Only that is handed to the JSON
+# parser, whose recursion (one level per nested array) a crafted token could otherwise drive to RecursionError.
+_CURSOR_BODY = re.compile(rb'\[(?:"(?:[^"\\]|\\.)*",){2}"(?:[^"\\]|\\.)*"\]')
 
 
 def encode_cursor(subject: Subject) -> str:
@@ -68,13 +88,20 @@ def encode_cursor(subject: Subject) -> str:
 
 def decode_cursor(cursor: str, mailbox: str) -> Subject:
     """The subject a cursor resumes after; INVALID_ARGUMENT for a cursor that is not ours or not this mailbox's."""
+    if len(cursor) > PAGE_TOKEN_MAX_BYTES:
+        raise InvalidArgument(
+            "page_token", f"is {len(cursor)} characters; the limit is {PAGE_TOKEN_MAX_BYTES}: start without one"
+        )
     if not cursor.startswith(_CURSOR_VERSION):
         raise InvalidArgument("page_token", _BAD_CURSOR)
     body = cursor[len(_CURSOR_VERSION) :]
     try:
-        fields = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
-        owner, kind, subject_id = fields
+        document = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+        if _CURSOR_BODY.fullmatch(document) is None:
+            raise ValueError("not a cursor's body")
+        owner, kind, subject_id = json.loads(document)
         subject = Subject(str(owner), SubjectKind(kind), str(subject_id))
+        (subject.mailbox + subject.id).encode()  # a lone surrogate (JSON can spell one) was never issued
     except (binascii.Error, ValueError, TypeError):
         raise InvalidArgument("page_token", _BAD_CURSOR) from None
     if subject.mailbox != mailbox:
@@ -90,9 +117,39 @@ class Store(Protocol):
         """Records a notification id; returns the earlier record instead when it was seen before."""
 
     async def claim(
-        self, subject: Subject, record: SubjectRecord, delivery: DeliveryRecord | None, delivery_expires_ms: int
+        self,
+        subject: Subject,
+        record: SubjectRecord,
+        delivery: DeliveryRecord | None,
+        delivery_expires_ms: int,
+        *,
+        thread: ThreadLink | None = None,
+        thread_expires_ms: int = 0,
+        outside_revision: int = 0,
     ) -> ClaimAttempt:
-        """Create-if-absent (with the delivery record, if given, in the same transaction)."""
+        """Create-if-absent (with the delivery record, if given, in the same transaction). With ``thread``: only
+        while the thread's latest outside reply is the one written at ``outside_revision`` (0: none), and the
+        subject is entered in the thread (until ``thread_expires_ms``) in the same transaction."""
+
+    async def read_thread(self, mailbox: str, thread_id: str, notification_id: str | None) -> ThreadView:
+        """The thread's claimed subjects (each as it is now), its latest outside reply and, with
+        ``notification_id``, that notification's delivery record."""
+
+    async def commit_outgoing(
+        self,
+        mailbox: str,
+        thread_id: str,
+        view: ThreadView,
+        writes: Sequence[tuple[ThreadEntry, SubjectRecord]],
+        mark: OutsideReply | None,
+        mark_expires_ms: int,
+        delivery: DeliveryRecord | None,
+        delivery_expires_ms: int,
+    ) -> dict[Subject, Stored] | None:
+        """Writes RecordOutgoing's decision in one transaction: each subject as its entry read it, the thread's
+        new latest outside reply (None: unchanged) and the delivery record; only if the thread gained no subject
+        or outside reply, no written subject changed and the notification is still unseen since ``view`` was
+        read. Returns the written subjects, or None when something changed (read again, decide again)."""
 
     async def apply(
         self,
@@ -107,6 +164,9 @@ class Store(Protocol):
         """Reads, decides, and writes only if nothing changed in between; decides again if something did."""
 
     async def status(self, subject: Subject) -> Stored | None: ...
+
+    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+        """The mailbox's ``limit`` newest delivery records (by the revision that wrote them), newest first."""
 
     async def list_subjects(
         self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0

@@ -157,10 +157,19 @@ class Actor:
         response = await self.stub.GetStatus(pb.GetStatusRequest(subject=subject), metadata=self.metadata)
         return response.status
 
-    async def takeover(self, subject: pb.Subject, ttl: int = 0, note: str = "") -> pb.TakeoverResponse:
+    async def takeover(
+        self, subject: pb.Subject, ttl: int = 0, note: str = "", from_person: str = ""
+    ) -> pb.TakeoverResponse:
         return await self.stub.Takeover(
-            pb.TakeoverRequest(request_id=new_request_id(), subject=subject, ttl_seconds=ttl, note=note),
+            pb.TakeoverRequest(
+                request_id=new_request_id(), subject=subject, ttl_seconds=ttl, note=note, from_person=from_person
+            ),
             metadata=self.metadata,
+        )
+
+    async def recent(self, mailbox: str, query: str = "", page_size: int = 0) -> pb.ListRecentMessagesResponse:
+        return await self.stub.ListRecentMessages(
+            pb.ListRecentMessagesRequest(mailbox=mailbox, query=query, page_size=page_size), metadata=self.metadata
         )
 
     async def resolve(
@@ -293,15 +302,20 @@ def serve_process(*flags: str, env: Mapping[str, str] | None = None) -> Iterator
     it serves; stopped with SIGTERM after, and it must then exit 0 (a crash shows as a signal)."""
     process = spawn([sys.executable, "-m", "coordinator.cli", "serve", *flags], env)
     wait_for_line(process, "serving gRPC on")
-    assert process.stdout is not None
     try:
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        process.stdout.close()
-        assert process.returncode == 0, f"the coordinator exited with {process.returncode}"
+        stop_serving(process)
+
+
+def stop_serving(process: subprocess.Popen[str]) -> None:
+    """SIGTERM, and the process must exit 0 within 20 s (a crash shows as a signal, a hang as -9)."""
+    assert process.stdout is not None
+    process.terminate()
+    try:
+        process.wait(20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    process.stdout.close()
+    assert process.returncode == 0, f"the coordinator exited with {process.returncode}"

@@ -6,7 +6,10 @@ const API = "/inbox.coordinator.v1.Coordinator/";
 const CLAIMED = "SUBJECT_STATE_CLAIMED", SENDING = "SUBJECT_STATE_SENDING";
 const IN_DOUBT = "SUBJECT_STATE_IN_DOUBT", REPLIED = "SUBJECT_STATE_REPLIED", FREE = "SUBJECT_STATE_FREE";
 const URGENCY = { [IN_DOUBT]: 0, [SENDING]: 1, [CLAIMED]: 2, [REPLIED]: 3 };
-const CLAIM_SECONDS = 900; // a person's claim: long enough to write a reply; given back when done
+const CLAIM_SECONDS = 900; // a person's claim: long enough to write a reply; kept longer on request, given back when done
+const WARN_SECONDS = 120; // a person is told this long before their claim ends, with a way to keep it
+const FOCUS_WAIT_MS = 5000; // how long the focus waits for the change an action caused to come through the stream
+const REFOCUS_MS = 300; // how long a focused row that went away may take to come back (a takeover's two steps)
 
 const $ = (selector) => document.querySelector(selector);
 // me, kind and roles: who the coordinator says the signed-in person is (GetCaller), to offer only what they may do.
@@ -14,8 +17,13 @@ const session = { token: "", name: "", me: "", kind: "", roles: [], mailboxes: [
 const rows = new Map(); // "mailbox\u0000kind\u0000id" -> { status, tr }
 const seen = new Map(); // mailbox -> the revision of the last snapshot or event: a reconnection resumes there
 const shown = new Set([IN_DOUBT, CLAIMED, SENDING, REPLIED]);
+const alike = new Map(); // subject line + sender -> the keys of the rows that share them
+const warned = new Set(); // keys of the person's own claims they were told are ending
+let recent = []; // the last answer to "Answer an email yourself"
 let search = "";
 let reorderPending = false;
+let focusIntent = null; // where the focus goes once the change an action caused has arrived
+let refocus = null; // a focused row that went away: { key, next }, settled after REFOCUS_MS
 
 // --- talking to the coordinator ---------------------------------------------------------------------------
 
@@ -50,6 +58,7 @@ async function whoAmI() {
 }
 
 function may(role) { return session.roles.includes(role); }
+const mayTakeOver = () => session.kind === "human" && may("takeover");
 
 function requestId() {
   return (crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2) + Date.now()).replace(/-/g, "");
@@ -112,19 +121,36 @@ function take(mailbox, message) {
   const revision = (message.snapshot || message.event || {}).revision;
   if (revision) seen.set(mailbox, revision);
   if (message.snapshot) {
-    for (const [key, row] of rows) if (row.status.subject.mailbox === mailbox) { row.tr.remove(); rows.delete(key); }
+    for (const [key, row] of rows) if (row.status.subject.mailbox === mailbox) remove(key);
     for (const status of message.snapshot.subjects || []) upsert(status, false);
     scheduleReorder(); // one sort for the whole snapshot
   } else if (message.event) {
-    const status = message.event.status;
-    const row = rows.get(keyOf(status.subject));
+    const { status, type, previousHolder } = message.event;
+    const key = keyOf(status.subject);
+    const existing = rows.get(key);
     if (status.state === FREE) {
-      if (row) { row.tr.remove(); rows.delete(keyOf(status.subject)); }
+      if (existing) tellTheHolder(existing.status, type, previousHolder);
+      remove(key);
     } else {
       place(upsert(status, true));
     }
     refreshCounts();
     rovingFocus();
+  }
+  showRecent();
+  applyFocusIntent();
+}
+
+// A person whose own claim ended without their doing hears of it, in words for them.
+function tellTheHolder(status, type, previousHolder) {
+  if (status.holder !== session.me || status.state !== CLAIMED) return;
+  const what = nameOf(status);
+  if (type === "EVENT_TYPE_EXPIRED") {
+    say(`Your time on ${what} ran out before you said it was answered: it is free again, and an agent may answer it. ` +
+      "If you are still writing, take it again from “Answer an email yourself”.", true);
+  }
+  if (type === "EVENT_TYPE_TAKEN_OVER" && previousHolder === session.me) {
+    say(`${what} was taken over from you: it is someone else's now, and what you send for it is refused.`, true);
   }
 }
 
@@ -134,6 +160,7 @@ const before = (a, b) =>
 // One changed row moves to its place among the others, without touching them (a thousand rows stay cheap).
 function place(row) {
   const body = $("#claims tbody");
+  const focused = row.tr.contains(document.activeElement) ? document.activeElement : null;
   row.tr.remove();
   const others = body.children;
   let low = 0, high = others.length;
@@ -142,6 +169,7 @@ function place(row) {
     if (before(rows.get(others[middle].dataset.key), row) <= 0) low = middle + 1; else high = middle;
   }
   body.insertBefore(row.tr, others[low] || null);
+  if (focused) focused.focus();
 }
 
 function upsert(status, fresh) {
@@ -150,13 +178,89 @@ function upsert(status, fresh) {
   if (!row) {
     const tr = document.createElement("tr");
     tr.tabIndex = -1;
+    tr.setAttribute("role", "row");
     row = { status, tr };
     rows.set(key, row);
+  } else {
+    forgetAlike(key, row.status);
+    if (row.status.expiresAt !== status.expiresAt) warned.delete(key);
   }
   row.status = status;
   render(row);
+  rememberAlike(key, status);
   if (fresh && row.tr.animate) row.tr.animate([{ background: "#fff7d6" }, { background: "transparent" }], 1500);
   return row;
+}
+
+function remove(key) {
+  const row = rows.get(key);
+  if (!row) return;
+  // The focus does not fall to the page's end. Where it goes is decided a moment later: a takeover deletes a
+  // subject and creates it again (two revisions), so the row may come right back; if not, the next row has it.
+  if (row.tr.contains(document.activeElement)) {
+    refocus = { key, next: neighbourKey(row.tr) };
+    setTimeout(settleRefocus, REFOCUS_MS);
+  }
+  forgetAlike(key, row.status);
+  warned.delete(key);
+  row.tr.remove();
+  rows.delete(key);
+}
+
+function settleRefocus() {
+  const pending = refocus;
+  refocus = null;
+  if (!pending || !focusLost()) return;
+  applyFocusIntent();
+  if (!focusLost()) return;
+  const back = rows.get(pending.key);
+  const next = back && !back.tr.hidden ? back : pending.next && rows.get(pending.next);
+  if (next && !next.tr.hidden) focusRow(next.tr); else fallbackFocus();
+}
+
+function neighbourOf(tr) {
+  let next = tr.nextElementSibling;
+  while (next && next.hidden) next = next.nextElementSibling;
+  if (next) return next;
+  let previous = tr.previousElementSibling;
+  while (previous && previous.hidden) previous = previous.previousElementSibling;
+  return previous;
+}
+
+// --- look-alike emails: the same subject line from the same sender ----------------------------------------------
+
+const signatureOf = (status) => {
+  const summary = status.summary || {};
+  return summary.subjectLine || summary.sender ? `${summary.subjectLine || ""}\u0000${summary.sender || ""}` : "";
+};
+
+function rememberAlike(key, status) {
+  const signature = signatureOf(status);
+  if (!signature) return;
+  const keys = alike.get(signature) || new Set();
+  keys.add(key);
+  alike.set(signature, keys);
+  if (keys.size > 1) for (const other of keys) markAlike(other);
+}
+
+function forgetAlike(key, status) {
+  const signature = signatureOf(status);
+  const keys = alike.get(signature);
+  if (!keys) return;
+  keys.delete(key);
+  if (!keys.size) alike.delete(signature);
+  for (const other of keys) markAlike(other);
+}
+
+function markAlike(key) {
+  const row = rows.get(key);
+  const line = row && row.tr.querySelector(".alike");
+  if (!line) return;
+  const count = (alike.get(signatureOf(row.status)) || new Set()).size;
+  const received = (row.status.summary || {}).receivedAt;
+  line.hidden = count < 2;
+  line.textContent = count < 2 ? "" :
+    `Same subject and sender as ${count - 1} other${count > 2 ? "s" : ""} here; this one came in ${received ? clock(when(received), true) : "at a time not given"}`;
 }
 
 // --- plain words ------------------------------------------------------------------------------------------
@@ -164,25 +268,54 @@ function upsert(status, fresh) {
 const isAgent = (status) => status.holderKind === "HOLDER_KIND_AGENT";
 const when = (stamp) => (stamp ? new Date(stamp) : null);
 
-function clock(date) {
+// A time of day (with the date when not today), kept on one line: "08:22 PM" never breaks after "08:22".
+function clock(date, seconds = false) {
   if (!date) return "";
   const today = new Date().toDateString() === date.toDateString();
-  const time = date.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
-  return today ? time : date.toLocaleDateString([], { month: "short", day: "numeric" }) + " " + time;
+  const time = date.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", ...(seconds ? { second: "2-digit" } : {}) });
+  const whole = today ? time : date.toLocaleDateString([], { month: "short", day: "numeric" }) + " " + time;
+  return whole.replace(/\s/g, "\u00a0");
+}
+
+// An email as a person names it: its subject line in quotes, or, without one, what the coordinator knows.
+function nameOf(status) {
+  const line = (status.summary || {}).subjectLine;
+  return line ? `“${plain(line)}”` : `the ${status.subject.kind === "SUBJECT_KIND_THREAD" ? "conversation" : "message"} ${plain(status.subject.id)}`;
+}
+
+// A reply written outside the coordinator (a person in Gmail, a helpdesk): who, when, and what it meant here.
+function answeredOutside(status) {
+  const reply = status.outsideReply;
+  if (!reply) return "";
+  const words = `answered from the mailbox by ${reply.sender || "someone"} at ${clock(when(reply.sentAt))}`;
+  if (status.repliedOutside) {
+    const stopped = reply.stoppedHolder ? ` ${reply.stoppedHolder} stopped because a person answered.` : "";
+    return `${words[0].toUpperCase()}${words.slice(1)}.${stopped}`;
+  }
+  const both = { [SENDING]: "both replies go out", [IN_DOUBT]: "check whether this one went out too" }[status.state];
+  return `Also ${words}: ${both || "both replies went out"}.`;
 }
 
 function whatIsHappening(status) {
-  const holder = status.holder;
+  const outside = answeredOutside(status);
+  if (status.repliedOutside) return outside;
+  const here = whatIsHappeningHere(status, status.holder);
+  return outside ? `${here}. ${outside}` : here;
+}
+
+function whatIsHappeningHere(status, holder) {
   switch (status.state) {
     case CLAIMED:
-      return isAgent(status)
-        ? `${holder} (an agent) is writing a reply — until ${clock(when(status.expiresAt))}`
+      if (isAgent(status)) return `${holder} (an agent) is writing a reply`;
+      return holder === session.me
+        ? `You are answering this — until ${clock(when(status.expiresAt))}`
         : `${holder} is answering this — until ${clock(when(status.expiresAt))}`;
     case SENDING:
       return `${holder} is sending the reply right now`;
     case IN_DOUBT:
       return `${isAgent(status) ? "An agent" : holder} started sending and never confirmed: check the Sent folder and tell us`;
     case REPLIED:
+      if (status.settledBy) return `${status.settledBy} checked: the reply ${holder} started went out (${clock(when(status.sentAt))})`;
       return status.repliedByHand
         ? `Answered by hand by ${holder} at ${clock(when(status.sentAt))}`
         : `Answered by ${holder} at ${clock(when(status.sentAt))}`;
@@ -191,22 +324,41 @@ function whatIsHappening(status) {
   }
 }
 
+// Who the row credits: the person who settled a send, else the holder.
+function whoOf(status) {
+  if (status.settledBy) return { name: status.settledBy, kind: "person" };
+  return { name: status.holder, kind: isAgent(status) ? "agent" : "person" };
+}
+
 function since(status) {
   if (status.state === REPLIED) return when(status.sentAt);
   if (status.state === SENDING || status.state === IN_DOUBT) return when(status.sendStartedAt);
   return when(status.acquiredAt);
 }
 
+function minutesAndSeconds(seconds) {
+  const m = Math.floor(seconds / 60), s = seconds % 60;
+  return m >= 60 ? `${Math.floor(m / 60)} h ${m % 60} min` : `${m}:${String(s).padStart(2, "0")}`;
+}
+
+// What the "Time left" cell says, and how loudly: an agent renews its short claim while it works (not an
+// emergency: only a missed renewal is worth a look); a person's claim counts down, and warns before it ends.
 function timeLeft(status, now) {
-  if (status.state === IN_DOUBT) return { text: "waiting for a person", soon: true };
+  if (status.state === IN_DOUBT) return { text: "waiting for a person", level: "urgent" };
   if (status.state === REPLIED) return { text: "" };
   const end = when(status.state === SENDING ? status.sendDeadline : status.expiresAt);
   if (!end) return { text: "" };
   const seconds = Math.round((end - now) / 1000);
-  if (seconds <= 0) return { text: status.state === SENDING ? "should have finished" : "ending now", soon: true };
-  const m = Math.floor(seconds / 60), s = seconds % 60;
-  const text = m >= 60 ? `${Math.floor(m / 60)} h ${m % 60} min` : `${m}:${String(s).padStart(2, "0")}`;
-  return { text, soon: seconds < 60 };
+  if (status.state === SENDING) return seconds > 0 ? { text: minutesAndSeconds(seconds) } : { text: "should have finished", level: "soon" };
+  if (isAgent(status)) {
+    const ttl = Number(status.ttlSeconds) || 0;
+    if (!ttl || seconds > ttl / 3) return { text: "kept while it works", level: "renewing", label: "renewed by the agent while it works" };
+    return seconds > 0
+      ? { text: `not renewed: frees in ${minutesAndSeconds(seconds)}`, level: "soon" }
+      : { text: "frees now", level: "soon" };
+  }
+  if (seconds <= 0) return { text: "ending now", level: "urgent" };
+  return { text: minutesAndSeconds(seconds), level: seconds <= WARN_SECONDS ? "soon" : "" };
 }
 
 function ago(date, now) {
@@ -232,17 +384,48 @@ function plainError(error) {
 
 // --- the table -----------------------------------------------------------------------------------------------
 
+// What a person does with a claim of their own: on its row only (the list of emails found starts things).
+const OWN_CLAIM_ACTIONS = new Set(["I replied", "Keep it longer", "Give it back"]);
+
+const LABELS = { email: "Email", what: "What is happening", holder: "Who", since: "Since", left: "Time left", note: "Note", actions: "Actions" };
+
 function cell(tr, className, text) {
   const td = document.createElement("td");
   td.className = className;
+  td.setAttribute("role", "cell");
+  td.dataset.label = LABELS[className.split(" ")[0]];
   if (text !== undefined) td.textContent = text;
   tr.appendChild(td);
   return td;
 }
 
+// Text from outside (an email's subject line and sender, ids, names, notes) is shown without the characters
+// that change how text is shown without being seen (bidirectional overrides, isolates and marks, zero-width
+// spaces: "Invoice \u202Egnp.exe" would read "Invoice exe.png"), as the coordinator stores it since it drops
+// them (proto: MessageSummary); older records may still have them. Joiners stay (emoji, Persian, Indic).
+const INVISIBLE = /(?![\u200c\u200d])[\p{Cf}\u2028\u2029]/gu;
+function plain(text) { return (text || "").replace(INVISIBLE, ""); }
+
+// Each piece in an isolate of its own (<bdi>): a right-to-left subject line cannot reorder what is beside it.
+function isolated(text) {
+  const bdi = document.createElement("bdi");
+  bdi.textContent = plain(text);
+  return bdi;
+}
+
+function line(className, ...pieces) {
+  const div = document.createElement("div");
+  div.className = className;
+  pieces.filter(Boolean).forEach((piece, index) => div.append(...(index ? [" · "] : []), isolated(piece)));
+  return div;
+}
+
 function render(row) {
   const { status, tr } = row;
   const now = Date.now();
+  // A row re-rendered under the keyboard (an agent renews every few seconds) keeps the focus where it was.
+  const focusedLabel = tr.contains(document.activeElement) && document.activeElement !== tr ? document.activeElement.textContent : null;
+  const rowFocused = document.activeElement === tr;
   tr.dataset.state = status.state;
   tr.dataset.key = keyOf(status.subject);
   tr.replaceChildren();
@@ -250,34 +433,39 @@ function render(row) {
   const summary = status.summary || {};
   const subject = document.createElement("div");
   subject.className = "subject";
-  subject.textContent = summary.subjectLine || "(no subject given)";
-  const sender = document.createElement("div");
-  sender.className = "sender";
-  const where = `${status.subject.kind === "SUBJECT_KIND_THREAD" ? "conversation" : "message"} ${status.subject.id}` +
-    (session.mailboxes.length > 1 ? ` in ${status.subject.mailbox}` : "");
-  sender.textContent = [summary.sender, summary.receivedAt ? clock(when(summary.receivedAt)) : "", where].filter(Boolean).join(" · ");
-  email.title = where;
-  email.append(subject, sender);
-  cell(tr, "what", whatIsHappening(status));
-  const who = cell(tr, "holder", status.holder);
-  const kind = document.createElement("div");
-  kind.className = "kind";
-  kind.textContent = isAgent(status) ? "agent" : "person";
-  who.appendChild(kind);
+  subject.append(summary.subjectLine ? isolated(summary.subjectLine) : "(no subject given)");
+  const kind = status.subject.kind === "SUBJECT_KIND_THREAD" ? "conversation" : "message";
+  const where = `${kind} ${plain(status.subject.id)}` + (session.mailboxes.length > 1 ? ` in ${plain(status.subject.mailbox)}` : "");
+  email.append(
+    subject,
+    line("sender", summary.sender, summary.receivedAt ? "came in " + clock(when(summary.receivedAt)) : ""),
+    line("id", where),
+  );
+  const alikeLine = document.createElement("div");
+  alikeLine.className = "alike";
+  alikeLine.hidden = true;
+  email.append(alikeLine);
+  const what = cell(tr, "what");
+  const dot = document.createElement("span");
+  dot.className = "dot";
+  dot.setAttribute("aria-hidden", "true");
+  what.append(dot, plain(whatIsHappening(status)));
+  const credited = whoOf(status);
+  const who = cell(tr, "holder");
+  who.append(isolated(credited.name));
+  const kindLine = document.createElement("div");
+  kindLine.className = "kind";
+  kindLine.textContent = credited.kind;
+  who.appendChild(kindLine);
   cell(tr, "since", ago(since(status), now));
   const left = timeLeft(status, now);
-  const leftCell = cell(tr, "left" + (left.soon ? " soon" : ""), left.text);
-  leftCell.setAttribute("aria-label", left.text ? "time left: " + left.text : "");
-  cell(tr, "note", status.note || "");
+  const leftCell = cell(tr, "left", left.text);
+  showTimeLeft(tr, leftCell, left, status);
+  const note = cell(tr, "note");
+  if (status.note) note.append(isolated(status.note));
   const actions = cell(tr, "actions");
   const { offered, why } = actionsFor(status);
-  for (const [label, run] of offered) {
-    const button = document.createElement("button");
-    button.type = "button";
-    button.textContent = label;
-    button.addEventListener("click", () => act(button, run));
-    actions.appendChild(button);
-  }
+  addButtons(actions, offered);
   if (why) {
     const reason = document.createElement("span");
     reason.className = "why";
@@ -285,13 +473,36 @@ function render(row) {
     actions.appendChild(reason);
   }
   tr.hidden = !visible(status);
+  markAlike(tr.dataset.key);
+  if (focusedLabel !== null) {
+    const same = [...tr.querySelectorAll("button")].find((button) => button.textContent === focusedLabel);
+    (same || tr.querySelector("button") || tr).focus();
+  } else if (rowFocused) tr.focus();
 }
+
+function addButtons(parent, offered) {
+  for (const [label, run] of offered) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.textContent = label;
+    button.addEventListener("click", () => act(button, run));
+    parent.appendChild(button);
+  }
+}
+
+function showTimeLeft(tr, leftCell, left, status) {
+  leftCell.className = "left" + (left.level ? " " + left.level : "");
+  leftCell.setAttribute("aria-label", left.text ? "time left: " + (left.label || left.text) : "");
+  tr.classList.toggle("ending", isMine(status) && status.state === CLAIMED && left.level !== "" && left.level !== undefined);
+}
+
+const isMine = (status) => status.holder === session.me && !isAgent(status);
 
 function visible(status) {
   if (!shown.has(status.state)) return false;
   if (!search) return true;
   const summary = status.summary || {};
-  return [summary.subjectLine, summary.sender, status.holder, status.subject.id, status.note]
+  return [summary.subjectLine, summary.sender, status.holder, status.settledBy, status.subject.id, status.note]
     .some((text) => text && text.toLowerCase().includes(search));
 }
 
@@ -300,18 +511,19 @@ function visible(status) {
 function actionsFor(status) {
   const subject = status.subject;
   const token = Number(status.fencingToken);
-  const mine = status.holder === session.me;
   const offered = [];
   let why = "";
-  if (status.state === CLAIMED && mine) {
-    offered.push(["I replied", () => markReplied(subject, token)]);
-    offered.push(["Give it back", () => release(subject, token)]);
+  if (status.state === CLAIMED && isMine(status)) {
+    offered.push(["I replied", () => markReplied(status, token)]);
+    offered.push(["Keep it longer", () => keep(status, token)]);
+    offered.push(["Give it back", () => release(status, token)]);
   } else if (status.state === CLAIMED && isAgent(status)) {
     if (session.kind !== "human") why = "Only a person can take over from an agent.";
     else if (!may("takeover")) why = "You are not allowed to take over from agents: ask your administrator.";
-    else offered.push(["Take over", () => takeover(subject)]);
+    else offered.push(["Take over", () => takeover(status)]);
   } else if (status.state === CLAIMED) {
-    why = `Only ${status.holder} can say it is answered or give it back.`;
+    if (mayTakeOver()) offered.push([`Take it from ${plain(status.holder)}`, () => takeFromColleague(status)]);
+    else why = `Only ${status.holder} can say it is answered or give it back.`;
   }
   if (status.state === IN_DOUBT) {
     if (may("resolve")) {
@@ -325,8 +537,88 @@ function actionsFor(status) {
 }
 
 async function act(button, run) {
-  button.disabled = true;
-  try { say(await run()); } catch (error) { say(plainError(error)); } finally { button.disabled = false; }
+  // Busy, not disabled: a disabled button loses the focus, which a dialog it opens could then not give back.
+  if (button.getAttribute("aria-disabled") === "true") return;
+  button.setAttribute("aria-disabled", "true");
+  const tr = button.closest("tr");
+  try {
+    const answer = await run();
+    if (answer) say(answer.text || answer, answer.warning);
+    if (answer && answer.focus) {
+      focusIntent = { ...answer.focus, origin: button, next: tr && neighbourKey(tr), until: Date.now() + FOCUS_WAIT_MS };
+    }
+  } catch (error) {
+    say(plainError(error));
+  } finally {
+    button.removeAttribute("aria-disabled");
+  }
+  applyFocusIntent();
+  // Whatever happened, the focus never drops to the page: back to the row the action was on, or its neighbour.
+  if (focusLost()) {
+    if (tr && tr.isConnected && !tr.hidden) focusRow(tr, button.textContent);
+    else if (button.isConnected && !button.closest("[hidden]")) button.focus();
+    else if (!focusIntent) fallbackFocus();
+  }
+}
+
+// The focus is nowhere a person can see: on the page itself, or on something hidden (a closed dialog's button).
+function focusLost() {
+  const element = document.activeElement;
+  return !element || element === document.body || !element.isConnected || element.closest("dialog:not([open]), [hidden]") !== null;
+}
+
+function neighbourKey(tr) {
+  const next = neighbourOf(tr);
+  return next ? next.dataset.key : null;
+}
+
+function focusRow(tr, label = "") {
+  const buttons = [...tr.querySelectorAll("button")];
+  const target = buttons.find((button) => button.textContent === label) || buttons[0];
+  if (target) { target.focus(); return; }
+  for (const other of document.querySelectorAll("#claims tbody tr")) other.tabIndex = -1;
+  tr.tabIndex = 0;
+  tr.focus();
+}
+
+function fallbackFocus() {
+  const first = document.querySelector("#claims tbody tr:not([hidden])");
+  if (first) focusRow(first); else $("#search").focus();
+}
+
+// The next sensible control once an action's change has come through: a button of the row it made (say "I
+// replied" on a message just taken), the row itself when it has none left, or, when the row went away, the next.
+function applyFocusIntent() {
+  const intent = focusIntent;
+  if (!intent) return;
+  const row = rows.get(intent.key);
+  const visibleRow = row && !row.tr.hidden ? row : null;
+  // A person who moved on meanwhile (typed in a field, went to another row) keeps the focus they chose.
+  if (!focusLost() && !(intent.origin && intent.origin.contains(document.activeElement)) &&
+      !(visibleRow && visibleRow.tr.contains(document.activeElement))) {
+    focusIntent = null;
+    return;
+  }
+  if (intent.want === "gone" && !visibleRow) {
+    focusIntent = null;
+    const next = intent.next && rows.get(intent.next);
+    if (next && !next.tr.hidden) focusRow(next.tr); else fallbackFocus();
+    return;
+  }
+  if (visibleRow && intent.want === "button") {
+    const button = [...visibleRow.tr.querySelectorAll("button")].find((candidate) => candidate.textContent === intent.label);
+    if (button) { focusIntent = null; button.focus(); return; }
+  }
+  if (visibleRow && intent.want === "row" && visibleRow.status.state === intent.state) {
+    focusIntent = null;
+    focusRow(visibleRow.tr, "");
+    return;
+  }
+  if (Date.now() > intent.until) {
+    focusIntent = null;
+    if (!focusLost()) return;
+    if (visibleRow) focusRow(visibleRow.tr, intent.label); else fallbackFocus();
+  }
 }
 
 function scheduleReorder() {
@@ -343,6 +635,7 @@ function scheduleReorder() {
     if (focused && body.contains(focused)) focused.focus();
     refreshCounts();
     rovingFocus();
+    applyFocusIntent();
   });
 }
 
@@ -359,80 +652,181 @@ function refreshCounts() {
 
 function tick() {
   const now = Date.now();
-  for (const { status, tr } of rows.values()) {
-    if (tr.hidden) continue;
+  for (const [key, { status, tr }] of rows) {
     const left = timeLeft(status, now);
+    if (isMine(status) && status.state === CLAIMED && left.level && !warned.has(key)) {
+      warned.add(key);
+      say(`Your claim on ${nameOf(status)} ends in ${left.text}: “Keep it longer” if you are still writing, ` +
+        "or “Give it back”. When it ends, an agent may answer it.", true);
+    }
+    if (tr.hidden) continue;
     const leftCell = tr.querySelector(".left");
     if (leftCell && leftCell.textContent !== left.text) {
       leftCell.textContent = left.text;
-      leftCell.classList.toggle("soon", Boolean(left.soon));
+      showTimeLeft(tr, leftCell, left, status);
     }
   }
 }
 
 // --- actions ---------------------------------------------------------------------------------------------
 
-function ask(text, withSentId) {
+// A question in the dialog, with a note field when one is asked for; resolves to the note ("" when none was
+// written) or null when cancelled. The focus starts in the first field (the note), else on the confirm button.
+function ask(text, { ok = "Confirm", note = "Note for the others (optional)" } = {}) {
   const dialog = $("#ask");
   dialog.returnValue = "";
   $("#ask-text").textContent = text;
-  $("#ask-sent-label").hidden = !withSentId;
-  $("#ask-sent").value = "";
+  $("#ask-ok").textContent = ok;
+  $("#ask-note-label").hidden = !note;
+  $("#ask-note-words").textContent = note || "";
   $("#ask-note").value = "";
   return new Promise((resolve) => {
-    dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok"
-      ? { sentMessageId: $("#ask-sent").value.trim(), note: $("#ask-note").value.trim() } : null), { once: true });
+    dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok" ? $("#ask-note").value.trim() : null), { once: true });
     dialog.showModal();
-    $("#ask-note").focus();
+    (note ? $("#ask-note") : $("#ask-ok")).focus();
   });
 }
 
-async function claim(subject) {
-  const answer = await call("ClaimReply", { requestId: requestId(), subject, ttlSeconds: CLAIM_SECONDS });
-  if (answer.result === "GRANTED") { session.me = answer.status.holder; return "It is yours now: nobody else will answer it."; }
+const toSubjectJson = (subject) => ({ mailbox: subject.mailbox, kind: subject.kind, id: subject.id });
+
+async function claim(subject, summary) {
+  const answer = await call("ClaimReply", { requestId: requestId(), subject: toSubjectJson(subject), ttlSeconds: CLAIM_SECONDS, ...(summary ? { summary } : {}) });
+  const key = keyOf(subject);
+  if (answer.result === "GRANTED") {
+    session.me = answer.status.holder;
+    return { text: `It is yours now, for ${CLAIM_SECONDS / 60} minutes (you can keep it longer): nobody else will answer it.`, focus: { key, want: "button", label: "I replied" } };
+  }
   if (answer.result === "HELD") return `${answer.status.holder} is already answering it.`;
   return "It has already been answered (or is being sent).";
 }
 
-async function takeover(subject) {
-  const answer = await call("Takeover", { requestId: requestId(), subject, ttlSeconds: CLAIM_SECONDS });
+async function takeover(status, fromPerson = "") {
+  const answer = await call("Takeover", { requestId: requestId(), subject: toSubjectJson(status.subject), ttlSeconds: CLAIM_SECONDS, ...(fromPerson ? { fromPerson } : {}) });
+  const focus = { key: keyOf(status.subject), want: "button", label: "I replied" };
   if (answer.result === "TAKEN_OVER" || answer.result === "GRANTED") {
     session.me = answer.status.holder;
-    return answer.previousHolder
-      ? `You are answering it now; ${answer.previousHolder} has stopped and cannot send.`
-      : "You are answering it now.";
+    const previous = answer.previousHolder;
+    if (!previous) return { text: "You are answering it now.", focus };
+    return {
+      text: fromPerson
+        ? `You are answering it now; ${previous} no longer has it, and what ${previous} sends for it is refused.`
+        : `You are answering it now; ${previous} can no longer send it and will stop at its next step.`,
+      focus,
+    };
   }
-  if (answer.result === "HELD") return `${answer.status.holder} (a person) is already answering it.`;
+  if (answer.result === "HELD") return `${answer.status.holder} (a person) is answering it: it was not taken from them.`;
   return "Too late: the reply is already being sent or went out.";
 }
 
-async function markReplied(subject, token) {
-  const answers = await ask("You answered this message yourself? Agents will then leave it alone.", true);
-  if (!answers) return "";
-  const answer = await call("MarkReplied", { requestId: requestId(), subject, fencingToken: token, ...answers });
+async function takeFromColleague(status) {
+  const holder = plain(status.holder);
+  const confirmed = await ask(`Take ${nameOf(status)} from ${holder}? ${holder} has been answering it since ${clock(when(status.acquiredAt))}. ` +
+    `${holder}'s claim ends now: if ${holder} is still writing, "I replied" and sending are refused for ${holder}.`, { ok: `Take it from ${holder}`, note: null });
+  if (confirmed === null) return "";
+  return takeover(status, status.holder);
+}
+
+async function markReplied(status, token) {
+  const note = await ask("You answered this email yourself (in your mail app, or by phone)? Agents will then leave it alone.",
+    { ok: "Yes, I answered it", note: "How you answered, for the others (optional)" });
+  if (note === null) return "";
+  const answer = await call("MarkReplied", { requestId: requestId(), subject: toSubjectJson(status.subject), fencingToken: token, note });
   return answer.result === "FENCE_RESULT_OK"
-    ? "Recorded as answered by you."
+    ? { text: "Recorded as answered by you.", focus: { key: keyOf(status.subject), want: "row", state: REPLIED } }
     : "It was no longer yours (your time ran out or someone took it over): nothing was recorded.";
 }
 
-async function release(subject, token) {
-  const answer = await call("ReleaseClaim", { requestId: requestId(), subject, fencingToken: token });
-  return answer.result === "FENCE_RESULT_OK" ? "Given back: someone else may answer it." : "It was no longer yours.";
+async function keep(status, token) {
+  const answer = await call("RenewClaim", { requestId: requestId(), subject: toSubjectJson(status.subject), fencingToken: token, ttlSeconds: CLAIM_SECONDS });
+  if (answer.result !== "FENCE_RESULT_OK") return "It was no longer yours (your time ran out or someone took it over).";
+  return { text: `It is yours for ${CLAIM_SECONDS / 60} more minutes.`, focus: { key: keyOf(status.subject), want: "button", label: "Keep it longer" } };
+}
+
+async function release(status, token) {
+  const answer = await call("ReleaseClaim", { requestId: requestId(), subject: toSubjectJson(status.subject), fencingToken: token });
+  return answer.result === "FENCE_RESULT_OK"
+    ? { text: "Given back: someone else may answer it.", focus: { key: keyOf(status.subject), want: "gone" } }
+    : "It was no longer yours.";
 }
 
 async function resolve(subject, outcome) {
   const sent = outcome === "OUTCOME_SENT";
-  const answers = await ask(sent
-    ? "You found the reply in the Sent folder? It will be recorded as answered."
-    : "You checked the Sent folder and the reply is not there? The message will be free to answer again.", sent);
-  if (!answers) return "";
-  await call("ResolveInDoubt", { requestId: requestId(), subject, outcome, ...answers });
-  return sent ? "Recorded as sent." : "Recorded as not sent: it can be answered again.";
+  const note = await ask(sent
+    ? "You found the reply in the mailbox's Sent folder? It will be recorded as answered, with your name."
+    : "You checked the mailbox's Sent folder and the reply is not there? The email will be free to answer again.",
+  { ok: sent ? "Yes, it was sent" : "Yes, it was not sent", note: "What you checked, for the others (optional)" });
+  if (note === null) return "";
+  await call("ResolveInDoubt", { requestId: requestId(), subject: toSubjectJson(subject), outcome, note });
+  const key = keyOf(subject);
+  return sent
+    ? { text: "Recorded as sent, checked by you.", focus: { key, want: "row", state: REPLIED } }
+    : { text: "Recorded as not sent: it can be answered again.", focus: { key, want: "gone" } };
+}
+
+// --- answering an email yourself: the mailbox's recent emails, as the coordinator saw them -----------------------
+
+async function findRecent(event) {
+  if (event) event.preventDefault();
+  const query = $("#answer-query").value.trim();
+  const mailboxes = session.mailboxes.length > 1 && $("#answer-mailbox").value ? [$("#answer-mailbox").value] : session.mailboxes;
+  $("#answer-note").textContent = "Looking…";
+  try {
+    const answers = await Promise.all(mailboxes.map((mailbox) => call("ListRecentMessages", { mailbox, query, pageSize: 20 })));
+    recent = answers.flatMap((answer) => answer.messages || [])
+      .sort((a, b) => (when(b.firstSeenAt) || 0) - (when(a.firstSeenAt) || 0));
+    $("#answer-note").textContent = recent.length
+      ? `${recent.length} email${recent.length > 1 ? "s" : ""} ${query ? `matching “${query}”` : "that came in most recently"}:`
+      : query ? `No email that came in today matches “${query}”.` : "No email came in today that the coordinator knows of.";
+  } catch (error) {
+    recent = [];
+    $("#answer-note").textContent = plainError(error);
+  }
+  showRecent();
+}
+
+// What can be done with each email found, from what the board shows about it now.
+function showRecent() {
+  const list = $("#answer-results");
+  if (!list || !$("#answer").open) return;
+  const focusedKey = list.contains(document.activeElement) ? document.activeElement.closest("li")?.dataset.key : null;
+  list.replaceChildren(...recent.map((message) => {
+    const key = keyOf(message.subject);
+    const row = rows.get(key);
+    const status = row ? row.status : { subject: message.subject, state: FREE, summary: message.summary };
+    const summary = message.summary || {};
+    const item = document.createElement("li");
+    item.dataset.key = key;
+    const found = document.createElement("div");
+    found.className = "found";
+    const subject = document.createElement("div");
+    subject.className = "subject";
+    subject.append(summary.subjectLine ? isolated(summary.subjectLine) : `(no subject given) message ${plain(message.subject.id)}`);
+    const received = summary.receivedAt || message.firstSeenAt;
+    found.append(subject, line("sender", summary.sender, received ? "came in " + clock(when(received)) : ""));
+    const state = document.createElement("div");
+    state.className = "state";
+    state.textContent = status.state === FREE ? "Nobody is answering it." : plain(whatIsHappening(status)) + ".";
+    found.append(state);
+    item.append(found);
+    let offered = [];
+    if (status.state === FREE) offered = [["I'm answering this", () => claim(message.subject, message.summary)]];
+    else offered = actionsFor(status).offered.filter(([label]) => !OWN_CLAIM_ACTIONS.has(label));
+    addButtons(item, offered);
+    return item;
+  }));
+  if (focusedKey && !focusIntent) {
+    const again = list.querySelector(`li[data-key="${CSS.escape(focusedKey)}"] button`);
+    if (again) again.focus();
+  }
 }
 
 // --- the page ------------------------------------------------------------------------------------------------
 
-function say(text) { $("#status-line").textContent = text; }
+function say(text, warning = false) {
+  const status = $("#status-line");
+  status.textContent = text;
+  status.classList.toggle("warning", Boolean(warning && text));
+}
 function unsay(text) { if ($("#status-line").textContent === text) say(""); }
 
 function rovingFocus() {
@@ -497,16 +891,16 @@ function start() {
   $("#board").hidden = false;
   const who = $("#who");
   who.hidden = false;
-  const rights = [may("takeover") && session.kind === "human" ? "may take over from agents" : "",
-    may("resolve") ? "may settle unconfirmed sends" : ""].filter(Boolean);
+  const rights = [mayTakeOver() ? "may take over from agents and colleagues" : "", may("resolve") ? "may settle unconfirmed sends" : ""].filter(Boolean);
   who.textContent = `Signed in as ${session.me}` + (rights.length ? ` (${rights.join(", ")})` : "") +
     ` · ${session.mailboxes.join(", ")}`;
-  const select = $("#claim-mailbox");
-  select.replaceChildren(...session.mailboxes.map((mailbox) => new Option(mailbox, mailbox)));
+  const select = $("#answer-mailbox");
+  select.replaceChildren(new Option("every mailbox", ""), ...session.mailboxes.map((mailbox) => new Option(mailbox, mailbox)));
   select.hidden = session.mailboxes.length < 2;
   refreshCounts();
   for (const mailbox of session.mailboxes) watch(mailbox);
   setInterval(tick, 1000);
+  tick();
 }
 
 function init() {
@@ -527,11 +921,12 @@ function init() {
     refreshCounts();
     rovingFocus();
   });
-  $("#claim-form").addEventListener("submit", (event) => {
-    event.preventDefault();
-    const id = $("#claim-id").value.trim();
-    const mailbox = $("#claim-mailbox").value || session.mailboxes[0];
-    act(event.submitter || $("#claim-form button"), () => claim({ mailbox, kind: "SUBJECT_KIND_MESSAGE", id }));
+  $("#answer-form").addEventListener("submit", findRecent);
+  // Opening the panel lists the newest emails at once: a person often answers the one that just came in.
+  $("#answer").addEventListener("toggle", () => {
+    if (!$("#answer").open) return;
+    $("#answer-query").focus();
+    findRecent();
   });
   // Cancel is not a submit button, so that Enter in a field of the dialog confirms.
   $("#ask-cancel").addEventListener("click", () => $("#ask").close("cancel"));

@@ -8,10 +8,11 @@ however many replicas Nylas delivers it.
         --nylas-api-base http://127.0.0.1:8999 --nylas-api-key demo-key --llm-delay 2
 
 What a notification goes through (``inbox_claims.asgi`` and the client do everything but the drafting):
-signature check on the raw body, 200 at once, then in the background ``reply_to``: ONE ClaimReply that
-records the delivery (a redelivery stops here) and claims the message (another replica, or a human, holding
-it stops here); the fake LLM drafts while the claim is renewed; ``claim.send`` passes the fenced commit point,
-sends through the Nylas API with the claim's idempotency key, and records the reply.
+signature check on the raw body, then ``reply_to``: ONE ClaimReply that records the delivery (a redelivery stops
+here) and claims the message (another replica, or a human, holding it stops here; a message the mailbox sent is
+reported instead, and stops here), then 200; in the background the fake LLM drafts while the claim is renewed;
+``claim.send`` passes the fenced commit point, sends through the Nylas API with the claim's idempotency key, and
+records the reply.
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ def build_app(settings: AgentSettings) -> Starlette:
     llm = FakeLLM(settings.llm_delay, signature=settings.principal)
 
     async def answer(notification: Notification, claim: AsyncClaim) -> None:
-        if "SENT" in (notification.object.get("folders") or []):
-            return  # message.created fires for our own replies too: never answer those
+        # (A message the mailbox sent, its own reply or a person's from Gmail, never gets here: the guard reports it.)
         draft = await llm.draft(notification)
         claim.raise_if_lost()  # taken over by a human while drafting? stop here (the send would be refused anyway)
         reply = NylasReply.answering(notification, body=draft)

@@ -8,6 +8,9 @@ the fake's lifetime) with the same payload gets the first answer again, with ano
 
 ``behaviour`` says how a good request is answered: ``"send"`` (200, ``data.id``), ``"conflict"`` (409),
 ``"reject"`` (422), ``"unavailable"`` (503) or ``"hang"`` (no answer until the fake stops or ``release()``).
+``on_send``, if set, is called with each new send before it is answered (as Nylas's own notification of the sent
+message can come before the send's answer). ``GET /v3/grants/{grant_id}/folders`` lists ``folders[grant_id]``,
+``folder_page_size`` a page, with Nylas's ``next_cursor``.
 
 Run it on its own: ``python -m examples.agent.fake_nylas --port 8999 --api-key demo-key``.
 """
@@ -19,13 +22,16 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal, Self
+from urllib.parse import parse_qs, urlsplit
 
 Behaviour = Literal["send", "conflict", "reject", "unavailable", "hang"]
 
 _SEND_PATH = re.compile(r"^/v3/grants/(?P<grant>[^/]+)/messages/send$")
+_FOLDERS_PATH = re.compile(r"^/v3/grants/(?P<grant>[^/]+)/folders$")
 _ANSWERS: dict[str, tuple[int, str, str]] = {
     "conflict": (409, "idempotency_key_conflict", "a request with this Idempotency-Key is already being handled"),
     "reject": (422, "invalid_request_error", "the message could not be sent: unprocessable recipient"),
@@ -81,6 +87,9 @@ class FakeNylas:
         self.problems: list[str] = []
         self.sends: list[Sent] = []
         self.replays = 0
+        self.on_send: Callable[[Sent], None] | None = None
+        self.folders: dict[str, list[dict[str, Any]]] = {}
+        self.folder_page_size = 50
         self._keys: dict[tuple[str, str], tuple[bytes, int, bytes]] = {}
         self._lock = threading.Lock()
         self._released = threading.Event()
@@ -124,6 +133,10 @@ class FakeNylas:
         """The status and JSON document to answer with, or ``None`` to hang up without answering."""
         with self._lock:
             self.requests.append(request)
+        url = urlsplit(request.path)
+        folders = _FOLDERS_PATH.match(url.path)
+        if request.method == "GET" and folders is not None:
+            return self._folders(folders["grant"], request, parse_qs(url.query).get("page_token", ["0"])[0])
         match = _SEND_PATH.match(request.path)
         if request.method != "POST" or match is None:
             return 404, _error("not_found", f"no route {request.method} {request.path}")
@@ -142,6 +155,16 @@ class FakeNylas:
             return status, _error(kind, message)
         return self._send(grant_id, request)
 
+    def _folders(self, grant_id: str, request: ReceivedRequest, cursor: str) -> tuple[int, dict[str, Any]]:
+        if request.headers.get("authorization") != f"Bearer {self.api_key}":
+            return 401, _error("unauthorized", "authorization: expected 'Bearer <the API key>'")
+        start = int(cursor) if cursor.isdigit() else 0
+        page = self.folders.get(grant_id, [])[start : start + self.folder_page_size]
+        document: dict[str, Any] = {"request_id": "req-folders", "data": page}
+        if start + self.folder_page_size < len(self.folders.get(grant_id, [])):
+            document["next_cursor"] = str(start + self.folder_page_size)
+        return 200, document
+
     def _send(self, grant_id: str, request: ReceivedRequest) -> tuple[int, dict[str, Any]]:
         key = request.headers.get("idempotency-key", "")
         with self._lock:
@@ -157,7 +180,9 @@ class FakeNylas:
             document = {"request_id": f"req-{len(self.requests)}", "data": {**sent.payload, "id": sent.id}}
             if key:
                 self._keys[(grant_id, key)] = (request.body, 200, json.dumps(document).encode())
-            return 200, document
+        if self.on_send is not None:
+            self.on_send(sent)
+        return 200, document
 
     def _check(self, request: ReceivedRequest) -> str:
         headers = request.headers

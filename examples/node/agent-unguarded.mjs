@@ -4,11 +4,21 @@
 import crypto from "node:crypto";
 import express from "express";
 import { draftReply } from "./llm.mjs";
-import { sendReply } from "./send.mjs";
 
 const app = express();
 const SECRET = process.env.NYLAS_WEBHOOK_SECRET ?? "demo-secret";
+const NYLAS_API = process.env.NYLAS_API_BASE ?? "https://api.us.nylas.com";
 const seen = new Set(); // this process's memory only
+
+async function sendReply(grantId, message, draft) {
+  const response = await fetch(`${NYLAS_API}/v3/grants/${encodeURIComponent(grantId)}/messages/send`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${process.env.NYLAS_API_KEY}`, "content-type": "application/json" },
+    body: JSON.stringify({ reply_to_message_id: message.id, to: message.reply_to?.length ? message.reply_to : message.from, subject: `Re: ${message.subject ?? ""}`, body: draft }),
+  });
+  if (!response.ok) throw new Error(`Nylas answered ${response.status}: ${await response.text()}`);
+  return (await response.json()).data.id;
+}
 
 app.get("/webhooks/nylas", (req, res) => res.status(200).type("text/plain").send(req.query.challenge));
 

@@ -1,9 +1,10 @@
 // A stand-in for the Nylas v3 send endpoint on a loopback port: checks the bearer key and Idempotency-Key, records
 // every send. Idempotency as Nylas documents it: a key seen before with the same payload replays the first answer,
-// with another payload 409.
+// with another payload 409. `onSend(sent)`, if given, is called with each new send before it is answered (Nylas's
+// own notification of a sent message can come before the send's answer).
 import { createServer } from "node:http";
 
-export async function startFakeNylas(apiKey) {
+export async function startFakeNylas(apiKey, { onSend } = {}) {
   const sends = [];
   const problems = [];
   const keys = new Map();
@@ -28,7 +29,7 @@ export async function startFakeNylas(apiKey) {
       sends.push({ id, grantId: decodeURIComponent(match[1]), idempotencyKey: key, payload });
       const document = { request_id: `req-${id}`, data: { id } };
       keys.set(`${match[1]} ${key}`, { body, answer: document });
-      answer(200, document);
+      Promise.resolve(onSend?.(sends[sends.length - 1])).finally(() => answer(200, document));
     });
   });
   await new Promise((ok) => server.listen(0, "127.0.0.1", ok));

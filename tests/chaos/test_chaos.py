@@ -1,5 +1,6 @@
 """The chaos harness in CI: a short seeded run under every fault kind must show no violation, and the same
-harness with fencing switched off in the agents must catch double replies (proof that the checker can fail).
+harness with fencing switched off in the agents must catch double replies (proof that the checker can fail), and
+with the agents' outgoing handling switched off must catch the replies that ignore a person's reply from Gmail.
 
 Each run is a real `python -m chaos run` (3 etcd members, 2 coordinators, agent processes, a human tool, the
 sink); see docs/reliability.md for long runs and what each fault does. Both runs start together when the module's
@@ -33,6 +34,8 @@ SEED = 7
 FENCED = ("--seed", str(SEED), "--duration", "60", "--agents", "3", "--messages", "70")
 UNFENCED = ("--seed", str(SEED), "--duration", "20", "--agents", "3", "--messages", "40", "--takeovers", "4",
             "--faults", "agent_pause", "--unfenced")  # fmt: skip
+IGNORING = ("--seed", str(SEED), "--duration", "15", "--agents", "2", "--messages", "20", "--takeovers", "0",
+            "--faults", "none", "--outside-fraction", "0.5", "--ignore-outgoing", "--sink-fail-rate", "0")  # fmt: skip
 BOUND_S = 240
 
 
@@ -68,6 +71,7 @@ class ChaosRun:
 class Runs:
     fenced: ChaosRun
     unfenced: ChaosRun
+    ignoring: ChaosRun
     kinds: tuple[str, ...]
     """The fault kinds of the fenced run: all of them, or all but etcd SIGKILLs on etcd 3.5.0-3.5.2."""
 
@@ -90,10 +94,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     started = Runs(
         fenced=ChaosRun(base / "fenced", (*FENCED, "--faults", ",".join(kinds), *etcd)),
         unfenced=ChaosRun(base / "unfenced", (*UNFENCED, *etcd)),
+        ignoring=ChaosRun(base / "ignoring", (*IGNORING, *etcd)),
         kinds=kinds,
     )
     yield started
-    for run in (started.fenced, started.unfenced):
+    for run in (started.fenced, started.unfenced, started.ignoring):
         run.stop()
 
 
@@ -115,6 +120,20 @@ def test_no_violation_under_every_fault_kind(runs: Runs) -> None:
     assert stats["takeovers"], "the human took nothing over"
     assert stats["final_states"].get("replied", 0) >= 1
     assert set(stats["final_states"]) <= {"replied", "in_doubt"}
+    # People answered from Gmail, their notifications late and redelivered: each was recorded, and no agent
+    # committed after the record.
+    outside = stats["outside"]
+    assert outside["replies"] >= 1, outside
+    assert outside["recorded"] == outside["replies"], outside
+    assert outside["agent_commits_after_record"] == 0, outside
+
+
+@pytest.mark.timeout(BOUND_S + 30)
+def test_the_checker_catches_replies_that_ignore_a_person_answering_from_gmail(runs: Runs) -> None:
+    code, summary, output = runs.ignoring.result()
+    assert code == 1, output[-4000:]
+    assert summary["violations"].get("commit_after_outside_reply", 0) >= 1, output[-4000:]
+    assert summary["violations"].get("reply_to_outgoing", 0) >= 1, output[-4000:]
 
 
 @pytest.mark.timeout(BOUND_S + 30)
@@ -184,3 +203,33 @@ def test_checker_reports_each_kind_of_violation() -> None:
         "wrong_idempotency_key": 1,
     }, report.table
     assert "FAIL: seed 1; replay with: python -m chaos run --seed 1" in report.table
+
+
+def _outside(subject: str, sent_id: str) -> dict[str, Any]:
+    """A person's reply from Gmail, as the sink logs it."""
+    return {
+        "ev": "send", "t": 100.0, "sent": True, "outcome": "sent", "grant": "grant-1-0", "subject_kind": "message",
+        "subject_id": subject, "token": 0, "sender": "ana@shop.example", "sender_kind": "person",
+        "notification_id": "", "sent_id": sent_id, "reply_to": subject, "mode": "outside",
+        "idempotency_key": idempotency_key("grant-1-0", SubjectKind.MESSAGE, subject),
+    }  # fmt: skip
+
+
+def test_checker_judges_replies_beside_a_person_answering_from_gmail() -> None:
+    one, two = "msg-00001", "msg-00002"
+    window = checker.FinalState("replied", 10, "agent-1", knows_outside=True)  # the agent committed first
+    allowed = _record({}, [_send(one, 10, nid="a"), _outside(one, "gmail-1"), _send(two, 10, nid="b")])
+    allowed.final[next(k for k in allowed.final if k.id == one)] = window
+    assert checker.check(allowed).ok, checker.check(allowed).table
+
+    unaware = _record({}, [_send(one, 10, nid="a"), _outside(one, "gmail-1"), _send(two, 10, nid="b")])
+    ended = checker.FinalState("replied", 10, "ana@shop.example", replied_outside=True)
+    after = _record({}, [_send(one, 10, nid="a"), _outside(one, "gmail-1"), _send(two, 10, nid="b")])
+    after.final[next(k for k in after.final if k.id == one)] = ended
+    answering_the_person = {**_send(two, 10, nid="b"), "reply_to": "gmail-1"}
+    to_outgoing = _record({}, [_outside(one, "gmail-1"), answering_the_person])
+    assert checker.check(unaware).counts() == {"commit_after_outside_reply": 1}
+    assert "never learned that a person answered" in checker.check(unaware).table
+    assert checker.check(after).counts() == {"commit_after_outside_reply": 1}
+    assert "had ended the claim" in checker.check(after).table
+    assert checker.check(to_outgoing).counts() == {"reply_to_outgoing": 1}

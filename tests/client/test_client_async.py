@@ -229,8 +229,30 @@ async def test_takeover_and_resolve_in_doubt(
         )
         assert resolved.state is (SubjectState.REPLIED if sent else SubjectState.FREE)
         assert resolved.sent_message_id == ("found" if sent else "")
+        assert (resolved.holder, resolved.settled_by) == (("agent-a", HUMAN) if sent else ("", ""))
     with pytest.raises(FailedPrecondition):
         await human.resolve_in_doubt(Subject.message(mailbox, "never-claimed"), sent=False)
+
+
+async def test_a_person_takes_over_from_the_colleague_named_and_finds_recent_messages(
+    agent: AsyncCoordinator, human: AsyncCoordinator, connect: Connect, coordinator: CoordinatorServer, mailbox: str
+) -> None:
+    colleague = connect(coordinator.address, "bo", kind="human")
+    subject = Subject.message(mailbox, "msg-bo")
+    token = (await colleague.claim(subject, ttl=30)).token
+    assert (await human.takeover(subject)).outcome is TakeoverOutcome.HELD
+    taken = await human.takeover(subject, from_person="bo")
+    assert (taken.outcome, taken.previous_holder, taken.previous_token) == (TakeoverOutcome.TAKEN_OVER, "bo", token)
+
+    summary = MessageSummary("Where is my parcel?", "Carl <carl@example.net>")
+    await agent.claim(Subject.message(mailbox, "msg-parcel"), ttl=30, notification_id="n-parcel", summary=summary)
+    (recent,) = await human.recent_messages(mailbox, query="parcel")
+    assert (recent.subject, recent.summary, recent.seen_by) == (
+        Subject.message(mailbox, "msg-parcel"),
+        summary,
+        "agent-a",
+    )
+    assert recent.first_seen_at is not None
 
 
 async def test_watch_sends_a_snapshot_then_typed_events(agent: AsyncCoordinator, mailbox: str) -> None:

@@ -6,6 +6,12 @@ docs/client.md section 2 shows. Both run as real servers: two worker processes o
 processes for FastAPI, two ``flask run`` werkzeug processes for Flask, each on its own port; this test is the
 dispatcher that spreads the deliveries over them, as a load balancer would) against a real coordinator on a
 real etcd and a fake Nylas that records every send. The unguarded pair replies twice; the guarded pair once.
+
+And the mailbox's own messages (docs/design.md#replies-written-outside): the fake Nylas delivers the copy of every
+reply the agents send (in SENT, as Nylas notifies every message the mailbox sends, here before the send is even
+answered), and a person answers a message from Gmail while an agent drafts its answer. The unguarded pair replies
+to its own replies and to the person's, and sends its draft anyway; the guarded pair replies once per customer
+message, never to an outgoing message, and the agent drafting sends nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import httpx
 import pytest
 
 from coordinator.etcd_process import EtcdServer, free_port
-from examples.agent.fake_nylas import FakeNylas
+from examples.agent.fake_nylas import FakeNylas, Sent
 from inbox_claims import Subject, SubjectState
 from inbox_claims.testing import RunningCoordinator, running_coordinator, sign_nylas
 
@@ -72,6 +78,25 @@ def test_the_handlers_type_check_with_mypy_strict(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _refusal_output(setup: str) -> str:
+    """What a process that configured its logging with ``setup`` prints for one absorbed refusal."""
+    refusal = "from inbox_claims._guard import log_refusal\nlog_refusal('not replying to %s', 'm-1')"
+    code = f"import logging\n{setup}\n{refusal}"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    return result.stdout + result.stderr
+
+
+def test_a_refusal_line_shows_where_the_app_configured_no_logging_and_follows_it_where_it_did() -> None:
+    # uvicorn and gunicorn configure their own loggers only: the line must still show.
+    assert _refusal_output("") == "INFO:inbox_claims: not replying to m-1\n"
+    # An app that configures logging decides: shown at INFO in its format, not at WARNING, not twice.
+    assert _refusal_output("logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')") == (
+        "inbox_claims not replying to m-1\n"
+    )
+    assert _refusal_output("logging.basicConfig(level=logging.WARNING)") == ""
+    assert _refusal_output("logging.getLogger('inbox_claims').setLevel(logging.WARNING)") == ""
+
+
 # ---------------------------------------------------------------------------------------- the servers
 
 
@@ -102,7 +127,12 @@ def _wait_until_serving(worker: Worker, within: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def workers(
-    framework: str, module: str, coordinator: RunningCoordinator, nylas: FakeNylas, logs: Path
+    framework: str,
+    module: str,
+    coordinator: RunningCoordinator,
+    nylas: FakeNylas,
+    logs: Path,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[list[Worker]]:
     started: list[Worker] = []
     try:
@@ -116,6 +146,7 @@ def workers(
                 "NYLAS_WEBHOOK_SECRET": SECRET,
                 "INBOX_COORDINATOR_TARGET": coordinator.target,
                 "INBOX_PRINCIPAL": f"{module}-worker-{index}",
+                **(extra_env or {}),
             }
             with log.open("wb") as output:
                 process = subprocess.Popen(
@@ -139,14 +170,24 @@ def workers(
 # ---------------------------------------------------------------------------------------- deliveries
 
 
-def notification(message_id: str, *, kind: str = "message.created", notification_id: str | None = None) -> bytes:
+def notification(
+    message_id: str,
+    *,
+    kind: str = "message.created",
+    notification_id: str | None = None,
+    thread_id: str | None = None,
+    sent_by: str | None = None,
+) -> bytes:
+    """A message notification: a customer's, in INBOX; or, with ``sent_by``, one the mailbox sent (Google's SENT)."""
     message = {
         "id": message_id,
         "grant_id": GRANT,
-        "thread_id": f"thread-{message_id}",
+        "thread_id": thread_id or f"thread-{message_id}",
         "object": "message",
         "subject": f"Order {message_id}",
-        "from": [{"email": "customer@example.com", "name": "A Customer"}],
+        "from": [{"email": sent_by or "customer@example.com", "name": "Ana Lima" if sent_by else "A Customer"}],
+        "folders": ["SENT"] if sent_by else ["INBOX", "UNREAD"],
+        "date": int(time.time()),
     }
     document = {
         "specversion": "1.0",
@@ -158,14 +199,14 @@ def notification(message_id: str, *, kind: str = "message.created", notification
     return json.dumps(document).encode()
 
 
+def post(delivery: tuple[Worker, bytes]) -> int:
+    worker, body = delivery
+    headers = {"X-Nylas-Signature": sign_nylas(body, SECRET), "Content-Type": "application/json"}
+    return httpx.post(worker.url, content=body, headers=headers, timeout=30.0).status_code
+
+
 def deliver_all(deliveries: list[tuple[Worker, bytes]]) -> None:
     """POSTs every delivery at once (each to its worker), signed as Nylas signs; each must be accepted."""
-
-    def post(delivery: tuple[Worker, bytes]) -> int:
-        worker, body = delivery
-        headers = {"X-Nylas-Signature": sign_nylas(body, SECRET), "Content-Type": "application/json"}
-        return httpx.post(worker.url, content=body, headers=headers, timeout=30.0).status_code
-
     with ThreadPoolExecutor(max_workers=len(deliveries)) as pool:
         statuses = list(pool.map(post, deliveries))
     assert statuses == [200] * len(deliveries)
@@ -247,6 +288,10 @@ def test_the_unguarded_handler_replies_twice_and_the_guarded_one_once(
 
     with workers(framework, f"{framework}_guarded", coordinator, nylas, tmp_path) as pair:
         after = run_the_deliveries(pair, nylas)
+    # The redeliveries were dropped, each with its line in the worker's output, though the handler configures
+    # no logging and uvicorn (or werkzeug) only its own.
+    output = "".join(worker.log.read_text() for worker in pair)
+    assert "INFO:inbox_claims: not replying to message" in output, output
     assert after.redelivered == Counter({after.message_ids[0]: 1})
     assert after.created_and_updated == Counter({after.message_ids[1]: 1})
     assert after.twenty_twice == Counter(dict.fromkeys(after.message_ids[2:], 1))
@@ -257,3 +302,91 @@ def test_the_unguarded_handler_replies_twice_and_the_guarded_one_once(
     with coordinator.client("checker") as checker:
         for message_id in after.message_ids:
             assert checker.status(Subject.message(GRANT, message_id)).state is SubjectState.REPLIED
+
+
+# ------------------------------------------------------------------------ the mailbox's own messages
+
+SHOP = "support@shop.example"
+DRAFT_WHILE_ANSWERED_S = 2.0
+
+
+@dataclass
+class Conversation:
+    customer_replies: Counter[str]
+    replies_to_outgoing: list[str]
+    copies: list[int]
+    answered_while_drafting: str
+
+
+def run_the_conversation(pair: list[Worker], nylas: FakeNylas, coordinator: RunningCoordinator) -> Conversation:
+    first, second = pair
+    tag = uuid.uuid4().hex[:8]
+    asked, drafting = f"msg-{tag}-asked", f"msg-{tag}-answered-from-gmail"
+    customers = {asked, drafting}
+    copies: list[int] = []
+    earlier = len(nylas.sends)
+
+    def deliver_copy(sent: Sent) -> None:
+        # The copy of a reply to a customer, in SENT, delivered before the send is answered (so before the agent
+        # can confirm it); copies of replies to anything else are not sent, which bounds the unguarded agents.
+        if sent.reply_to_message_id in customers:
+            thread = f"thread-{sent.reply_to_message_id}"
+            copies.append(post((second, notification(sent.id, thread_id=thread, sent_by=SHOP))))
+
+    nylas.on_send = deliver_copy
+    # 1. A customer writes: answered once; the answer's copy comes back.
+    assert post((first, notification(asked))) == 200
+    settled_sends(nylas, [asked], at_least=1)
+    # 2. Another customer writes; while the agent drafts its answer, Ana answers from Gmail. (Delivered from a
+    # thread of its own: the Flask handler drafts and sends before it answers the webhook.)
+    pending = ThreadPoolExecutor(max_workers=1)
+    answered = pending.submit(post, (first, notification(drafting)))
+    with coordinator.client("observer") as observer:
+        deadline = time.monotonic() + DRAFT_WHILE_ANSWERED_S / 2
+        while time.monotonic() < deadline and observer.status(Subject.message(GRANT, drafting)).state is not (
+            SubjectState.CLAIMED
+        ):
+            time.sleep(0.02)
+    gmail = f"gmail-{tag}"
+    assert post((second, notification(gmail, thread_id=f"thread-{drafting}", sent_by="ana@shop.example"))) == 200
+    assert answered.result(timeout=30) == 200
+    pending.shutdown()
+    time.sleep(DRAFT_WHILE_ANSWERED_S + 0.5)  # the draft is done: its send went out, or was refused
+    settled_sends(nylas, [], at_least=0)
+    nylas.on_send = None
+    for worker in pair:
+        assert worker.process.poll() is None, worker.log.read_text()
+    sends = nylas.sends[earlier:]
+    outgoing = {sent.id for sent in sends} | {gmail}
+    return Conversation(
+        Counter(sent.reply_to_message_id for sent in sends if sent.reply_to_message_id in customers),
+        [sent.reply_to_message_id for sent in sends if sent.reply_to_message_id in outgoing],
+        copies,
+        drafting,
+    )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("framework", ["fastapi", "flask"])
+def test_no_reply_to_the_mailboxs_own_messages_and_none_after_a_person_answered_from_gmail(
+    framework: str, coordinator: RunningCoordinator, nylas: FakeNylas, tmp_path: Path
+) -> None:
+    env = {"LLM_DRAFT_SECONDS": str(DRAFT_WHILE_ANSWERED_S), "INBOX_MAILBOX_ADDRESSES": SHOP}
+    with workers(framework, f"{framework}_unguarded", coordinator, nylas, tmp_path, env) as pair:
+        before = run_the_conversation(pair, nylas, coordinator)
+    # Without the guard: a reply to its own reply, one to the person's, and the draft sent after the person answered.
+    assert len(before.replies_to_outgoing) >= 2, before
+    assert before.customer_replies[before.answered_while_drafting] == 1, before
+
+    with workers(framework, f"{framework}_guarded", coordinator, nylas, tmp_path, env) as pair:
+        after = run_the_conversation(pair, nylas, coordinator)
+    asked = next(message for message in after.customer_replies if message != after.answered_while_drafting)
+    assert after.customer_replies == Counter({asked: 1}), after
+    assert after.replies_to_outgoing == [], after
+    assert after.copies == [200], after
+    assert nylas.problems == []
+    with coordinator.client("checker") as checker:
+        answered = checker.status(Subject.message(GRANT, after.answered_while_drafting))
+        assert (answered.state, answered.replied_outside) == (SubjectState.REPLIED, True)
+        assert answered.holder == "Ana Lima <ana@shop.example>"
+        assert checker.status(Subject.message(GRANT, asked)).state is SubjectState.REPLIED

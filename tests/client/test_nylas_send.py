@@ -14,6 +14,7 @@ import socket
 from collections.abc import Iterator
 from typing import Literal
 
+import httpx
 import pytest
 
 from coordinator.server import CoordinatorServer
@@ -250,3 +251,24 @@ def test_requests_and_answers_are_built_and_read_in_one_place() -> None:
         with pytest.raises(NylasSendOutcomeUnknown) as unknown:
             interpret_send_response(status, b"")
         assert not isinstance(unknown.value, SendRejected)
+
+
+async def test_the_sent_folders_of_a_grant_are_found_by_their_attribute_across_pages(fake: FakeNylas) -> None:
+    """What the guard's sent_folders setting takes for a Microsoft or IMAP grant: the ids of the folders whose
+    attributes hold \\Sent (Nylas's common attribute), on every page of the folder list."""
+    grant = "grant-outlook"
+    fake.folders[grant] = [
+        {"id": "AAMkInbox", "name": "Inbox", "attributes": ["\\Inbox"]},
+        {"id": "AAMkDrafts", "name": "Drafts", "attributes": ["\\Drafts"]},
+        {"id": "AAMkSent", "name": "Sent Items", "attributes": ["\\Sent"]},
+        {"id": "AAMkArchive", "name": "Archive"},
+        {"id": "INBOX.Sent", "name": "Sent", "attributes": ["\\HasNoChildren", "\\Sent"]},
+    ]
+    fake.folder_page_size = 2
+    async with AsyncNylas(API_KEY, api_base=fake.api_base) as nylas:
+        assert await nylas.sent_folder_ids(grant) == ["AAMkSent", "INBOX.Sent"]
+        assert await nylas.sent_folder_ids("grant-without-folders") == []
+    with Nylas(API_KEY, api_base=fake.api_base) as blocking:
+        assert blocking.sent_folder_ids(grant) == ["AAMkSent", "INBOX.Sent"]
+    with Nylas("wrong-key", api_base=fake.api_base) as refused, pytest.raises(httpx.HTTPStatusError, match="401"):
+        refused.sent_folder_ids(grant)

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -21,7 +20,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from flask import Flask
 from starlette.applications import Starlette
 from starlette.routing import Route
@@ -93,29 +91,6 @@ async def eventually(check: Callable[[], Awaitable[bool]], within: float = 5.0) 
 
 
 # ----------------------------------------------------------------------------------------------- ASGI
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Serve]:
-    """Serves an ASGI app with uvicorn on a free loopback port, in this test's event loop; answers its URL."""
-    running: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
-
-    async def start(app: Any) -> str:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(app, lifespan="on", log_level="warning", ws="none", http="h11")
-        server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        running.append((server, task))
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    yield start
-    for server, task in running:
-        server.should_exit = True
-        await task
 
 
 @pytest.fixture

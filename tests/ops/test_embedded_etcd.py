@@ -39,9 +39,22 @@ _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 class Serve:
     """One `inbox-coordinator serve` process on an embedded etcd in ``data_dir``."""
 
-    def __init__(self, data_dir: Path, *flags: str, binary: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *flags: str,
+        binary: Path | None = None,
+        machine: dict[str, str] | None = None,
+        default_data_dir: bool = False,
+    ) -> None:
+        """``machine``: environment variables as the machine has them, where ``$INBOX_COORDINATOR_ETCD_BIN`` is
+        unset unless it says so (the suite sets it for itself); ``default_data_dir``: ``data_dir`` is the default,
+        reached without --data-dir."""
         self.port = free_port()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if machine is not None:
+            env.pop(ENV_ETCD_BIN, None)
+            env.update(machine)
         if binary is not None:
             env[ENV_ETCD_BIN] = str(binary)
         self.process = subprocess.Popen(
@@ -52,7 +65,7 @@ class Serve:
                 "serve",
                 f"--listen=127.0.0.1:{self.port}",
                 "--metrics-listen=",
-                f"--data-dir={data_dir}",
+                *([] if default_data_dir else [f"--data-dir={data_dir}"]),
                 *flags,
             ],
             stdout=subprocess.PIPE,
@@ -334,6 +347,49 @@ async def test_an_unrecorded_data_dir_refused_by_an_older_etcd_gets_the_two_ways
 
     await _claim_kept_with(data_dir, newer)
     assert json.loads((data_dir / VERSION_FILE).read_text())["version"] == etcd_version(newer)
+
+
+async def test_serve_runs_the_etcd_version_that_wrote_the_default_data_dir_when_path_finds_another_first(
+    tmp_path: Path,
+) -> None:
+    """As on a developer's machine: another checkout's `./dev serve` wrote the default data dir with its bundled
+    etcd; this one finds Debian's etcd first on PATH. No etcd setting: serve starts on the bundled one."""
+    distro, debian = _two_etcd_versions()
+    xdg = tmp_path / "xdg"
+    default = xdg / "inbox-coordinator"
+    machine = {"XDG_DATA_HOME": str(xdg), "PATH": f"{debian.parent}{os.pathsep}{os.environ['PATH']}"}
+    first = Serve(default, binary=distro, machine=machine, default_data_dir=True).wait_serving()
+    assert (await first.claim("kept")).result == pb.ClaimReplyResponse.GRANTED
+    assert first.stop()[0] == 0
+    assert shutil.which("etcd", path=machine["PATH"]) == str(debian)
+
+    again = Serve(default, machine=machine, default_data_dir=True)
+    try:
+        again.wait_serving()
+        assert _cmdline(again.owner["etcd_pid"])[0] == str(distro)
+        assert (await again.claim("kept")).result == pb.ClaimReplyResponse.HELD  # the same data
+    finally:
+        code, out = again.stop()
+    assert code == 0, out
+    assert json.loads((default / VERSION_FILE).read_text())["version"] == etcd_version(distro)
+
+
+async def test_a_data_dir_written_by_an_etcd_not_on_path_is_opened_by_that_etcd_again(data_dir: Path) -> None:
+    """The other way round: written by the etcd on PATH, which is gone from PATH now; the bundled etcd (a newer
+    one would upgrade the data for good) is not used: the recorded binary is."""
+    _, debian = _two_etcd_versions()
+    first = Serve(data_dir, binary=debian).wait_serving()
+    assert (await first.claim("kept")).result == pb.ClaimReplyResponse.GRANTED
+    assert first.stop()[0] == 0
+
+    again = Serve(data_dir, machine={"PATH": str(data_dir / "no-etcd-here")})
+    try:
+        again.wait_serving()
+        assert _cmdline(again.owner["etcd_pid"])[0] == str(debian)
+        assert (await again.claim("kept")).result == pb.ClaimReplyResponse.HELD
+    finally:
+        code, out = again.stop()
+    assert code == 0, out
 
 
 def test_of_serves_started_together_on_one_data_dir_exactly_one_runs(data_dir: Path) -> None:

@@ -6,16 +6,19 @@ from __future__ import annotations
 import datetime
 import re
 import signal
+import ssl
 import subprocess
 import sys
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import trustme
 
 from coordinator.etcd_process import EtcdServer, free_port
 from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 from tests.helpers import Actor, eventually, message, rpc_error, spawn, wait_for_line
 
 CLI = [sys.executable, "-m", "coordinator.cli"]
@@ -229,5 +232,75 @@ async def test_a_refused_client_certificate_is_logged_with_its_reason(
             line = wait_for_line(process, '"event": "tls_handshake_refused"').splitlines()[-1]
             assert f'"reason": "{reason}"' in line, line
             assert advice in line, line
+    finally:
+        _stop(process)
+
+
+def test_a_client_ca_without_requiring_certificates_is_refused_at_start(tmp_path: Path, etcd: EtcdServer) -> None:
+    # grpcio asks for a client certificate only when it requires one: such a CA would never see a certificate.
+    ca = trustme.CA()
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    server_cert = ca.issue_cert("127.0.0.1")
+    (tmp_path / "server.pem").write_bytes(b"".join(b.bytes() for b in server_cert.cert_chain_pems))
+    (tmp_path / "server.key").write_bytes(server_cert.private_key_pem.bytes())
+    tls = ["--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key")]
+    result = subprocess.run(
+        [
+            *CLI,
+            "serve",
+            "--etcd-endpoints",
+            etcd.endpoint,
+            *tls,
+            "--tls-client-ca",
+            str(tmp_path / "ca.pem"),
+            "--metrics-listen",
+            "",
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "tls_client_ca" in result.stderr
+    assert "require_client_cert" in result.stderr
+    assert "optionally" in result.stderr
+
+
+async def test_a_mapped_client_certificate_is_the_caller_over_grpc_and_http(
+    tmp_path: Path, etcd: EtcdServer, prefix: str
+) -> None:
+    ca, port, command = _mtls_serve(tmp_path, etcd, prefix)
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        '[[principals]]\nid = "agent-1"\nmailboxes = ["acme-*"]\ncertificate_names = ["agent-1.acme.test"]\n'
+    )
+    http = f"127.0.0.1:{free_port()}"
+    process = spawn([*command, "--token-file", str(tokens), "--http-listen", http])
+    client = ca.issue_cert("agent-1.acme.test")
+    client.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "client.pem"))
+    try:
+        wait_for_line(process, "claims board on")
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca.cert_pem.bytes(),
+            private_key=client.private_key_pem.bytes(),
+            certificate_chain=client.cert_chain_pems[0].bytes(),
+        )
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            caller = await pb_grpc.CoordinatorStub(channel).GetCaller(pb.GetCallerRequest())
+        assert caller.principal == "agent-1"
+        # The HTTP face asks for the certificate too, and maps it the same way.
+        url = f"https://{http}/inbox.coordinator.v1.Coordinator/GetCaller"
+        context = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        context.load_cert_chain(str(tmp_path / "client.pem"))
+        async with httpx.AsyncClient(verify=context) as https:
+            answer = await https.post(url, json={})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["principal"] == "agent-1"
+        # Without a certificate, no HTTP request gets through either.
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))) as bare:
+            with pytest.raises(httpx.TransportError):
+                await bare.post(url, json={})
     finally:
         _stop(process)

@@ -333,7 +333,8 @@ def _tls_files(tmp_path: Path, ca: trustme.CA, *, require_client_cert: bool) -> 
     cert.write_bytes(b"".join(blob.bytes() for blob in server_cert.cert_chain_pems))
     key.write_bytes(server_cert.private_key_pem.bytes())
     client_ca.write_bytes(ca.cert_pem.bytes())
-    return TlsSettings(cert, key, client_ca, require_client_cert)
+    # A client CA goes with requiring client certificates (grpcio cannot ask for an optional one).
+    return TlsSettings(cert, key, client_ca if require_client_cert else None, require_client_cert)
 
 
 async def test_tls_refuses_a_client_that_does_not_trust_the_server(

@@ -44,6 +44,21 @@ def claim(subject: pb.Subject, *, ttl: int = 0, notification_id: str = "", reque
     return pb.BatchCall(claim_reply=request)
 
 
+def threaded(subject: pb.Subject, thread_id: str, received_s: int) -> pb.BatchCall:
+    request = pb.ClaimReplyRequest(request_id=new_request_id(), subject=subject, thread_id=thread_id)
+    request.received_at.seconds = received_s
+    return pb.BatchCall(claim_reply=request)
+
+
+def outgoing(mailbox: str, thread_id: str, message_id: str, sent_s: int) -> pb.BatchCall:
+    request = pb.RecordOutgoingRequest(
+        request_id=new_request_id(), mailbox=mailbox, thread_id=thread_id, message_id=message_id, sender="Ana"
+    )
+    if sent_s:
+        request.sent_at.seconds = sent_s
+    return pb.BatchCall(record_outgoing=request)
+
+
 def status(subject: pb.Subject) -> pb.BatchCall:
     return pb.BatchCall(get_status=pb.GetStatusRequest(subject=subject))
 
@@ -99,7 +114,7 @@ async def test_each_call_is_answered_as_the_same_call_alone(agent: Actor, mailbo
 async def _run_script(agent: Actor, mailbox: str, alone: bool) -> list[tuple[str, int, int, str] | tuple[str, str]]:
     """The same steps, each step's calls made one RPC each (``alone``) or as one Batch; the outcomes with
     everything that differs between two runs (tokens, times, the mailbox's name) taken out."""
-    subjects = [message(mailbox, f"m-{n}") for n in range(4)]
+    subjects = [message(mailbox, f"m-{n}") for n in range(6)]
     tokens: dict[int, int] = {}
 
     def steps() -> list[list[pb.BatchCall]]:
@@ -109,8 +124,11 @@ async def _run_script(agent: Actor, mailbox: str, alone: bool) -> list[tuple[str
                 claim(subjects[1], notification_id="n-1"),
                 record(mailbox, "n-2"),
                 status(subjects[2]),
+                threaded(subjects[4], "t-1", 1_000),
             ],
             [
+                outgoing(mailbox, "t-1", "gmail-1", 2_000),
+                outgoing(mailbox, "t-1", "gmail-2", 0),
                 claim(subjects[0]),
                 claim(subjects[3], notification_id="n-1"),
                 fenced("renew_claim", subjects[1], tokens.get(1, 0)),
@@ -128,7 +146,13 @@ async def _run_script(agent: Actor, mailbox: str, alone: bool) -> list[tuple[str
                 claim(subjects[0]),
                 fenced("abort_send", subjects[2], 5, reason="no"),
             ],
-            [claim(subjects[1]), status(subjects[0]), status(subjects[1])],
+            [
+                claim(subjects[1]),
+                status(subjects[0]),
+                status(subjects[1]),
+                fenced("begin_send", subjects[4], tokens.get(4, 0)),
+                threaded(subjects[5], "t-1", 1_500),
+            ],
         ]
 
     outcomes: list[tuple[str, int, int, str] | tuple[str, str]] = []
@@ -181,6 +205,13 @@ async def test_batched_and_unary_calls_give_identical_outcomes(agent: Actor) -> 
     assert any(o[:2] == ("begin_send", pb.FENCE_RESULT_STALE_TOKEN) for o in alone)
     assert any(o[0] == "INVALID_ARGUMENT" and "ttl_seconds" in str(o[1]) for o in alone)
     assert any(o[:3] == ("confirm_sent", pb.FENCE_RESULT_OK, pb.SUBJECT_STATE_REPLIED) for o in alone)
+    # A reply written outside, batched like the rest: it ends the thread's claim and answers its later messages.
+    assert ("record_outgoing", pb.RecordOutgoingResponse.ANSWERED_OUTSIDE, 0, "") in alone
+    assert any(o[0] == "INVALID_ARGUMENT" and "sent_at" in str(o[1]) for o in alone)
+    assert alone[-2:] == [
+        ("begin_send", pb.FENCE_RESULT_STALE_TOKEN, pb.SUBJECT_STATE_REPLIED, "Ana"),
+        ("claim_reply", pb.ClaimReplyResponse.ALREADY_REPLIED, pb.SUBJECT_STATE_REPLIED, "Ana"),
+    ]
 
 
 async def test_one_bad_call_is_refused_alone_and_stores_nothing(agent: Actor, mailbox: str) -> None:

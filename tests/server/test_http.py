@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.auth import TokenAuthenticator
+from coordinator.cli import board_line
 from coordinator.etcd_process import EtcdServer
 from coordinator.quotas import QuotaSettings
 from coordinator.server import CoordinatorServer, ServerSettings
@@ -397,16 +398,49 @@ async def test_fuzzed_json_bodies_never_get_a_5xx(server: CoordinatorServer, mai
     assert failures == []
 
 
-async def test_a_taken_default_port_is_a_warning_and_an_asked_for_one_an_error(
+async def test_a_taken_default_port_moves_to_a_free_one_said_plainly_and_an_asked_for_one_is_an_error(
     etcd: EtcdServer, prefix: str, server: CoordinatorServer
 ) -> None:
     assert server.http is not None
     taken = server.http.address
     with pytest.raises(OSError, match=f"cannot serve HTTP on {taken}"):
         await serve(etcd, prefix, http_listen=taken)
-    quiet = await serve(etcd, prefix, http_listen=taken, http_optional=True)
+    # The default address of development mode (http_optional): the board is served on the next free port...
+    moved = await serve(etcd, prefix, http_listen=taken, http_optional=True)
+    try:
+        assert moved.http is not None
+        assert moved.http.address != taken
+        taken_port = int(taken.rpartition(":")[2])
+        assert moved.http.taken_port == taken_port
+        async with httpx.AsyncClient(base_url=f"http://{moved.http.address}") as client:
+            page = await client.get("/")
+        assert page.status_code == 200
+        assert "Who is answering what" in page.text
+        # ... and the banner says where, and why there, in the words the person reads.
+        line = board_line(moved)
+        assert line.startswith(
+            f"inbox-coordinator: claims board on http://{moved.http.address}/ (HTTP/JSON API under "
+            "/inbox.coordinator.v1.Coordinator/; at most "
+        ), line
+        assert line.endswith(
+            f"; port {taken_port} is taken by another program, so this coordinator took the next free one "
+            "(--http-listen chooses))"
+        ), line
+    finally:
+        await moved.stop(grace=0.5)
+    line = board_line(server)
+    assert line.startswith(f"inbox-coordinator: claims board on http://{taken}/ (HTTP/JSON API under "), line
+    assert "is taken" not in line
+
+
+async def test_an_optional_http_face_that_cannot_be_served_at_all_is_said_in_the_banner(
+    etcd: EtcdServer, prefix: str
+) -> None:
+    # Not a taken port (that moves) but an address this machine does not have.
+    quiet = await serve(etcd, prefix, http_listen="192.0.2.1:8080", http_optional=True)
     try:
         assert quiet.http is None  # serving gRPC without the HTTP face
+        assert board_line(quiet).startswith("inbox-coordinator: no claims board: cannot serve HTTP on 192.0.2.1:8080 (")
     finally:
         await quiet.stop(grace=0.5)
 

@@ -12,9 +12,11 @@ import pytest
 from coordinator import limits
 from coordinator.domain import Subject, SubjectKind
 from coordinator.etcd_process import EtcdServer
+from coordinator.quotas import QuotaSettings
 from coordinator.store_api import encode_cursor
 from inbox_claims._proto import coordinator_pb2 as pb
-from tests.helpers import Actor, message, rpc_error
+from tests.conftest import StartCoordinator
+from tests.helpers import Actor, message, new_request_id, rpc_error, thread
 
 GRANTED = pb.ClaimReplyResponse.GRANTED
 
@@ -125,6 +127,10 @@ async def test_other_field_limits(agent: Actor, channel: grpc.aio.Channel, mailb
             "does not belong to this mailbox",
         ),
         (Actor(channel, "p" * 129).claim(subject), "principal", "128 bytes"),
+        (agent.recent(mailbox, query="q" * 257), "query", "256 bytes"),
+        (agent.recent(mailbox, query="a\x07b"), "query", "control character"),
+        (agent.recent(mailbox, page_size=101), "page_size", "100"),
+        (Actor(channel, "ana", kind="human").takeover(subject, from_person="p" * 129), "from_person", "128 bytes"),
         (Actor(channel, "ana", kind="robot").claim(subject), "x-inbox-principal-kind", "'agent' or 'human'"),
     ]
     for call, field, words in cases:
@@ -133,6 +139,67 @@ async def test_other_field_limits(agent: Actor, channel: grpc.aio.Channel, mailb
         assert (error.details() or "").startswith(field), error.details()
         assert words in (error.details() or ""), error.details()
     assert (await agent.status(subject)).state == pb.SUBJECT_STATE_FREE
+
+
+async def test_thread_and_outgoing_field_limits(agent: Actor, mailbox: str) -> None:
+    """ClaimReply's thread and received time, and every field of RecordOutgoing, each with its named limit."""
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    def at(seconds: int, nanos: int = 0) -> Timestamp:
+        return Timestamp(seconds=seconds, nanos=nanos)
+
+    def claim(subject: pb.Subject, **fields: object) -> pb.ClaimReplyRequest:
+        return pb.ClaimReplyRequest(request_id="r-claim", subject=subject, **fields)  # type: ignore[arg-type]
+
+    def outgoing(**fields: object) -> pb.RecordOutgoingRequest:
+        request: dict[str, object] = {
+            "request_id": "r-out",
+            "mailbox": mailbox,
+            "message_id": "gmail-1",
+            "thread_id": "t-1",
+            "sent_at": at(1_700_000_000),
+        }
+        return pb.RecordOutgoingRequest(**(request | fields))  # type: ignore[arg-type]
+
+    subject = message(mailbox, "m")
+    too_long = "x" * (limits.THREAD_ID_MAX_BYTES + 1)
+    cases = [
+        (claim(subject, thread_id=too_long, received_at=at(1)), "thread_id", f"{limits.THREAD_ID_MAX_BYTES} bytes"),
+        (claim(subject, thread_id="t-1"), "received_at", "required with thread_id"),
+        (claim(subject, received_at=at(1)), "thread_id", "required with received_at"),
+        (claim(subject, thread_id="t-1", received_at=at(-1)), "received_at", "before 1970"),
+        (claim(subject, thread_id="t-1", received_at=at(1, -5)), "received_at.nanos", "0..999999999"),
+        (claim(thread(mailbox, "t-1"), thread_id="t-2", received_at=at(1)), "thread_id", "another thread"),
+        (outgoing(message_id=""), "message_id", "required"),
+        (outgoing(message_id="x" * (limits.MESSAGE_ID_MAX_BYTES + 1)), "message_id", "512 bytes"),
+        (outgoing(thread_id=""), "thread_id", "required"),
+        (outgoing(thread_id=too_long), "thread_id", "512 bytes"),
+        (outgoing(sent_at=None), "sent_at", "required"),
+        (outgoing(sent_at=at(-60)), "sent_at", "before 1970"),
+        (outgoing(sender="s" * (limits.SENDER_MAX_BYTES + 1)), "sender", "512 bytes"),
+        (outgoing(sender="Ana\nLima"), "sender", "control character"),
+        (outgoing(notification_id="n" * 257), "notification_id", "256 bytes"),
+        (outgoing(mailbox=""), "mailbox", "required"),
+    ]
+    for request, field, words in cases:
+        if isinstance(request, pb.ClaimReplyRequest):
+            error = await rpc_error(agent.stub.ClaimReply(request, metadata=agent.metadata))
+        else:
+            assert isinstance(request, pb.RecordOutgoingRequest)
+            error = await rpc_error(agent.stub.RecordOutgoing(request, metadata=agent.metadata))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, error.details())
+        assert (error.details() or "").startswith(field), error.details()
+        assert words in (error.details() or ""), error.details()
+    assert (await agent.status(subject)).state == pb.SUBJECT_STATE_FREE
+    # At the limits, both are accepted.
+    longest = "t" * limits.THREAD_ID_MAX_BYTES
+    granted = await agent.stub.ClaimReply(claim(subject, thread_id=longest, received_at=at(0)), metadata=agent.metadata)
+    assert granted.result == GRANTED
+    answer = await agent.stub.RecordOutgoing(
+        outgoing(thread_id=longest, sender="s" * limits.SENDER_MAX_BYTES), metadata=agent.metadata
+    )
+    assert answer.result == pb.RecordOutgoingResponse.ANSWERED_OUTSIDE
+    assert [status.subject.id for status in answer.subjects] == ["m"]
 
 
 async def test_missing_principal_is_unauthenticated(channel: grpc.aio.Channel, mailbox: str) -> None:
@@ -176,3 +243,53 @@ async def test_list_claims_pages_and_filters(agent: Actor, other_agent: Actor, m
         collected.extend(s.subject.id for s in sending.subjects)
     assert collected == [f"m-{n:02d}" for n in range(0, 25, 5)]
     assert all(s.state == pb.SUBJECT_STATE_SENDING for s in sending.subjects)
+
+
+async def test_list_claims_by_state_reads_a_bounded_number_of_ranges_per_page(
+    start_coordinator: StartCoordinator, mailbox: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ranges of 100 subjects, 5 a page: 2,500 subjects are 5 pages of 500 read, with one etcd read per range.
+    monkeypatch.setattr(limits, "LIST_RANGE_SUBJECTS", 100)
+    # No sweeper meanwhile: its reads of the SENDING index are etcd Range calls too.
+    coordinator = await start_coordinator(quotas=QuotaSettings(calls_per_second=0), sweep_interval_s=3600)
+    channel = grpc.aio.insecure_channel(coordinator.address)
+    agent = Actor(channel, "agent-a")
+    tokens: dict[int, int] = {}
+    for start in range(0, 2500, 250):
+        calls = [
+            pb.BatchCall(
+                claim_reply=pb.ClaimReplyRequest(request_id=new_request_id(), subject=message(mailbox, f"m-{n:04d}"))
+            )
+            for n in range(start, start + 250)
+        ]
+        answers = await agent.stub.Batch(pb.BatchRequest(calls=calls), metadata=agent.metadata)
+        tokens.update({start + i: r.claim_reply.status.fencing_token for i, r in enumerate(answers.results)})
+    sending = (7, 1234, 2499)
+    for n in sending:
+        await agent.begin(message(mailbox, f"m-{n:04d}"), tokens[n])
+
+    def ranges_read() -> float:
+        return (
+            coordinator.metrics.value("inbox_coordinator_etcd_request_duration_seconds_count", {"method": "Range"}) or 0
+        )
+
+    for state, expected in (
+        (pb.SUBJECT_STATE_SENDING, [f"m-{n:04d}" for n in sending]),
+        (pb.SUBJECT_STATE_IN_DOUBT, []),
+    ):
+        found: list[str] = []
+        pages = 0
+        token = ""
+        while True:
+            before = ranges_read()
+            page = await agent.list(mailbox, states=(state,), page_size=1, page_token=token)
+            assert ranges_read() - before <= limits.LIST_RANGES_PER_PAGE
+            pages += 1
+            found.extend(s.subject.id for s in page.subjects)
+            token = page.next_page_token
+            if not token:
+                break
+        assert found == expected
+        # A page ends when it is full or has read its 5 ranges: the walk takes at most 2,500 / 500 + one a hit.
+        assert pages <= 5 + len(expected)
+    await channel.close()

@@ -136,3 +136,25 @@ def test_store_summaries_is_a_setting_like_the_others() -> None:
     assert load({}, {}).rules().store_summaries is True
     assert load({}, {"INBOX_COORDINATOR_STORE_SUMMARIES": "false"}).rules().store_summaries is False
     assert load({"store_summaries": "false"}, {}).store_summaries is False
+
+
+async def test_invisible_formatting_in_a_summary_is_dropped_so_no_one_sees_a_disguised_subject(
+    agent: Actor, human: Actor, mailbox: str
+) -> None:
+    # "Invoice \u202egnp.exe" shows as "Invoice exe.png"; the marks, isolates and zero-width spaces of a spoof
+    # go too. Joiners stay: without them the family emoji falls apart and the Persian word is misspelt.
+    persian = "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645"
+    disguised = pb.MessageSummary(
+        subject_line=f"Invoice \u202egnp.exe \u2066x\u2069\u200b\ufeff \U0001f468\u200d\U0001f469 {persian}",
+        sender="Bea\u200f Costa\u2028<bea@example.org>",
+    )
+    subject = message(mailbox, "disguised")
+    granted = await claim_with(agent, subject, disguised)
+    expected = f"Invoice gnp.exe x \U0001f468\u200d\U0001f469 {persian}"
+    assert granted.status.summary.subject_line == expected
+    assert granted.status.summary.sender == "Bea Costa<bea@example.org>"
+    assert (await human.status(subject)).summary.subject_line == expected
+    # A takeover's summary is cleaned the same way.
+    other = message(mailbox, "taken")
+    taken = await takeover_with(human, other, pb.MessageSummary(subject_line="Pay \u202etxt.exe"))
+    assert taken.status.summary.subject_line == "Pay txt.exe"

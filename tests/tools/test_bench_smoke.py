@@ -24,6 +24,7 @@ EXPECTED = {
     "watch": ("== watch:", "watchers: coordinator p99"),
     "memory": ("== memory:", "watchers over"),
     "embedded-db": ("== embedded-db:", "growth per cycle:"),
+    "mcp": ("== mcp:", "guarded/direct: median"),
     "profile": ("== profile:", "by where the time was spent"),
 }
 

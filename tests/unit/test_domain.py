@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from coordinator import domain
@@ -87,15 +89,42 @@ def test_release_after_begin_send_is_refused() -> None:
         domain.release(Stored(begun, 10, 11), None, AGENT, token=10, request_id="r", now_ms=NOW)
 
 
-def test_takeover_only_by_humans_and_only_from_agents() -> None:
+def test_takeover_only_by_humans_from_agents_or_from_the_colleague_named() -> None:
     with pytest.raises(PermissionDenied):
         domain.takeover_release(_claimed(), AGENT, request_id="r", now_ms=NOW)
     taken = domain.takeover_release(_claimed(), HUMAN, request_id="r", now_ms=NOW)
     assert taken.end is not None
     assert (taken.end.reason, taken.end.previous_holder, taken.end.token) == (EndReason.TAKEN_OVER, "agent-a", 10)
-    from_human = domain.takeover_release(_claimed(caller=HUMAN), HUMAN, request_id="r", now_ms=NOW)
-    assert from_human.end is None
-    assert domain.takeover_refusal(_claimed(caller=HUMAN)) is domain.TakeoverResult.HELD
+    bo = Caller("bo", HolderKind.HUMAN)
+    # A colleague's claim: only when the caller names that very colleague (having confirmed it on screen).
+    assert domain.takeover_release(_claimed(caller=bo), HUMAN, request_id="r", now_ms=NOW).end is None
+    assert domain.takeover_refusal(_claimed(caller=bo), HUMAN) is domain.TakeoverResult.HELD
+    assert domain.takeover_refusal(_claimed(caller=bo), HUMAN, "carla") is domain.TakeoverResult.HELD
+    from_bo = domain.takeover_release(_claimed(caller=bo), HUMAN, request_id="r", now_ms=NOW, from_person="bo")
+    assert from_bo.end is not None
+    assert (from_bo.end.reason, from_bo.end.previous_holder, from_bo.end.by) == (EndReason.TAKEN_OVER, "bo", "ana")
+    # Never from oneself, named or not; an agent's claim whatever person is named.
+    assert domain.takeover_refusal(_claimed(caller=HUMAN), HUMAN, "ana") is domain.TakeoverResult.HELD
+    assert domain.takeover_refusal(_claimed(), HUMAN, "bo") is None
+
+
+def test_a_send_settled_as_sent_credits_the_person_who_settled_it() -> None:
+    begun = domain.begin_send(RULES, _claimed(), AGENT, token=10, now_ms=NOW).write
+    assert begun is not None
+    in_doubt = domain.mark_in_doubt(Stored(begun, 10, 11), swept_revision=11).write
+    assert in_doubt is not None
+    settled = domain.resolve_in_doubt(
+        RULES,
+        Stored(in_doubt, 10, 12),
+        HUMAN,
+        outcome=domain.ResolveOutcome.SENT,
+        sent_message_id="",
+        note="found it in Sent",
+        request_id="q",
+        now_ms=NOW,
+    ).write
+    assert settled is not None
+    assert (settled.state, settled.holder, settled.settled_by) == (domain.State.REPLIED, "agent-a", "ana")
 
 
 def test_classify_change_names_every_transition() -> None:
@@ -172,9 +201,42 @@ def test_a_delivery_is_settled_by_an_end_mark_of_a_later_claim_whatever_the_cloc
     other = Caller("agent-b", HolderKind.AGENT)
     # Recorded at revision 50 by a replica whose clock ran 5 minutes fast.
     delivery = domain.new_delivery(
-        AGENT, mailbox="mb", notification_id="n-1", request_id="r-1", now_ms=NOW + 300_000, subject=subject
+        RULES, AGENT, mailbox="mb", notification_id="n-1", request_id="r-1", now_ms=NOW + 300_000, subject=subject
     )
     released = EndMark(EndReason.RELEASED, "agent-a", 50, "agent-a", "r-2", NOW)  # the claim of revision 50
     older = EndMark(EndReason.RELEASED, "agent-a", 40, "agent-a", "r-0", NOW + 600_000)  # a claim before it
     assert domain.is_duplicate_delivery(delivery, subject, None, released, other, "r-3", delivery_revision=50)
     assert not domain.is_duplicate_delivery(delivery, subject, None, older, other, "r-3", delivery_revision=50)
+
+
+def test_a_send_that_did_not_go_out_leaves_its_copy_as_someone_elses_answer() -> None:
+    """A message of the thread taken for a send's copy (its echo): when the send is aborted or resolved as not
+    sent, that message was a person's answer, so the subject is REPLIED from the mailbox, not free again; and
+    when the send is confirmed with another message id, both went out."""
+    copy = domain.OutsideReply("ana@shop.example", NOW + 5_000, "gmail-1", "agent-c")
+    claimed = _claimed()
+    sending = domain.begin_send(RULES, claimed, AGENT, token=10, now_ms=NOW).write
+    assert sending is not None
+    with_copy = Stored(replace(sending, echo=copy, received_ms=NOW), token=10, revision=11)
+    in_doubt = Stored(replace(with_copy.record, state=State.IN_DOUBT), token=10, revision=12)
+
+    aborted = domain.abort_send(RULES, with_copy, None, AGENT, token=10, reason="bounced", request_id="r-2", now_ms=NOW)
+    resolved = domain.resolve_in_doubt(
+        RULES, in_doubt, HUMAN, outcome=domain.ResolveOutcome.NOT_SENT, sent_message_id="", note="not in Sent",
+        request_id="r-3", now_ms=NOW,
+    )  # fmt: skip
+    for transition in (aborted, resolved):
+        assert transition.end is None
+        assert transition.write is not None
+        assert (transition.write.state, transition.write.replied_outside) == (State.REPLIED, True)
+        assert transition.write.outside_reply == replace(copy, stopped_holder="agent-a")
+    confirmed = domain.confirm_sent(RULES, with_copy, AGENT, token=10, sent_message_id="sent-1", now_ms=NOW).write
+    assert confirmed is not None
+    assert (confirmed.state, confirmed.replied_outside, confirmed.outside_reply) == (State.REPLIED, False, copy)
+    itself = domain.confirm_sent(RULES, with_copy, AGENT, token=10, sent_message_id="gmail-1", now_ms=NOW).write
+    assert itself is not None
+    assert itself.outside_reply is None  # it was its own copy
+    # A copy dated before the message arrived cannot have answered it: the abort frees the subject as before.
+    early = Stored(replace(with_copy.record, received_ms=NOW + 10_000), token=10, revision=11)
+    freed = domain.abort_send(RULES, early, None, AGENT, token=10, reason="bounced", request_id="r-4", now_ms=NOW)
+    assert freed.end is not None

@@ -16,9 +16,12 @@ from coordinator.domain import (
     EventType,
     FenceResult,
     HolderKind,
+    ResolveOutcome,
+    Rules,
     State,
     Subject,
     SubjectKind,
+    Summary,
     TakeoverResult,
 )
 from coordinator.engine import Engine, Event, Snapshot
@@ -46,10 +49,16 @@ def _rid() -> str:
 
 
 async def _claim(
-    engine: Engine, caller: Caller, subject: Subject, notification_id: str = ""
+    engine: Engine, caller: Caller, subject: Subject, notification_id: str = "", summary: Summary | None = None
 ) -> tuple[ClaimResult, int]:
     outcome = await engine.claim_reply(
-        caller, request_id=_rid(), subject=subject, notification_id=notification_id, ttl_seconds=60, note=""
+        caller,
+        request_id=_rid(),
+        subject=subject,
+        notification_id=notification_id,
+        ttl_seconds=60,
+        note="",
+        summary=summary,
     )
     return outcome.result, outcome.stored.token if outcome.stored is not None else 0
 
@@ -128,6 +137,85 @@ async def test_a_takeover_fences_the_agent_off(engine: Engine) -> None:
     assert (await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token))[
         0
     ] is FenceResult.STALE_TOKEN
+
+
+async def test_a_person_takes_a_message_from_the_colleague_they_name_and_no_other(engine: Engine) -> None:
+    subject, bo, carla = _subject("from-bo"), Caller("bo", HolderKind.HUMAN), Caller("carla", HolderKind.HUMAN)
+    _, token = await _claim(engine, bo, subject)
+    for named in ("", "carla", "ana"):  # nobody, another person, oneself: the colleague's claim stands
+        refused = await engine.takeover(
+            HUMAN, request_id=_rid(), subject=subject, ttl_seconds=60, note="", from_person=named
+        )
+        assert (refused.result, refused.stored and refused.stored.record.holder) == (TakeoverResult.HELD, "bo")
+    taken = await engine.takeover(HUMAN, request_id=_rid(), subject=subject, ttl_seconds=60, note="", from_person="bo")
+    assert (taken.result, taken.previous_holder, taken.previous_token) == (TakeoverResult.TAKEN_OVER, "bo", token)
+    assert taken.stored is not None
+    assert (taken.stored.record.holder, taken.stored.token > token) == ("ana", True)
+    # Bo's token is stale at once: "I replied" from his screen records nothing over Ana's claim.
+    late = await engine.mark_replied(bo, request_id=_rid(), subject=subject, token=token, sent_message_id="", note="")
+    assert late[0] is FenceResult.STALE_TOKEN
+    # And naming Ana does not let Carla take it back from her without her being the one named.
+    again = await engine.takeover(carla, request_id=_rid(), subject=subject, ttl_seconds=60, note="", from_person="bo")
+    assert again.result is TakeoverResult.HELD
+
+
+async def test_a_settled_send_names_who_settled_it(engine: Engine) -> None:
+    rules = Rules(test_rules().limits, send_timeout_ms=1_000)
+    engine = Engine(engine.store, rules, wall_clock_ms)
+    subject = _subject(f"settled-{uuid.uuid4().hex}")
+    _, token = await _claim(engine, AGENT, subject)
+    await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token)
+    # The send deadline passes unconfirmed: the sweeper reports it IN_DOUBT.
+    for _ in range(100):
+        await engine.sweep_in_doubt()
+        status = await engine.status(HUMAN, subject)
+        if status is not None and status.record.state is State.IN_DOUBT:
+            break
+        await asyncio.sleep(0.1)
+    settled = await engine.resolve_in_doubt(
+        HUMAN, request_id=_rid(), subject=subject, outcome=ResolveOutcome.SENT, sent_message_id="", note="in Sent"
+    )
+    assert settled is not None
+    assert (settled.record.state, settled.record.holder, settled.record.settled_by) == (State.REPLIED, "agent-a", "ana")
+    stored = await engine.status(HUMAN, subject)
+    assert stored is not None
+    assert stored.record.settled_by == "ana"
+
+
+async def test_recent_messages_are_the_deliveries_claimed_newest_first_with_their_summaries(engine: Engine) -> None:
+    mailbox = f"recent-{uuid.uuid4().hex}"
+    lines = ["Refund for order 1182?", "Where is my parcel?", "Refund for order 1182?"]
+    for n, line in enumerate(lines):
+        summary = Summary(line, f"Bea {n} <bea@example.org>", 1_800_000_000_000 + n)
+        result, token = await _claim(engine, AGENT, _subject(f"m-{n}", mailbox), f"n-{n}", summary)
+        assert result is ClaimResult.GRANTED
+        if n == 0:  # released since: still a recent message, what a person may want to answer themselves
+            await engine.release(AGENT, request_id=_rid(), subject=_subject("m-0", mailbox), token=token)
+    # A redelivery of the same message, and a claim without a notification, add no entry.
+    assert (await _claim(engine, OTHER, _subject("m-2", mailbox), "n-2"))[0] is ClaimResult.DUPLICATE_DELIVERY
+    await _claim(engine, AGENT, _subject("no-notification", mailbox))
+    recent = await engine.recent_messages(AGENT, mailbox=mailbox, query="", page_size=0)
+    assert [delivery.subject.id for delivery in recent if delivery.subject] == ["m-2", "m-1", "m-0"]
+    assert [delivery.summary.subject_line for delivery in recent if delivery.summary] == lines[::-1]
+    assert recent[0].recorded_by == "agent-a"
+    found = await engine.recent_messages(AGENT, mailbox=mailbox, query="REFUND", page_size=0)
+    assert [delivery.subject.id for delivery in found if delivery.subject] == ["m-2", "m-0"]
+    assert len(await engine.recent_messages(AGENT, mailbox=mailbox, query="bea 1 <", page_size=0)) == 1
+    assert len(await engine.recent_messages(AGENT, mailbox=mailbox, query="", page_size=2)) == 2
+    with pytest.raises(InvalidArgument, match="page_size"):
+        await engine.recent_messages(AGENT, mailbox=mailbox, query="", page_size=101)
+    with pytest.raises(InvalidArgument, match="query"):
+        await engine.recent_messages(AGENT, mailbox=mailbox, query="x" * 257, page_size=0)
+    assert await engine.recent_messages(AGENT, mailbox=f"other-{mailbox}", query="", page_size=0) == []
+
+
+async def test_recent_messages_keep_no_summary_where_summaries_are_not_stored(engine: Engine) -> None:
+    private = Engine(engine.store, Rules(test_rules().limits, store_summaries=False), wall_clock_ms)
+    mailbox = f"private-{uuid.uuid4().hex}"
+    await _claim(private, AGENT, _subject("m-1", mailbox), "n-1", Summary("Secret subject", "x@example.org"))
+    recent = await private.recent_messages(AGENT, mailbox=mailbox, query="", page_size=0)
+    assert [(d.subject.id if d.subject else "", d.summary) for d in recent] == [("m-1", None)]
+    assert await private.recent_messages(AGENT, mailbox=mailbox, query="secret", page_size=0) == []
 
 
 async def test_listing_pages_with_opaque_cursors_and_filters_by_state(engine: Engine) -> None:

@@ -1,5 +1,6 @@
 // The send-path guard, the phases of the Python client's inbox_claims._guard:
 //
+//   CLAIMING --the message is outgoing, RecordOutgoing--> OUTGOING (refused: the work never runs)
 //   CLAIMING --ClaimReply GRANTED--> CLAIMED --renewal finds it gone--> LOST
 //   CLAIMED --send()--> BEGINNING --BeginSend OK--> SENDING --fn returned, ConfirmSent--> REPLIED
 //                                 --BeginSend STALE--> LOST        --fn threw SendRejected, AbortSend--> ABORTED
@@ -8,7 +9,7 @@
 //
 // Renewal only ever acts in CLAIMED: a renewal answer that arrives after send() started is ignored, so the
 // renewal can never declare a loss the commit point has already settled.
-import type { Coordinator } from "./client.js";
+import type { Coordinator, Op } from "./client.js";
 import type { Notification } from "./envelope.js";
 import {
   AlreadyReplied,
@@ -16,14 +17,36 @@ import {
   DuplicateDelivery,
   FailedPrecondition,
   InboxClaimsError,
+  OutgoingMessage,
   ReplyHeld,
   SendOutcomeUnknown,
   SendRejected,
   SentButUnconfirmed,
 } from "./errors.js";
-import { idempotencyKey, type ClaimResult, type LossReason, type MessageSummary, type Subject, type SubjectStatus } from "./types.js";
+import type { OutgoingMatch } from "./outgoing.js";
+import {
+  idempotencyKey,
+  type ClaimResult,
+  type LossReason,
+  type MessageSummary,
+  type OutgoingResult,
+  type Subject,
+  type SubjectStatus,
+} from "./types.js";
 
 export type Scope = "message" | "thread";
+
+/** The code of the process warning a send without the claim's idempotency key gets (see Claim.send). */
+export const NO_IDEMPOTENCY_KEY_WARNING = "INBOX_CLAIMS_NO_IDEMPOTENCY_KEY";
+
+function warnNoIdempotencyKey(messageId: string): void {
+  process.emitWarning(
+    `claim.send() for ${messageId}: the send function took no idempotency key and never read claim.idempotencyKey, so the ` +
+      "mail API got no Idempotency-Key. Send it as that header: claim.send((idempotencyKey) => sendReply(..., idempotencyKey)) " +
+      "(docs/node.md); without it the provider cannot refuse a second reply that got past everything else.",
+    { code: NO_IDEMPOTENCY_KEY_WARNING },
+  );
+}
 
 /** What to claim when there is no parsed notification (explicit ids win over a notification's). */
 export interface ReplyTarget {
@@ -49,7 +72,7 @@ export interface ReplyOptions {
   summary?: MessageSummary;
 }
 
-type Phase = "claiming" | "claimed" | "lost" | "beginning" | "sending" | "replied" | "aborted" | "unknown" | "released";
+type Phase = "claiming" | "outgoing" | "claimed" | "lost" | "beginning" | "sending" | "replied" | "aborted" | "unknown" | "released";
 
 const REASON_MAX_BYTES = 1024;
 // After a failed renewal, try again after a third of the time left, but not more often than this.
@@ -102,19 +125,29 @@ export function summaryOf(notification: Notification | undefined): MessageSummar
   if (notification === undefined || !notification.isMessageEvent) return undefined;
   const message = notification.object;
   const subjectLine = typeof message.subject === "string" ? cleanText(message.subject, SUMMARY_TEXT_MAX_BYTES) : "";
-  let sender = "";
-  const first: unknown = Array.isArray(message.from) ? message.from[0] : undefined;
-  if (typeof first === "object" && first !== null) {
-    const { name, email } = first as Record<string, unknown>;
-    const named = typeof name === "string" ? name : "";
-    const address = typeof email === "string" ? email : "";
-    sender = cleanText(named && address ? `${named} <${address}>` : named || address, SUMMARY_TEXT_MAX_BYTES);
-  }
-  const date = message.date;
-  const receivedAt =
-    typeof date === "number" && Number.isInteger(date) && date >= 0 && date < LAST_DATE_SECONDS ? new Date(date * 1000) : undefined;
+  const sender = senderOf(message);
+  const receivedAt = dateOf(notification);
   if (!subjectLine && !sender && receivedAt === undefined) return undefined;
   return { subjectLine, sender, ...(receivedAt === undefined ? {} : { receivedAt }) };
+}
+
+/** The first `from` as people read it ("Ana Lima <ana@shop.example>", or whichever half is there), cut to the limit. */
+export function senderOf(message: Readonly<Record<string, unknown>>): string {
+  const first: unknown = Array.isArray(message.from) ? message.from[0] : undefined;
+  if (typeof first !== "object" || first === null) return "";
+  const { name, email } = first as Record<string, unknown>;
+  const named = typeof name === "string" ? name : "";
+  const address = typeof email === "string" ? email : "";
+  return cleanText(named && address ? `${named} <${address}>` : named || address, SUMMARY_TEXT_MAX_BYTES);
+}
+
+/**
+ * The message's date (Nylas: `date`, unix seconds), as the provider gives it; not the notification's `time`,
+ * which is when Nylas noticed the message: the thread rule compares messages' own dates.
+ */
+export function dateOf(notification: Notification): Date | undefined {
+  const date = notification.object.date;
+  return typeof date === "number" && Number.isInteger(date) && date >= 0 && date < LAST_DATE_SECONDS ? new Date(date * 1000) : undefined;
 }
 
 /** A free-form text the coordinator accepts: control characters become spaces, cut to maxBytes of UTF-8. */
@@ -134,6 +167,8 @@ export class Claim {
   private status_: SubjectStatus | undefined;
   private loss_: ClaimLost | undefined;
   private sentMessageId_: string | undefined;
+  // Whether anything read the idempotency key (send() hands it to its function, which then counts as taking it).
+  private keyTaken = false;
   // Until this performance.now() value the claim certainly holds: the coordinator counts the TTL from when it
   // handled the last claim or renewal, which is after we sent it.
   private validUntil = 0;
@@ -141,6 +176,8 @@ export class Claim {
   private readonly lostController = new AbortController();
   private readonly stopRenewal = new AbortController();
   private readonly claimOp;
+  /** @internal Set when the notification's message is one the mailbox sent: entering reports it and refuses. */
+  outgoing: { why: OutgoingMatch; report: Op<OutgoingResult> | undefined } | undefined;
 
   constructor(
     private readonly coordinator: Coordinator,
@@ -151,9 +188,12 @@ export class Claim {
     ttl: number,
     note: string,
     summary?: MessageSummary,
+    threadId?: string,
+    receivedAt?: Date,
   ) {
     this.ttl_ = ttl;
-    this.claimOp = coordinator.claimOp(subject, { ttl, notificationId, note: cleanText(note), summary });
+    const thread = threadId && receivedAt ? { threadId, receivedAt } : {};
+    this.claimOp = coordinator.claimOp(subject, { ttl, notificationId, note: cleanText(note), summary, ...thread });
   }
 
   /** The fencing token (0n until the claim is granted). */
@@ -196,6 +236,7 @@ export class Claim {
    * Send it as the mail API's Idempotency-Key: every agent computes the same key for the same subject.
    */
   get idempotencyKey(): string {
+    this.keyTaken = true;
     return idempotencyKey(this.subject);
   }
 
@@ -215,11 +256,22 @@ export class Claim {
 
   // -- claim ------------------------------------------------------------------------------------------
 
-  /** @internal ClaimReply with the notification id: dedup and claim in one call; a refusal is thrown. */
-  async enter(): Promise<void> {
+  /**
+   * @internal ClaimReply with the notification id: dedup and claim in one call; a refusal is thrown. A message
+   * the mailbox sent is never claimed: RecordOutgoing reports it, one log line says why, OutgoingMessage is
+   * thrown. `deadline` (a performance.now() value) bounds the call with its retries.
+   */
+  async enter(deadline?: number): Promise<void> {
     if (this.phase !== "claiming") throw new Error("a claim can be entered only once; call replyTo() again for a new one");
+    if (this.outgoing !== undefined) {
+      this.phase = "outgoing";
+      const recorded = this.outgoing.report === undefined ? undefined : await this.coordinator.call(this.outgoing.report, deadline);
+      const refusal = new OutgoingMessage(this.subject, this.notificationId, this.outgoing.why, recorded);
+      this.coordinator.logger.info(`inbox-claims: ${refusal.message}`);
+      throw refusal;
+    }
     const started = performance.now();
-    const result = await this.coordinator.call(this.claimOp);
+    const result = await this.coordinator.call(this.claimOp, deadline);
     const status = grantedStatus(result, this.subject, this.notificationId);
     this.status_ = status;
     this.token_ = status.fencingToken;
@@ -264,6 +316,7 @@ export class Claim {
   }
 
   private staleReason(status: SubjectStatus): LossReason {
+    if (status.repliedOutside) return "answered_outside";
     if (status.state === "CLAIMED" && status.holderKind === "human") return "taken_over";
     if (performance.now() >= this.validUntil) return "expired"; // we were paused past the TTL
     return "stale_token"; // renewed in time, yet gone: released or taken over meanwhile
@@ -280,12 +333,15 @@ export class Claim {
 
   /**
    * Sends the reply through the fenced commit point, once: BeginSend (refused: ClaimLost, and `fn` is never
-   * called), then `fn()`, which must return the sent message's id (a string) or undefined/null, then
-   * ConfirmSent. If `fn` throws SendRejected, AbortSend frees the subject and the error is rethrown; any other
-   * error leaves the subject SENDING (reported IN_DOUBT later) and throws SendOutcomeUnknown (its cause).
-   * Resolves to what `fn` returned.
+   * called), then `fn(idempotencyKey)`, which must send with that key as the mail API's Idempotency-Key header
+   * and return the sent message's id (a string) or undefined/null, then ConfirmSent. If `fn` throws
+   * SendRejected, AbortSend frees the subject and the error is rethrown; any other error leaves the subject
+   * SENDING (reported IN_DOUBT later) and throws SendOutcomeUnknown (its cause). Resolves to what `fn` returned.
+   * A send function that takes no key and never reads `claim.idempotencyKey` sends without it: that is warned
+   * about (a process warning, INBOX_CLAIMS_NO_IDEMPOTENCY_KEY), since the provider's own refusal of a second
+   * reply, the last backstop, then cannot work.
    */
-  async send(fn: () => Promise<string | null | undefined> | string | null | undefined): Promise<string | undefined> {
+  async send(fn: (idempotencyKey: string) => Promise<string | null | undefined> | string | null | undefined): Promise<string | undefined> {
     if (this.phase === "lost") throw this.lostError();
     if (this.phase !== "claimed") throw new Error(`claim.send() runs once, inside replyTo's work (this claim is ${this.phase})`);
     this.phase = "beginning"; // renewal stops acting; until BeginSend answers, the end of work aborts
@@ -299,7 +355,8 @@ export class Claim {
     this.phase = "sending";
     let sent: unknown;
     try {
-      sent = await fn();
+      sent = await fn(fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject));
+      if (!this.keyTaken) warnNoIdempotencyKey(this.subject.id);
     } catch (error) {
       if (error instanceof SendRejected) {
         await this.abort(error);
@@ -378,6 +435,22 @@ export class Claim {
   }
 
   // -- the end of work ---------------------------------------------------------------------------------
+
+  /**
+   * @internal replyTo's second half, on an entered claim: runs `work`, then releases what was not sent (as
+   * redeliverable when `work` threw). Resolves to what `work` returned.
+   */
+  async run<T>(work: (claim: Claim) => Promise<T>): Promise<T> {
+    let failed = false;
+    try {
+      return await work(this);
+    } catch (error) {
+      failed = true;
+      throw error;
+    } finally {
+      await this.exit(failed);
+    }
+  }
 
   /**
    * @internal Best effort, never throws a coordinator error: release an unsent claim; abort a BeginSend whose

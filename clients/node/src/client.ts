@@ -1,8 +1,10 @@
 // The coordinator client: connect-es over real gRPC (HTTP/2), retries with backoff, request ids, and the Batch coalescing.
 import { randomUUID } from "node:crypto";
+import { readFileSync } from "node:fs";
 import { isIP } from "node:net";
 import { setTimeout as sleep } from "node:timers/promises";
 import { create, type Message } from "@bufbuild/protobuf";
+import { timestampFromDate } from "@bufbuild/protobuf/wkt";
 import { createClient, type Client } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
 import * as pb from "./gen/inbox/coordinator/v1/coordinator_pb.js";
@@ -13,6 +15,7 @@ import {
   claimResultFromPb,
   deliveryResultFromPb,
   fenceFromPb,
+  outgoingFromPb,
   pageFromPb,
   stateToPb,
   statusFromPb,
@@ -27,14 +30,16 @@ import {
   type FenceResult,
   type HolderKind,
   type MessageSummary,
+  type OutgoingResult,
   type Subject,
   type SubjectState,
   type SubjectStatus,
   type TakeoverResult,
   type WatchItem,
 } from "./types.js";
-import { Claim, resolveSubject, summaryOf, type ReplyOptions, type ReplyTarget } from "./claim.js";
-import type { Notification } from "./envelope.js";
+import { Claim, dateOf, resolveSubject, senderOf, summaryOf, type ReplyOptions, type ReplyTarget } from "./claim.js";
+import { parseNotification, type Notification } from "./envelope.js";
+import { MAILBOX_ADDRESSES_ENV, OutgoingRules, SENT_FOLDERS_ENV } from "./outgoing.js";
 
 export const DEFAULT_TARGET = "127.0.0.1:50051";
 export const PRINCIPAL_METADATA = "x-inbox-principal";
@@ -79,7 +84,20 @@ export interface CoordinatorOptions {
   retry?: Partial<RetryPolicy>;
   /** Concurrent calls sent together in one Batch RPC, at most (1..256, default 64); 1 sends every call alone. */
   maxBatch?: number;
+  /**
+   * How replyTo tells a message the mailbox sent (never answered, reported with recordOutgoing) from one it
+   * received: folder ids of sent mail besides Google's SENT (Microsoft, IMAP: Nylas.sentFolderIds), as strings
+   * or one comma-separated string. Default: the environment variable INBOX_SENT_FOLDERS.
+   */
+  sentFolders?: string | readonly string[];
+  /** The mailbox's own addresses (a message from one is outgoing). Default: INBOX_MAILBOX_ADDRESSES. */
+  mailboxAddresses?: string | readonly string[];
+  /** Where the guard's log lines go (why a notification was not handed to your work); default: console. */
+  logger?: { info(message: string): void };
 }
+
+/** A raw Nylas envelope as JSON.parse gives it (replyTo parses it), told from a parsed Notification and a ReplyTarget. */
+export type Envelope = Readonly<Record<string, unknown>> & { readonly type: unknown; readonly data: unknown };
 
 export interface ClaimOptions {
   /** Seconds; 0 (default) is the server's default TTL. */
@@ -90,6 +108,12 @@ export interface ClaimOptions {
   note?: string;
   /** Which email it is (subject line, sender, received time), shown to the people watching the mailbox. */
   summary?: MessageSummary;
+  /**
+   * The message's thread and when it was received (both or neither, as the provider says): a reply written
+   * outside the coordinator in that thread afterwards ends the claim.
+   */
+  threadId?: string;
+  receivedAt?: Date;
 }
 
 export interface Op<R> {
@@ -132,14 +156,88 @@ function isLoopback(host: string): boolean {
 
 const lowerFirst = (name: string): string => name.charAt(0).toLowerCase() + name.slice(1);
 
+/**
+ * The environment variables a client is configured by, the same as the Python client's `from_env()` and
+ * `inboxctl` read (clients/python/inbox_claims/_settings.py): one set of names for every agent and tool.
+ */
+export const ENVIRONMENT = {
+  target: "INBOX_COORDINATOR_TARGET",
+  principal: "INBOX_PRINCIPAL",
+  kind: "INBOX_PRINCIPAL_KIND",
+  token: "INBOX_TOKEN",
+  tls: "INBOX_TLS",
+  caFile: "INBOX_CA_FILE",
+  certFile: "INBOX_CERT_FILE",
+  keyFile: "INBOX_KEY_FILE",
+  callTimeout: "INBOX_CALL_TIMEOUT",
+} as const;
+
+/** The per-call timeout fromEnv() gives when INBOX_CALL_TIMEOUT is unset (the Python client's from_env default). */
+export const ENV_DEFAULT_TIMEOUT_MS = 5_000;
+
+function readPem(path: string, variable: string): Buffer {
+  try {
+    return readFileSync(path);
+  } catch (error) {
+    throw new TypeError(`cannot read ${variable}=${path}: ${(error as NodeJS.ErrnoException).code ?? String(error)}`);
+  }
+}
+
+/** The options fromEnv() takes from `env` (an empty variable counts as unset). */
+export function optionsFromEnv(env: Record<string, string | undefined> = process.env): CoordinatorOptions {
+  const get = (name: string): string | undefined => env[name] || undefined;
+  const options: CoordinatorOptions = { target: get(ENVIRONMENT.target) ?? DEFAULT_TARGET };
+  const principal = get(ENVIRONMENT.principal);
+  if (principal !== undefined) options.principal = principal;
+  const kind = get(ENVIRONMENT.kind) ?? "agent"; // inboxctl's default is a person at a terminal; this is an agent
+  if (kind !== "agent" && kind !== "human") throw new TypeError(`${ENVIRONMENT.kind} must be "agent" or "human", not ${JSON.stringify(kind)}`);
+  options.kind = kind;
+  const token = get(ENVIRONMENT.token);
+  if (token !== undefined) options.token = token;
+  const tls = get(ENVIRONMENT.tls);
+  if (tls !== undefined) options.tls = ["1", "true", "yes", "on"].includes(tls.toLowerCase());
+  const ca = get(ENVIRONMENT.caFile), cert = get(ENVIRONMENT.certFile), key = get(ENVIRONMENT.keyFile);
+  if (ca !== undefined) options.rootCertificates = readPem(ca, ENVIRONMENT.caFile);
+  if (cert !== undefined) options.clientCertificate = readPem(cert, ENVIRONMENT.certFile);
+  if (key !== undefined) options.clientKey = readPem(key, ENVIRONMENT.keyFile);
+  const seconds = get(ENVIRONMENT.callTimeout);
+  if (seconds === undefined) options.timeoutMs = ENV_DEFAULT_TIMEOUT_MS;
+  else {
+    const parsed = Number(seconds);
+    if (!(parsed > 0)) throw new TypeError(`${ENVIRONMENT.callTimeout} must be a number of seconds, not ${JSON.stringify(seconds)}`);
+    options.timeoutMs = parsed * 1000;
+  }
+  return options;
+}
+
 /** A client of the Inbox Coordinator. One per process is enough: concurrent calls share Batch RPCs. Call close() when done. */
 export class Coordinator {
+  /**
+   * A client configured by the environment, as the Python client's `AsyncCoordinator.from_env()`:
+   * INBOX_COORDINATOR_TARGET (default 127.0.0.1:50051), INBOX_TOKEN (a bearer token) or, in development mode,
+   * INBOX_PRINCIPAL (with INBOX_PRINCIPAL_KIND, default "agent"), INBOX_TLS, INBOX_CA_FILE, INBOX_CERT_FILE,
+   * INBOX_KEY_FILE, INBOX_CALL_TIMEOUT (seconds per call, default 5). `overrides` win over them. Throws, naming
+   * the variables to set, when neither INBOX_TOKEN nor INBOX_PRINCIPAL says who the client is.
+   */
+  static fromEnv(overrides: CoordinatorOptions = {}, env: Record<string, string | undefined> = process.env): Coordinator {
+    const options = { ...optionsFromEnv(env), ...overrides };
+    if (options.principal === undefined && options.token === undefined) {
+      throw new TypeError(
+        `Coordinator.fromEnv() found no identity: set ${ENVIRONMENT.token} (a bearer token) or, in development mode, ${ENVIRONMENT.principal} (the agent's name)`,
+      );
+    }
+    return new Coordinator(options);
+  }
+
   readonly target: string;
   readonly principal: string | undefined;
   readonly kind: HolderKind;
   readonly timeoutMs: number;
   readonly retry: RetryPolicy;
   readonly maxBatch: number;
+  /** How replyTo tells outgoing messages (sentFolders, mailboxAddresses). */
+  readonly outgoing: OutgoingRules;
+  readonly logger: { info(message: string): void };
   private readonly headers: Record<string, string> = {};
   private readonly sessions: Http2SessionManager;
   private readonly client: Client<typeof pb.Coordinator>;
@@ -158,6 +256,8 @@ export class Coordinator {
     if (!(this.retry.attempts >= 1) || this.retry.initialBackoffMs < 0 || this.retry.maxBackoffMs < this.retry.initialBackoffMs || this.retry.multiplier < 1) {
       throw new RangeError("retry needs attempts >= 1, 0 <= initialBackoffMs <= maxBackoffMs and multiplier >= 1");
     }
+    this.outgoing = new OutgoingRules(options.sentFolders ?? process.env[SENT_FOLDERS_ENV], options.mailboxAddresses ?? process.env[MAILBOX_ADDRESSES_ENV]);
+    this.logger = options.logger ?? console;
     this.maxBatch = options.maxBatch ?? 64;
     if (!Number.isInteger(this.maxBatch) || this.maxBatch < 1 || this.maxBatch > BATCH_MAX_CALLS) {
       throw new RangeError(`maxBatch must be 1..${BATCH_MAX_CALLS} (the coordinator's limit per batch), not ${this.maxBatch}`);
@@ -302,8 +402,23 @@ export class Coordinator {
       ttlSeconds: ttlSeconds(options.ttl ?? 0),
       note: options.note ?? "",
       summary: summaryToPb(options.summary),
+      threadId: options.threadId ?? "",
+      receivedAt: options.receivedAt === undefined ? undefined : timestampFromDate(options.receivedAt),
     });
     return { method: "ClaimReply", request, decode: (r) => claimResultFromPb(r as pb.ClaimReplyResponse), subject };
+  }
+
+  recordOutgoingOp(mailbox: string, messageId: string, threadId: string, sentAt: Date, options: { sender?: string; notificationId?: string } = {}): Op<OutgoingResult> {
+    const request = create(pb.RecordOutgoingRequestSchema, {
+      requestId: newRequestId(),
+      mailbox,
+      notificationId: options.notificationId ?? "",
+      messageId,
+      threadId,
+      sentAt: timestampFromDate(sentAt),
+      sender: options.sender ?? "",
+    });
+    return { method: "RecordOutgoing", request, decode: (r) => outgoingFromPb(r as pb.RecordOutgoingResponse) };
   }
 
   renewOp(subject: Subject, token: bigint, ttl = 0): Op<FenceResult> {
@@ -374,6 +489,16 @@ export class Coordinator {
   /** ClaimReply: GRANTED, HELD, ALREADY_REPLIED or DUPLICATE_DELIVERY; nothing is renewed for you (agents use replyTo). */
   claim(subject: Subject, options: ClaimOptions = {}): Promise<ClaimResult> {
     return this.call(this.claimOp(subject, options));
+  }
+
+  /**
+   * RecordOutgoing: a message the mailbox sent (in a sent folder, or from one of its own addresses). The
+   * coordinator answers whether it is the mailbox's own reply (OWN_REPLY) or one written outside it
+   * (ANSWERED_OUTSIDE: it ended the claims on the messages of its thread received at or before `sentAt`).
+   * replyTo calls it for you on every outgoing notification; never answer such a message.
+   */
+  recordOutgoing(mailbox: string, messageId: string, threadId: string, sentAt: Date, options: { sender?: string; notificationId?: string } = {}): Promise<OutgoingResult> {
+    return this.call(this.recordOutgoingOp(mailbox, messageId, threadId, sentAt, options));
   }
 
   renew(subject: Subject, token: bigint, ttl = 0): Promise<FenceResult> {
@@ -507,19 +632,39 @@ export class Coordinator {
    * When `work` returns without sending, the claim is released; when it throws, released as redeliverable
    * (a redelivery of the notification may claim again). Resolves to what `work` returned.
    */
-  async replyTo<T>(target: Notification | ReplyTarget, options: ReplyOptions, work: (claim: Claim) => Promise<T>): Promise<T> {
-    const { subject, notificationId } = resolveSubject(target, options.scope ?? "message", options.mailbox);
-    const summary = options.summary ?? ("objectKind" in target ? summaryOf(target) : undefined);
-    const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "", summary);
-    await claim.enter();
-    let failed = false;
-    try {
-      return await work(claim);
-    } catch (error) {
-      failed = true;
-      throw error;
-    } finally {
-      await claim.exit(failed);
-    }
+  async replyTo<T>(target: Notification | Envelope | ReplyTarget, options: ReplyOptions, work: (claim: Claim) => Promise<T>): Promise<T> {
+    const claim = await this.admit(target, options);
+    return claim.run(work);
   }
+
+  /**
+   * @internal replyTo's first half: the claim entered (its one ClaimReply made, or the outgoing message
+   * reported and refused), renewed from now on, its work not started. The webhook middleware answers Nylas in
+   * between, so that no notification is acknowledged that nothing recorded. `deadline` (a performance.now()
+   * value) bounds the call with its retries.
+   */
+  async admit(target: Notification | Envelope | ReplyTarget, options: ReplyOptions, deadline?: number): Promise<Claim> {
+    const given = isEnvelope(target) ? parseNotification(target) : target;
+    const notification = "objectKind" in given ? given : undefined;
+    const { subject, notificationId } = resolveSubject(given, options.scope ?? "message", options.mailbox);
+    const summary = options.summary ?? summaryOf(notification);
+    // The thread and the message's date come only from a notification; without a date, neither is sent.
+    const receivedAt = notification === undefined ? undefined : dateOf(notification);
+    const threadId = receivedAt === undefined ? undefined : notification?.threadId;
+    const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "", summary, threadId, receivedAt);
+    const why = notification === undefined ? undefined : this.outgoing.match(notification.object);
+    if (notification !== undefined && why !== undefined) {
+      const report =
+        notification.messageId && threadId && receivedAt
+          ? this.recordOutgoingOp(subject.mailbox, notification.messageId, threadId, receivedAt, { sender: senderOf(notification.object), notificationId })
+          : undefined;
+      claim.outgoing = { why, report };
+    }
+    await claim.enter(deadline);
+    return claim;
+  }
+}
+
+function isEnvelope(target: object): target is Envelope {
+  return "type" in target && "data" in target && !("objectKind" in target);
 }

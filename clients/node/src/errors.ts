@@ -4,7 +4,8 @@
 //   ├── ClaimNotGranted            the claim was refused: do not reply (answer the webhook 200 and move on)
 //   │   ├── DuplicateDelivery      this notification id was seen before
 //   │   ├── ReplyHeld              someone else holds the subject now
-//   │   └── AlreadyReplied         a reply was sent, is being sent, or is in doubt
+//   │   ├── AlreadyReplied         a reply was sent, is being sent, or is in doubt
+//   │   └── OutgoingMessage        the message is one the mailbox sent: never answered (recorded instead)
 //   ├── ClaimLost                  you held the claim and no longer do (fenced): never send
 //   ├── SendRejected               thrown BY YOU from a send function: "the mail API refused, nothing went out"
 //   ├── SendOutcomeUnknown         the send function threw something else: it may have gone out (IN_DOUBT)
@@ -12,7 +13,17 @@
 //   └── CoordinatorError           a gRPC status from the coordinator (.code, .details)
 //       ├── InvalidRequest, FailedPrecondition, PermissionDenied, Unauthenticated, QuotaExceeded
 //       └── CoordinatorUnavailable UNAVAILABLE / DEADLINE_EXCEEDED / ABORTED after every retry
-import { describe, type DeliveryRecord, type HolderKind, type LossReason, type Subject, type SubjectState, type SubjectStatus } from "./types.js";
+import { describeMatch, type OutgoingMatch } from "./outgoing.js";
+import {
+  describe,
+  type DeliveryRecord,
+  type HolderKind,
+  type LossReason,
+  type OutgoingResult,
+  type Subject,
+  type SubjectState,
+  type SubjectStatus,
+} from "./types.js";
 
 export class InboxClaimsError extends Error {
   override name = "InboxClaimsError";
@@ -78,12 +89,44 @@ export class AlreadyReplied extends ClaimNotGranted {
   }
 }
 
-const LOSS_DETAIL: Record<LossReason, string> = {
+/**
+ * The notification is about a message the mailbox sent (`why`: in a sent folder, or from one of its own
+ * addresses): an agent never answers it. replyTo reported it to the coordinator (`result`: the mailbox's own
+ * reply, or one written outside that ended the claims on what it answered; undefined when it could not be
+ * reported, e.g. the notification carried no thread id or date).
+ */
+export class OutgoingMessage extends ClaimNotGranted {
+  override name = "OutgoingMessage";
+  constructor(
+    subject: Subject,
+    readonly notificationId: string,
+    readonly why: OutgoingMatch,
+    readonly result: OutgoingResult | undefined,
+  ) {
+    let recorded: string;
+    if (result === undefined) recorded = "it was not recorded (the notification has no thread id or date)";
+    else if (result.outcome === "OWN_REPLY") recorded = "the coordinator knows it as the mailbox's own reply";
+    else if (result.outcome === "ANSWERED_OUTSIDE") {
+      const ended = result.subjects.map((status) => `${status.subject.kind} ${JSON.stringify(status.subject.id)}`).join(", ");
+      recorded = "recorded as a reply written outside the coordinator" + (ended ? `; it answered ${ended}` : "");
+    } else recorded = "its notification was delivered before";
+    super(`not answering ${describe(subject)} (notification ${JSON.stringify(notificationId)}): it is outgoing, ${describeMatch(why)}; ${recorded}`, subject);
+  }
+}
+
+const LOSS_DETAIL: Record<Exclude<LossReason, "answered_outside">, string> = {
   taken_over: "taken over",
   expired: "its TTL ran out before it was renewed",
   stale_token: "the coordinator refused its fencing token",
   renewal_failed: "the coordinator could not be reached to renew it before its TTL ran out",
 };
+
+function answeredOutside(status: SubjectStatus | undefined): string {
+  const reply = status?.outsideReply;
+  if (reply === undefined) return "someone answered it from the mailbox";
+  const when = reply.sentAt ? ` at ${reply.sentAt.toISOString().slice(0, 16).replace("T", " ")}Z` : "";
+  return `someone answered it from the mailbox: ${reply.sender || "the mailbox"}${when}`;
+}
 
 /**
  * You held the claim and no longer do: stop drafting and never send. `reason` says why; `status` is the
@@ -97,7 +140,12 @@ export class ClaimLost extends InboxClaimsError {
     readonly reason: LossReason,
     readonly status: SubjectStatus | undefined,
   ) {
-    const detail = reason === "taken_over" && status ? `taken over by ${JSON.stringify(status.holder)}` : LOSS_DETAIL[reason];
+    const detail =
+      reason === "answered_outside"
+        ? answeredOutside(status)
+        : reason === "taken_over" && status
+          ? `taken over by ${JSON.stringify(status.holder)}`
+          : LOSS_DETAIL[reason];
     super(`claim ${token} on ${describe(subject)} was lost: ${detail}`);
   }
 }

@@ -1,19 +1,25 @@
 // A Nylas webhook endpoint for Express (nylasWebhook) and for plain node:http (nylasWebhookListener): keep the
-// raw body, verify its signature, answer 200 at once (Nylas wants an answer within 10 s), then run the guarded
-// work in the background inside coordinator.replyTo(notification).
+// raw body, verify its signature, record the notification with the coordinator (the one ClaimReply of
+// coordinator.replyTo, or RecordOutgoing for a message the mailbox sent), answer, then run the guarded work in
+// the background on the claim already held.
 //
 //   GET ?challenge=<value>   200, the value echoed as text/plain (Nylas endpoint verification)
 //   POST                     413 over maxBodyBytes; 401 bad or missing signature; 400 not an envelope;
-//                            else 200 and, for message.created / message.updated, the guarded work
-// Nothing is recorded or claimed before both checks pass.
+//                            for message.created / message.updated: 200 once the coordinator recorded it (and
+//                            the guarded work runs), 503 when it cannot within admissionTimeoutMs (5 s: Nylas
+//                            delivers it again), 500 for another error; other types: 200
+// Nothing is recorded or claimed before both checks pass, and nothing is acknowledged that nothing recorded
+// (docs/design.md#no-notification-lost).
 import type { IncomingMessage, ServerResponse } from "node:http";
 import type { Coordinator } from "./client.js";
 import type { Claim, ReplyOptions } from "./claim.js";
 import { parseNotification, EnvelopeError, type Notification } from "./envelope.js";
-import { ClaimNotGranted } from "./errors.js";
+import { ClaimNotGranted, CoordinatorUnavailable, QuotaExceeded } from "./errors.js";
 import { NYLAS_SIGNATURE_HEADER, nylasChallengeResponse, verifyNylasSignature, WebhookVerificationError } from "./webhooks.js";
 
 export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
+/** How long a notification waits for the coordinator to record it before it is answered 503 (Nylas waits 10 s). */
+export const DEFAULT_ADMISSION_TIMEOUT_MS = 5_000;
 /** The notification types (without variant suffix) the guarded work runs for. */
 export const DEFAULT_EVENTS: ReadonlySet<string> = new Set(["message.created", "message.updated"]);
 
@@ -25,6 +31,8 @@ export interface WebhookOptions extends ReplyOptions {
   work: (notification: Notification, claim: Claim) => Promise<unknown>;
   events?: ReadonlySet<string>;
   maxBodyBytes?: number;
+  /** Milliseconds the coordinator gets to record a notification before it is answered 503 (default 5000). */
+  admissionTimeoutMs?: number;
   /** Called with what the background work threw (default: a process warning); refusals are not errors. */
   onError?: (error: unknown, notification: Notification) => void;
   /** Called when the claim was refused (a redelivery, a message someone else answers...). */
@@ -35,7 +43,10 @@ interface Answer {
   status: number;
   body: string;
   notification?: Notification;
+  headers?: Record<string, string>;
 }
+
+const OK: Answer = { status: 200, body: "ok" };
 
 /** The handler both variants share; `running` counts background work; `drain()` waits for it (on shutdown). */
 export interface WebhookHandler {
@@ -47,6 +58,7 @@ class Webhook implements WebhookHandler {
   private readonly tasks = new Set<Promise<void>>();
   readonly maxBodyBytes: number;
   readonly events: ReadonlySet<string>;
+  readonly admissionTimeoutMs: number;
 
   constructor(readonly options: WebhookOptions) {
     if (typeof options.secret === "string" ? !options.secret : options.secret.length === 0) {
@@ -54,6 +66,10 @@ class Webhook implements WebhookHandler {
     }
     this.maxBodyBytes = options.maxBodyBytes ?? DEFAULT_MAX_BODY_BYTES;
     this.events = options.events ?? DEFAULT_EVENTS;
+    this.admissionTimeoutMs = options.admissionTimeoutMs ?? DEFAULT_ADMISSION_TIMEOUT_MS;
+    if (!(this.admissionTimeoutMs > 0 && this.admissionTimeoutMs < 10_000)) {
+      throw new RangeError(`admissionTimeoutMs must be between 0 and 10000 (Nylas waits 10 s), not ${this.admissionTimeoutMs}`);
+    }
   }
 
   get running(): number {
@@ -89,11 +105,22 @@ class Webhook implements WebhookHandler {
     }
   }
 
-  spawn(notification: Notification): void {
-    if (!this.events.has(notification.baseType) || !notification.isMessageEvent) return;
+  /** Records the notification (the claim entered, renewed from now on) and starts its work; the answer to give. */
+  async accept(notification: Notification): Promise<Answer> {
+    if (!this.events.has(notification.baseType) || !notification.isMessageEvent) return OK;
     const { coordinator, work, ttl, scope, note, mailbox } = this.options;
-    const task = coordinator
-      .replyTo(notification, { ttl, scope, note, mailbox }, (claim) => work(notification, claim))
+    let claim: Claim;
+    try {
+      claim = await coordinator.admit(notification, { ttl, scope, note, mailbox }, performance.now() + this.admissionTimeoutMs);
+    } catch (error) {
+      if (error instanceof ClaimNotGranted) {
+        this.options.onRefused?.(error, notification);
+        return OK; // recorded: a redelivery, a message someone else answers, an outgoing message
+      }
+      return unrecorded(notification, error);
+    }
+    const task = claim
+      .run(() => work(notification, claim))
       .then(
         () => undefined,
         (error: unknown) => {
@@ -104,16 +131,27 @@ class Webhook implements WebhookHandler {
       )
       .finally(() => this.tasks.delete(task));
     this.tasks.add(task);
+    return OK;
   }
 
   async handle(req: IncomingMessage, res: ServerResponse, parsedBody: unknown): Promise<void> {
     const body = req.method === "POST" ? await rawBody(req, parsedBody, this.maxBodyBytes) : undefined;
     const signature = req.headers[NYLAS_SIGNATURE_HEADER];
     const answer = this.check(req.method ?? "GET", req.url ?? "/", Array.isArray(signature) ? signature.join(",") : signature, body);
-    res.writeHead(answer.status, { "content-type": "text/plain; charset=utf-8" });
-    res.end(req.method === "HEAD" ? undefined : answer.body);
-    if (answer.notification !== undefined) this.spawn(answer.notification);
+    const given = answer.notification === undefined ? answer : await this.accept(answer.notification);
+    res.writeHead(given.status, { "content-type": "text/plain; charset=utf-8", ...given.headers });
+    res.end(req.method === "HEAD" ? undefined : given.body);
   }
+}
+
+/** A notification the coordinator did not record is never answered 200: Nylas then delivers it again. */
+function unrecorded(notification: Notification, error: unknown): Answer {
+  if (error instanceof CoordinatorUnavailable || error instanceof QuotaExceeded) {
+    process.emitWarning(`notification ${notification.notificationId} answered 503, the coordinator did not record it: ${String(error)}; Nylas delivers it again`);
+    return { status: 503, body: "the coordinator could not record this notification; deliver it again later", headers: { "retry-after": "5" } };
+  }
+  process.emitWarning(`notification ${notification.notificationId} answered 500, not recorded: ${String(error)}`);
+  return { status: 500, body: "this notification could not be recorded; see the agent's log" };
 }
 
 /** The body as received: express.raw() put it in req.body (a Buffer), else it is read from the stream. */

@@ -172,4 +172,40 @@ export class Nylas {
     }
     return interpretSendResponse(status, text);
   }
+
+  /**
+   * The ids of the grant's sent folders (GET /v3/grants/{grantId}/folders, every page: the folders whose
+   * `attributes` hold \\Sent), for the Coordinator's `sentFolders` on Microsoft and IMAP grants, whose folder ids
+   * are opaque or the server's own names (Google's is always SENT). Throws on an answer other than 2xx.
+   */
+  async sentFolderIds(grantId: string): Promise<string[]> {
+    if (!grantId) throw new TypeError("grantId is empty");
+    const ids: string[] = [];
+    let cursor = "";
+    do {
+      const url = new URL(`${this.apiBase.replace(/\/+$/, "")}/v3/grants/${encodeURIComponent(grantId)}/folders`);
+      if (cursor) url.searchParams.set("page_token", cursor);
+      const response = await fetch(url, { headers: { authorization: `Bearer ${this.apiKey}`, accept: "application/json" }, signal: AbortSignal.timeout(this.timeoutMs) });
+      if (!response.ok) throw new Error(`Nylas answered HTTP ${response.status} to the folder list: ${(await response.text()).slice(0, 200)}`);
+      const page = sentFoldersIn((await response.json()) as unknown);
+      ids.push(...page.ids);
+      cursor = page.cursor;
+    } while (cursor);
+    return ids;
+  }
+}
+
+/** The attribute Nylas gives a sent folder, on every provider. */
+export const SENT_ATTRIBUTE = "\\Sent";
+
+/** From one page of the folder list: the ids of the folders whose attributes hold \\Sent, and the next page's cursor. */
+export function sentFoldersIn(document: unknown): { ids: string[]; cursor: string } {
+  const record = typeof document === "object" && document !== null ? (document as Record<string, unknown>) : {};
+  const data = Array.isArray(record["data"]) ? (record["data"] as unknown[]) : [];
+  const ids = data.flatMap((folder) => {
+    if (typeof folder !== "object" || folder === null) return [];
+    const { id, attributes } = folder as Record<string, unknown>;
+    return typeof id === "string" && Array.isArray(attributes) && attributes.includes(SENT_ATTRIBUTE) ? [id] : [];
+  });
+  return { ids, cursor: typeof record["next_cursor"] === "string" ? record["next_cursor"] : "" };
 }

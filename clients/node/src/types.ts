@@ -8,7 +8,7 @@ export type SubjectKind = "message" | "thread";
 export type HolderKind = "agent" | "human";
 export type SubjectState = "FREE" | "CLAIMED" | "SENDING" | "REPLIED" | "IN_DOUBT";
 export type ClaimOutcome = "GRANTED" | "HELD" | "ALREADY_REPLIED" | "DUPLICATE_DELIVERY";
-export type LossReason = "taken_over" | "expired" | "stale_token" | "renewal_failed";
+export type LossReason = "taken_over" | "expired" | "stale_token" | "renewal_failed" | "answered_outside";
 
 /** What is claimed: a message or a thread inside one mailbox (a Nylas grant id, or the mailbox address). */
 export interface Subject {
@@ -100,6 +100,40 @@ export interface SubjectStatus {
   readonly summary: MessageSummary | undefined;
   /** REPLIED by markReplied (a person answered outside the coordinator), not through send. */
   readonly repliedByHand: boolean;
+  /**
+   * REPLIED because someone answered in its thread outside the coordinator (`outsideReply` says who): `holder`
+   * is then that sender.
+   */
+  readonly repliedOutside: boolean;
+  /**
+   * A reply written outside in its thread: with repliedOutside, the one that answered it; on a SENDING,
+   * IN_DOUBT or REPLIED subject that sent its own, both replies went out.
+   */
+  readonly outsideReply: OutsideReply | undefined;
+  /** REPLIED by ResolveInDoubt (sent): the person who settled it; `holder` is whose send it was. */
+  readonly settledBy: string;
+}
+
+/** A reply written outside the coordinator in a subject's thread (a person in Gmail, Outlook, a helpdesk). */
+export interface OutsideReply {
+  /** Who sent it, as the message's `from` says: "Ana Lima <ana@shop.example>". */
+  readonly sender: string;
+  /** The message's date, as the provider gives it. */
+  readonly sentAt: Date | undefined;
+  readonly messageId: string;
+  /** The principal whose client reported it. */
+  readonly recordedBy: string;
+  /** The principal whose claim it ended; empty when none was held. */
+  readonly stoppedHolder: string;
+}
+
+/** The answer to recordOutgoing: what the coordinator took the message for, and the subjects it concerns. */
+export interface OutgoingResult {
+  readonly outcome: "OWN_REPLY" | "ANSWERED_OUTSIDE" | "DUPLICATE_DELIVERY";
+  /** OWN_REPLY: the subject whose reply it is; ANSWERED_OUTSIDE: the subjects it answered, as they are now. */
+  readonly subjects: readonly SubjectStatus[];
+  /** DUPLICATE_DELIVERY: the notification's first sighting. */
+  readonly delivery: DeliveryRecord | undefined;
 }
 
 export interface DeliveryRecord {
@@ -147,7 +181,8 @@ export type EventType =
   | "IN_DOUBT"
   | "RESOLVED_NOT_SENT"
   | "RETENTION_ENDED"
-  | "MARKED_REPLIED";
+  | "MARKED_REPLIED"
+  | "ANSWERED_OUTSIDE";
 
 /** What Watch sends: first a snapshot of the mailbox, then an event for every transition. */
 export type WatchItem =
@@ -248,6 +283,28 @@ export function statusFromPb(message: pb.SubjectStatus | undefined): SubjectStat
     ttlSeconds: message.ttlSeconds,
     summary: summaryFromPb(message.summary),
     repliedByHand: message.repliedByHand,
+    repliedOutside: message.repliedOutside,
+    outsideReply: outsideReplyFromPb(message.outsideReply),
+    settledBy: message.settledBy,
+  };
+}
+
+function outsideReplyFromPb(message: pb.OutsideReply | undefined): OutsideReply | undefined {
+  if (message === undefined) return undefined;
+  return {
+    sender: message.sender,
+    sentAt: date(message.sentAt),
+    messageId: message.messageId,
+    recordedBy: message.recordedBy,
+    stoppedHolder: message.stoppedHolder,
+  };
+}
+
+export function outgoingFromPb(response: pb.RecordOutgoingResponse): OutgoingResult {
+  return {
+    outcome: enumName(pb.RecordOutgoingResponse_Result, response.result, "", "RecordOutgoingResponse.Result") as OutgoingResult["outcome"],
+    subjects: response.subjects.map(statusFromPb),
+    delivery: deliveryFromPb(response.delivery),
   };
 }
 

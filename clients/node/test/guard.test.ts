@@ -8,6 +8,8 @@ import {
   ClaimLost,
   Coordinator,
   DuplicateDelivery,
+  NO_IDEMPOTENCY_KEY_WARNING,
+  optionsFromEnv,
   ReplyHeld,
   SendOutcomeUnknown,
   SendRejected,
@@ -354,4 +356,57 @@ test("the summary: replyTo fills it from the notification's message, an option o
   const taken = await human.takeover(messageSubject(grant, "msg-u"), { ttl: 30, summary: { subjectLine: "Taken", sender: "dana@example.com" } });
   assert.equal(taken.outcome, "TAKEN_OVER");
   assert.equal(taken.status.summary?.subjectLine, "Taken");
+});
+
+test("claim.send hands its function the idempotency key, and warns when a send takes it from nowhere", async () => {
+  const agent = cluster.client("agent-key");
+  const mailbox = unique("key");
+  const warnings: string[] = [];
+  const listen = (warning: Error & { code?: string }): void => {
+    if (warning.code === NO_IDEMPOTENCY_KEY_WARNING) warnings.push(warning.message);
+  };
+  process.on("warning", listen);
+  try {
+    // The key as the function's argument: the claim's own, and no warning.
+    await agent.replyTo({ mailbox, messageId: "taken" }, { ttl: 30 }, async (claim) => {
+      assert.equal(await claim.send((key) => (key === claim.idempotencyKey ? "sent-taken" : "wrong key")), "sent-taken");
+    });
+    // Read from the claim inside the send, as the Nylas helper is called: no warning either.
+    await agent.replyTo({ mailbox, messageId: "read" }, { ttl: 30 }, (claim) =>
+      claim.send(() => `sent-${claim.idempotencyKey.slice(0, 8)}`),
+    );
+    await sleep(50); // process warnings are emitted on the next tick
+    assert.deepEqual(warnings, []);
+    // Neither: the provider got no Idempotency-Key, and the developer is told so, naming the message and the fix.
+    await agent.replyTo({ mailbox, messageId: "forgotten" }, { ttl: 30 }, (claim) => claim.send(() => "sent-forgotten"));
+    await sleep(50);
+    assert.equal(warnings.length, 1);
+    assert.match(warnings[0]!, /claim\.send\(\) for forgotten: the send function took no idempotency key/);
+    assert.match(warnings[0]!, /claim\.send\(\(idempotencyKey\) => sendReply\(\.\.\., idempotencyKey\)\)/);
+  } finally {
+    process.off("warning", listen);
+  }
+});
+
+test("Coordinator.fromEnv reads the variables the Python client and inboxctl read", async () => {
+  const target = cluster.targets[0]!;
+  const coord = Coordinator.fromEnv({}, { INBOX_COORDINATOR_TARGET: target, INBOX_PRINCIPAL: "support-agent-1" });
+  try {
+    assert.deepEqual([coord.target, coord.principal, coord.kind, coord.timeoutMs], [target, "support-agent-1", "agent", 5_000]);
+    const granted = await coord.claim(messageSubject(unique("env"), "m"), { ttl: 30 });
+    assert.equal(granted.outcome, "GRANTED");
+    assert.equal(granted.status?.holder, "support-agent-1");
+  } finally {
+    coord.close();
+  }
+  const person = Coordinator.fromEnv({ timeoutMs: 2_000 }, { INBOX_PRINCIPAL: "ana", INBOX_PRINCIPAL_KIND: "human", INBOX_CALL_TIMEOUT: "9" });
+  assert.deepEqual([person.target, person.kind, person.timeoutMs], ["127.0.0.1:50051", "human", 2_000]); // overrides win
+  person.close();
+  assert.equal(optionsFromEnv({ INBOX_CALL_TIMEOUT: "2.5" }).timeoutMs, 2_500);
+  assert.equal(optionsFromEnv({ INBOX_TLS: "yes" }).tls, true);
+  // The old names of docs/node.md are not read: nothing falls back silently to them.
+  assert.throws(() => Coordinator.fromEnv({}, { INBOX_COORDINATOR: target, PRINCIPAL: "agent-1" }), /set INBOX_TOKEN .* or, in development mode, INBOX_PRINCIPAL/);
+  assert.throws(() => Coordinator.fromEnv({}, { INBOX_PRINCIPAL: "a", INBOX_PRINCIPAL_KIND: "robot" }), /INBOX_PRINCIPAL_KIND must be "agent" or "human"/);
+  assert.throws(() => Coordinator.fromEnv({}, { INBOX_TOKEN: "t", INBOX_CA_FILE: "/nonexistent/ca.pem" }), /cannot read INBOX_CA_FILE=\/nonexistent\/ca.pem: ENOENT/);
+  assert.throws(() => optionsFromEnv({ INBOX_CALL_TIMEOUT: "soon" }), /INBOX_CALL_TIMEOUT must be a number of seconds/);
 });

@@ -2,12 +2,12 @@
 
 ::
 
-    from inbox_claims import guard, nylas
+    from inbox_claims import guard, nylas as guarded_nylas
 
     @guard                                       # dedup + claim on the message, renewed; refusals logged
     async def answer(event: dict[str, Any]) -> None:
         draft = await write_reply(event)
-        await nylas.send(http, event["data"]["object"]["grant_id"], draft)   # fenced: at most one reply
+        await guarded_nylas.send(http, event["data"]["object"]["grant_id"], draft)   # fenced: at most one reply
 
 See ``docs/client.md``. :class:`AsyncCoordinator` and its blocking twin :class:`Coordinator` are the clients
 (``from_env()`` reads the variables ``inboxctl`` reads); :mod:`inbox_claims.webhooks` verifies and parses
@@ -32,6 +32,7 @@ from ._errors import (
     CoordinatorUnavailable,
     DuplicateDelivery,
     InboxClaimsError,
+    OutgoingMessage,
     ReplyHeld,
     SendOutcomeUnknown,
     SendRejected,
@@ -59,6 +60,7 @@ __all__ = [
     "DuplicateDelivery",
     "InboxClaimsError",
     "Notification",
+    "OutgoingMessage",
     "ReplyHeld",
     "RetryPolicy",
     "SendOutcomeUnknown",
@@ -72,7 +74,9 @@ __all__ = [
 ]
 
 # Value types added after 0.1 live in inbox_claims.types only: they were never at the top level.
-_NEWER_VALUE_TYPES = frozenset({"CallerIdentity", "MessageSummary"})
+_NEWER_VALUE_TYPES = frozenset(
+    {"CallerIdentity", "MessageSummary", "OutgoingOutcome", "OutgoingResult", "OutsideReply", "RecentMessage"}
+)
 
 # The names that were at the top level in 0.1 and moved: they keep working until 0.2, with a DeprecationWarning
 # that names the new place. old name -> (module, name there).

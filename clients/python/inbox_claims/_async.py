@@ -6,6 +6,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, Self, TypeVar, Unpack, overload
@@ -39,6 +40,7 @@ from ._guard import (
     Scope,
 )
 from ._proto import coordinator_pb2_grpc as pb_grpc
+from ._types import MessageSummary
 
 __all__ = ["AsyncClaim", "AsyncCoordinator"]
 
@@ -215,6 +217,7 @@ class AsyncCoordinator(ClientBase):
         scope: Scope = "message",
         ttl: int = 60,
         note: str = "",
+        summary: MessageSummary | None = None,
         on_lost: Callable[[AsyncClaim], object] | None = None,
         cancel_on_loss: bool = False,
     ) -> AsyncClaim:
@@ -231,7 +234,11 @@ class AsyncCoordinator(ClientBase):
 
         ``notification``: what the handler has, the raw body, the decoded event or a parsed notification.
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
-        (or replace it: ``reply_to(mailbox=..., message_id=...)``).
+        (or replace it: ``reply_to(mailbox=..., message_id=...)``); ``summary`` (which email it is, shown to the
+        people watching) overrides the one read from the notification. A notification about a message the
+        mailbox sent (in a sent folder, or from one of its own addresses: the client's ``sent_folders`` and
+        ``mailbox_addresses``) is never claimed: entering reports it with RecordOutgoing, logs one line and
+        raises :class:`OutgoingMessage`.
         """
         state = GuardState.for_reply(
             self._core,
@@ -243,6 +250,7 @@ class AsyncCoordinator(ClientBase):
             scope=scope,
             ttl=ttl,
             note=note,
+            summary=summary,
         )
         return AsyncClaim(self, state, on_lost, cancel_on_loss)
 
@@ -345,14 +353,29 @@ class AsyncClaim(ClaimBase):
         self._renewal: asyncio.Task[None] | None = None
         self._body: asyncio.Task[Any] | None = None
         self._cancelled_body = False
+        self._admitted = False
         self.lost = asyncio.Event()
-        """Set once the claim is found lost (taken over, expired, or unrenewable past its TTL)."""
+        """Set once the claim is found lost (taken over, expired, answered from the mailbox, or unrenewable)."""
+
+    async def admit(self, *, within: float | None = None) -> Self:
+        """Makes the claim's one ClaimReply call (a refusal is raised, as entering raises it) and starts its
+        renewal, without entering the block yet: ``async with claim:`` later, in any task, runs the block on the
+        claim already held. The webhook adapters admit in the request and answer Nylas only then (so that no
+        notification is acknowledged that the coordinator did not record), and run the block in the background.
+        ``within``: seconds for the call with its retries (default: the retry policy's); a claim granted after
+        it gave up lapses with its TTL, and a redelivery of the notification claims again."""
+        if self._admitted:
+            return self
+        deadline = time.monotonic() + within if within is not None else None
+        await self._client._drive(self._state.enter(deadline))
+        self._admitted = True
+        self._renewal = asyncio.create_task(self._renew(), name=f"inbox-claims renewal {self.token}")
+        return self
 
     async def __aenter__(self) -> Self:
-        await self._client._drive(self._state.enter())
+        await self.admit()
         self._make_current()
         self._body = asyncio.current_task()
-        self._renewal = asyncio.create_task(self._renew(), name=f"inbox-claims renewal {self.token}")
         return self
 
     async def _renew(self) -> None:

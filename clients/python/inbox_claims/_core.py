@@ -38,8 +38,10 @@ from typing import (
 
 import grpc
 from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from ._errors import error_for
+from ._outgoing import MAILBOX_ADDRESSES_ENV, SENT_FOLDERS_ENV, OutgoingRules
 from ._proto import coordinator_pb2 as pb
 from ._types import (
     CallerIdentity,
@@ -52,6 +54,10 @@ from ._types import (
     FenceResult,
     HolderKind,
     MessageSummary,
+    OutgoingOutcome,
+    OutgoingResult,
+    OutsideReply,
+    RecentMessage,
     RetryPolicy,
     Subject,
     SubjectKind,
@@ -269,7 +275,26 @@ def summary_to_pb(summary: MessageSummary | None) -> pb.MessageSummary | None:
     return message
 
 
-def summary_from_pb(message: pb.SubjectStatus) -> MessageSummary | None:
+def _timestamp_to_pb(when: datetime, name: str) -> Timestamp:
+    if not isinstance(when, datetime):
+        raise TypeError(f"{name} must be a datetime, not {type(when).__name__}")
+    if when.tzinfo is None:
+        raise ValueError(f"{name} must be timezone-aware (a naive datetime names no instant)")
+    stamp = Timestamp()
+    stamp.FromDatetime(when.astimezone(UTC))
+    return stamp
+
+
+def outside_reply_from_pb(message: pb.SubjectStatus) -> OutsideReply | None:
+    if not message.HasField("outside_reply"):
+        return None
+    reply = message.outside_reply
+    return OutsideReply(
+        reply.sender, _time(reply, "sent_at"), reply.message_id, reply.recorded_by, reply.stopped_holder
+    )
+
+
+def summary_from_pb(message: pb.SubjectStatus | pb.RecentMessage) -> MessageSummary | None:
     if not message.HasField("summary"):
         return None
     summary = message.summary
@@ -319,6 +344,21 @@ def status_from_pb(message: pb.SubjectStatus) -> SubjectStatus:
         ttl_seconds=message.ttl_seconds,
         replied_by_hand=message.replied_by_hand,
         summary=summary_from_pb(message),
+        replied_outside=message.replied_outside,
+        outside_reply=outside_reply_from_pb(message),
+        settled_by=message.settled_by,
+    )
+
+
+def _recent(response: pb.ListRecentMessagesResponse) -> tuple[RecentMessage, ...]:
+    return tuple(
+        RecentMessage(
+            subject=subject_from_pb(message.subject),
+            summary=summary_from_pb(message),
+            first_seen_at=_time(message, "first_seen_at"),
+            seen_by=message.seen_by,
+        )
+        for message in response.messages
     )
 
 
@@ -341,6 +381,14 @@ def _claim_result(response: pb.ClaimReplyResponse) -> ClaimResult:
     return ClaimResult(
         outcome=outcome,
         status=status_from_pb(response.status) if outcome is not ClaimOutcome.DUPLICATE_DELIVERY else None,
+        delivery=delivery_from_pb(response.delivery) if response.HasField("delivery") else None,
+    )
+
+
+def _outgoing_result(response: pb.RecordOutgoingResponse) -> OutgoingResult:
+    return OutgoingResult(
+        outcome=_enum_from_pb(OutgoingOutcome, pb.RecordOutgoingResponse.Result, response.result, ""),
+        subjects=tuple(status_from_pb(status) for status in response.subjects),
         delivery=delivery_from_pb(response.delivery) if response.HasField("delivery") else None,
     )
 
@@ -415,6 +463,8 @@ class ClientOptions:
     channel_options: tuple[tuple[str, Any], ...] = field(default=())
     max_batch: int = 64
     """Concurrent calls sent together in one Batch RPC, at most; 1: every call alone."""
+    outgoing: OutgoingRules = field(default_factory=OutgoingRules)
+    """How the guard tells a message the mailbox sent (never answered) from one it received."""
 
     def open_channel(self, insecure: Callable[..., T], secure: Callable[..., T]) -> T:
         """A channel from ``grpc`` or ``grpc.aio``: plaintext without credentials, else secure."""
@@ -444,6 +494,8 @@ def make_options(
     retry: RetryPolicy | None,
     channel_options: Sequence[tuple[str, Any]],
     max_batch: int = 64,
+    sent_folders: str | Iterable[str] | None = None,
+    mailbox_addresses: str | Iterable[str] | None = None,
 ) -> ClientOptions:
     if not target:
         raise ValueError("target must be HOST:PORT (or any gRPC target), e.g. '127.0.0.1:50051'")
@@ -488,6 +540,7 @@ def make_options(
         metadata=tuple(metadata),
         channel_options=tuple(defaults.items()),
         max_batch=max_batch,
+        outgoing=OutgoingRules.of(sent_folders, mailbox_addresses),
     )
 
 
@@ -571,6 +624,8 @@ class Core:
         notification_id: str = "",
         note: str = "",
         summary: MessageSummary | None = None,
+        thread_id: str = "",
+        received_at: datetime | None = None,
     ) -> Op[ClaimResult]:
         request = pb.ClaimReplyRequest(
             request_id=new_request_id(),
@@ -579,8 +634,31 @@ class Core:
             ttl_seconds=_ttl(ttl),
             note=note,
             summary=summary_to_pb(summary),
+            thread_id=thread_id,
+            received_at=_timestamp_to_pb(received_at, "received_at") if received_at is not None else None,
         )
         return Op("ClaimReply", request, _claim_result)
+
+    def record_outgoing_op(
+        self,
+        mailbox: str,
+        message_id: str,
+        thread_id: str,
+        sent_at: datetime,
+        *,
+        sender: str = "",
+        notification_id: str = "",
+    ) -> Op[OutgoingResult]:
+        request = pb.RecordOutgoingRequest(
+            request_id=new_request_id(),
+            mailbox=mailbox,
+            notification_id=notification_id,
+            message_id=message_id,
+            thread_id=thread_id,
+            sent_at=_timestamp_to_pb(sent_at, "sent_at"),
+            sender=sender,
+        )
+        return Op("RecordOutgoing", request, _outgoing_result)
 
     def renew_op(self, subject: Subject, token: int, *, ttl: int = 0) -> Op[FenceResult]:
         request = pb.RenewClaimRequest(
@@ -662,17 +740,47 @@ class Core:
         notification_id: str = "",
         note: str = "",
         summary: MessageSummary | None = None,
+        thread_id: str = "",
+        received_at: datetime | None = None,
         timeout: float | None = None,
     ) -> Flow[ClaimResult]:
         """ClaimReply: the exclusive, TTL'd right to reply to ``subject`` (``ttl`` 0: the server's default).
 
         Answers a :class:`ClaimResult` (GRANTED, HELD, ALREADY_REPLIED, DUPLICATE_DELIVERY); nothing is
         renewed for you. Agents should use ``reply_to``, which renews, fences the send and cleans up.
+        ``thread_id`` and ``received_at`` (both or neither: the message's thread and when it was received, as
+        the provider says) let a reply written outside the coordinator in that thread end the claim.
         """
-        return self.call(
-            self.claim_op(subject, ttl=ttl, notification_id=notification_id, note=note, summary=summary),
-            timeout=timeout,
+        op = self.claim_op(
+            subject,
+            ttl=ttl,
+            notification_id=notification_id,
+            note=note,
+            summary=summary,
+            thread_id=thread_id,
+            received_at=received_at,
         )
+        return self.call(op, timeout=timeout)
+
+    def record_outgoing(
+        self,
+        mailbox: str,
+        message_id: str,
+        thread_id: str,
+        sent_at: datetime,
+        *,
+        sender: str = "",
+        notification_id: str = "",
+        timeout: float | None = None,
+    ) -> Flow[OutgoingResult]:
+        """RecordOutgoing: a message the mailbox sent (in a sent folder, or from one of its own addresses). The
+        coordinator answers whether it is the mailbox's own reply (OWN_REPLY) or one written outside it
+        (ANSWERED_OUTSIDE: it ended the claims on the messages of its thread received at or before ``sent_at``).
+        The guard calls it for you on every outgoing notification; never answer such a message."""
+        op = self.record_outgoing_op(
+            mailbox, message_id, thread_id, sent_at, sender=sender, notification_id=notification_id
+        )
+        return self.call(op, timeout=timeout)
 
     def renew(self, subject: Subject, token: int, *, ttl: int = 0, timeout: float | None = None) -> Flow[FenceResult]:
         """RenewClaim: pushes the claim's expiry ``ttl`` seconds out (``ok`` False: the token is stale)."""
@@ -745,6 +853,14 @@ class Core:
         )
         return self.call(Op("ListClaims", request, _page), timeout=timeout)
 
+    def recent_messages(
+        self, mailbox: str, *, query: str = "", page_size: int = 0, timeout: float | None = None
+    ) -> Flow[tuple[RecentMessage, ...]]:
+        """ListRecentMessages: the mailbox's recently delivered messages (the delivery retention, 24 h), newest
+        first, whose subject line, sender or id contains ``query``: what a person picks one to answer from."""
+        request = pb.ListRecentMessagesRequest(mailbox=mailbox, query=query, page_size=operator.index(page_size))
+        return self.call(Op("ListRecentMessages", request, _recent), timeout=timeout)
+
     def iter_claims(
         self, mailbox: str, *, states: Iterable[SubjectState] = (), page_size: int = 0
     ) -> Stream[SubjectStatus]:
@@ -799,16 +915,19 @@ class Core:
         ttl: int = 0,
         note: str = "",
         summary: MessageSummary | None = None,
+        from_person: str = "",
         timeout: float | None = None,
     ) -> Flow[TakeoverResult]:
         """Takeover (humans only): ends an agent's claim (its token goes stale at once) and gives the caller a
-        new one. Never takes from a human (HELD) nor after the send began (ALREADY_REPLIED)."""
+        new one. From a person only when ``from_person`` names them (the caller confirmed it; otherwise HELD);
+        never after the send began (ALREADY_REPLIED)."""
         request = pb.TakeoverRequest(
             request_id=new_request_id(),
             subject=subject_to_pb(subject),
             ttl_seconds=_ttl(ttl),
             note=note,
             summary=summary_to_pb(summary),
+            from_person=from_person,
         )
         return self.call(Op("Takeover", request, _takeover_result), timeout=timeout)
 
@@ -933,6 +1052,8 @@ class ClientBase:
         retry: RetryPolicy | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         max_batch: int = 64,
+        sent_folders: str | Iterable[str] | None = None,
+        mailbox_addresses: str | Iterable[str] | None = None,
     ) -> None:
         """Connects lazily to the coordinator at ``target`` (HOST:PORT, default ``127.0.0.1:50051``).
 
@@ -948,6 +1069,10 @@ class ClientBase:
         ``max_batch``: calls made at the same time (by concurrent tasks or threads sharing this client) go
         to the coordinator together, up to this many in one Batch RPC; each is still its own call, with its
         own answer, error and retries. 1 sends every call alone.
+        ``sent_folders`` and ``mailbox_addresses``: how the guard tells a message the mailbox sent from one it
+        received (docs/client.md, "Outgoing messages"): folder ids of sent mail besides Google's ``SENT`` (for
+        Microsoft and IMAP: ``nylas.sent_folder_ids``), and the mailbox's own addresses. A notification about an
+        outgoing message is never handed to your code: it is reported with ``record_outgoing``.
         """
         self._core = Core(
             make_options(
@@ -964,6 +1089,8 @@ class ClientBase:
                 retry=retry,
                 channel_options=channel_options,
                 max_batch=max_batch,
+                sent_folders=sent_folders,
+                mailbox_addresses=mailbox_addresses,
             )
         )
 
@@ -972,15 +1099,20 @@ class ClientBase:
         """A client configured by the environment variables ``inboxctl`` reads (``environ``: default
         ``os.environ``): ``INBOX_COORDINATOR_TARGET`` (default ``127.0.0.1:50051``), ``INBOX_PRINCIPAL``,
         ``INBOX_PRINCIPAL_KIND`` (default ``agent`` here), ``INBOX_TOKEN``, ``INBOX_TLS``, ``INBOX_CA_FILE``,
-        ``INBOX_CERT_FILE``, ``INBOX_KEY_FILE``, ``INBOX_CALL_TIMEOUT`` (default 5 s). Keyword arguments
-        override them (``from_env(max_batch=16)``). Raises ``ValueError`` naming the variable to set when
-        neither ``INBOX_PRINCIPAL`` nor ``INBOX_TOKEN`` says who the client is."""
+        ``INBOX_CERT_FILE``, ``INBOX_KEY_FILE``, ``INBOX_CALL_TIMEOUT`` (default 5 s), and for the guard
+        ``INBOX_SENT_FOLDERS`` and ``INBOX_MAILBOX_ADDRESSES`` (comma-separated: ``sent_folders`` and
+        ``mailbox_addresses``). Keyword arguments override them (``from_env(max_batch=16)``). Raises
+        ``ValueError`` naming the variable to set when neither ``INBOX_PRINCIPAL`` nor ``INBOX_TOKEN`` says who
+        the client is."""
         from ._settings import client_arguments, from_environment  # _settings imports this module
 
-        settings = from_environment(os.environ if environ is None else environ)
-        if not (environ if environ is not None else os.environ).get("INBOX_PRINCIPAL_KIND"):
+        variables = os.environ if environ is None else environ
+        settings = from_environment(variables)
+        if not variables.get("INBOX_PRINCIPAL_KIND"):
             settings["kind"] = "agent"  # inboxctl's default is a human at a terminal; this is an agent
         arguments = client_arguments(settings)
+        arguments["sent_folders"] = variables.get(SENT_FOLDERS_ENV)
+        arguments["mailbox_addresses"] = variables.get(MAILBOX_ADDRESSES_ENV)
         arguments.update(overrides)
         if arguments["principal"] is None and arguments["token"] is None:
             raise ValueError(
@@ -1014,6 +1146,7 @@ class ClientBase:
     # -- the RPCs: each runs one core flow (see Core for what it does); the subclass's _drive does the I/O ---
 
     record_delivery = rpc(Core.record_delivery)
+    record_outgoing = rpc(Core.record_outgoing)
     claim = rpc(Core.claim)
     renew = rpc(Core.renew)
     release = rpc(Core.release)
@@ -1024,6 +1157,7 @@ class ClientBase:
     status = rpc(Core.status)
     caller = rpc(Core.caller)
     list_claims = rpc(Core.list_claims)
+    recent_messages = rpc(Core.recent_messages)
     iter_claims = stream(Core.iter_claims)
     watch = stream(Core.watch)
     takeover = rpc(Core.takeover)

@@ -6,7 +6,8 @@
     ├── ClaimNotGranted            the claim was refused: do not reply (answer the webhook 200 and move on)
     │   ├── DuplicateDelivery      this notification id was seen before
     │   ├── ReplyHeld              someone else holds the subject now
-    │   └── AlreadyReplied         a reply was sent, is being sent, or is in doubt
+    │   ├── AlreadyReplied         a reply was sent, is being sent, or is in doubt
+    │   └── OutgoingMessage        the message is one the mailbox sent: never answered (recorded instead)
     ├── ClaimLost                  you held the claim and no longer do (fenced): never send
     ├── SendRejected               raised BY YOU from a send function: "the mail API refused, nothing went out"
     ├── SendOutcomeUnknown         the send function raised something else: it may have gone out (IN_DOUBT)
@@ -26,7 +27,17 @@ from datetime import datetime
 
 import grpc
 
-from ._types import DeliveryRecord, HolderKind, LossReason, Subject, SubjectState, SubjectStatus
+from ._outgoing import OutgoingMatch
+from ._types import (
+    DeliveryRecord,
+    HolderKind,
+    LossReason,
+    OutgoingOutcome,
+    OutgoingResult,
+    Subject,
+    SubjectState,
+    SubjectStatus,
+)
 
 __all__ = [
     "AlreadyReplied",
@@ -38,6 +49,7 @@ __all__ = [
     "FailedPrecondition",
     "InboxClaimsError",
     "InvalidRequest",
+    "OutgoingMessage",
     "PermissionDenied",
     "QuotaExceeded",
     "ReplyHeld",
@@ -135,6 +147,35 @@ class AlreadyReplied(ClaimNotGranted):
         return self.status.sent_message_id
 
 
+class OutgoingMessage(ClaimNotGranted):
+    """The notification is about a message the mailbox sent (``why``: in a sent folder, or from one of its own
+    addresses): an agent never answers it. The guard reported it to the coordinator (``result``: the mailbox's
+    own reply, or one written outside that ended the claims on what it answered; ``None`` when it could not be
+    reported, e.g. the notification carried no thread id)."""
+
+    def __init__(
+        self, subject: Subject, notification_id: str, why: OutgoingMatch, result: OutgoingResult | None
+    ) -> None:
+        if result is None:
+            recorded = "it was not recorded (the notification has no thread id or date)"
+        elif result.outcome is OutgoingOutcome.OWN_REPLY:
+            recorded = "the coordinator knows it as the mailbox's own reply"
+        elif result.outcome is OutgoingOutcome.ANSWERED_OUTSIDE:
+            ended = ", ".join(f"{status.subject.kind.value} {status.subject.id!r}" for status in result.subjects)
+            recorded = "recorded as a reply written outside the coordinator" + (
+                f"; it answered {ended}" if ended else ""
+            )
+        else:
+            recorded = "its notification was delivered before"
+        super().__init__(
+            f"not answering {_describe(subject)} (notification {notification_id!r}): it is outgoing, {why}; {recorded}"
+        )
+        self.subject = subject
+        self.notification_id = notification_id
+        self.why = why
+        self.result = result
+
+
 # ------------------------------------------------------------------------------------------- the guard
 
 
@@ -152,6 +193,7 @@ class ClaimLost(InboxClaimsError):
             LossReason.EXPIRED: "its TTL ran out before it was renewed",
             LossReason.STALE_TOKEN: "the coordinator refused its fencing token",
             LossReason.RENEWAL_FAILED: "the coordinator could not be reached to renew it before its TTL ran out",
+            LossReason.ANSWERED_OUTSIDE: _answered_outside(status),
         }[reason]
         super().__init__(f"claim {token} on {_describe(subject)} was lost: {detail}")
         self.subject = subject
@@ -274,6 +316,14 @@ def error_for(
     return _BY_CODE.get(code, CoordinatorError)(
         code, details, method=method, attempts=attempts, retry_after=retry_after
     )
+
+
+def _answered_outside(status: SubjectStatus | None) -> str:
+    reply = status.outside_reply if status is not None else None
+    if reply is None:
+        return "someone answered it from the mailbox"
+    when = f" at {reply.sent_at:%Y-%m-%d %H:%M}Z" if reply.sent_at else ""
+    return f"someone answered it from the mailbox: {reply.sender or 'the mailbox'}{when}"
 
 
 def _describe(subject: Subject) -> str:

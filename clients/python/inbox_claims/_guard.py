@@ -2,6 +2,7 @@
 
 A guarded claim goes through these phases (:class:`Phase`)::
 
+    CLAIMING --the message is outgoing, RecordOutgoing--> OUTGOING (refused: the user's code never runs)
     CLAIMING --ClaimReply GRANTED--> CLAIMED --renewal finds it gone--> LOST
     CLAIMED --send()--> BEGINNING --BeginSend OK--> SENDING --fn returned, ConfirmSent--> REPLIED
                                   --BeginSend STALE--> LOST         --fn raised SendRejected, AbortSend--> ABORTED
@@ -18,6 +19,7 @@ import contextlib
 import contextvars
 import enum
 import logging
+import sys
 import threading
 import time
 import unicodedata
@@ -35,11 +37,13 @@ from ._errors import (
     DuplicateDelivery,
     FailedPrecondition,
     InboxClaimsError,
+    OutgoingMessage,
     ReplyHeld,
     SendOutcomeUnknown,
     SendRejected,
     SentButUnconfirmed,
 )
+from ._outgoing import OutgoingMatch
 from ._types import (
     ClaimOutcome,
     ClaimResult,
@@ -47,12 +51,40 @@ from ._types import (
     HolderKind,
     LossReason,
     MessageSummary,
+    OutgoingResult,
     Subject,
     SubjectState,
     SubjectStatus,
 )
 
 log = logging.getLogger("inbox_claims")
+
+
+class _Stderr(logging.Handler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (a server or a test may have replaced it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
+
+
+# Under uvicorn or gunicorn, which configure only their own loggers, an app that set up no logging would never see
+# a refusal: they are INFO, and Python's last resort shows WARNING and up. So while nothing would take a record of
+# the inbox_claims logger (no handler on it or above, its level not set), a refusal line goes to stderr anyway;
+# once the app configures logging, or sets this logger's level, that decides.
+_UNCONFIGURED = _Stderr()
+_UNCONFIGURED.setFormatter(logging.Formatter("%(levelname)s:%(name)s: %(message)s"))
+
+
+def log_refusal(message: str, *args: object) -> None:
+    """An absorbed refusal's one INFO line, shown even where the app configured no logging."""
+    if log.level == logging.NOTSET and not log.hasHandlers():
+        _UNCONFIGURED.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, message, args, None))
+    else:
+        log.info(message, *args)
+
 
 Scope = Literal["message", "thread"]
 
@@ -79,6 +111,7 @@ RENEWAL_RETRY_FLOOR_S = 0.2
 
 class Phase(enum.Enum):
     CLAIMING = "claiming"
+    OUTGOING = "outgoing"
     CLAIMED = "claimed"
     LOST = "lost"
     BEGINNING = "beginning"
@@ -150,8 +183,10 @@ class ReplyPolicy:
 
     @staticmethod
     def refused(notification: Notification, refusal: Exception) -> None:
-        """The one log line of an absorbed refusal."""
-        log.info(
+        """The one log line of an absorbed refusal (an outgoing message's was written when it was found)."""
+        if isinstance(refusal, OutgoingMessage):
+            return
+        log_refusal(
             "not replying to message %s (notification %s): %s",
             notification.message_id,
             notification.notification_id,
@@ -177,6 +212,8 @@ def current_claim_base() -> ClaimBase | None:
     return _current.get()
 
 
+# Unix seconds of the year 10000: a later "date" is not a time the coordinator can store.
+_YEAR_10000 = 253402300800
 # The coordinator's limits on a summary's texts (coordinator/limits.py): longer ones are cut, not refused.
 SUMMARY_SUBJECT_LINE_MAX_BYTES = 512
 SUMMARY_SENDER_MAX_BYTES = 512
@@ -192,23 +229,32 @@ def summary_of(event: Event | None) -> MessageSummary | None:
         return None
     message = notification.object
     subject_line = message.get("subject")
-    senders = message.get("from")
-    date = message.get("date")
-    sender = ""
-    if isinstance(senders, list) and senders and isinstance(senders[0], dict):
-        name, email = senders[0].get("name"), senders[0].get("email")
-        name = name if isinstance(name, str) else ""
-        email = email if isinstance(email, str) else ""
-        sender = f"{name} <{email}>" if name and email else name or email
-    received = None
-    if isinstance(date, int) and not isinstance(date, bool) and 0 <= date < 253402300800:  # before year 10000
-        received = datetime.fromtimestamp(date, tz=UTC)
     summary = MessageSummary(
         clean_text(subject_line, SUMMARY_SUBJECT_LINE_MAX_BYTES) if isinstance(subject_line, str) else "",
-        clean_text(sender, SUMMARY_SENDER_MAX_BYTES),
-        received,
+        clean_text(_sender_of(message), SUMMARY_SENDER_MAX_BYTES),
+        _date_of(notification),
     )
     return summary if summary.subject_line or summary.sender or summary.received_at else None
+
+
+def _date_of(notification: Notification) -> datetime | None:
+    """The message's date (Nylas: ``date``, unix seconds), as the provider gives it. Not the notification's
+    ``time``: that is when Nylas noticed the message, later, and the thread rule compares messages' own dates."""
+    seconds = notification.object.get("date")
+    if isinstance(seconds, int) and not isinstance(seconds, bool) and 0 <= seconds < _YEAR_10000:
+        return datetime.fromtimestamp(seconds, tz=UTC)
+    return None
+
+
+def _sender_of(message: Mapping[str, Any]) -> str:
+    """The first ``from`` as people read it: ``Ana Lima <ana@shop.example>``, or whichever half is there."""
+    senders = message.get("from")
+    if not isinstance(senders, list) or not senders or not isinstance(senders[0], dict):
+        return ""
+    name, email = senders[0].get("name"), senders[0].get("email")
+    name = name if isinstance(name, str) else ""
+    email = email if isinstance(email, str) else ""
+    return f"{name} <{email}>" if name and email else name or email
 
 
 def granted_status(result: ClaimResult, subject: Subject, notification_id: str) -> SubjectStatus:
@@ -235,6 +281,10 @@ class GuardState:
     Thread-safe: in the sync client the renewal runs in its own thread while the caller drafts and sends.
     """
 
+    outgoing: OutgoingMatch | None
+    """Why the notification's message is one the mailbox sent (then it is never answered), if it is."""
+    _outgoing_op: Op[OutgoingResult] | None
+
     @classmethod
     def for_reply(
         cls,
@@ -248,6 +298,7 @@ class GuardState:
         scope: Scope,
         ttl: int,
         note: str,
+        summary: MessageSummary | None = None,
     ) -> GuardState:
         """The state of ``reply_to``'s claim (both clients): the subject to claim, the notification id to dedup on
         and the summary, from one decoding of the notification and/or explicit ids.
@@ -266,6 +317,10 @@ class GuardState:
             thread_id = thread_id or notification.thread_id
             if notification_id is None:
                 notification_id = notification.notification_id
+        # The thread and the message's date come only from a notification: with them a reply written outside the
+        # coordinator in the thread ends the claim; without a date, neither is sent (the coordinator needs both).
+        date = _date_of(notification) if notification is not None else None
+        thread = thread_id if date is not None else None
         if not mailbox:
             raise ValueError("reply_to needs a mailbox: pass mailbox= (the notification carries no grant_id)")
         if scope == "message":
@@ -280,8 +335,39 @@ class GuardState:
             subject = Subject.thread(mailbox, thread_id)
         else:
             raise ValueError(f"scope must be 'message' or 'thread', not {scope!r}")
-        summary = summary_of(notification)
-        return cls(core, subject, notification_id=notification_id or "", ttl=ttl, note=note, summary=summary)
+        summary = summary or summary_of(notification)
+        state = cls(
+            core,
+            subject,
+            notification_id=notification_id or "",
+            ttl=ttl,
+            note=note,
+            summary=summary,
+            thread_id=thread or "",
+            received_at=date,
+        )
+        if notification is not None:
+            state.outgoing_check(notification, mailbox, thread, date)
+        return state
+
+    def outgoing_check(
+        self, notification: Notification, mailbox: str, thread_id: str | None, date: datetime | None
+    ) -> None:
+        """Finds whether the notification's message is one the mailbox sent; entering then reports it."""
+        why = self.core.options.outgoing.match(notification.object)
+        if why is None:
+            return
+        self.outgoing = why
+        message_id = notification.message_id
+        if message_id and thread_id and date is not None:
+            self._outgoing_op = self.core.record_outgoing_op(
+                mailbox,
+                message_id,
+                thread_id,
+                date,
+                sender=clean_text(_sender_of(notification.object), SUMMARY_SENDER_MAX_BYTES),
+                notification_id=self.notification_id,
+            )
 
     def __init__(
         self,
@@ -292,6 +378,8 @@ class GuardState:
         ttl: int,
         note: str,
         summary: MessageSummary | None = None,
+        thread_id: str = "",
+        received_at: datetime | None = None,
     ) -> None:
         self.core = core
         self.subject = subject
@@ -307,8 +395,16 @@ class GuardState:
         self._valid_until = 0.0
         self._token = 0
         self._claim_op = core.claim_op(
-            subject, ttl=ttl, notification_id=notification_id, note=clean_text(note), summary=summary
+            subject,
+            ttl=ttl,
+            notification_id=notification_id,
+            note=clean_text(note),
+            summary=summary,
+            thread_id=thread_id,
+            received_at=received_at if thread_id else None,
         )
+        self.outgoing = None
+        self._outgoing_op = None
 
     @property
     def token(self) -> int:
@@ -330,12 +426,22 @@ class GuardState:
 
     # -- claim ------------------------------------------------------------------------------------------
 
-    def enter(self) -> Flow[None]:
-        """ClaimReply with the notification id: dedup and claim in one call; a refusal is raised."""
+    def enter(self, deadline: float | None = None) -> Flow[None]:
+        """ClaimReply with the notification id: dedup and claim in one call; a refusal is raised. A message the
+        mailbox sent is never claimed: RecordOutgoing reports it, and :class:`OutgoingMessage` is raised.
+        ``deadline`` (a ``time.monotonic()`` value) bounds the call with its retries."""
         if self.phase is not Phase.CLAIMING:
             raise RuntimeError("a claim can be entered only once; call reply_to() again for a new one")
+        if self.outgoing is not None:
+            self.phase = Phase.OUTGOING
+            recorded = None
+            if self._outgoing_op is not None:
+                recorded = yield from self.core.call(self._outgoing_op, deadline=deadline)
+            refusal = OutgoingMessage(self.subject, self.notification_id, self.outgoing, recorded)
+            log_refusal("%s", refusal)
+            raise refusal
         started = time.monotonic()
-        result = yield from self.core.call(self._claim_op)
+        result = yield from self.core.call(self._claim_op, deadline=deadline)
         status = granted_status(result, self.subject, self.notification_id)
         self.status = status
         self._token = status.fencing_token
@@ -382,6 +488,8 @@ class GuardState:
             next_at = started + interval
 
     def _stale_reason(self, status: SubjectStatus) -> LossReason:
+        if status.replied_outside:
+            return LossReason.ANSWERED_OUTSIDE
         if status.state is SubjectState.CLAIMED and status.holder_kind is HolderKind.HUMAN:
             return LossReason.TAKEN_OVER
         if time.monotonic() >= self._valid_until:

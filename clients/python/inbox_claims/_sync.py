@@ -40,6 +40,7 @@ from ._guard import (
     Scope,
 )
 from ._proto import coordinator_pb2_grpc as pb_grpc
+from ._types import MessageSummary
 
 __all__ = ["Claim", "Coordinator"]
 
@@ -233,6 +234,7 @@ class Coordinator(ClientBase):
         scope: Scope = "message",
         ttl: int = 60,
         note: str = "",
+        summary: MessageSummary | None = None,
         on_lost: Callable[[Claim], object] | None = None,
     ) -> Claim:
         """A guarded claim on the message a notification is about; use it as ``with coord.reply_to(n) as claim``.
@@ -246,7 +248,10 @@ class Coordinator(ClientBase):
 
         ``notification``: what the handler has, the raw body, the decoded event or a parsed notification.
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
-        (or replace it: ``reply_to(mailbox=..., message_id=...)``).
+        (or replace it: ``reply_to(mailbox=..., message_id=...)``); ``summary`` (which email it is, shown to the
+        people watching) overrides the one read from the notification. A notification about a message the
+        mailbox sent is never claimed: entering reports it with RecordOutgoing and raises
+        :class:`OutgoingMessage` (see :meth:`AsyncCoordinator.reply_to`).
         """
         state = GuardState.for_reply(
             self._core,
@@ -258,6 +263,7 @@ class Coordinator(ClientBase):
             scope=scope,
             ttl=ttl,
             note=note,
+            summary=summary,
         )
         return Claim(self, state, on_lost)
 
@@ -325,14 +331,26 @@ class Claim(ClaimBase):
         self._client = client
         self._on_lost = on_lost
         self._stop = threading.Event()
+        self._admitted = False
         self.lost = threading.Event()
-        """Set once the claim is found lost (taken over, expired, or unrenewable past its TTL)."""
+        """Set once the claim is found lost (taken over, expired, answered from the mailbox, or unrenewable)."""
 
-    def __enter__(self) -> Self:
-        self._client._drive(self._state.enter())
-        self._make_current()
+    def admit(self, *, within: float | None = None) -> Self:
+        """Makes the claim's one ClaimReply call (a refusal is raised, as entering raises it) and starts its
+        renewal, without entering the block yet: ``with claim:`` later, in any thread, runs the block on the claim
+        already held (see :meth:`AsyncClaim.admit`). ``within``: seconds for the call with its retries."""
+        if self._admitted:
+            return self
+        deadline = time.monotonic() + within if within is not None else None
+        self._client._drive(self._state.enter(deadline))
+        self._admitted = True
         thread = threading.Thread(target=self._renew, name=f"inbox-claims renewal {self.token}", daemon=True)
         thread.start()
+        return self
+
+    def __enter__(self) -> Self:
+        self.admit()
+        self._make_current()
         return self
 
     def _renew(self) -> None:

@@ -25,6 +25,10 @@ __all__ = [
     "HolderKind",
     "LossReason",
     "MessageSummary",
+    "OutgoingOutcome",
+    "OutgoingResult",
+    "OutsideReply",
+    "RecentMessage",
     "RetryPolicy",
     "Subject",
     "SubjectKind",
@@ -83,6 +87,17 @@ class TakeoverOutcome(enum.Enum):
     ALREADY_REPLIED = "already_replied"
 
 
+class OutgoingOutcome(enum.Enum):
+    """The answer to :meth:`~inbox_claims.AsyncCoordinator.record_outgoing`."""
+
+    OWN_REPLY = "own_reply"
+    """The mailbox's own reply, sent through the coordinator (or being sent): nothing changed."""
+    ANSWERED_OUTSIDE = "answered_outside"
+    """A reply written outside the coordinator: it ended the claims on the messages of its thread it answered."""
+    DUPLICATE_DELIVERY = "duplicate_delivery"
+    """The notification was seen before: nothing changed."""
+
+
 class EventType(enum.Enum):
     """What happened to a subject, in a :class:`WatchEvent`."""
 
@@ -99,6 +114,9 @@ class EventType(enum.Enum):
     RETENTION_ENDED = "retention_ended"
     MARKED_REPLIED = "marked_replied"
     """The holder recorded a reply made by hand (``mark_replied``)."""
+    ANSWERED_OUTSIDE = "answered_outside"
+    """Someone answered in the subject's thread outside the coordinator (``status.outside_reply``): a CLAIMED
+    subject became REPLIED (``previous_holder`` stopped), a SENDING or IN_DOUBT one kept its state (both went out)."""
 
 
 class LossReason(enum.Enum):
@@ -112,6 +130,8 @@ class LossReason(enum.Enum):
     """The coordinator refused the fencing token for another reason (the claim was released or superseded)."""
     RENEWAL_FAILED = "renewal_failed"
     """The coordinator could not be reached to renew the claim before its TTL ran out: it may be gone."""
+    ANSWERED_OUTSIDE = "answered_outside"
+    """Someone answered the message from the mailbox (a person in Gmail, a helpdesk): ``status.outside_reply``."""
 
 
 def idempotency_key(mailbox: str, kind: SubjectKind, subject_id: str) -> str:
@@ -167,6 +187,21 @@ class MessageSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class OutsideReply:
+    """A reply written outside the coordinator in a subject's thread (a person in Gmail, Outlook, a helpdesk)."""
+
+    sender: str
+    """Who sent it, as the message's ``from`` says: ``Ana Lima <ana@shop.example>``."""
+    sent_at: datetime | None
+    """The message's date, as the provider gives it."""
+    message_id: str
+    recorded_by: str
+    """The principal whose client reported it."""
+    stopped_holder: str = ""
+    """The principal whose claim it ended; empty when none was held."""
+
+
+@dataclass(frozen=True, slots=True)
 class SubjectStatus:
     """Everything recorded about one subject. Times are timezone-aware UTC datetimes, ``None`` when unset."""
 
@@ -191,6 +226,26 @@ class SubjectStatus:
     """REPLIED by ``mark_replied`` (a person answered outside the coordinator), not by a confirmed send."""
     summary: MessageSummary | None = None
     """Which email this is (subject line, sender), when the claim gave one and the coordinator keeps them."""
+    replied_outside: bool = False
+    """REPLIED because someone answered in its thread outside the coordinator (``outside_reply`` says who):
+    ``holder`` is then that sender."""
+    outside_reply: OutsideReply | None = None
+    """A reply written outside in its thread: with ``replied_outside``, the one that answered it; on a SENDING,
+    IN_DOUBT or REPLIED subject that sent its own, both replies went out."""
+    settled_by: str = ""
+    """REPLIED by ``resolve_in_doubt(SENT)``: the person who settled it (``holder`` is whose send it was)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecentMessage:
+    """A message the coordinator saw delivered (``recent_messages``): for a person to find one to answer."""
+
+    subject: Subject
+    summary: MessageSummary | None
+    """As the delivery's claim described it; ``None`` when it gave none or summaries are not stored."""
+    first_seen_at: datetime | None
+    seen_by: str
+    """The agent whose claim recorded the delivery."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +288,17 @@ class ClaimResult:
     def token(self) -> int:
         """The fencing token when GRANTED, else 0."""
         return self.status.fencing_token if self.granted and self.status is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingResult:
+    """The answer to ``record_outgoing``: what the coordinator took the message for, and the subjects of its
+    thread it concerns (the subject whose reply it is, or those it answered, as they are now); ``delivery`` is
+    the first sighting when DUPLICATE_DELIVERY."""
+
+    outcome: OutgoingOutcome
+    subjects: tuple[SubjectStatus, ...] = ()
+    delivery: DeliveryRecord | None = None
 
 
 @dataclass(frozen=True, slots=True)

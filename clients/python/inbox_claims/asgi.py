@@ -28,9 +28,15 @@ What one request gets:
   (``x-nylas-signature``, or the Standard Webhooks headers with ``scheme="standard"``): ``401`` with a short
   reason when it is missing or wrong. Then the envelope is parsed (``400`` when it is not one). Nothing is
   stored before both checks pass: no delivery is recorded, nothing is claimed.
-* A good notification is answered ``200`` at once (Nylas wants an answer within 10 seconds, and drafting a
-  reply takes longer), and handed to ``handle`` in a background task. Once the app is closing, ``503``: Nylas
-  delivers it again later, to a replica that is not going away.
+* With ``coordinator=``, a good notification is answered only once the coordinator recorded it: the one
+  ClaimReply that dedups it and claims its message (or, for a message the mailbox sent, the RecordOutgoing that
+  reports it), milliseconds, far inside Nylas's 10 seconds. Then ``200``, and ``handle`` runs in a background
+  task on the claim already held (drafting a reply takes longer than Nylas waits). When the coordinator cannot
+  record it within ``admission_timeout`` (5 s), ``503``: Nylas delivers it again, so nothing is acknowledged
+  that nothing recorded (docs/design.md#no-notification-lost). A refusal (a redelivery, a message held or
+  answered, an outgoing message) is recorded too: ``200``, one log line, ``handle`` not called.
+* Without ``coordinator``, a good notification is answered ``200`` at once and handed to ``handle``.
+* Once the app is closing, ``503``: Nylas delivers it again later, to a replica that is not going away.
 
 The framework-neutral checks live in :class:`WebhookGate`, which :mod:`inbox_claims.wsgi` shares.
 """
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -47,6 +54,7 @@ from urllib.parse import parse_qs
 
 from ._async import AsyncClaim, AsyncCoordinator
 from ._envelope import Notification, NotificationError, parse_notification
+from ._errors import CoordinatorUnavailable, QuotaExceeded
 from ._guard import ANSWERED_EVENTS, ReplyPolicy
 from ._webhooks import (
     NYLAS_SIGNATURE_HEADER,
@@ -81,6 +89,8 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 """Nylas truncates message notifications past 1 MB (``.truncated``); 4 MiB leaves room for any envelope."""
 DEFAULT_EVENTS = ANSWERED_EVENTS
 """The notification types (without variant suffix) that ``coordinator=`` mode replies to."""
+DEFAULT_ADMISSION_TIMEOUT = 5.0
+"""Seconds a notification waits for the coordinator to record it before it is answered 503 (Nylas gives 10)."""
 _TEXT = "text/plain; charset=utf-8"
 
 
@@ -177,8 +187,30 @@ def closing_answer() -> GateAnswer:
     return GateAnswer(503, "shutting down; deliver again later", (("retry-after", "5"),))
 
 
+OK = GateAnswer(200, "ok")
+
+
+def unrecorded_answer(notification: Notification, error: Exception) -> GateAnswer:
+    """What a notification the coordinator did not record is answered: never 200, so that Nylas delivers it
+    again (``503`` while the coordinator cannot be reached, ``500`` for anything else, which is logged)."""
+    if isinstance(error, CoordinatorUnavailable | QuotaExceeded):
+        log.warning(
+            "notification %s answered 503, the coordinator did not record it: %s; Nylas delivers it again",
+            notification.notification_id,
+            error,
+        )
+        return GateAnswer(
+            503, "the coordinator could not record this notification; deliver it again later", (("retry-after", "5"),)
+        )
+    log.error("notification %s answered 500, not recorded", notification.notification_id, exc_info=error)
+    return GateAnswer(500, "this notification could not be recorded; see the agent's log")
+
+
 Handler = Callable[[Notification], Awaitable[object]]
 GuardedHandler = Callable[[Notification, AsyncClaim], Awaitable[object]]
+Work = Callable[[], Awaitable[object]]
+Admission = Callable[[Notification], Awaitable[Work | None]]
+"""Records a notification before it is answered (``coordinator=`` mode): the work to run after the 200, or None."""
 
 
 class WebhookApp:
@@ -190,9 +222,19 @@ class WebhookApp:
     cancelling the rest.
     """
 
-    def __init__(self, gate: WebhookGate, handler: Handler, *, shutdown_grace: float = 30.0) -> None:
+    def __init__(
+        self,
+        gate: WebhookGate,
+        handler: Handler | None = None,
+        *,
+        shutdown_grace: float = 30.0,
+        admission: Admission | None = None,
+    ) -> None:
+        if (handler is None) == (admission is None):
+            raise TypeError("pass either handler (run after the 200) or admission (recorded before it)")
         self.gate = gate
         self.handler = handler
+        self.admission = admission
         self.shutdown_grace = shutdown_grace
         self._tasks: set[asyncio.Task[object]] = set()
         self._closing = False
@@ -222,11 +264,22 @@ class WebhookApp:
             answer = self.gate.check(method, scope.get("query_string", b"").decode("latin-1"), headers, body)
         notification = answer.notification
         if notification is not None:
-            if self._closing:
-                answer = closing_answer()
-            else:
-                self._spawn(notification)
+            answer = closing_answer() if self._closing else await self._accept(notification)
         await _respond(send, answer, head=method == "HEAD")
+
+    async def _accept(self, notification: Notification) -> GateAnswer:
+        """Records the notification (with ``admission``) and starts its work; the answer to give Nylas."""
+        if self.admission is None:
+            assert self.handler is not None
+            self._spawn(notification, functools.partial(self.handler, notification))
+            return OK
+        try:
+            work = await self.admission(notification)
+        except Exception as error:
+            return unrecorded_answer(notification, error)
+        if work is not None:
+            self._spawn(notification, work)
+        return OK
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The raw body; past the size limit, only as much as shows it is too large (the rest is drained)."""
@@ -243,16 +296,16 @@ class WebhookApp:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _spawn(self, notification: Notification) -> None:
+    def _spawn(self, notification: Notification, work: Work) -> None:
         task = asyncio.get_running_loop().create_task(
-            self._handle(notification), name=f"nylas webhook {notification.notification_id}"
+            self._handle(notification, work), name=f"nylas webhook {notification.notification_id}"
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, notification: Notification) -> object:
+    async def _handle(self, notification: Notification, work: Work) -> object:
         try:
-            return await self.handler(notification)
+            return await work()
         except Exception:
             log.exception("handling notification %s (%s) failed", notification.notification_id, notification.type)
             return None
@@ -323,6 +376,9 @@ class WebhookOptions(TypedDict, total=False):
     """With ``coordinator=``: claim the ``"message"`` (default) or the whole ``"thread"``."""
     note: str
     """With ``coordinator=``: the claim's note, shown to humans watching the mailbox."""
+    admission_timeout: float
+    """With ``coordinator=``: seconds the coordinator gets to record a notification before it is answered 503
+    (default 5; Nylas waits 10)."""
 
 
 def make_gate(secret: str | bytes, options: WebhookOptions) -> WebhookGate:
@@ -334,17 +390,36 @@ def make_gate(secret: str | bytes, options: WebhookOptions) -> WebhookGate:
     )
 
 
-def guarded_async(coordinator: AsyncCoordinator, handle: GuardedHandler, policy: ReplyPolicy) -> Handler:
-    """``handle(notification, claim)`` inside ``coordinator.reply_to(notification)``, for the policy's events."""
+def admission_timeout(options: WebhookOptions) -> float:
+    timeout = options.get("admission_timeout", DEFAULT_ADMISSION_TIMEOUT)
+    if not 0 < timeout < 10:
+        raise ValueError(f"admission_timeout must be between 0 and 10 seconds (Nylas waits 10), not {timeout}")
+    return float(timeout)
 
-    async def run(notification: Notification) -> object:
-        if policy.wants(notification):
-            with policy.absorbing(notification):
-                async with coordinator.reply_to(notification, **policy.claim_options()) as claim:
-                    return await handle(notification, claim)
+
+def guarded_async(
+    coordinator: AsyncCoordinator, handle: GuardedHandler, policy: ReplyPolicy, timeout: float
+) -> Admission:
+    """For the policy's events: ``coordinator.reply_to(notification)`` admitted before the answer (a refusal
+    logged and dropped), and the work that runs ``handle(notification, claim)`` inside it afterwards."""
+
+    async def admit(notification: Notification) -> Work | None:
+        if not policy.wants(notification):
+            return None
+        claim = coordinator.reply_to(notification, **policy.claim_options())
+        with policy.absorbing(notification):
+            await claim.admit(within=timeout)
+
+            async def work() -> object:
+                with policy.absorbing(notification):
+                    async with claim:
+                        return await handle(notification, claim)
+                return None
+
+            return work
         return None
 
-    return run
+    return admit
 
 
 @overload
@@ -365,13 +440,17 @@ def nylas_webhook_app(
     runs inside ``coordinator.reply_to(notification, ttl=..., scope=..., note=...)``, only for the
     notification types in ``events`` (default :data:`~inbox_claims.ANSWERED_EVENTS`: ``message.created`` and
     ``message.updated``, any variant); as with ``guard``, the expected refusals (a redelivery, a message held by
-    someone else or answered already, a claim lost while drafting) are logged and dropped.
+    someone else or answered already, a message the mailbox sent, a claim lost while drafting) are logged and
+    dropped. The notification is answered only once the coordinator recorded it (``503`` when it cannot within
+    ``admission_timeout``), and ``handle`` then runs in the background.
 
     ``scheme="standard"`` checks Standard Webhooks signatures (``webhook-id``, ``webhook-timestamp``,
     ``webhook-signature``, within ``tolerance`` seconds) instead of ``x-nylas-signature``. The other options:
     :class:`WebhookOptions`.
     """
     gate = make_gate(secret, options)
-    if coordinator is not None:
-        handle = guarded_async(coordinator, handle, ReplyPolicy.of(options))
-    return WebhookApp(gate, handle, shutdown_grace=options.get("shutdown_grace", 30.0))
+    grace = options.get("shutdown_grace", 30.0)
+    if coordinator is None:
+        return WebhookApp(gate, handle, shutdown_grace=grace)
+    admission = guarded_async(coordinator, handle, ReplyPolicy.of(options), admission_timeout(options))
+    return WebhookApp(gate, shutdown_grace=grace, admission=admission)

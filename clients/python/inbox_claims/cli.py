@@ -29,7 +29,8 @@ import os
 import shutil
 import sys
 import tomllib
-from collections.abc import Callable, Coroutine, Sequence
+import unicodedata
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,6 +48,7 @@ from ._errors import (
 from ._settings import SETTINGS, client_arguments
 from ._types import (
     ClaimOutcome,
+    EventType,
     HolderKind,
     RetryPolicy,
     Subject,
@@ -87,14 +89,26 @@ class UsageError(Exception):
 # -------------------------------------------------------------------------------------------- settings
 
 
-def config_path(explicit: str | None) -> tuple[Path, bool]:
-    """The config file to read, and whether it must exist (named by --config or $INBOXCTL_CONFIG)."""
+@dataclasses.dataclass(frozen=True)
+class ConfigFile:
+    """Where a command looks for its TOML settings file: the file its variable names, else ``name`` in
+    ``$XDG_CONFIG_HOME`` (``~/.config``). The keys are the ``SETTINGS`` names for every command."""
+
+    env: str
+    name: str
+
+
+INBOXCTL_CONFIG = ConfigFile("INBOXCTL_CONFIG", "inboxctl.toml")
+
+
+def config_path(explicit: str | None, file: ConfigFile = INBOXCTL_CONFIG) -> tuple[Path, bool]:
+    """The config file to read, and whether it must exist (named by --config or by its variable)."""
     if explicit:
         return Path(explicit).expanduser(), True
-    if os.environ.get("INBOXCTL_CONFIG"):
-        return Path(os.environ["INBOXCTL_CONFIG"]).expanduser(), True
+    if os.environ.get(file.env):
+        return Path(os.environ[file.env]).expanduser(), True
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "inboxctl.toml", False
+    return Path(base) / file.name, False
 
 
 def read_config(path: Path, required: bool) -> dict[str, Any]:
@@ -113,9 +127,17 @@ def read_config(path: Path, required: bool) -> dict[str, Any]:
     return document
 
 
-def resolve_settings(options: argparse.Namespace) -> dict[str, Any]:
-    """Each setting from the flag, else the environment, else the config file, else its default."""
-    file = read_config(*config_path(getattr(options, "config", None)))
+def resolve_settings(
+    options: argparse.Namespace,
+    *,
+    file: ConfigFile = INBOXCTL_CONFIG,
+    defaults: Mapping[str, Any] | None = None,
+    login_name: bool = True,
+) -> dict[str, Any]:
+    """Each setting from the flag, else the environment, else the config file, else its default (``defaults``
+    overrides ``SETTINGS``' own). ``login_name``: without a principal or a token, the login name is the principal
+    (a person at a terminal); otherwise the principal stays unset."""
+    document = read_config(*config_path(getattr(options, "config", None), file))
     resolved: dict[str, Any] = {}
     for setting in SETTINGS:
         flag = getattr(options, setting.name, None)
@@ -125,11 +147,11 @@ def resolve_settings(options: argparse.Namespace) -> dict[str, Any]:
         elif env is not None and env != "":
             value = env
         else:
-            value = file.get(setting.name, setting.default)
+            value = document.get(setting.name, (defaults or {}).get(setting.name, setting.default))
         resolved[setting.name] = value
     if resolved["kind"] not in ("agent", "human"):
         raise UsageError(f"kind must be 'agent' or 'human', not {resolved['kind']!r}")
-    if resolved["principal"] is None and resolved["token"] is None:
+    if login_name and resolved["principal"] is None and resolved["token"] is None:
         resolved["principal"] = getpass.getuser()
     return resolved
 
@@ -184,6 +206,27 @@ def holder_text(status: SubjectStatus) -> str:
     return f"{status.holder}{kind}"
 
 
+def answered_outside(status: SubjectStatus, *, who: bool = True) -> str:
+    """A reply written outside the coordinator, in people's words: ``answered from the mailbox by Ana Lima
+    <ana@shop.example> at 14:05``, and what it meant for the subject (an agent stopped; both replies went out).
+    ``who=False`` leaves out the sender where the holder already names them (a table's HOLDER column)."""
+    reply = status.outside_reply
+    if reply is None:
+        return ""
+    words = "answered from the mailbox"
+    if who or not status.replied_outside:
+        words += f" by {reply.sender or 'someone'}"
+    if reply.sent_at is not None:
+        words += f" at {clock(reply.sent_at)}"
+    if status.replied_outside:
+        return words + (f"; {reply.stopped_holder} stopped, a person answered" if reply.stopped_holder else "")
+    also = {
+        SubjectState.SENDING: "is sending a reply too: both go out",
+        SubjectState.IN_DOUBT: "may have sent a reply too",
+    }.get(status.state, "sent a reply too: both went out")
+    return f"{words}; {status.holder} {also}"
+
+
 def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
     """A person-readable account of one subject."""
     lines = [f"{describe_subject(status.subject)}: {status.state.name}"]
@@ -208,12 +251,16 @@ def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
             f"  send by   {holder_text(status)} began {ago(status.send_started_at, now)} and was never confirmed"
         )
         lines.append("  check the mailbox's sent folder, then: inboxctl resolve MAILBOX ID --sent | --not-sent")
+    elif state is SubjectState.REPLIED and status.replied_outside:
+        lines.append(f"  replied   {answered_outside(status)} ({ago(status.sent_at, now)})")
     elif state is SubjectState.REPLIED:
         how = "by hand " if status.replied_by_hand else ""
         lines.append(f"  replied   {how}by {holder_text(status)} {ago(status.sent_at, now)} ({clock(status.sent_at)})")
         if status.sent_message_id:
             lines.append(f"  sent id   {status.sent_message_id}")
         lines.append(f"  kept      until {clock(status.expires_at)} ({within(status.expires_at, now)})")
+    if status.outside_reply is not None and not status.replied_outside:
+        lines.append(f"  also      {answered_outside(status)}")
     if status.fencing_token and state is not SubjectState.FREE:
         lines.append(f"  token     {status.fencing_token}")
     if status.note:
@@ -242,7 +289,7 @@ def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
             _cut(holder_text(status), 36),
             ago(since, now),
             "never" if status.state is SubjectState.IN_DOUBT else within(expires, now),
-            _cut(status.note, 40),
+            _cut(answered_outside(status, who=False) or status.note, 80 if status.outside_reply else 40),
         )
         if described:
             summary = status.summary
@@ -254,7 +301,34 @@ def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
 
 
 def _cut(text: str, width: int) -> str:
+    text = visible(text)
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# Kept as they are: the joiners (emoji sequences, Persian and Indic words need them and they move nothing).
+_JOINERS = frozenset("\u200c\u200d")
+
+
+def _hidden(ch: str) -> bool:
+    category = unicodedata.category(ch)
+    return (category == "Cf" and ch not in _JOINERS) or category in ("Cc", "Zl", "Zp")
+
+
+def visible(text: str) -> str:
+    """``text`` with every character that changes how the text around it shows without being seen itself
+    (bidirectional overrides and isolates, zero-width spaces, controls) written out as ``<U+202E>``: a terminal
+    seldom isolates right-to-left text, so "Invoice U+202E gnp.exe" would read "Invoice exe.png". The
+    coordinator drops them from summaries (proto: MessageSummary); ids, notes and older records may hold them."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(f"<U+{ord(ch):04X}>" if _hidden(ch) else ch for ch in text)
+
+
+def _json_visible(document: str) -> str:
+    """The same characters in JSON output, as JSON escapes: the data is unchanged, the terminal shows them."""
+    if document.isascii():
+        return document
+    return "".join(json.dumps(ch)[1:-1] if _hidden(ch) else ch for ch in document)
 
 
 def event_line(event: WatchEvent, now: datetime) -> str:
@@ -270,6 +344,8 @@ def event_line(event: WatchEvent, now: datetime) -> str:
         parts.append(f"expires {within(status.expires_at, now)}")
     if event.reason:
         parts.append(f"reason: {event.reason}")
+    if event.type is EventType.ANSWERED_OUTSIDE:
+        parts = [clock(now), event.type.name, describe_subject(status.subject) + ":", answered_outside(status)]
     return " ".join(parts)
 
 
@@ -303,11 +379,11 @@ class Context:
         return bool(self.options.json)
 
     def emit(self, document: Any) -> None:
-        print(json.dumps(jsonable(document), ensure_ascii=False), file=self.out, flush=True)
+        print(_json_visible(json.dumps(jsonable(document), ensure_ascii=False)), file=self.out, flush=True)
 
     def say(self, *lines: str) -> None:
         for line in lines:
-            print(line, file=self.out)
+            print(visible(line), file=self.out)
         self.out.flush()
 
     def subject(self) -> Subject:
@@ -446,7 +522,9 @@ async def cmd_release(ctx: Context) -> int:
 
 async def cmd_takeover(ctx: Context) -> int:
     subject = ctx.subject()
-    result = await ctx.client.takeover(subject, ttl=ctx.options.ttl, note=ctx.options.note)
+    result = await ctx.client.takeover(
+        subject, ttl=ctx.options.ttl, note=ctx.options.note, from_person=ctx.options.from_person or ""
+    )
     if ctx.json:
         ctx.emit(result)
     elif result.outcome is TakeoverOutcome.TAKEN_OVER:
@@ -458,8 +536,14 @@ async def cmd_takeover(ctx: Context) -> int:
     elif result.outcome is TakeoverOutcome.GRANTED:
         ctx.say(f"nobody held {describe_subject(subject)}: you hold it now (token {result.status.fencing_token})")
     else:
-        why = "a human holds it" if result.outcome is TakeoverOutcome.HELD else "the reply already began or went out"
-        ctx.say(f"not taken over: {why}", *status_lines(result.status, now_utc()))
+        held = result.outcome is TakeoverOutcome.HELD
+        why = "a human holds it" if held else "the reply already began or went out"
+        hint = (
+            [f"to take it from {result.status.holder} (a colleague), say so: add --from {_quote(result.status.holder)}"]
+            if held and result.status.holder not in (ctx.options.from_person, ctx.client.principal)
+            else []
+        )
+        ctx.say(f"not taken over: {why}", *status_lines(result.status, now_utc()), *hint)
     return EXIT_OK if result.holds else EXIT_REFUSED
 
 
@@ -567,8 +651,9 @@ class WatchView:
     def draw(self) -> None:
         now = now_utc()
         rows = sorted(self.subjects.values(), key=lambda s: (_URGENCY[s.state], s.subject.kind.value, s.subject.id))
-        head = [f"inboxctl watch {self.ctx.options.mailbox}   {clock(now)}   {len(rows)} subject(s) {self.what()}", ""]
-        foot = ["", f"last event: {self.last or '-'}", "Ctrl-C to stop"]
+        mailbox = visible(self.ctx.options.mailbox)
+        head = [f"inboxctl watch {mailbox}   {clock(now)}   {len(rows)} subject(s) {self.what()}", ""]
+        foot = ["", f"last event: {visible(self.last or '-')}", "Ctrl-C to stop"]
         # Fit the terminal: the table's header row and what is around it, then as many rows as fit.
         room = max(shutil.get_terminal_size().lines - len(head) - len(foot) - 2, 1)
         shown = table(rows[:room], now) if rows else ["(nothing held)"]
@@ -615,21 +700,35 @@ def _quote(text: str) -> str:
 
 
 def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
-    """The connection options, accepted before and after the command (``argparse.SUPPRESS`` keeps a value
-    given before the command from being reset by the subcommand's default)."""
+    """The connection options and ``--json``, accepted before and after the command (``argparse.SUPPRESS`` keeps
+    a value given before the command from being reset by the subcommand's default)."""
+    connection_options(parser, top=top)
+    parser.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS, help="JSON output")
+
+
+def connection_options(
+    parser: argparse.ArgumentParser,
+    *,
+    top: bool = True,
+    file: ConfigFile = INBOXCTL_CONFIG,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """The flags of ``SETTINGS`` and ``--config`` (``defaults``: the defaults shown where they differ)."""
     default = None if top else argparse.SUPPRESS
     group = parser.add_argument_group("connection (flags > environment > config file)")
     for setting in SETTINGS:
         flag = "--" + setting.name.replace("_", "-")
-        help_text = f"{setting.help} [${setting.env}]"
+        help_text = setting.help
+        if defaults and setting.name in defaults:
+            help_text = help_text.split(" (default")[0] + f" (default {defaults[setting.name]})"
+        help_text = f"{help_text} [${setting.env}]"
         if setting.name == "tls":
             group.add_argument(flag, action="store_const", const=True, default=default, help=help_text)
         elif setting.name == "kind":
             group.add_argument(flag, choices=("agent", "human"), default=default, help=help_text)
         else:
             group.add_argument(flag, metavar=setting.name.upper(), default=default, help=help_text)
-    group.add_argument("--config", metavar="FILE", default=default, help="TOML config file [$INBOXCTL_CONFIG]")
-    parser.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS, help="JSON output")
+    group.add_argument("--config", metavar="FILE", default=default, help=f"TOML config file [${file.env}]")
 
 
 def _subject_arguments(parser: argparse.ArgumentParser) -> None:
@@ -670,8 +769,10 @@ COMMANDS: dict[str, tuple[Command, str, str]] = {
     ),
     "takeover": (
         cmd_takeover,
-        "take a message over from an agent (humans with the takeover role): the agent cannot send any more",
-        "  inboxctl takeover grant-7f3a msg-123 --note 'VIP customer, I will answer'",
+        "take a message over from an agent, or with --from from a colleague (humans with the takeover role): the "
+        "holder cannot send any more",
+        "  inboxctl takeover grant-7f3a msg-123 --note 'VIP customer, I will answer'\n"
+        "  inboxctl takeover grant-7f3a msg-123 --from bo@example.com",
     ),
     "replied": (
         cmd_replied,
@@ -735,6 +836,14 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("claim", "takeover"):
             sub.add_argument("--ttl", type=int, default=DEFAULT_CLAIM_TTL, help="seconds the claim lasts (default 900)")
             sub.add_argument("--note", default="", help="shown to everyone watching the mailbox")
+        if name == "takeover":
+            sub.add_argument(
+                "--from",
+                dest="from_person",
+                default=None,
+                metavar="PERSON",
+                help="take it from this colleague (a person), who holds it now; without it a person's claim stands",
+            )
         if name in ("release", "replied"):
             sub.add_argument("--fencing-token", type=int, default=None, help="the claim's token (default: yours)")
         if name == "replied":

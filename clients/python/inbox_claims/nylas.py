@@ -4,12 +4,12 @@
 With the httpx client you already have (its ``base_url`` and ``Authorization`` header set, or pass
 ``api_base=``/``api_key=``)::
 
-    from inbox_claims import guard, nylas
+    from inbox_claims import guard, nylas as guarded_nylas
 
     @guard
     async def answer(event: dict[str, Any]) -> None:
         draft = await write_reply(event)                          # the Nylas send body (a dict), or a NylasReply
-        await nylas.send(http, event["data"]["object"]["grant_id"], draft)
+        await guarded_nylas.send(http, event["data"]["object"]["grant_id"], draft)
 
 :func:`send` adds the claim's ``Idempotency-Key``, applies the status rules below, and, awaited inside a
 guarded claim, passes the fenced commit point itself (it is ``await claim.send(nylas.send(...))``, which
@@ -40,6 +40,11 @@ unreadable answer                          IN_DOUBT for a human to resolve
 =========================================  ====================================================================
 
 ``send`` never retries by itself: a second attempt is a decision for whoever resolves the subject.
+
+``sent_folder_ids(grant_id)`` lists the grant's sent folders (``GET /v3/grants/{grant_id}/folders``, the
+folders whose ``attributes`` hold ``\\Sent``): the ids the guard's ``sent_folders`` setting
+(``INBOX_SENT_FOLDERS``) takes for Microsoft and IMAP grants, whose folder ids are opaque or the server's own
+names (Google's is always ``SENT``, which the guard knows).
 :class:`Nylas` is the blocking twin of :class:`AsyncNylas`; both build the request and read the answer in the
 same code (:func:`build_send_request`, :func:`interpret_send_response`) and only do the I/O.
 """
@@ -260,6 +265,33 @@ def transport_failure(error: httpx.HTTPError) -> NylasSendOutcomeUnknown:
     return NylasSendOutcomeUnknown(f"the Nylas send request {kind}; the message may have been sent: {error}")
 
 
+SENT_ATTRIBUTE = "\\Sent"
+"""The attribute Nylas gives a sent folder, on every provider."""
+
+
+def sent_folders_in(document: Mapping[str, Any]) -> tuple[list[str], str]:
+    """From one page of ``GET /v3/grants/{grant_id}/folders``: the ids of the folders whose ``attributes`` hold
+    ``\\Sent``, and the cursor of the next page (empty on the last)."""
+    data = document.get("data")
+    folders = data if isinstance(data, list) else []
+    ids = [
+        folder["id"]
+        for folder in folders
+        if isinstance(folder, Mapping)
+        and isinstance(folder.get("id"), str)
+        and isinstance(folder.get("attributes"), list)
+        and SENT_ATTRIBUTE in folder["attributes"]
+    ]
+    cursor = document.get("next_cursor")
+    return ids, cursor if isinstance(cursor, str) else ""
+
+
+def _folders_path(grant_id: str) -> str:
+    if not grant_id:
+        raise ValueError("grant_id is empty")
+    return f"/v3/grants/{quote(grant_id, safe='')}/folders"
+
+
 class _NylasBase:
     def __init__(self, api_key: str, *, api_base: str = DEFAULT_API_BASE, timeout: float = DEFAULT_TIMEOUT) -> None:
         """``api_key``: the Nylas application's API key. ``api_base``: ``https://api.us.nylas.com`` (default) or
@@ -275,6 +307,11 @@ class _NylasBase:
     def _request(self, grant_id: str, reply: NylasReply, idempotency_key: str) -> SendRequest:
         return build_send_request(self.api_base, self.api_key, grant_id, reply, idempotency_key=idempotency_key)
 
+    def _folders_request(self, grant_id: str, cursor: str) -> tuple[str, dict[str, str], dict[str, str]]:
+        params = {"page_token": cursor} if cursor else {}
+        headers = {"Authorization": f"Bearer {self.api_key}", "Accept": "application/json"}
+        return self.api_base.rstrip("/") + _folders_path(grant_id), headers, params
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(api_base={self.api_base!r})"
 
@@ -289,6 +326,20 @@ class Nylas(_NylasBase):
     def send(self, grant_id: str, reply: NylasReply, *, idempotency_key: str) -> str | None:
         """Sends ``reply`` from ``grant_id``; returns the sent message id. Raises as the module's table says."""
         return _post_sync(self._http, self._request(grant_id, reply, idempotency_key))
+
+    def sent_folder_ids(self, grant_id: str) -> list[str]:
+        """The ids of the grant's sent folders (``attributes`` holding ``\\Sent``), every page; for the guard's
+        ``sent_folders``. Raises ``httpx.HTTPStatusError`` when Nylas refuses."""
+        ids: list[str] = []
+        cursor = ""
+        while True:
+            url, headers, params = self._folders_request(grant_id, cursor)
+            response = self._http.get(url, headers=headers, params=params)
+            response.raise_for_status()
+            found, cursor = sent_folders_in(_json(response.content))
+            ids += found
+            if not cursor:
+                return ids
 
     def close(self) -> None:
         self._http.close()
@@ -310,6 +361,19 @@ class AsyncNylas(_NylasBase):
     async def send(self, grant_id: str, reply: NylasReply, *, idempotency_key: str) -> str | None:
         """Sends ``reply`` from ``grant_id``; returns the sent message id. Raises as the module's table says."""
         return await _post_async(self._http, self._request(grant_id, reply, idempotency_key))
+
+    async def sent_folder_ids(self, grant_id: str) -> list[str]:
+        """See :meth:`Nylas.sent_folder_ids`."""
+        ids: list[str] = []
+        cursor = ""
+        while True:
+            url, headers, params = self._folders_request(grant_id, cursor)
+            response = await self._http.get(url, headers=headers, params=params)
+            response.raise_for_status()
+            found, cursor = sent_folders_in(_json(response.content))
+            ids += found
+            if not cursor:
+                return ids
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -20,8 +20,10 @@
     atexit.register(webhook.close)   # let running work finish (up to shutdown_grace seconds)
 
 The requests get the answers described in :mod:`inbox_claims.asgi` (same checks, :class:`WebhookGate`): the
-challenge echoed, ``401`` for a bad signature and ``400`` for a bad envelope before anything is stored,
-``200`` at once for a good notification, whose work then runs in the app's thread pool.
+challenge echoed, ``401`` for a bad signature and ``400`` for a bad envelope before anything is stored; with
+``coordinator=``, ``200`` once the coordinator recorded the notification (its claim is then held and renewed,
+``503`` when the coordinator cannot record it within ``admission_timeout``), and the work runs in the app's
+thread pool; without, ``200`` at once.
 """
 
 from __future__ import annotations
@@ -34,7 +36,16 @@ from typing import TYPE_CHECKING, Any, Unpack, overload
 
 from ._envelope import Notification
 from ._sync import Claim, Coordinator
-from .asgi import GateAnswer, ReplyPolicy, WebhookGate, closing_answer, make_gate
+from .asgi import (
+    OK,
+    GateAnswer,
+    ReplyPolicy,
+    WebhookGate,
+    admission_timeout,
+    closing_answer,
+    make_gate,
+    unrecorded_answer,
+)
 from .asgi import WebhookOptions as Options
 
 if TYPE_CHECKING:
@@ -46,10 +57,14 @@ log = logging.getLogger("inbox_claims.webhooks")
 
 Handler = Callable[[Notification], object]
 GuardedHandler = Callable[[Notification, Claim], object]
+Work = Callable[[], object]
+Admission = Callable[[Notification], Work | None]
+"""Records a notification before it is answered (``coordinator=`` mode): the work to run after the 200, or None."""
 StartResponse = Callable[..., object]
 
 _REASONS = {
     200: "OK",
+    500: "Internal Server Error",
     400: "Bad Request",
     401: "Unauthorized",
     405: "Method Not Allowed",
@@ -62,9 +77,20 @@ class WebhookWSGIApp:
     """The WSGI app made by :func:`nylas_webhook_wsgi`; any path. Each accepted notification runs
     ``handler(notification)`` in a pool of ``workers`` threads; :meth:`close` lets running work finish."""
 
-    def __init__(self, gate: WebhookGate, handler: Handler, *, workers: int = 8, shutdown_grace: float = 30.0) -> None:
+    def __init__(
+        self,
+        gate: WebhookGate,
+        handler: Handler | None = None,
+        *,
+        workers: int = 8,
+        shutdown_grace: float = 30.0,
+        admission: Admission | None = None,
+    ) -> None:
+        if (handler is None) == (admission is None):
+            raise TypeError("pass either handler (run after the 200) or admission (recorded before it)")
         self.gate = gate
         self.handler = handler
+        self.admission = admission
         self.shutdown_grace = shutdown_grace
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nylas-webhook")
         self._futures: set[Future[object]] = set()
@@ -87,29 +113,43 @@ class WebhookWSGIApp:
                 body = _read_body(environ, headers, self.gate.max_body_bytes)
             answer = self.gate.check(method, str(environ.get("QUERY_STRING", "")), headers, body)
         if answer.notification is not None:
-            answer = self._submit(answer.notification) or answer
+            answer = self._accept(answer.notification)
         payload = answer.body.encode("utf-8")
         status = f"{answer.status} {_REASONS.get(answer.status, '')}".rstrip()
         response_headers = [("Content-Type", answer.content_type), ("Content-Length", str(len(payload)))]
         start_response(status, response_headers + list(answer.headers))
         return [b"" if method == "HEAD" else payload]
 
-    def _submit(self, notification: Notification) -> GateAnswer | None:
+    def _accept(self, notification: Notification) -> GateAnswer:
+        """Records the notification (with ``admission``, in this request's thread) and queues its work."""
+        if self._closing:
+            return closing_answer()
+        if self.admission is None:
+            assert self.handler is not None
+            handler = self.handler
+            return self._submit(notification, lambda: handler(notification))
+        try:
+            work = self.admission(notification)
+        except Exception as error:
+            return unrecorded_answer(notification, error)
+        return OK if work is None else self._submit(notification, work)
+
+    def _submit(self, notification: Notification, work: Work) -> GateAnswer:
         with self._lock:
             if self._closing:
                 return closing_answer()
-            future = self._pool.submit(self._handle, notification)
+            future = self._pool.submit(self._handle, notification, work)
             self._futures.add(future)
         future.add_done_callback(self._done)
-        return None
+        return OK
 
     def _done(self, future: Future[object]) -> None:
         with self._lock:
             self._futures.discard(future)
 
-    def _handle(self, notification: Notification) -> object:
+    def _handle(self, notification: Notification, work: Work) -> object:
         try:
-            return self.handler(notification)
+            return work()
         except Exception:
             log.exception("handling notification %s (%s) failed", notification.notification_id, notification.type)
             return None
@@ -162,16 +202,26 @@ def _read_body(environ: Mapping[str, Any], headers: Mapping[str, str], limit: in
     return b"".join(chunks)
 
 
-def guarded_sync(coordinator: Coordinator, handle: GuardedHandler, policy: ReplyPolicy) -> Handler:
-    """``handle(notification, claim)`` inside ``coordinator.reply_to(notification)``, for the policy's events."""
+def guarded_sync(coordinator: Coordinator, handle: GuardedHandler, policy: ReplyPolicy, timeout: float) -> Admission:
+    """The blocking twin of :func:`inbox_claims.asgi.guarded_async`: admit the claim in the request, run
+    ``handle(notification, claim)`` inside it in the pool."""
 
-    def run(notification: Notification) -> object:
-        if policy.wants(notification):
-            with policy.absorbing(notification), coordinator.reply_to(notification, **policy.claim_options()) as claim:
-                return handle(notification, claim)
+    def admit(notification: Notification) -> Work | None:
+        if not policy.wants(notification):
+            return None
+        claim = coordinator.reply_to(notification, **policy.claim_options())
+        with policy.absorbing(notification):
+            claim.admit(within=timeout)
+
+            def work() -> object:
+                with policy.absorbing(notification), claim:
+                    return handle(notification, claim)
+                return None
+
+            return work
         return None
 
-    return run
+    return admit
 
 
 @overload
@@ -199,6 +249,8 @@ def nylas_webhook_wsgi(
     :class:`~inbox_claims.asgi.WebhookOptions`) with a blocking :class:`~inbox_claims.Coordinator` and ``handle``
     a plain function, run in a pool of ``workers`` threads."""
     gate = make_gate(secret, options)
-    if coordinator is not None:
-        handle = guarded_sync(coordinator, handle, ReplyPolicy.of(options))
-    return WebhookWSGIApp(gate, handle, workers=workers, shutdown_grace=options.get("shutdown_grace", 30.0))
+    grace = options.get("shutdown_grace", 30.0)
+    if coordinator is None:
+        return WebhookWSGIApp(gate, handle, workers=workers, shutdown_grace=grace)
+    admission = guarded_sync(coordinator, handle, ReplyPolicy.of(options), admission_timeout(options))
+    return WebhookWSGIApp(gate, workers=workers, shutdown_grace=grace, admission=admission)

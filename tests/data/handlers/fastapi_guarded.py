@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 from fastapi import BackgroundTasks, FastAPI, HTTPException, Request
-from inbox_claims import guard, nylas
+from inbox_claims import guard, nylas as guarded_nylas
 
 from llm import draft_reply
 
@@ -22,7 +22,7 @@ seen: set[str] = set()
 async def answer(event: dict[str, Any]) -> None:
     message = event["data"]["object"]
     draft = await draft_reply(message)
-    await nylas.send(http, message["grant_id"], draft)
+    await guarded_nylas.send(http, message["grant_id"], draft)
 
 
 @app.post("/webhooks/nylas")

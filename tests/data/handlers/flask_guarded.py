@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 from flask import Flask, abort, request
-from inbox_claims import guard, nylas
+from inbox_claims import guard, nylas as guarded_nylas
 
 from llm import draft_reply_sync
 
@@ -22,7 +22,7 @@ seen: set[str] = set()
 def answer(event: dict[str, Any]) -> None:
     message = event["data"]["object"]
     draft = draft_reply_sync(message)
-    nylas.send(http, message["grant_id"], draft)
+    guarded_nylas.send(http, message["grant_id"], draft)
 
 
 @app.post("/webhooks/nylas")

@@ -2,12 +2,13 @@
 enough (DRAFT_SECONDS) that concurrent deliveries overlap, and deterministic."""
 
 import asyncio
+import os
 import time
 from typing import Any
 
 from inbox_claims import Notification
 
-DRAFT_SECONDS = 0.3
+DRAFT_SECONDS = float(os.environ.get("LLM_DRAFT_SECONDS", "0.3"))
 
 
 def _draft(message: dict[str, Any]) -> dict[str, Any]:

@@ -42,6 +42,9 @@ class Coordinator(Protocol):
     async def get_status(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
+    async def list_recent_messages(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+
     async def list_claims(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
@@ -58,6 +61,9 @@ class Coordinator(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
     async def get_caller(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+
+    async def record_outgoing(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
     async def batch(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse:
@@ -149,6 +155,16 @@ class CoordinatorASGIApplication(ConnectASGIApplication[Coordinator]):
                     ),
                     function=svc.get_status,
                 ),
+                "/inbox.coordinator.v1.Coordinator/ListRecentMessages": Endpoint.unary(
+                    method=MethodInfo(
+                        name="ListRecentMessages",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.list_recent_messages,
+                ),
                 "/inbox.coordinator.v1.Coordinator/ListClaims": Endpoint.unary(
                     method=MethodInfo(
                         name="ListClaims",
@@ -208,6 +224,16 @@ class CoordinatorASGIApplication(ConnectASGIApplication[Coordinator]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.get_caller,
+                ),
+                "/inbox.coordinator.v1.Coordinator/RecordOutgoing": Endpoint.unary(
+                    method=MethodInfo(
+                        name="RecordOutgoing",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.record_outgoing,
                 ),
                 "/inbox.coordinator.v1.Coordinator/Batch": Endpoint.unary(
                     method=MethodInfo(
@@ -392,6 +418,26 @@ class CoordinatorClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    async def list_recent_messages(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="ListRecentMessages",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     async def list_claims(
         self,
         request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsRequest,
@@ -512,6 +558,26 @@ class CoordinatorClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    async def record_outgoing(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="RecordOutgoing",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     async def batch(
         self,
         request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest,
@@ -550,6 +616,8 @@ class CoordinatorSync(Protocol):
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def get_status(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+    def list_recent_messages(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def list_claims(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def watch(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.WatchRequest, ctx: RequestContext) -> Iterator[inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.WatchResponse]:
@@ -561,6 +629,8 @@ class CoordinatorSync(Protocol):
     def mark_replied(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def get_caller(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+    def record_outgoing(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def batch(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
@@ -650,6 +720,16 @@ class CoordinatorWSGIApplication(ConnectWSGIApplication):
                     ),
                     function=service.get_status,
                 ),
+                "/inbox.coordinator.v1.Coordinator/ListRecentMessages": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="ListRecentMessages",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.list_recent_messages,
+                ),
                 "/inbox.coordinator.v1.Coordinator/ListClaims": EndpointSync.unary(
                     method=MethodInfo(
                         name="ListClaims",
@@ -709,6 +789,16 @@ class CoordinatorWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.get_caller,
+                ),
+                "/inbox.coordinator.v1.Coordinator/RecordOutgoing": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="RecordOutgoing",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.record_outgoing,
                 ),
                 "/inbox.coordinator.v1.Coordinator/Batch": EndpointSync.unary(
                     method=MethodInfo(
@@ -893,6 +983,26 @@ class CoordinatorClientSync(ConnectClientSync):
             timeout_ms=timeout_ms,
         )
 
+    def list_recent_messages(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="ListRecentMessages",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     def list_claims(
         self,
         request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsRequest,
@@ -1007,6 +1117,26 @@ class CoordinatorClientSync(ConnectClientSync):
                 service_name="inbox.coordinator.v1.Coordinator",
                 input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest,
                 output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    def record_outgoing(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="RecordOutgoing",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
             headers=headers,

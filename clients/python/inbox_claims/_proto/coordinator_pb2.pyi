@@ -28,7 +28,7 @@ Conventions used throughout:
 
 Request ids and retries:
 * Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
-  Takeover, ResolveInDoubt, and each of them inside a Batch) carries a `request_id` chosen by the client:
+  Takeover, ResolveInDoubt, MarkReplied, RecordOutgoing, and each of them inside a Batch) carries a `request_id` chosen by the client:
   1 to 128 bytes, one per logical operation of a principal (a random UUID). Every retry of that operation
   (after a timeout, UNAVAILABLE, ABORTED or DEADLINE_EXCEEDED) sends the same request id with the same
   arguments, and is answered as the first attempt was, through any replica and after any restart: the
@@ -236,6 +236,12 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """A reply record's retention ended; the subject is FREE again."""
     EVENT_TYPE_MARKED_REPLIED: _EventType.ValueType  # 12
     """The holder recorded a reply made by hand (MarkReplied); the subject is REPLIED, `status.note` says how."""
+    EVENT_TYPE_ANSWERED_OUTSIDE: _EventType.ValueType  # 13
+    """Someone answered in the subject's thread without the coordinator (RecordOutgoing, ANSWERED_OUTSIDE):
+    `status.outside_reply` says who and when. A CLAIMED subject became REPLIED (`previous_holder`,
+    `previous_token`: the claim it ended), a FREE one REPLIED; a SENDING, IN_DOUBT or REPLIED one kept its state
+    (both replies went out).
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper): ...
 
@@ -257,6 +263,12 @@ EVENT_TYPE_RETENTION_ENDED: EventType.ValueType  # 11
 """A reply record's retention ended; the subject is FREE again."""
 EVENT_TYPE_MARKED_REPLIED: EventType.ValueType  # 12
 """The holder recorded a reply made by hand (MarkReplied); the subject is REPLIED, `status.note` says how."""
+EVENT_TYPE_ANSWERED_OUTSIDE: EventType.ValueType  # 13
+"""Someone answered in the subject's thread without the coordinator (RecordOutgoing, ANSWERED_OUTSIDE):
+`status.outside_reply` says who and when. A CLAIMED subject became REPLIED (`previous_holder`,
+`previous_token`: the claim it ended), a FREE one REPLIED; a SENDING, IN_DOUBT or REPLIED one kept its state
+(both replies went out).
+"""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 @_typing.final
@@ -315,6 +327,9 @@ class SubjectStatus(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     REPLIED_BY_HAND_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    REPLIED_OUTSIDE_FIELD_NUMBER: _builtins.int
+    OUTSIDE_REPLY_FIELD_NUMBER: _builtins.int
+    SETTLED_BY_FIELD_NUMBER: _builtins.int
     state: Global___SubjectState.ValueType
     holder: _builtins.str
     """The principal holding the claim or who sent the reply. Empty when FREE."""
@@ -333,6 +348,16 @@ class SubjectStatus(_message.Message):
     """The TTL in seconds the holder asked for on its last claim or renewal."""
     replied_by_hand: _builtins.bool
     """REPLIED: recorded by MarkReplied (a person answered outside the coordinator), not by a confirmed send."""
+    replied_outside: _builtins.bool
+    """REPLIED: recorded because someone answered in the subject's thread without the coordinator
+    (RecordOutgoing, ANSWERED_OUTSIDE), not by this subject's own send. `holder` is then who answered (the
+    message's sender), `holder_kind` HUMAN, `sent_at` the reply's date as the provider gives it and
+    `sent_message_id` its message id; `outside_reply.stopped_holder` names the claim it ended, if one was held.
+    """
+    settled_by: _builtins.str
+    """REPLIED by ResolveInDoubt(OUTCOME_SENT): the person who found the reply sent and settled it (`holder` stays
+    the principal whose send it was). Empty otherwise.
+    """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     @_builtins.property
@@ -368,6 +393,13 @@ class SubjectStatus(_message.Message):
         Unset when none was given or the coordinator does not store summaries (--no-store-summaries).
         """
 
+    @_builtins.property
+    def outside_reply(self) -> Global___OutsideReply:
+        """A reply written outside the coordinator in the subject's thread: with `replied_outside`, the one that
+        answered it; without, on a SENDING, IN_DOUBT or REPLIED subject past its commit point when the reply was
+        recorded: then both replies went out (the subject's own send and this one).
+        """
+
     def __init__(
         self,
         *,
@@ -387,14 +419,59 @@ class SubjectStatus(_message.Message):
         ttl_seconds: _builtins.int = ...,
         replied_by_hand: _builtins.bool = ...,
         summary: Global___MessageSummary | None = ...,
+        replied_outside: _builtins.bool = ...,
+        outside_reply: Global___OutsideReply | None = ...,
+        settled_by: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "outside_reply", b"outside_reply", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "replied_by_hand", b"replied_by_hand", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "state", b"state", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "outside_reply", b"outside_reply", "replied_by_hand", b"replied_by_hand", "replied_outside", b"replied_outside", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "settled_by", b"settled_by", "state", b"state", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubjectStatus: _TypeAlias = SubjectStatus  # noqa: Y015
+
+@_typing.final
+class OutsideReply(_message.Message):
+    """A reply written outside the coordinator (docs/design.md#replies-written-outside), as RecordOutgoing recorded
+    it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SENDER_FIELD_NUMBER: _builtins.int
+    SENT_AT_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    RECORDED_BY_FIELD_NUMBER: _builtins.int
+    STOPPED_HOLDER_FIELD_NUMBER: _builtins.int
+    sender: _builtins.str
+    """Who sent it, as the message's `from` says ("Ana Lima <ana@shop.example>"). Up to 512 bytes."""
+    message_id: _builtins.str
+    """The provider's id of the message."""
+    recorded_by: _builtins.str
+    """The principal whose client reported it (RecordOutgoing's caller)."""
+    stopped_holder: _builtins.str
+    """The principal whose claim it ended (the subject was CLAIMED); empty when none was held."""
+    @_builtins.property
+    def sent_at(self) -> _timestamp_pb2.Timestamp:
+        """The message's date, as the provider gives it (not a coordinator's clock)."""
+
+    def __init__(
+        self,
+        *,
+        sender: _builtins.str = ...,
+        sent_at: _timestamp_pb2.Timestamp | None = ...,
+        message_id: _builtins.str = ...,
+        recorded_by: _builtins.str = ...,
+        stopped_holder: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sent_at", b"sent_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message_id", b"message_id", "recorded_by", b"recorded_by", "sender", b"sender", "sent_at", b"sent_at", "stopped_holder", b"stopped_holder"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutsideReply: _TypeAlias = OutsideReply  # noqa: Y015
 
 @_typing.final
 class MessageSummary(_message.Message):
@@ -402,6 +479,13 @@ class MessageSummary(_message.Message):
     ClaimReply and Takeover (the Python client fills it from the notification). It is personal data: stored in
     the claim's etcd record only while the coordinator's store_summaries setting is on (the default), and
     deleted with the claim or its reply record (docs/security.md).
+
+    Both texts are stored without invisible formatting: the characters that change how the text around them is
+    shown and are not seen themselves (Unicode category Cf: bidirectional embeddings, overrides, isolates and
+    marks, zero-width spaces, the byte order mark, tag characters; and the line and paragraph separators U+2028,
+    U+2029) are dropped, not refused, since the text comes from an email anyone can send ("Invoice U+202E
+    gnp.exe" would read "Invoice exe.png"). The zero-width joiner and non-joiner (U+200D, U+200C) stay. Readers
+    still show each text in an isolate of its own (the board, inboxctl).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -554,6 +638,8 @@ class ClaimReplyRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    THREAD_ID_FIELD_NUMBER: _builtins.int
+    RECEIVED_AT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     notification_id: _builtins.str
     """Optional: the webhook notification that led to this claim. When set, the delivery is recorded in the
@@ -566,12 +652,25 @@ class ClaimReplyRequest(_message.Message):
     """
     note: _builtins.str
     """Optional, up to 1024 bytes. Shown to humans watching the mailbox."""
+    thread_id: _builtins.str
+    """The message's thread (Nylas: `data.object.thread_id`), with `received_at`: a reply written outside the
+    coordinator in this thread after the message arrived then ends the claim (see RecordOutgoing). 0 to 512
+    bytes (THREAD_ID_MAX_BYTES), no control characters. For a thread subject it is the subject's id (leave it
+    empty, or repeat it: another thread is INVALID_ARGUMENT).
+    """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     @_builtins.property
     def summary(self) -> Global___MessageSummary:
         """Optional: which email this is (subject line, sender, received time), shown to the people watching.
         Over a limit: INVALID_ARGUMENT naming `summary.subject_line` or `summary.sender` and the limit.
+        """
+
+    @_builtins.property
+    def received_at(self) -> _timestamp_pb2.Timestamp:
+        """When the message was received, as the provider gives it (Nylas: `data.object.date`); required with
+        `thread_id` (INVALID_ARGUMENT otherwise), not before 1970. A message of the thread received at or before a
+        reply written outside answers ALREADY_REPLIED; one received after it is a new question.
         """
 
     def __init__(
@@ -583,10 +682,12 @@ class ClaimReplyRequest(_message.Message):
         ttl_seconds: _builtins.int = ...,
         note: _builtins.str = ...,
         summary: Global___MessageSummary | None = ...,
+        thread_id: _builtins.str = ...,
+        received_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["received_at", b"received_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "notification_id", b"notification_id", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "notification_id", b"notification_id", "received_at", b"received_at", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "thread_id", b"thread_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1040,7 +1141,9 @@ class ListClaimsRequest(_message.Message):
     page_size: _builtins.int
     """1 to 1000; 0 means 100."""
     page_token: _builtins.str
-    """From the previous response's `next_page_token`; empty for the first page. Opaque; see ListClaims."""
+    """From the previous response's `next_page_token`; empty for the first page. Opaque, at most 4,096
+    characters; see ListClaims.
+    """
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[Global___SubjectState.ValueType]:
         """Only these states; empty means every state but FREE."""
@@ -1069,7 +1172,7 @@ class ListClaimsResponse(_message.Message):
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
-    """Empty on the last page."""
+    """Empty on the last page (and only there: a filtered page may be short, or empty, and have one)."""
     revision: _builtins.int
     """The etcd revision this page was read at."""
     @_builtins.property
@@ -1088,6 +1191,94 @@ class ListClaimsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListClaimsResponse: _TypeAlias = ListClaimsResponse  # noqa: Y015
+
+@_typing.final
+class ListRecentMessagesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAILBOX_FIELD_NUMBER: _builtins.int
+    QUERY_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    mailbox: _builtins.str
+    query: _builtins.str
+    """Only messages whose subject line, sender or message id contains this text (case-insensitive); empty: all.
+    Up to 256 bytes (RECENT_QUERY_MAX_BYTES), no control characters.
+    """
+    page_size: _builtins.int
+    """1 to 100; 0 means 20."""
+    def __init__(
+        self,
+        *,
+        mailbox: _builtins.str = ...,
+        query: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mailbox", b"mailbox", "page_size", b"page_size", "query", b"query"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRecentMessagesRequest: _TypeAlias = ListRecentMessagesRequest  # noqa: Y015
+
+@_typing.final
+class RecentMessage(_message.Message):
+    """A message the coordinator saw delivered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    FIRST_SEEN_AT_FIELD_NUMBER: _builtins.int
+    SEEN_BY_FIELD_NUMBER: _builtins.int
+    seen_by: _builtins.str
+    @_builtins.property
+    def subject(self) -> Global___Subject: ...
+    @_builtins.property
+    def summary(self) -> Global___MessageSummary:
+        """As the delivery's ClaimReply described it; unset when it gave none or summaries are not stored."""
+
+    @_builtins.property
+    def first_seen_at(self) -> _timestamp_pb2.Timestamp:
+        """When its first delivery was recorded, and by whom (the agent that claimed it)."""
+
+    def __init__(
+        self,
+        *,
+        subject: Global___Subject | None = ...,
+        summary: Global___MessageSummary | None = ...,
+        first_seen_at: _timestamp_pb2.Timestamp | None = ...,
+        seen_by: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_seen_at", b"first_seen_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_seen_at", b"first_seen_at", "seen_by", b"seen_by", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecentMessage: _TypeAlias = RecentMessage  # noqa: Y015
+
+@_typing.final
+class ListRecentMessagesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecentMessage]:
+        """Newest first, one per subject."""
+
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___RecentMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRecentMessagesResponse: _TypeAlias = ListRecentMessagesResponse  # noqa: Y015
 
 @_typing.final
 class WatchRequest(_message.Message):
@@ -1224,10 +1415,17 @@ class TakeoverRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    FROM_PERSON_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     ttl_seconds: _builtins.int
     """As in ClaimReplyRequest."""
     note: _builtins.str
+    from_person: _builtins.str
+    """The person (principal of kind human) the caller takes the subject from, as the caller saw it held and
+    confirmed: a colleague gone home, or busy. The takeover proceeds when that person holds the subject (or an
+    agent does, or nobody); a subject any other person holds answers HELD. Empty: never from a person. Up to
+    128 bytes.
+    """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     @_builtins.property
@@ -1242,10 +1440,11 @@ class TakeoverRequest(_message.Message):
         ttl_seconds: _builtins.int = ...,
         note: _builtins.str = ...,
         summary: Global___MessageSummary | None = ...,
+        from_person: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_person", b"from_person", "note", b"note", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1267,8 +1466,8 @@ class TakeoverResponse(_message.Message):
         GRANTED: TakeoverResponse._Result.ValueType  # 2
         """Nobody held it: you hold it now, as with ClaimReply."""
         HELD: TakeoverResponse._Result.ValueType  # 3
-        """Another human holds it (one may claim in the instant between the two steps of a takeover; an agent that
-        does is taken over too, up to three times); `status` says who. Takeover never takes from a human.
+        """A human holds it who is not `from_person` (one may claim in the instant between the two steps of a
+        takeover; an agent that does is taken over too, up to three times); `status` says who.
         """
         ALREADY_REPLIED: TakeoverResponse._Result.ValueType  # 4
         """Too late: the send began, or the reply went out. `status` is the reply record."""
@@ -1280,8 +1479,8 @@ class TakeoverResponse(_message.Message):
     GRANTED: TakeoverResponse.Result.ValueType  # 2
     """Nobody held it: you hold it now, as with ClaimReply."""
     HELD: TakeoverResponse.Result.ValueType  # 3
-    """Another human holds it (one may claim in the instant between the two steps of a takeover; an agent that
-    does is taken over too, up to three times); `status` says who. Takeover never takes from a human.
+    """A human holds it who is not `from_person` (one may claim in the instant between the two steps of a
+    takeover; an agent that does is taken over too, up to three times); `status` says who.
     """
     ALREADY_REPLIED: TakeoverResponse.Result.ValueType  # 4
     """Too late: the send began, or the reply went out. `status` is the reply record."""
@@ -1448,6 +1647,113 @@ class MarkRepliedResponse(_message.Message):
 Global___MarkRepliedResponse: _TypeAlias = MarkRepliedResponse  # noqa: Y015
 
 @_typing.final
+class RecordOutgoingRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MAILBOX_FIELD_NUMBER: _builtins.int
+    NOTIFICATION_ID_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    THREAD_ID_FIELD_NUMBER: _builtins.int
+    SENT_AT_FIELD_NUMBER: _builtins.int
+    SENDER_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    mailbox: _builtins.str
+    """The mailbox the message belongs to, as ClaimReply names it (the grant id, or the address)."""
+    notification_id: _builtins.str
+    """Optional: the webhook notification it came in (dedup as in ClaimReply: a redelivery answers
+    DUPLICATE_DELIVERY). 0 to 256 bytes, no control characters.
+    """
+    message_id: _builtins.str
+    """The provider's id of the sent message (Nylas: `data.object.id`). 1 to 512 bytes (MESSAGE_ID_MAX_BYTES)."""
+    thread_id: _builtins.str
+    """Its thread (Nylas: `data.object.thread_id`). 1 to 512 bytes (THREAD_ID_MAX_BYTES)."""
+    sender: _builtins.str
+    """Who sent it, as people read it ("Ana Lima <ana@shop.example>"): shown on the board. Up to 512 bytes
+    (SENDER_MAX_BYTES), no control characters.
+    """
+    @_builtins.property
+    def sent_at(self) -> _timestamp_pb2.Timestamp:
+        """Its date, as the provider gives it (Nylas: `data.object.date`). Required, not before 1970."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        mailbox: _builtins.str = ...,
+        notification_id: _builtins.str = ...,
+        message_id: _builtins.str = ...,
+        thread_id: _builtins.str = ...,
+        sent_at: _timestamp_pb2.Timestamp | None = ...,
+        sender: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sent_at", b"sent_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mailbox", b"mailbox", "message_id", b"message_id", "notification_id", b"notification_id", "request_id", b"request_id", "sender", b"sender", "sent_at", b"sent_at", "thread_id", b"thread_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordOutgoingRequest: _TypeAlias = RecordOutgoingRequest  # noqa: Y015
+
+@_typing.final
+class RecordOutgoingResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Result:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ResultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[RecordOutgoingResponse._Result.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        RESULT_UNSPECIFIED: RecordOutgoingResponse._Result.ValueType  # 0
+        OWN_REPLY: RecordOutgoingResponse._Result.ValueType  # 1
+        """The mailbox's own reply, sent through the coordinator (or being sent): `subjects` are the subjects it
+        belongs to. Nothing changed.
+        """
+        ANSWERED_OUTSIDE: RecordOutgoingResponse._Result.ValueType  # 2
+        """A reply written outside the coordinator: `subjects` are the subjects of its thread it answered, as they
+        are now (REPLIED with `replied_outside`; SENDING, IN_DOUBT or REPLIED with `outside_reply`: both went out).
+        """
+        DUPLICATE_DELIVERY: RecordOutgoingResponse._Result.ValueType  # 3
+        """The notification id was seen before: `delivery` is its first sighting; nothing changed."""
+
+    class Result(_Result, metaclass=_ResultEnumTypeWrapper): ...
+    RESULT_UNSPECIFIED: RecordOutgoingResponse.Result.ValueType  # 0
+    OWN_REPLY: RecordOutgoingResponse.Result.ValueType  # 1
+    """The mailbox's own reply, sent through the coordinator (or being sent): `subjects` are the subjects it
+    belongs to. Nothing changed.
+    """
+    ANSWERED_OUTSIDE: RecordOutgoingResponse.Result.ValueType  # 2
+    """A reply written outside the coordinator: `subjects` are the subjects of its thread it answered, as they
+    are now (REPLIED with `replied_outside`; SENDING, IN_DOUBT or REPLIED with `outside_reply`: both went out).
+    """
+    DUPLICATE_DELIVERY: RecordOutgoingResponse.Result.ValueType  # 3
+    """The notification id was seen before: `delivery` is its first sighting; nothing changed."""
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    SUBJECTS_FIELD_NUMBER: _builtins.int
+    DELIVERY_FIELD_NUMBER: _builtins.int
+    result: Global___RecordOutgoingResponse.Result.ValueType
+    @_builtins.property
+    def subjects(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubjectStatus]: ...
+    @_builtins.property
+    def delivery(self) -> Global___DeliveryRecord: ...
+    def __init__(
+        self,
+        *,
+        result: Global___RecordOutgoingResponse.Result.ValueType = ...,
+        subjects: _abc.Iterable[Global___SubjectStatus] | None = ...,
+        delivery: Global___DeliveryRecord | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery", "result", b"result", "subjects", b"subjects"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordOutgoingResponse: _TypeAlias = RecordOutgoingResponse  # noqa: Y015
+
+@_typing.final
 class BatchCall(_message.Message):
     """One call of a Batch: the request of the unary RPC of the same name."""
 
@@ -1462,6 +1768,7 @@ class BatchCall(_message.Message):
     ABORT_SEND_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
     MARK_REPLIED_FIELD_NUMBER: _builtins.int
+    RECORD_OUTGOING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def record_delivery(self) -> Global___RecordDeliveryRequest: ...
     @_builtins.property
@@ -1480,6 +1787,8 @@ class BatchCall(_message.Message):
     def get_status(self) -> Global___GetStatusRequest: ...
     @_builtins.property
     def mark_replied(self) -> Global___MarkRepliedRequest: ...
+    @_builtins.property
+    def record_outgoing(self) -> Global___RecordOutgoingRequest: ...
     def __init__(
         self,
         *,
@@ -1492,12 +1801,13 @@ class BatchCall(_message.Message):
         abort_send: Global___AbortSendRequest | None = ...,
         get_status: Global___GetStatusRequest | None = ...,
         mark_replied: Global___MarkRepliedRequest | None = ...,
+        record_outgoing: Global___RecordOutgoingRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied", "record_outgoing"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -1576,6 +1886,7 @@ class BatchResult(_message.Message):
     ABORT_SEND_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
     MARK_REPLIED_FIELD_NUMBER: _builtins.int
+    RECORD_OUTGOING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def error(self) -> Global___CallError: ...
     @_builtins.property
@@ -1596,6 +1907,8 @@ class BatchResult(_message.Message):
     def get_status(self) -> Global___GetStatusResponse: ...
     @_builtins.property
     def mark_replied(self) -> Global___MarkRepliedResponse: ...
+    @_builtins.property
+    def record_outgoing(self) -> Global___RecordOutgoingResponse: ...
     def __init__(
         self,
         *,
@@ -1609,12 +1922,13 @@ class BatchResult(_message.Message):
         abort_send: Global___AbortSendResponse | None = ...,
         get_status: Global___GetStatusResponse | None = ...,
         mark_replied: Global___MarkRepliedResponse | None = ...,
+        record_outgoing: Global___RecordOutgoingResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied", "record_outgoing"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

@@ -75,6 +75,11 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.ListRecentMessages = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/ListRecentMessages',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse.FromString,
+                _registered_method=True)
         self.ListClaims = channel.unary_unary(
                 '/inbox.coordinator.v1.Coordinator/ListClaims',
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsRequest.SerializeToString,
@@ -105,6 +110,11 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.FromString,
                 _registered_method=True)
+        self.RecordOutgoing = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/RecordOutgoing',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.FromString,
+                _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/inbox.coordinator.v1.Coordinator/Batch',
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest.SerializeToString,
@@ -131,7 +141,10 @@ class CoordinatorServicer:
         retry of the granting request), HELD with the current holder (which may be the caller itself, when it
         claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
         subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
-        Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
+        With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
+        coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
+        `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+        (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,7 +152,8 @@ class CoordinatorServicer:
 
     def RenewClaim(self, request, context):
         """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
-        STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+        STALE_TOKEN once the claim expired, was released or was taken over, or someone answered in its thread
+        without the coordinator (`status.replied_outside`; see RecordOutgoing): stop working on the subject. A retry
         answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
         (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -159,7 +173,8 @@ class CoordinatorServicer:
     def BeginSend(self, request, context):
         """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
         current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
-        subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+        subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
+        coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
         ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
         once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -179,8 +194,10 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbortSend(self, request, context):
-        """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-        the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+        """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE; REPLIED with
+        `replied_outside` instead when a message of the thread had been taken for this send's copy (RecordOutgoing,
+        OWN_REPLY): it was someone's answer. Call it only when the mail API refused the request; when the outcome is
+        unknown, leave the subject SENDING. Answers OK (also
         to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
         ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -195,14 +212,30 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRecentMessages(self, request, context):
+        """The mailbox's recent messages, newest first, as the coordinator saw them: each message a ClaimReply with a
+        `notification_id` recorded a delivery for within the delivery retention (24 h by default), once, with
+        the summary that ClaimReply gave (unset when the coordinator does not store summaries), whatever became of
+        its claim since. For a person to find an email to answer themselves (the board's "Find an email"): pair
+        each with Watch or GetStatus for its state. At most the newest 2,000 deliveries of the mailbox are read
+        (RECENT_DELIVERIES_READ_MAX), so an older message may be missing on a busy mailbox. Errors: INVALID_ARGUMENT
+        (INVALID_FIELD) for a `query` over 256 bytes or with a control character, a `page_size` over 100.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListClaims(self, request, context):
         """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
         Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
         opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
         subjects as they are when it is read, so it includes claims made after the first page when their keys
         sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
-        one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
-        page size over 1000, or an unknown state.
+        one revision. Filtered by state, a page reads at most 5,000 subjects of the mailbox (5 etcd reads of
+        1,000), so it may hold fewer than `page_size` subjects, none even, with a `next_page_token`: the listing
+        ends only when the token is empty. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not
+        this mailbox's or not one this service issued (over 4,096 characters, say), a page size over 1000, or an
+        unknown state.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,8 +267,9 @@ class CoordinatorServicer:
     def Takeover(self, request, context):
         """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
         token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-        larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
-        BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+        larger token (TAKEN_OVER, or GRANTED when nobody held it). From another human only when the request names
+        that person in `from_person` (the caller confirmed taking it from that colleague, docs/security.md); any
+        other human holder answers HELD. Never after BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
         agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
         ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
         """
@@ -245,7 +279,7 @@ class CoordinatorServicer:
 
     def ResolveInDoubt(self, request, context):
         """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
-        deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
+        deadline): SENT makes it REPLIED, NOT_SENT makes it FREE (or REPLIED with `replied_outside`, as AbortSend). Someone must check the mailbox's sent folder
         first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
         Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
         INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
@@ -277,6 +311,33 @@ class CoordinatorServicer:
         another is not offered. The server still checks every call. In development mode (no token file) it
         answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
         Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordOutgoing(self, request, context):
+        """Records a message the mailbox sent: a webhook notification about a message in the Sent folder, or from one
+        of the mailbox's own addresses (the clients decide which, docs/client.md "Outgoing messages", and never
+        hand such a notification to the user's handler). The coordinator tells the mailbox's own replies from
+        replies written elsewhere (docs/design.md#replies-written-outside):
+        * OWN_REPLY: the message is the reply a subject of its thread sent (the `sent_message_id` its ConfirmSent
+        or MarkReplied recorded), or the thread has a subject past BeginSend and not yet confirmed (SENDING or
+        IN_DOUBT: the echo of that send, arriving before its ConfirmSent). Nothing changes; `subjects` are those
+        subjects.
+        * ANSWERED_OUTSIDE: someone answered in the thread without the coordinator (a person in Gmail, Outlook or a
+        helpdesk). In the same etcd transaction as the thread's record of it: every subject of the thread whose
+        message was received at or before `sent_at` (as ClaimReply's `received_at` said) and that is CLAIMED or
+        FREE becomes REPLIED with `replied_outside` (a CLAIMED holder's token goes stale: its RenewClaim and
+        BeginSend answer STALE_TOKEN with that status); a SENDING, IN_DOUBT or REPLIED one keeps its state and
+        gains `outside_reply` (both replies went out). Later ClaimReply calls for a message
+        of the thread received at or before `sent_at` answer ALREADY_REPLIED (the reply retention, 72 h by
+        default); a message received after it is a new question, claimable as usual. `subjects` are the subjects
+        this reply answered, as they are now. Recording the same reply again changes nothing more.
+        * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
+        Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
+        id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
+        thread id or sent time; REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -340,6 +401,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetStatusResponse.SerializeToString,
             ),
+            'ListRecentMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRecentMessages,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse.SerializeToString,
+            ),
             'ListClaims': grpc.unary_unary_rpc_method_handler(
                     servicer.ListClaims,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListClaimsRequest.FromString,
@@ -369,6 +435,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetCaller,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.SerializeToString,
+            ),
+            'RecordOutgoing': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordOutgoing,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -603,6 +674,33 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
+    def ListRecentMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/ListRecentMessages',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ListRecentMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ListClaims(request,
             target,
             options=(),
@@ -754,6 +852,33 @@ class Coordinator:
             '/inbox.coordinator.v1.Coordinator/GetCaller',
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest.SerializeToString,
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordOutgoing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/RecordOutgoing',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.FromString,
             options,
             channel_credentials,
             insecure,

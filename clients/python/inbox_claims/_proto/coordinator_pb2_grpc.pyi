@@ -28,7 +28,7 @@ Conventions used throughout:
 
 Request ids and retries:
 * Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
-  Takeover, ResolveInDoubt, and each of them inside a Batch) carries a `request_id` chosen by the client:
+  Takeover, ResolveInDoubt, MarkReplied, RecordOutgoing, and each of them inside a Batch) carries a `request_id` chosen by the client:
   1 to 128 bytes, one per logical operation of a principal (a random UUID). Every retry of that operation
   (after a timeout, UNAVAILABLE, ABORTED or DEADLINE_EXCEEDED) sends the same request id with the same
   arguments, and is answered as the first attempt was, through any replica and after any restart: the
@@ -131,11 +131,15 @@ class CoordinatorStub:
     retry of the granting request), HELD with the current holder (which may be the caller itself, when it
     claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
     subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
-    Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
+    With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
+    coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
+    `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+    (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
     """
     RenewClaim: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RenewClaimRequest, _coordinator_pb2.RenewClaimResponse]
     """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
-    STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+    STALE_TOKEN once the claim expired, was released or was taken over, or someone answered in its thread
+    without the coordinator (`status.replied_outside`; see RecordOutgoing): stop working on the subject. A retry
     answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
     (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
@@ -147,7 +151,8 @@ class CoordinatorStub:
     BeginSend: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BeginSendRequest, _coordinator_pb2.BeginSendResponse]
     """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
     current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
-    subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+    subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
+    coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
     ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
     once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
@@ -159,21 +164,35 @@ class CoordinatorStub:
     with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
     """
     AbortSend: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AbortSendRequest, _coordinator_pb2.AbortSendResponse]
-    """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-    the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+    """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE; REPLIED with
+    `replied_outside` instead when a message of the thread had been taken for this send's copy (RecordOutgoing,
+    OWN_REPLY): it was someone's answer. Call it only when the mail API refused the request; when the outcome is
+    unknown, leave the subject SENDING. Answers OK (also
     to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
     ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.GetStatusResponse]
     """Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones."""
+    ListRecentMessages: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListRecentMessagesRequest, _coordinator_pb2.ListRecentMessagesResponse]
+    """The mailbox's recent messages, newest first, as the coordinator saw them: each message a ClaimReply with a
+    `notification_id` recorded a delivery for within the delivery retention (24 h by default), once, with
+    the summary that ClaimReply gave (unset when the coordinator does not store summaries), whatever became of
+    its claim since. For a person to find an email to answer themselves (the board's "Find an email"): pair
+    each with Watch or GetStatus for its state. At most the newest 2,000 deliveries of the mailbox are read
+    (RECENT_DELIVERIES_READ_MAX), so an older message may be missing on a busy mailbox. Errors: INVALID_ARGUMENT
+    (INVALID_FIELD) for a `query` over 256 bytes or with a control character, a `page_size` over 100.
+    """
     ListClaims: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListClaimsRequest, _coordinator_pb2.ListClaimsResponse]
     """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
     Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
     opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
     subjects as they are when it is read, so it includes claims made after the first page when their keys
     sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
-    one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
-    page size over 1000, or an unknown state.
+    one revision. Filtered by state, a page reads at most 5,000 subjects of the mailbox (5 etcd reads of
+    1,000), so it may hold fewer than `page_size` subjects, none even, with a `next_page_token`: the listing
+    ends only when the token is empty. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not
+    this mailbox's or not one this service issued (over 4,096 characters, say), a page size over 1000, or an
+    unknown state.
     """
     Watch: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.WatchRequest, _coordinator_pb2.WatchResponse]
     """Streams one mailbox: first a snapshot of every subject that is not FREE, then every transition in the
@@ -197,14 +216,15 @@ class CoordinatorStub:
     Takeover: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
     token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-    larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
-    BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+    larger token (TAKEN_OVER, or GRANTED when nobody held it). From another human only when the request names
+    that person in `from_person` (the caller confirmed taking it from that colleague, docs/security.md); any
+    other human holder answers HELD. Never after BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
     agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
     ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
     """
     ResolveInDoubt: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ResolveInDoubtRequest, _coordinator_pb2.ResolveInDoubtResponse]
     """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
-    deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
+    deadline): SENT makes it REPLIED, NOT_SENT makes it FREE (or REPLIED with `replied_outside`, as AbortSend). Someone must check the mailbox's sent folder
     first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
     Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
     INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
@@ -228,6 +248,29 @@ class CoordinatorStub:
     another is not offered. The server still checks every call. In development mode (no token file) it
     answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
     Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
+    """
+    RecordOutgoing: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RecordOutgoingRequest, _coordinator_pb2.RecordOutgoingResponse]
+    """Records a message the mailbox sent: a webhook notification about a message in the Sent folder, or from one
+    of the mailbox's own addresses (the clients decide which, docs/client.md "Outgoing messages", and never
+    hand such a notification to the user's handler). The coordinator tells the mailbox's own replies from
+    replies written elsewhere (docs/design.md#replies-written-outside):
+    * OWN_REPLY: the message is the reply a subject of its thread sent (the `sent_message_id` its ConfirmSent
+      or MarkReplied recorded), or the thread has a subject past BeginSend and not yet confirmed (SENDING or
+      IN_DOUBT: the echo of that send, arriving before its ConfirmSent). Nothing changes; `subjects` are those
+      subjects.
+    * ANSWERED_OUTSIDE: someone answered in the thread without the coordinator (a person in Gmail, Outlook or a
+      helpdesk). In the same etcd transaction as the thread's record of it: every subject of the thread whose
+      message was received at or before `sent_at` (as ClaimReply's `received_at` said) and that is CLAIMED or
+      FREE becomes REPLIED with `replied_outside` (a CLAIMED holder's token goes stale: its RenewClaim and
+      BeginSend answer STALE_TOKEN with that status); a SENDING, IN_DOUBT or REPLIED one keeps its state and
+      gains `outside_reply` (both replies went out). Later ClaimReply calls for a message
+      of the thread received at or before `sent_at` answer ALREADY_REPLIED (the reply retention, 72 h by
+      default); a message received after it is a new question, claimable as usual. `subjects` are the subjects
+      this reply answered, as they are now. Recording the same reply again changes nothing more.
+    * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
+    Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
+    id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
+    thread id or sent time; REQUEST_ID_REUSED.
     """
     Batch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
@@ -256,11 +299,15 @@ class CoordinatorAsyncStub(CoordinatorStub):
     retry of the granting request), HELD with the current holder (which may be the caller itself, when it
     claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
     subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
-    Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
+    With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
+    coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
+    `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+    (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
     """
     RenewClaim: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RenewClaimRequest, _coordinator_pb2.RenewClaimResponse]  # type: ignore[assignment]
     """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
-    STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+    STALE_TOKEN once the claim expired, was released or was taken over, or someone answered in its thread
+    without the coordinator (`status.replied_outside`; see RecordOutgoing): stop working on the subject. A retry
     answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
     (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
@@ -272,7 +319,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     BeginSend: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BeginSendRequest, _coordinator_pb2.BeginSendResponse]  # type: ignore[assignment]
     """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
     current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
-    subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+    subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
+    coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
     ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
     once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
@@ -284,21 +332,35 @@ class CoordinatorAsyncStub(CoordinatorStub):
     with another `sent_message_id` once REPLIED, whatever its request id (a reply record keeps no request id).
     """
     AbortSend: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AbortSendRequest, _coordinator_pb2.AbortSendResponse]  # type: ignore[assignment]
-    """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-    the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+    """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE; REPLIED with
+    `replied_outside` instead when a message of the thread had been taken for this send's copy (RecordOutgoing,
+    OWN_REPLY): it was someone's answer. Call it only when the mail API refused the request; when the outcome is
+    unknown, leave the subject SENDING. Answers OK (also
     to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
     ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.GetStatusResponse]  # type: ignore[assignment]
     """Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones."""
+    ListRecentMessages: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListRecentMessagesRequest, _coordinator_pb2.ListRecentMessagesResponse]  # type: ignore[assignment]
+    """The mailbox's recent messages, newest first, as the coordinator saw them: each message a ClaimReply with a
+    `notification_id` recorded a delivery for within the delivery retention (24 h by default), once, with
+    the summary that ClaimReply gave (unset when the coordinator does not store summaries), whatever became of
+    its claim since. For a person to find an email to answer themselves (the board's "Find an email"): pair
+    each with Watch or GetStatus for its state. At most the newest 2,000 deliveries of the mailbox are read
+    (RECENT_DELIVERIES_READ_MAX), so an older message may be missing on a busy mailbox. Errors: INVALID_ARGUMENT
+    (INVALID_FIELD) for a `query` over 256 bytes or with a control character, a `page_size` over 100.
+    """
     ListClaims: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListClaimsRequest, _coordinator_pb2.ListClaimsResponse]  # type: ignore[assignment]
     """Lists the subjects of one mailbox that are not FREE, in key order, optionally filtered by state, paged.
     Each page is read at its own etcd revision (`revision`): the listing is not a snapshot. The page token is
     opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
     subjects as they are when it is read, so it includes claims made after the first page when their keys
     sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
-    one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
-    page size over 1000, or an unknown state.
+    one revision. Filtered by state, a page reads at most 5,000 subjects of the mailbox (5 etcd reads of
+    1,000), so it may hold fewer than `page_size` subjects, none even, with a `next_page_token`: the listing
+    ends only when the token is empty. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not
+    this mailbox's or not one this service issued (over 4,096 characters, say), a page size over 1000, or an
+    unknown state.
     """
     Watch: _aio.UnaryStreamMultiCallable[_coordinator_pb2.WatchRequest, _coordinator_pb2.WatchResponse]  # type: ignore[assignment]
     """Streams one mailbox: first a snapshot of every subject that is not FREE, then every transition in the
@@ -322,14 +384,15 @@ class CoordinatorAsyncStub(CoordinatorStub):
     Takeover: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TakeoverRequest, _coordinator_pb2.TakeoverResponse]  # type: ignore[assignment]
     """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
     token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-    larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
-    BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+    larger token (TAKEN_OVER, or GRANTED when nobody held it). From another human only when the request names
+    that person in `from_person` (the caller confirmed taking it from that colleague, docs/security.md); any
+    other human holder answers HELD. Never after BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
     agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
     ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
     """
     ResolveInDoubt: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ResolveInDoubtRequest, _coordinator_pb2.ResolveInDoubtResponse]  # type: ignore[assignment]
     """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
-    deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
+    deadline): SENT makes it REPLIED, NOT_SENT makes it FREE (or REPLIED with `replied_outside`, as AbortSend). Someone must check the mailbox's sent folder
     first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
     Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
     INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
@@ -353,6 +416,29 @@ class CoordinatorAsyncStub(CoordinatorStub):
     another is not offered. The server still checks every call. In development mode (no token file) it
     answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
     Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
+    """
+    RecordOutgoing: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RecordOutgoingRequest, _coordinator_pb2.RecordOutgoingResponse]  # type: ignore[assignment]
+    """Records a message the mailbox sent: a webhook notification about a message in the Sent folder, or from one
+    of the mailbox's own addresses (the clients decide which, docs/client.md "Outgoing messages", and never
+    hand such a notification to the user's handler). The coordinator tells the mailbox's own replies from
+    replies written elsewhere (docs/design.md#replies-written-outside):
+    * OWN_REPLY: the message is the reply a subject of its thread sent (the `sent_message_id` its ConfirmSent
+      or MarkReplied recorded), or the thread has a subject past BeginSend and not yet confirmed (SENDING or
+      IN_DOUBT: the echo of that send, arriving before its ConfirmSent). Nothing changes; `subjects` are those
+      subjects.
+    * ANSWERED_OUTSIDE: someone answered in the thread without the coordinator (a person in Gmail, Outlook or a
+      helpdesk). In the same etcd transaction as the thread's record of it: every subject of the thread whose
+      message was received at or before `sent_at` (as ClaimReply's `received_at` said) and that is CLAIMED or
+      FREE becomes REPLIED with `replied_outside` (a CLAIMED holder's token goes stale: its RenewClaim and
+      BeginSend answer STALE_TOKEN with that status); a SENDING, IN_DOUBT or REPLIED one keeps its state and
+      gains `outside_reply` (both replies went out). Later ClaimReply calls for a message
+      of the thread received at or before `sent_at` answer ALREADY_REPLIED (the reply retention, 72 h by
+      default); a message received after it is a new question, claimable as usual. `subjects` are the subjects
+      this reply answered, as they are now. Recording the same reply again changes nothing more.
+    * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
+    Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
+    id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
+    thread id or sent time; REQUEST_ID_REUSED.
     """
     Batch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]  # type: ignore[assignment]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
@@ -390,7 +476,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         retry of the granting request), HELD with the current holder (which may be the caller itself, when it
         claimed with another request id: that request's token is the one to use), ALREADY_REPLIED when the
         subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
-        Uncontended, it costs one etcd transaction. Errors: the common ones and REQUEST_ID_REUSED.
+        With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
+        coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
+        `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+        (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod
@@ -400,7 +489,8 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.RenewClaimResponse, _abc.Awaitable[_coordinator_pb2.RenewClaimResponse]]:
         """Pushes a held claim's expiry out by a new TTL from now. The token is unchanged. Answers OK, or
-        STALE_TOKEN once the claim expired, was released or was taken over (stop working on the subject). A retry
+        STALE_TOKEN once the claim expired, was released or was taken over, or someone answered in its thread
+        without the coordinator (`status.replied_outside`; see RecordOutgoing): stop working on the subject. A retry
         answers the first renewal's status again, without renewing twice. Errors: FAILED_PRECONDITION
         (WRONG_STATE) when the claim is past BeginSend; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -424,7 +514,8 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.BeginSendResponse, _abc.Awaitable[_coordinator_pb2.BeginSendResponse]]:
         """The commit point. Moves the subject from CLAIMED to SENDING if, and only if, the token is still the
         current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
-        subject IN_DOUBT: the deadline passed meanwhile). A SENDING subject never expires by itself: it ends with
+        subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
+        coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
         ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
         once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -448,8 +539,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.AbortSendRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.AbortSendResponse, _abc.Awaitable[_coordinator_pb2.AbortSendResponse]]:
-        """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE. Call it only when
-        the mail API refused the request; when the outcome is unknown, leave the subject SENDING. Answers OK (also
+        """Records that the send certainly did not go out: SENDING (or IN_DOUBT) becomes FREE; REPLIED with
+        `replied_outside` instead when a message of the thread had been taken for this send's copy (RecordOutgoing,
+        OWN_REPLY): it was someone's answer. Call it only when the mail API refused the request; when the outcome is
+        unknown, leave the subject SENDING. Answers OK (also
         to a retry), or STALE_TOKEN. Errors: FAILED_PRECONDITION (WRONG_STATE) before BeginSend (use
         ReleaseClaim); PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
@@ -463,6 +556,21 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """Reads one subject's state (FREE when nothing is recorded). Errors: only the common ones."""
 
     @_abc_1.abstractmethod
+    def ListRecentMessages(
+        self,
+        request: _coordinator_pb2.ListRecentMessagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ListRecentMessagesResponse, _abc.Awaitable[_coordinator_pb2.ListRecentMessagesResponse]]:
+        """The mailbox's recent messages, newest first, as the coordinator saw them: each message a ClaimReply with a
+        `notification_id` recorded a delivery for within the delivery retention (24 h by default), once, with
+        the summary that ClaimReply gave (unset when the coordinator does not store summaries), whatever became of
+        its claim since. For a person to find an email to answer themselves (the board's "Find an email"): pair
+        each with Watch or GetStatus for its state. At most the newest 2,000 deliveries of the mailbox are read
+        (RECENT_DELIVERIES_READ_MAX), so an older message may be missing on a busy mailbox. Errors: INVALID_ARGUMENT
+        (INVALID_FIELD) for a `query` over 256 bytes or with a control character, a `page_size` over 100.
+        """
+
+    @_abc_1.abstractmethod
     def ListClaims(
         self,
         request: _coordinator_pb2.ListClaimsRequest,
@@ -473,8 +581,11 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         opaque (it encodes where the previous page ended, in key order) and does not expire: a later page shows
         subjects as they are when it is read, so it includes claims made after the first page when their keys
         sort after the token, and never repeats a subject. For a consistent view use Watch, whose snapshot is
-        one revision. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not this mailbox's, a
-        page size over 1000, or an unknown state.
+        one revision. Filtered by state, a page reads at most 5,000 subjects of the mailbox (5 etcd reads of
+        1,000), so it may hold fewer than `page_size` subjects, none even, with a `next_page_token`: the listing
+        ends only when the token is empty. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a page token that is not
+        this mailbox's or not one this service issued (over 4,096 characters, say), a page size over 1000, or an
+        unknown state.
         """
 
     @_abc_1.abstractmethod
@@ -510,8 +621,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.TakeoverResponse, _abc.Awaitable[_coordinator_pb2.TakeoverResponse]]:
         """Takes a subject over from an agent for a human ("I'm answering this"): the agent's claim ends and its
         token becomes stale at once, so its BeginSend is refused; the caller holds a new claim with a new,
-        larger token (TAKEN_OVER, or GRANTED when nobody held it). Never from another human (HELD), never after
-        BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
+        larger token (TAKEN_OVER, or GRANTED when nobody held it). From another human only when the request names
+        that person in `from_person` (the caller confirmed taking it from that colleague, docs/security.md); any
+        other human holder answers HELD. Never after BeginSend (ALREADY_REPLIED). A retry answers the first answer, also when only the first step (ending the
         agent's claim) had landed. Errors: PERMISSION_DENIED (NOT_HUMAN for a principal of kind agent,
         ROLE_MISSING without the role `takeover`); REQUEST_ID_REUSED.
         """
@@ -523,7 +635,7 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ResolveInDoubtResponse, _abc.Awaitable[_coordinator_pb2.ResolveInDoubtResponse]]:
         """Settles a subject left IN_DOUBT (a send began and was neither confirmed nor aborted before its
-        deadline): SENT makes it REPLIED, NOT_SENT makes it FREE. Someone must check the mailbox's sent folder
+        deadline): SENT makes it REPLIED, NOT_SENT makes it FREE (or REPLIED with `replied_outside`, as AbortSend). Someone must check the mailbox's sent folder
         first; the coordinator cannot know. A retry answers the first answer (the REPLIED record, or FREE).
         Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not IN_DOUBT (and this is not a retry);
         INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
@@ -559,6 +671,35 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         another is not offered. The server still checks every call. In development mode (no token file) it
         answers the principal of the `x-inbox-principal` metadata with every role and every mailbox ("*").
         Errors: only the common ones (UNAUTHENTICATED for credentials it does not know).
+        """
+
+    @_abc_1.abstractmethod
+    def RecordOutgoing(
+        self,
+        request: _coordinator_pb2.RecordOutgoingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RecordOutgoingResponse, _abc.Awaitable[_coordinator_pb2.RecordOutgoingResponse]]:
+        """Records a message the mailbox sent: a webhook notification about a message in the Sent folder, or from one
+        of the mailbox's own addresses (the clients decide which, docs/client.md "Outgoing messages", and never
+        hand such a notification to the user's handler). The coordinator tells the mailbox's own replies from
+        replies written elsewhere (docs/design.md#replies-written-outside):
+        * OWN_REPLY: the message is the reply a subject of its thread sent (the `sent_message_id` its ConfirmSent
+          or MarkReplied recorded), or the thread has a subject past BeginSend and not yet confirmed (SENDING or
+          IN_DOUBT: the echo of that send, arriving before its ConfirmSent). Nothing changes; `subjects` are those
+          subjects.
+        * ANSWERED_OUTSIDE: someone answered in the thread without the coordinator (a person in Gmail, Outlook or a
+          helpdesk). In the same etcd transaction as the thread's record of it: every subject of the thread whose
+          message was received at or before `sent_at` (as ClaimReply's `received_at` said) and that is CLAIMED or
+          FREE becomes REPLIED with `replied_outside` (a CLAIMED holder's token goes stale: its RenewClaim and
+          BeginSend answer STALE_TOKEN with that status); a SENDING, IN_DOUBT or REPLIED one keeps its state and
+          gains `outside_reply` (both replies went out). Later ClaimReply calls for a message
+          of the thread received at or before `sent_at` answer ALREADY_REPLIED (the reply retention, 72 h by
+          default); a message received after it is a new question, claimable as usual. `subjects` are the subjects
+          this reply answered, as they are now. Recording the same reply again changes nothing more.
+        * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
+        Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
+        id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
+        thread id or sent time; REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,307 @@
+"""``inbox-claims-mcp``: the claim tools (``serve``) or the guard (``guard -- <upstream>``), over stdio or HTTP.
+
+Configured like ``inboxctl`` (the same flags, ``INBOX_*`` variables and TOML keys), from its own config file
+(``--config``, ``$INBOX_CLAIMS_MCP_CONFIG`` or ``~/.config/inbox-claims-mcp.toml``); the principal is an agent
+unless ``kind`` says otherwise, and must be named (``INBOX_PRINCIPAL``) unless a token says who it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mcp import Client, StdioServerParameters
+from mcp.server import Server, ServerRequestContext
+from mcp.server.stdio import stdio_server
+from starlette import types as asgi
+
+from .._async import AsyncCoordinator
+from .._settings import client_arguments
+from .._wire import VERSION
+from ..cli import ConfigFile, UsageError, connection_options, resolve_settings
+from ._guard import SendTool, Upstream, build_guard
+from ._presets import PRESETS, UNPRESETTABLE
+from ._session import DEFAULT_TTL, AgentSession, SentReplies
+from ._tools import NylasReplies, Scope, build_server
+
+MCP_CONFIG = ConfigFile("INBOX_CLAIMS_MCP_CONFIG", "inbox-claims-mcp.toml")
+AGENT_DEFAULTS = {"kind": "agent"}
+DEFAULT_SESSION_TIMEOUT = 600.0
+
+log = logging.getLogger("inbox_claims.mcp")
+
+
+class HttpSessions:
+    """Over HTTP, one agent session per MCP session (its ``Mcp-Session-Id``); clients without sessions (the
+    2026 protocol) share one. A session the client closes, or one idle for ``timeout`` seconds, ends, and its
+    claims are released."""
+
+    def __init__(self, coordinator: AsyncCoordinator, *, ttl: int, timeout: float) -> None:
+        self._coordinator = coordinator
+        self._ttl = ttl
+        self._timeout = timeout
+        self._sent = SentReplies()
+        self._sessions: dict[str, AgentSession] = {}
+
+    async def session_for(self, ctx: ServerRequestContext[Any, Any]) -> AgentSession:
+        headers = getattr(ctx.request, "headers", None) or {}
+        key = headers.get("mcp-session-id", "")
+        session = self._sessions.get(key)
+        if session is None or session.ended:  # one that is ending (its claims being released) takes no calls
+            session = self._sessions[key] = AgentSession(self._coordinator, ttl=self._ttl, sent=self._sent)
+        return session
+
+    async def sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(self._timeout / 4, 30.0))
+            now = time.monotonic()
+            for key, session in list(self._sessions.items()):
+                if now - session.last_used >= self._timeout:
+                    await self.end(key)
+
+    async def end(self, key: str) -> None:
+        """The MCP session ``key`` ended (the client closed it, or it was idle too long): its claims are released."""
+        session = self._sessions.get(key)
+        if session is not None:
+            await session.close()  # still listed meanwhile: a shutdown that interrupts this releases the rest
+            if self._sessions.get(key) is session:
+                del self._sessions[key]
+
+    def ending_sessions(self, app: asgi.ASGIApp) -> asgi.ASGIApp:
+        """``app``, and when it ends an MCP session at the client's request (a DELETE it accepts), that session's
+        claims released before the client hears it is closed, as a stdio session's are when its client leaves."""
+
+        async def serve(scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
+            key = dict(scope.get("headers") or ()).get(b"mcp-session-id", b"").decode("latin-1")
+            if scope["type"] != "http" or scope["method"] != "DELETE" or not key:
+                await app(scope, receive, send)
+                return
+
+            async def releasing_first(message: asgi.Message) -> None:
+                if message["type"] == "http.response.start" and message["status"] < 300:
+                    await self.end(key)
+                await send(message)
+
+            await app(scope, receive, releasing_first)
+
+        return serve
+
+    async def close(self) -> None:
+        for session in list(self._sessions.values()):
+            await session.close()
+        self._sessions.clear()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inbox-claims-mcp",
+        description="MCP tools that let an email agent reply at most once per message (Inbox Coordinator claims).",
+        epilog="examples:\n"
+        "  inbox-claims-mcp serve --principal support-agent-1 --nylas-api-key nyk_...\n"
+        "  inbox-claims-mcp serve --transport http --listen 127.0.0.1:8765\n"
+        "  inbox-claims-mcp guard --send-tool 'send_message,message=reply_to_message_id,mailbox=grant_id' \\\n"
+        "      -- npx some-email-mcp-server\n"
+        "  inbox-claims-mcp guard --preset agentmail -- npx -y agentmail-mcp\n"
+        "  inbox-claims-mcp guard --transport http --preset resend -- https://mcp.example.com/mcp\n"
+        "\nsee docs/mcp.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = commands.add_parser("serve", help="the claim tools: claim_message, send_reply, ...")
+    guard = commands.add_parser(
+        "guard",
+        help="an email MCP server's tools, with its send tools fenced",
+        description="Re-expose every tool of the upstream email MCP server unchanged, except that calls of its "
+        "send tools claim the message, pass the fenced commit point, call the upstream and record the reply.",
+    )
+    for sub in (serve, guard):
+        connection_options(sub, file=MCP_CONFIG, defaults=AGENT_DEFAULTS)
+        sub.add_argument("--transport", choices=("stdio", "http"), default="stdio", help="default stdio")
+        sub.add_argument("--listen", default="127.0.0.1:8765", help="HTTP: HOST:PORT to serve /mcp on")
+        sub.add_argument("--ttl", type=int, default=DEFAULT_TTL, help=f"claim TTL in seconds (default {DEFAULT_TTL})")
+        sub.add_argument("--scope", choices=("message", "thread"), default="message", help="claim messages or threads")
+        sub.add_argument(
+            "--session-timeout",
+            type=float,
+            default=DEFAULT_SESSION_TIMEOUT,
+            help="HTTP: seconds without a call after which a session's claims are released (default 600)",
+        )
+    serve.add_argument("--nylas-api-key", default=None, help="send_reply's Nylas API key [$NYLAS_API_KEY]")
+    serve.add_argument("--nylas-api-base", default=None, help="Nylas API base URL [$NYLAS_API_URI]")
+    guard.add_argument(
+        "--preset",
+        choices=sorted({*PRESETS, *UNPRESETTABLE}),
+        action="append",
+        default=[],
+        help="a known server's send tools (repeatable; docs/mcp.md lists them and where each was read)",
+    )
+    guard.add_argument(
+        "--send-tool",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a tool that sends a reply: NAME,message=PATH[,mailbox=PATH][,thread=PATH][,sent_id=PATH]"
+        "[,sent_id_text=REGEX][,error_text=TEXT] (repeatable)",
+    )
+    guard.add_argument(
+        "--unfenced-tool",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a tool that sends mail without naming the message it answers (repeatable)",
+    )
+    guard.add_argument(
+        "--unfenced-sends",
+        choices=("refuse", "allow"),
+        default="refuse",
+        help="what becomes of mail that names no message it answers: an --unfenced-tool's calls, and a send "
+        "tool's calls without the replied-to id (new mail). refuse (default): a tool error, nothing sent; "
+        "allow: passed through, unclaimed",
+    )
+    guard.add_argument("--mailbox", default=None, help="the mailbox, when the send tools take none")
+    guard.add_argument("upstream", nargs=argparse.REMAINDER, help="-- then the upstream command, or its URL")
+    return parser
+
+
+def _coordinator(options: argparse.Namespace) -> AsyncCoordinator:
+    settings = resolve_settings(options, file=MCP_CONFIG, defaults=AGENT_DEFAULTS, login_name=False)
+    if settings["principal"] is None and settings["token"] is None:
+        raise UsageError("say who this agent is: --principal NAME (INBOX_PRINCIPAL) or --token TOKEN (INBOX_TOKEN)")
+    try:
+        return AsyncCoordinator(**client_arguments(settings))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _send_tools(options: argparse.Namespace) -> tuple[list[SendTool], list[str]]:
+    """The fenced send tools and the unfenced ones, from the presets and the options."""
+    for name in options.preset:
+        if name in UNPRESETTABLE:
+            raise UsageError(f"no preset {name}: {UNPRESETTABLE[name]}")
+    tools = [tool for name in options.preset for tool in PRESETS[name].tools]
+    unfenced = [tool for name in options.preset for tool in PRESETS[name].unfenced] + options.unfenced_tool
+    try:
+        tools += [SendTool.parse(spec) for spec in options.send_tool]
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if not tools and not unfenced:
+        raise UsageError("name the upstream's send tools: --preset NAME, --send-tool SPEC or --unfenced-tool NAME")
+    mailboxless = [tool.name for tool in tools if tool.mailbox is None]
+    if mailboxless and options.mailbox is None:
+        raise UsageError(
+            f"{', '.join(mailboxless)} take(s) no mailbox argument: say which mailbox this server sends from, "
+            "with --mailbox (the address or id its claims are under)"
+        )
+    return tools, unfenced
+
+
+def _upstream_target(words: Sequence[str]) -> StdioServerParameters | str:
+    words = list(words[1:] if words and words[0] == "--" else words)
+    if not words:
+        raise UsageError("give the upstream after --: its command (npx some-email-mcp) or its URL")
+    if len(words) == 1 and words[0].startswith(("http://", "https://")):
+        return words[0]
+    # The upstream gets this process's environment (its API keys live there), not the SDK's short default.
+    return StdioServerParameters(command=words[0], args=words[1:], env=dict(os.environ))
+
+
+def _listener(listen: str) -> socket.socket:
+    """The HTTP transport's listening socket: a wrong address or a port in use is a usage error, said plainly."""
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--listen {listen!r}: give HOST:PORT, e.g. 127.0.0.1:8765 (port 0: any free port)")
+    try:
+        return socket.create_server((host.strip("[]"), int(port)))
+    except OSError as error:
+        raise UsageError(f"cannot listen on {listen}: {error.strerror or error}") from None
+
+
+async def _serve(server: Server[Any], options: argparse.Namespace, sessions: HttpSessions) -> None:
+    if options.transport == "stdio":
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+        return
+    import uvicorn
+
+    listener = _listener(options.listen)
+    host, port = listener.getsockname()[:2]
+    app = sessions.ending_sessions(server.streamable_http_app(host=options.listen.rpartition(":")[0].strip("[]")))
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    sweeper = asyncio.create_task(sessions.sweep())
+    where = f"[{host}]" if ":" in host else host
+    print(f"inbox-claims-mcp: serving MCP on http://{where}:{port}/mcp", file=sys.stderr, flush=True)
+    try:
+        await uvicorn.Server(config).serve(sockets=[listener])
+    finally:
+        sweeper.cancel()
+        listener.close()
+
+
+async def run(options: argparse.Namespace) -> None:
+    coordinator = _coordinator(options)
+    scope: Scope = options.scope
+    sessions = HttpSessions(coordinator, ttl=options.ttl, timeout=options.session_timeout)
+    stdio_session = AgentSession(coordinator, ttl=options.ttl)
+
+    async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
+        return stdio_session if options.transport == "stdio" else await sessions.session_for(ctx)
+
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(coordinator.close)
+        stack.push_async_callback(sessions.close)
+        stack.push_async_callback(stdio_session.close)  # releases what the session still holds, first
+        if options.command == "serve":
+            key = options.nylas_api_key or os.environ.get("NYLAS_API_KEY")
+            replies = None
+            if key:
+                replies = NylasReplies(key, api_base=options.nylas_api_base or os.environ.get("NYLAS_API_URI"))
+                stack.push_async_callback(replies.close)
+            server = build_server(session_for, replies=replies, scope=scope, version=VERSION)
+        else:
+            (tools, unfenced), target = _send_tools(options), _upstream_target(options.upstream)
+            upstream = await stack.enter_async_context(Upstream(lambda: Client(target)))
+            server = build_guard(
+                upstream,
+                tools,
+                session_for,
+                mailbox=options.mailbox,
+                scope=scope,
+                unfenced=unfenced,
+                allow_unfenced=options.unfenced_sends == "allow",
+                instructions=upstream.instructions,
+            )
+        await _serve(server, options, sessions)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``inbox-claims-mcp`` command; answers the exit code (0 done, 2 usage, 130 interrupted)."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="inbox-claims-mcp: %(message)s")
+    parser = build_parser()
+    options = parser.parse_args(argv)
+    try:
+        asyncio.run(_until_signalled(options))
+    except UsageError as error:
+        parser.exit(2, f"inbox-claims-mcp: error: {error}\n")
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+async def _until_signalled(options: argparse.Namespace) -> None:
+    """Runs until the client goes away or SIGTERM/SIGINT arrives; either way the session's claims are released."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await run(options)

@@ -1,0 +1,402 @@
+"""Our MCP server's tools: claim_message, send_reply, mark_replied, release_message, who_is_answering.
+
+Each tool has an input schema and an output schema (both from the pydantic models below), MCP annotations,
+and answers with structured content and the sentence the model acts on (``_answers``). Arguments are checked
+before anything is claimed or sent; a wrong one is a tool error that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Literal
+
+import mcp_types as types
+from mcp.server import Server, ServerRequestContext
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .._errors import CoordinatorError, CoordinatorUnavailable, InvalidRequest, PermissionDenied, Unauthenticated
+from .._types import MessageSummary, Subject
+from ..nylas import AsyncNylas, NylasReply
+from ._answers import Answer, Outcome
+from ._session import AgentSession, fingerprint
+
+Scope = Literal["message", "thread"]
+
+SessionFor = Callable[[ServerRequestContext[Any, Any]], Awaitable[AgentSession]]
+"""Finds the agent session a tool call belongs to (one per stdio process; per MCP session over HTTP)."""
+
+INSTRUCTIONS = (
+    "This mailbox is shared: other agents and people may answer the same emails. Before you draft a reply, "
+    "call claim_message; reply only when it answers may_reply true, and send the reply with send_reply, "
+    "which sends it at most once. When a tool says 'do not reply', do not reply to that message in any way. "
+    "If you answered a message some other way, call mark_replied; if you decide not to answer, call "
+    "release_message."
+)
+
+
+class _Arguments(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Message(_Arguments):
+    mailbox: str = Field(
+        min_length=1, max_length=320, description="The mailbox the email arrived in: its Nylas grant id."
+    )
+    message_id: str = Field(
+        min_length=1, max_length=512, description="The id of the email you are answering (Nylas: data.object.id)."
+    )
+    thread_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="The email's thread id; required when this server claims whole conversations.",
+    )
+
+
+class Summary(_Arguments):
+    subject_line: str = Field(default="", max_length=512, description="The email's subject line.")
+    sender: str = Field(default="", max_length=512, description="Who sent it, e.g. 'Bea Costa <bea@example.org>'.")
+
+
+class ClaimArguments(Message):
+    summary: Summary | None = Field(
+        default=None, description="Which email this is, shown to the people watching the mailbox."
+    )
+    note: str = Field(default="", max_length=1024, description="What you are doing, shown to the people watching.")
+
+
+class Participant(_Arguments):
+    email: str = Field(min_length=3, max_length=320, pattern=r"^[^@\s]+@[^@\s]+$")
+    name: str = Field(default="", max_length=256)
+
+
+class SendReplyArguments(Message):
+    to: list[Participant] = Field(min_length=1, max_length=100, description="Who the reply goes to.")
+    subject: str = Field(min_length=1, max_length=998, description="The reply's subject line, e.g. 'Re: ...'.")
+    body: str = Field(min_length=1, max_length=1_000_000, description="The reply's body (HTML or plain text).")
+    cc: list[Participant] = Field(default_factory=list, max_length=100)
+    bcc: list[Participant] = Field(default_factory=list, max_length=100)
+    summary: Summary | None = Field(default=None, description="Which email this is, as in claim_message.")
+
+
+class MarkRepliedArguments(Message):
+    sent_message_id: str = Field(default="", max_length=512, description="The id of the reply sent, if known.")
+    note: str = Field(default="", max_length=1024, description="How it was answered, e.g. 'replied by phone'.")
+
+
+class MailboxArguments(_Arguments):
+    mailbox: str = Field(min_length=1, max_length=320, description="The mailbox: its Nylas grant id.")
+
+
+class ToolAnswer(BaseModel):
+    """The structured answer of every tool but who_is_answering (``Answer.structured``)."""
+
+    outcome: Literal[
+        "granted",
+        "held",
+        "already_replied",
+        "sent",
+        "not_sent",
+        "in_doubt",
+        "lost",
+        "marked_replied",
+        "released",
+        "not_held",
+    ] = Field(description="What happened (see the tool's description).")
+    may_reply: bool = Field(description="True only when you hold the message and may send a reply to it.")
+    message: str = Field(description="What to do, in words.")
+    mailbox: str
+    subject_kind: Literal["message", "thread"]
+    subject_id: str
+    holder: str | None = Field(default=None, description="Who is answering or answered it, when not you.")
+    holder_kind: Literal["agent", "person"] | None = None
+    until: str | None = Field(default=None, description="When the claim ends unless renewed (ISO 8601, UTC).")
+    at: str | None = Field(default=None, description="When the reply was sent or the send began (ISO 8601, UTC).")
+    sent_message_id: str | None = None
+    detail: str | None = None
+
+
+class LiveClaim(BaseModel):
+    subject_kind: Literal["message", "thread"]
+    subject_id: str
+    state: Literal["claimed", "sending", "in_doubt"]
+    holder: str
+    holder_kind: Literal["agent", "person"]
+    yours: bool = Field(description="Held by this agent (this session or another one of it).")
+    until: str | None = None
+    since: str | None = None
+    subject_line: str | None = None
+    sender: str | None = None
+    note: str | None = None
+
+
+class WhoIsAnswering(BaseModel):
+    mailbox: str
+    claims: list[LiveClaim]
+    message: str
+
+
+class NylasReplies:
+    """send_reply's mail service: the Nylas v3 send API, with the claim's Idempotency-Key."""
+
+    def __init__(self, api_key: str, *, api_base: str | None = None, timeout: float = 60.0) -> None:
+        options: dict[str, Any] = {"api_base": api_base} if api_base else {}
+        self._nylas = AsyncNylas(api_key, timeout=timeout, **options)
+
+    def reply(self, arguments: SendReplyArguments) -> NylasReply:
+        def participants(people: list[Participant]) -> list[dict[str, str]]:
+            return [{"email": p.email, **({"name": p.name} if p.name else {})} for p in people]
+
+        return NylasReply(
+            reply_to_message_id=arguments.message_id,
+            to=participants(arguments.to),
+            subject=arguments.subject,
+            body=arguments.body,
+            cc=participants(arguments.cc),
+            bcc=participants(arguments.bcc),
+        )
+
+    async def send(self, grant_id: str, reply: NylasReply, idempotency_key: str) -> str | None:
+        return await self._nylas.send(grant_id, reply, idempotency_key=idempotency_key)
+
+    async def close(self) -> None:
+        await self._nylas.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tool:
+    name: str
+    title: str
+    description: str
+    arguments: type[_Arguments]
+    output: type[BaseModel]
+    annotations: types.ToolAnnotations
+
+    def listed(self) -> types.Tool:
+        return types.Tool(
+            name=self.name,
+            title=self.title,
+            description=self.description,
+            input_schema=self.arguments.model_json_schema(),
+            output_schema=self.output.model_json_schema(),
+            annotations=self.annotations,
+        )
+
+
+def _annotations(title: str, *, read_only: bool = False, idempotent: bool, open_world: bool) -> types.ToolAnnotations:
+    return types.ToolAnnotations(
+        title=title,
+        read_only_hint=read_only,
+        destructive_hint=None if read_only else False,
+        idempotent_hint=None if read_only else idempotent,
+        open_world_hint=open_world,
+    )
+
+
+TOOLS: dict[str, _Tool] = {
+    tool.name: tool
+    for tool in (
+        _Tool(
+            "claim_message",
+            "Claim an email before answering it",
+            "Say that you are answering this email, before you draft a reply. Answers 'granted until ...' (you "
+            "may reply: it stays yours while this session lasts), 'being answered by X until ...' or 'already "
+            "answered by X at ...': then do not reply. Calling it again for a message you hold changes nothing.",
+            ClaimArguments,
+            ToolAnswer,
+            _annotations("Claim an email", idempotent=True, open_world=False),
+        ),
+        _Tool(
+            "send_reply",
+            "Send the reply to an email, at most once",
+            "Send your reply to this email. It claims the email if you do not hold it yet, and sends only while "
+            "nobody else is answering it: at most one reply goes out per email, whoever asks. Calling it again "
+            "with the same reply answers what the first call answered and sends nothing. If it says 'not sent' "
+            "or 'do not reply', nothing went out from you; if it says the outcome is unknown, do not send again.",
+            SendReplyArguments,
+            ToolAnswer,
+            _annotations("Send a reply", idempotent=True, open_world=True),
+        ),
+        _Tool(
+            "mark_replied",
+            "Record that an email was answered some other way",
+            "Record that this email was answered outside send_reply (by another tool, by phone): no agent will "
+            "reply to it afterwards. Works on an email you hold, or one nobody holds.",
+            MarkRepliedArguments,
+            ToolAnswer,
+            _annotations("Mark an email answered", idempotent=True, open_world=False),
+        ),
+        _Tool(
+            "release_message",
+            "Give an email back without answering it",
+            "Give up your claim on this email without replying (you will not answer it): others may answer it.",
+            Message,
+            ToolAnswer,
+            _annotations("Release an email", idempotent=True, open_world=False),
+        ),
+        _Tool(
+            "who_is_answering",
+            "Who is answering which email in a mailbox",
+            "List the emails of a mailbox that someone is answering now (agent or person, until when), being "
+            "sent, or waiting for a person to check whether a reply went out, with their subject lines.",
+            MailboxArguments,
+            WhoIsAnswering,
+            _annotations("Who is answering", read_only=True, idempotent=True, open_world=False),
+        ),
+    )
+}
+
+
+def argument_error(error: ValidationError) -> str:
+    """``to.0.email: String should match pattern ...; body: Field required``: each field, then what is wrong."""
+    problems = []
+    for problem in error.errors(include_url=False):
+        field = ".".join(str(part) for part in problem["loc"]) or "arguments"
+        problems.append(f"{field}: {problem['msg']}")
+    return "Invalid arguments, nothing was done: " + "; ".join(problems)
+
+
+def tool_error(text: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=True)
+
+
+def coordinator_error(error: CoordinatorError) -> types.CallToolResult:
+    """What the model is told when the coordinator refused or could not be reached: nothing was sent."""
+    if isinstance(error, InvalidRequest):
+        return tool_error(f"Invalid arguments, nothing was done: {error.details}")
+    if isinstance(error, PermissionDenied | Unauthenticated):
+        return tool_error(f"Not permitted, nothing was done: {error.details}")
+    if isinstance(error, CoordinatorUnavailable):
+        return tool_error(f"The coordinator cannot be reached, nothing was sent: try again shortly ({error.details}).")
+    return tool_error(f"The coordinator refused, nothing was sent: {error.details}")
+
+
+def answered(answer: Answer, *, error_unless: frozenset[Outcome] | None) -> types.CallToolResult:
+    """``error_unless``: the outcomes that fulfil the tool's purpose (others are tool errors); ``None``: every
+    outcome is an answer."""
+    is_error = error_unless is not None and answer.outcome not in error_unless
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=answer.message)],
+        structured_content=answer.structured(),
+        is_error=is_error,
+    )
+
+
+class ClaimTools:
+    """The tools' handlers over the agent sessions."""
+
+    def __init__(self, session_for: SessionFor, *, replies: NylasReplies | None, scope: Scope = "message") -> None:
+        self._session_for = session_for
+        self._replies = replies
+        self._scope = scope
+
+    @property
+    def offered(self) -> list[_Tool]:
+        """send_reply needs a mail service; without one it is not offered."""
+        return [tool for tool in TOOLS.values() if tool.name != "send_reply" or self._replies is not None]
+
+    def _subject(self, message: Message) -> Subject | str:
+        if self._scope == "thread":
+            if message.thread_id is None:
+                return "Invalid arguments, nothing was done: thread_id: required (this server claims conversations)"
+            return Subject.thread(message.mailbox, message.thread_id)
+        return Subject.message(message.mailbox, message.message_id)
+
+    async def list_tools(
+        self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=[tool.listed() for tool in self.offered])
+
+    async def call_tool(
+        self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        tool = next((tool for tool in self.offered if tool.name == params.name), None)
+        if tool is None:
+            return tool_error(f"Unknown tool {params.name!r}: the tools are {', '.join(t.name for t in self.offered)}")
+        try:
+            arguments = tool.arguments.model_validate(params.arguments or {})
+        except ValidationError as error:
+            return tool_error(argument_error(error))
+        session = await self._session_for(ctx)
+        try:
+            return await self._call(session, arguments)
+        except CoordinatorError as error:
+            return coordinator_error(error)
+
+    async def _call(self, session: AgentSession, arguments: _Arguments) -> types.CallToolResult:
+        if isinstance(arguments, MailboxArguments):
+            return await self._who(session, arguments.mailbox)
+        assert isinstance(arguments, Message)
+        subject = self._subject(arguments)
+        if isinstance(subject, str):
+            return tool_error(subject)
+        if isinstance(arguments, SendReplyArguments):
+            return answered(await self._send_reply(session, subject, arguments), error_unless=frozenset({Outcome.SENT}))
+        if isinstance(arguments, ClaimArguments):
+            claimed = await session.claim(subject, summary=_summary(arguments.summary), note=arguments.note)
+            return answered(claimed, error_unless=None)
+        if isinstance(arguments, MarkRepliedArguments):
+            marked = await session.mark_replied(subject, sent_message_id=arguments.sent_message_id, note=arguments.note)
+            return answered(marked, error_unless=frozenset({Outcome.MARKED_REPLIED}))
+        return answered(await session.release(subject), error_unless=None)
+
+    async def _send_reply(self, session: AgentSession, subject: Subject, arguments: SendReplyArguments) -> Answer:
+        replies = self._replies
+        assert replies is not None
+        reply = replies.reply(arguments)
+
+        async def deliver(claim: Any) -> str | None:
+            return await replies.send(arguments.mailbox, reply, claim.idempotency_key)
+
+        the_reply = arguments.model_dump(exclude={"summary", "thread_id"})
+        return await session.send(subject, fingerprint(the_reply), deliver, summary=_summary(arguments.summary))
+
+    async def _who(self, session: AgentSession, mailbox: str) -> types.CallToolResult:
+        claims = await session.who_is_answering(mailbox)
+        people = sum(1 for claim in claims if claim["holder_kind"] == "person")
+        text = (
+            f"{len(claims)} email(s) of {mailbox} are being answered, sent or checked ({people} by a person)"
+            + "".join(
+                f"\n- {c['subject_id']}: {c['state']} by {c['holder']} ({c['holder_kind']})"
+                + (f", {c['subject_line']!r}" if "subject_line" in c else "")
+                for c in claims
+            )
+            if claims
+            else f"Nobody is answering any email of {mailbox} right now."
+        )
+        document = {"mailbox": mailbox, "claims": claims, "message": text}
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=text)], structured_content=document, is_error=False
+        )
+
+
+def _summary(summary: Summary | None) -> MessageSummary | None:
+    if summary is None or not (summary.subject_line or summary.sender):
+        return None
+    return MessageSummary(subject_line=summary.subject_line, sender=summary.sender)
+
+
+def build_server(
+    session_for: SessionFor,
+    *,
+    replies: NylasReplies | None = None,
+    scope: Scope = "message",
+    name: str = "inbox-claims",
+    version: str = "",
+) -> Server[Any]:
+    """The MCP server of the claim tools (low-level ``Server``: the schemas are ours, not inferred)."""
+    tools = ClaimTools(session_for, replies=replies, scope=scope)
+    return Server(
+        name,
+        version=version,
+        title="Inbox claims",
+        instructions=INSTRUCTIONS,
+        on_list_tools=tools.list_tools,
+        on_call_tool=tools.call_tool,
+    )
+
+
+def structured_schemas() -> Mapping[str, dict[str, Any]]:
+    """Each tool's output schema, by name (for the docs and the tests)."""
+    return {name: tool.output.model_json_schema() for name, tool in TOOLS.items()}

@@ -1,0 +1,149 @@
+"""Each guard preset in front of a fake of the server it was written for (tests/mcp/preset_servers.py: the real
+tools' input schemas, and their way of answering), against a real coordinator and etcd: two agent sessions
+racing the reply, and a retry, send one reply per message; the tools that send without naming the message they
+answer are refused, nothing sent, or passed through unclaimed when the guard allows them."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import pytest
+
+from coordinator.server import CoordinatorServer
+from inbox_claims import AsyncCoordinator, Subject, SubjectState
+from inbox_claims.mcp._cli import main
+from inbox_claims.mcp._presets import PRESETS, UNPRESETTABLE, Preset
+from tests.mcp.preset_servers import FAKES, FakeServer, Recorder
+from tests.mcp.support import guarded, text
+
+
+def behind(
+    server: CoordinatorServer, principal: str, preset: Preset, fake: FakeServer, recorder: Recorder, **options: Any
+) -> Any:
+    return guarded(
+        server.address,
+        principal,
+        recorder.server(fake),
+        preset.tools,
+        mailbox=fake.mailbox,
+        unfenced=preset.unfenced,
+        upstream_mode="legacy",  # the servers these presets are for speak the handshake era
+        **options,
+    )
+
+
+def _schema_has(schema: dict[str, Any], path: str) -> bool:
+    """The path's properties are declared, as deep as the schema declares them (a bare object takes any)."""
+    for part in path.split("."):
+        properties = schema.get("properties")
+        if properties is None:
+            return schema.get("type") == "object"
+        if part not in properties:
+            return False
+        schema = properties[part]
+    return True
+
+
+def test_every_preset_is_faked_from_its_schema_and_says_where_it_was_read() -> None:
+    assert set(FAKES) == set(PRESETS)
+    for name, preset in PRESETS.items():
+        listed = {tool.name: tool.input_schema for tool in FAKES[name].tools}
+        assert re.search(r" at [0-9a-f]{7}\b", preset.source), name  # the repository's commit read
+        for tool in preset.tools:
+            assert tool.name in listed, (name, tool.name)
+            for path in (tool.message, tool.mailbox, tool.thread):
+                assert path is None or _schema_has(listed[tool.name], path), (name, tool.name, path)
+            assert tool.mailbox is not None or FAKES[name].mailbox is not None, name
+        assert set(preset.unfenced) <= set(listed), name
+        assert {call for call, _ in FAKES[name].unfenced} == set(preset.unfenced), name
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+async def test_racing_and_repeated_replies_through_a_preset_send_once(
+    server: CoordinatorServer, mailbox: str, name: str
+) -> None:
+    preset, fake, recorder = PRESETS[name], FAKES[name], Recorder()
+    mailbox = fake.mailbox or mailbox
+    tool, arguments = fake.reply(mailbox, "msg-1")
+    async with (
+        behind(server, "agent-a", preset, fake, recorder) as first,
+        behind(server, "agent-b", preset, fake, recorder) as second,
+    ):
+        raced = await asyncio.gather(first.call_tool(tool, arguments), second.call_tool(tool, arguments))
+        again = [await client.call_tool(tool, arguments) for client in (first, second)]
+        refused = {call: await first.call_tool(call, arguments) for call, arguments in fake.unfenced}
+
+    assert len(recorder.sends) == 1, recorder.sends
+    assert sorted(result.is_error for result in raced) == [False, True]
+    winner = "agent-a" if not raced[0].is_error else "agent-b"
+    assert [result.is_error for result in again] == [winner != "agent-a", winner != "agent-b"]
+    assert "do not" in text(next(result for result in raced if result.is_error))
+    async with AsyncCoordinator(server.address, principal="observer") as observer:
+        status = await observer.status(Subject.message(mailbox, "msg-1"))
+    assert (status.state, status.holder) == (SubjectState.REPLIED, winner)
+    assert status.sent_message_id == (recorder.sends[0]["id"] if fake.sent_ids else "")
+    for call, result in refused.items():
+        assert result.is_error, call
+        assert text(result).startswith(f"Not sent: {call} sends mail without saying which email it answers")
+        assert f"use {preset.tools[0].name}" in text(result)
+
+
+@pytest.mark.parametrize("name", sorted(name for name in PRESETS if FAKES[name].new_mail or FAKES[name].unfenced))
+async def test_mail_naming_no_message_is_refused_or_passed_through_unclaimed_when_allowed(
+    server: CoordinatorServer, name: str
+) -> None:
+    preset, fake, recorder = PRESETS[name], FAKES[name], Recorder()
+    calls = [*fake.unfenced, *([fake.new_mail] if fake.new_mail else [])]
+    async with behind(server, "agent-a", preset, fake, recorder) as strict:
+        refused = [await strict.call_tool(call, arguments) for call, arguments in calls]
+    assert all(result.is_error for result in refused)
+    assert recorder.sends == []
+    if fake.new_mail:
+        tool = preset.tools[0]
+        assert text(refused[-1]).startswith(f"Invalid arguments for {tool.name}: {tool.message}: missing")
+
+    async with behind(server, "agent-a", preset, fake, recorder, allow_unfenced=True) as lenient:
+        passed = [await lenient.call_tool(call, arguments) for call, arguments in calls]
+    assert not any(result.is_error for result in passed)
+    assert [send["tool"] for send in recorder.sends] == [call for call, _ in calls]
+
+
+async def test_gmails_failure_in_plain_text_aborts_the_send_and_frees_the_message(server: CoordinatorServer) -> None:
+    preset, fake, recorder = PRESETS["gmail"], FAKES["gmail"], Recorder()
+    assert fake.mailbox is not None
+    tool, arguments = fake.reply(fake.mailbox, "msg-9")
+    subject = Subject.message(fake.mailbox, "msg-9")
+    async with (
+        behind(server, "agent-a", preset, fake, recorder) as client,
+        AsyncCoordinator(server.address, principal="observer") as observer,
+    ):
+        recorder.failing = True
+        failed = await client.call_tool(tool, arguments)
+        after_failure = (await observer.status(subject)).state
+        recorder.failing = False
+        sent = await client.call_tool(tool, arguments)
+        status = await observer.status(subject)
+
+    assert text(failed) == "Error: the provider refused the recipient"  # the server's own words, passed on
+    assert after_failure is SubjectState.FREE
+    assert text(sent) == "Email sent successfully with ID: sent-1"
+    assert (status.state, status.sent_message_id) == (SubjectState.REPLIED, "sent-1")
+    assert len(recorder.sends) == 1
+
+
+def test_a_server_without_a_preset_is_refused_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["guard", "--principal", "agent-a", "--preset", "postmark", "--", "npx", "-y", "postmark-mcp"])
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert "no preset postmark: Postmark's MCP server" in said
+    assert UNPRESETTABLE["postmark"][:60] in said
+
+
+def test_a_preset_of_one_mailbox_needs_the_mailbox_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["guard", "--principal", "agent-a", "--preset", "gmail", "--", "npx", "gmail-mcp"])
+    assert exited.value.code == 2
+    assert "send_email take(s) no mailbox argument: say which mailbox this server sends from" in capsys.readouterr().err

@@ -1,0 +1,123 @@
+"""The command over stdio, as a desktop MCP client runs it: the SDK's stdio client spawns ``inbox-claims-mcp``
+(our tools, or the guard in front of the fake email server, itself a process), against a real coordinator."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mcp import Client, StdioServerParameters
+
+from coordinator.server import CoordinatorServer
+from examples.agent.fake_nylas import FakeNylas
+from inbox_claims import Subject, SubjectState
+from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox
+from tests.mcp.support import (
+    API_KEY,
+    REPO,
+    TTL,
+    config_file,
+    renewed_while_alive_then_freed_when_killed,
+    reply_arguments,
+    state_of,
+    text,
+)
+
+
+def command(tmp_path: Path, name: str, address: str, *args: str) -> StdioServerParameters:
+    """``inbox-claims-mcp`` configured by its own config file (its path also tells its process apart)."""
+    config = config_file(tmp_path, name, address)
+    return StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "inbox_claims.mcp", args[0], "--config", str(config), "--ttl", str(TTL), *args[1:]],
+        cwd=REPO,
+        env={"PATH": os.environ.get("PATH", "")},
+    )
+
+
+def pid_of(marker: str, *, program: str) -> int:
+    """The process of ``program`` (a module run with -m) whose command line holds ``marker`` (a path only it
+    was given; the guard's command line names its upstream's too)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                words = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if words[1:3] == ["-m", program] and marker in words:
+                return int(entry.name)
+    raise AssertionError(f"no process with {marker!r}")
+
+
+def answer(result: Any) -> dict[str, Any]:
+    assert result.structured_content is not None, result
+    return dict(result.structured_content)
+
+
+async def test_two_agent_processes_racing_send_one_reply_and_an_ended_session_frees_its_claims(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str, tmp_path: Path
+) -> None:
+    serve = ("serve", "--nylas-api-key", API_KEY, "--nylas-api-base", fake.api_base)
+    left = Subject.message(mailbox, "msg-left")
+    async with (
+        Client(command(tmp_path, "agent-a", server.address, *serve)) as first,
+        Client(command(tmp_path, "agent-b", server.address, *serve)) as second,
+    ):
+        results = await asyncio.gather(
+            first.call_tool("send_reply", reply_arguments(mailbox, "msg-1", body="a")),
+            second.call_tool("send_reply", reply_arguments(mailbox, "msg-1", body="b")),
+        )
+        await first.call_tool("claim_message", {"mailbox": mailbox, "message_id": left.id})
+        assert await state_of(server.address, left) is SubjectState.CLAIMED
+
+    assert sorted(answer(result)["outcome"] for result in results) in (["held", "sent"], ["already_replied", "sent"])
+    assert len(fake.sends_for("msg-1")) == 1
+    # The client went away: the process ended and released what it held, at once.
+    assert await state_of(server.address, left) is SubjectState.FREE
+
+
+async def test_a_session_that_dies_has_its_claims_freed_within_the_ttl(
+    server: CoordinatorServer, mailbox: str, tmp_path: Path
+) -> None:
+    subject = Subject.message(mailbox, "msg-crash")
+    async with Client(command(tmp_path, "agent-dies", server.address, "serve")) as client:
+        claimed = await client.call_tool("claim_message", {"mailbox": mailbox, "message_id": subject.id})
+        assert answer(claimed)["outcome"] == "granted"
+        pid = pid_of(str(tmp_path / "agent-dies.toml"), program="inbox_claims.mcp")
+        await renewed_while_alive_then_freed_when_killed(server.address, subject, pid)
+
+
+async def test_the_guard_over_stdio_passes_tools_through_fences_sends_and_says_in_doubt_when_the_upstream_dies(
+    server: CoordinatorServer, mailbox: str, tmp_path: Path
+) -> None:
+    outbox = Outbox(tmp_path / "outbox.jsonl")
+    upstream = ["--", sys.executable, "-m", "tests.mcp.fake_email", "--outbox", str(outbox.path)]
+    guard = command(tmp_path, "agent-g", server.address, "guard", "--send-tool", SEND_TOOL_SPEC, *upstream)
+    reply = {"grant_id": mailbox, "to": ["bea@example.org"], "subject": "Re: Order", "body": "Shipped."}
+    async with Client(guard) as client:
+        names = {tool.name for tool in (await client.list_tools()).tools}
+        listed = await client.call_tool("list_messages", {"grant_id": mailbox})
+        first = await client.call_tool(SEND_TOOL, {**reply, "reply_to_message_id": "msg-1"})
+        again = await client.call_tool(SEND_TOOL, {**reply, "reply_to_message_id": "msg-1"})
+        outbox.path.with_suffix(".mode").write_text("hang")  # type: ignore[union-attr]
+        call = asyncio.create_task(client.call_tool(SEND_TOOL, {**reply, "reply_to_message_id": "msg-2"}))
+        deadline = time.monotonic() + 10
+        while not outbox.sends_for("msg-2") and time.monotonic() < deadline:  # noqa: ASYNC110 (another process)
+            await asyncio.sleep(0.05)
+        os.kill(
+            pid_of(str(outbox.path), program="tests.mcp.fake_email"), signal.SIGKILL
+        )  # the upstream dies after sending, before answering
+        in_doubt = await asyncio.wait_for(call, 20)
+
+    assert names == {"list_messages", "get_message", SEND_TOOL}
+    assert not listed.is_error
+    assert first.structured_content == again.structured_content == {"id": "sent-1", "thread_id": "thread-sent-1"}
+    assert len(outbox.sends_for("msg-1")) == 1
+    assert in_doubt.is_error
+    assert "outcome of the send is unknown" in text(in_doubt)
+    assert await state_of(server.address, Subject.message(mailbox, "msg-2")) is SubjectState.SENDING
