@@ -210,15 +210,11 @@ async def agent_kill(targets: FaultTargets, rng: random.Random, record: FaultRec
     """SIGKILL a holder; measure when each of its claims frees (TTL + bucket + etcd's expiry check)."""
     agent = await targets.agent_with_claims(rng)
     record.target = agent.name
-    term_before = await targets.raft_term()
     killed_at = time.time()
     await targets.kill_agent(agent)
     held = agent.open_claims()  # read after the kill: every claim it logged before dying
     record.details["claims_held"] = len(held)
     measures = await asyncio.gather(*(targets.measure_free(claim, killed_at) for claim in held))
-    term_after = await targets.raft_term()
-    for measure in measures:
-        measure["leader_changed"] = term_after != term_before
     record.details["measures"] = list(measures)
     await targets.restart_agent(agent)
 

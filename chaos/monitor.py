@@ -1,6 +1,7 @@
 """The harness's own client of the coordinators (principal ``chaos-monitor``, kind human): it follows every
 mailbox's Watch (why and when each claim ended; leases that ended before their stated expiry), measures how long
-a dead holder's claims take to free, counts subjects left SENDING and reads the final states."""
+a dead holder's claims take to free (and reads from etcd which lease holds each), counts subjects left SENDING
+and reads the final states."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from coordinator import domain
+from coordinator.errors import StoreUnavailable
+from coordinator.testing.etcd_peek import EtcdPeek
 from inbox_claims import AsyncCoordinator, InboxClaimsError, RetryPolicy, Subject, SubjectState
 from inbox_claims.types import EventType, SubjectKind, WatchEvent, WatchSnapshot
 
@@ -19,7 +23,7 @@ from .workload import SubjectKey
 
 
 class Monitor:
-    def __init__(self, coordinator_targets: str) -> None:
+    def __init__(self, coordinator_targets: str, etcd_endpoints: Sequence[str], prefix: str) -> None:
         self.client = AsyncCoordinator(
             "ipv4:" + coordinator_targets,
             principal="chaos-monitor",
@@ -34,6 +38,8 @@ class Monitor:
         self.expiry: dict[tuple[str, int], float] = {}
         self.early_expiries: list[dict[str, Any]] = []
         self._watches: list[asyncio.Task[None]] = []
+        self.etcd = EtcdPeek(etcd_endpoints, prefix)
+        """Reads beside the coordinators: the lease of a dead holder's claim (evidence for the checker)."""
 
     def watch_all(self, mailboxes: Sequence[str]) -> None:
         self._watches += [asyncio.create_task(self.watch(mailbox)) for mailbox in mailboxes]
@@ -48,7 +54,9 @@ class Monitor:
                     for status in statuses:
                         if status.state is SubjectState.CLAIMED and status.expires_at is not None:
                             claim = (str(_key(status.subject)), status.fencing_token)
-                            self.expiry[claim] = max(self.expiry.get(claim, 0.0), status.expires_at.timestamp())
+                            # The latest stamp, not the largest: one from a replica with a skewed clock can be
+                            # minutes off (the checker does not judge those), and a later renewal supersedes it.
+                            self.expiry[claim] = status.expires_at.timestamp()
                     if not isinstance(item, WatchEvent):
                         continue
                     name = item.type.value
@@ -72,6 +80,7 @@ class Monitor:
         last_held: float | None = None
         freed_at: float | None = None
         first = True
+        evidence: asyncio.Task[dict[str, Any]] | None = None
         deadline = killed_at + ttl + 20
         while time.time() < deadline:
             asked = time.time()
@@ -84,16 +93,20 @@ class Monitor:
             if first and not held:
                 result.update(result="not_held", state=status.state.value)
                 return result
+            if first:  # beside the polls: a slow read (a member just back) must not leave gaps in them
+                evidence = asyncio.create_task(self._lease_evidence(claim))
             first = False
             if held:
                 last_held = asked
                 if status.expires_at is not None:
-                    expires = max(expires, status.expires_at.timestamp())
+                    expires = status.expires_at.timestamp()  # the record's own: the dead holder renews no more
             else:
                 freed_at = time.time()
                 break
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.5)  # let the watch report why it ended
+        if evidence is not None:
+            result.update(await evidence)
         end = self.ended.get((str(claim.key), claim.token))
         result.update(
             result="measured",
@@ -105,6 +118,23 @@ class Monitor:
             latency_s=None if freed_at is None else round(freed_at - expires, 3),
         )
         return result
+
+    async def _lease_evidence(self, claim: OpenClaim) -> dict[str, Any]:
+        """Which lease holds the claim's key, and what etcd's leader says is left of it, read once at the start."""
+        subject = domain.Subject(claim.key.mailbox, domain.SubjectKind[claim.key.kind.upper()], claim.key.id)
+        try:
+            found = await self.etcd.subject_lease(subject, attempts=3)
+            if found is None or found.create_revision != claim.token:
+                return {"lease_error": "the claim's key was gone or recreated before its lease was read"}
+            left = await self.etcd.lease_left(found.lease, attempts=3)
+        except StoreUnavailable as error:
+            return {"lease_error": str(error)}
+        evidence: dict[str, Any] = {"lease": found.lease}
+        if left is not None:
+            evidence.update(
+                lease_read_at=left.read_at, lease_ttl_left_s=left.ttl_left_s, lease_ttl_s=left.granted_ttl_s
+            )
+        return evidence
 
     async def count_sending(self, mailboxes: Sequence[str]) -> int:
         """How many subjects are SENDING across ``mailboxes``; -1 when the coordinators could not say."""
@@ -141,6 +171,7 @@ class Monitor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.client.close()
+        await self.etcd.close()
 
 
 def _key(subject: Subject) -> SubjectKey:

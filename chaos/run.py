@@ -11,13 +11,10 @@ import json
 import random
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from coordinator.testing.etcd_cluster import EtcdCluster
-
-from . import checker, faults, netns
+from . import checker, faults, leases, netns
 from .common import http_json, read_jsonl
 from .config import CLUSTER_LANE, ETCD_EXPIRY_CHECK_S, LEASE_BUCKET_S, PROCESS_LANE, Config, choose_etcd, replay_command
 from .monitor import Monitor
@@ -70,7 +67,9 @@ class Run:
             f"network: {'namespaces ' + self.spaces.tag if self.spaces else 'loopback (' + self.netns_problem + ')'}"
         )
         await self.processes.start()
-        self.monitor = Monitor(self.processes.coordinator_targets())
+        self.monitor = Monitor(
+            self.processes.coordinator_targets(), self.processes.cluster.endpoints, self.processes.prefix
+        )
         self.monitor.watch_all(self.mailboxes())
         self.say(
             f"started: 3 etcd members, 2 coordinators, {len(self.processes.agents)} "
@@ -166,6 +165,13 @@ class Run:
             events += read_jsonl(agent.log_path)
         events += read_jsonl(self.workdir / "human.jsonl")
         monitor = self.monitor
+        grants: list[leases.LeaseGrant] = []
+        seen: list[leases.TermSeen] = []
+        for index in range(len(self.processes.coordinators)):
+            name = f"coordinator-{index}"
+            more_grants, more_seen = leases.coordinator_evidence(name, self.workdir / f"{name}.log")
+            grants += more_grants
+            seen += more_seen
         return checker.RunRecord(
             config=self.describe(),
             workload=self.workload,
@@ -176,7 +182,9 @@ class Run:
             deliveries=self.webhooks.deliveries,
             watch_events=dict(monitor.watch_counts) if monitor else {},
             early_expiries=monitor.early_expiries if monitor else [],
-            leader_changes=leader_changes(self.processes.cluster),
+            leader_changes=leases.leader_changes([(m.spec.name, m.log_path) for m in self.processes.cluster.members]),
+            lease_grants=grants,
+            terms_seen=seen,
             errors=self.errors + self.webhooks.outside_errors,
         )
 
@@ -197,6 +205,7 @@ class Run:
             else "fenced",
             "etcd_version": self.etcd_version,
             "etcd_binary": " ".join((str(self.etcd_binary), *c.etcd_args)),
+            "etcd_election_timeout_ms": election_timeout_ms(c.etcd_args),
             "network": f"network namespaces ({self.spaces.tag})"
             if self.spaces
             else f"loopback only: {self.netns_problem}",
@@ -205,17 +214,15 @@ class Run:
         }
 
 
-def leader_changes(cluster: EtcdCluster) -> list[float]:
-    """When a member became leader, from the members' logs (etcd 3.4+ logs JSON lines with an ISO ``ts``)."""
-    times = []
-    for member in cluster.members:
-        with contextlib.suppress(OSError):
-            for line in member.log_path.read_text(errors="replace").splitlines():
-                if "became leader at term" not in line or not line.startswith("{"):
-                    continue
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    times.append(datetime.fromisoformat(json.loads(line)["ts"]).timestamp())
-    return sorted(times)
+def election_timeout_ms(etcd_args: tuple[str, ...]) -> int:
+    """The members' --election-timeout (etcd's default: 1000 ms)."""
+    value = "1000"
+    for index, arg in enumerate(etcd_args):
+        if arg.startswith("--election-timeout="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--election-timeout" and index + 1 < len(etcd_args):
+            value = etcd_args[index + 1]
+    return int(value)
 
 
 async def run_world(config: Config, workdir: Path, spaces: netns.Namespaces | None, netns_problem: str) -> int:

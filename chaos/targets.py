@@ -38,9 +38,6 @@ class FaultTargets:
     async def leader_index(self) -> int:
         return await self._processes.leader_index()
 
-    async def raft_term(self) -> int:
-        return await self._processes.raft_term()
-
     def kill_member(self, index: int) -> None:
         self._processes.kill_member(index)
 

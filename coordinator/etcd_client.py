@@ -6,6 +6,7 @@ into StoreUnavailable with a message a person can act on.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,13 @@ from .errors import StoreUnavailable
 from .etcd_channels import EtcdChannels, EtcdEndpoint
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+# Answers that only etcd's leader of the moment can give: writes and linearizable reads (a read-only
+# transaction is linearizable too). A serializable read or a member's status answers with that member's own
+# term, which a member cut off from the others raises at every campaign it starts.
+_THROUGH_THE_LEADER = (rpc.TxnRequest, rpc.RangeRequest, rpc.LeaseGrantRequest)
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,10 @@ def is_lease_not_found(error: grpc.aio.AioRpcError) -> bool:
     return error.code() is grpc.StatusCode.NOT_FOUND and "lease" in (error.details() or "")
 
 
+def _raft_term(response: Any) -> int:
+    return int(response.header.raft_term)
+
+
 class EtcdObserver(Protocol):
     """Told about every etcd call (for metrics); must not block."""
 
@@ -98,6 +110,8 @@ class EtcdClient:
         self._timeout = settings.call_timeout_s
         self._auth_metadata: tuple[tuple[str, str], ...] = ()
         self._auth_lock = asyncio.Lock()
+        self.raft_term = 0
+        """The latest raft term an answer through etcd's leader carried (docs/design.md#leases-and-expiry)."""
 
     # The stubs of the endpoint in use, looked up at each call so that a failover takes effect at once.
     @property
@@ -136,8 +150,26 @@ class EtcdClient:
                     continue
                 raise translate(error) from error
             self.observer.etcd_call(type(request).__name__, time.perf_counter() - started, None)
+            if isinstance(request, _THROUGH_THE_LEADER) and not getattr(request, "serializable", False):
+                self._saw_term(_raft_term(response))
             return response
         raise AssertionError("unreachable")
+
+    def _saw_term(self, term: int) -> None:
+        if term <= self.raft_term:
+            return
+        previous, self.raft_term = self.raft_term, term
+        if previous == 0:
+            log.info("etcd raft term %d", term, extra={"fields": {"event": "etcd_term", "term": term, "previous": 0}})
+            return
+        log.info(
+            "etcd has a new leader (raft term %d, was %d): it restarts the TTL of every lease, so claims made "
+            "before now may free up to the election timeout plus their TTL late; new claims go on leases "
+            "granted from now on (docs/design.md#leases-and-expiry)",
+            term,
+            previous,
+            extra={"fields": {"event": "etcd_term", "term": term, "previous": previous}},
+        )
 
     async def open_watch(self, requests: AsyncIterator[Any]) -> tuple[EtcdEndpoint, Any]:
         """A Watch stream on the endpoint in use, and that endpoint (for ``watch_failed``)."""

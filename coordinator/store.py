@@ -95,7 +95,7 @@ class EtcdStore:
         self.keys = Keys(settings.prefix)
         self.etcd = EtcdClient(settings, self.observer)
         self._clock = clock
-        self._leases = LeaseBuckets(self._grant_lease, clock)
+        self._leases = self._new_leases()
         self.feeds = FeedHub(self.current_revision, self.watch_stream)
         self._batcher = TxnBatcher(self._send_txn, settings.max_batch, settings.max_batches_in_flight)
         self._recent: OrderedDict[bytes, Stored] = OrderedDict()
@@ -127,6 +127,9 @@ class EtcdStore:
     async def _send_txn(self, request: Any) -> Any:
         return await self.etcd.call(self.etcd.kv.Txn, request)
 
+    def _new_leases(self) -> LeaseBuckets:
+        return LeaseBuckets(self._grant_lease, self._clock, term=lambda: self.etcd.raft_term)
+
     async def _grant_lease(self, ttl: int) -> int:
         response = await self.etcd.call(self.etcd.lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
         return int(response.ID)
@@ -147,7 +150,7 @@ class EtcdStore:
             cause = error.__cause__
             if isinstance(cause, grpc.aio.AioRpcError) and is_lease_not_found(cause):
                 # The cache outlived a lease (etcd restored from a backup, or a clock jump): grant anew.
-                self._leases = LeaseBuckets(self._grant_lease, self._clock)
+                self._leases = self._new_leases()
                 return await build()
             raise
 

@@ -202,6 +202,25 @@ class EtcdCluster:
                 )
             time.sleep(_POLL_INTERVAL)
 
+    def move_leader(self, to: int, timeout: float = 10.0) -> None:
+        """Hands leadership to member ``to`` (etcd's MoveLeader, as ``etcdctl move-leader``): a leader change
+        within a heartbeat or two, where a killed leader's takes an election timeout or more."""
+        leader = self.leader_index(timeout)
+        if leader == to:
+            raise ValueError(f"members[{to}] already leads")
+        target = self.member_statuses()[to]
+        if target is None:
+            raise RuntimeError(f"members[{to}] does not answer")
+        answer = _http_json(
+            f"{self.members[leader].client_url}/v3/maintenance/transfer-leadership",
+            {"targetID": str(target["header"]["member_id"])},
+            timeout,
+        )
+        if not isinstance(answer, dict) or "error" in answer or "code" in answer:
+            raise RuntimeError(f"etcd refused to move the leader to members[{to}]: {answer!r}")
+        if self.leader_index(timeout) != to:
+            raise RuntimeError(f"members[{to}] does not lead after the move")
+
     def log_tails(self, lines: int = 40) -> str:
         parts = []
         for i, member in enumerate(self.members):

