@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,11 @@ def choose_etcd(config: Config) -> tuple[Path, str]:
         if crash and is_broken_version(version) and not config.allow_unsafe_etcd:
             refused.append(f"{binary} is {version}")
             continue
+        if refused:  # never silently: the run's figures are for this etcd, not the one asked for first
+            print(
+                f"chaos: {', '.join(refused)}, unsafe under SIGKILL faults; running {binary} ({version}) instead",
+                file=sys.stderr,
+            )
         return binary, version
     raise SystemExit(
         "no etcd safe for SIGKILL faults (3.4.x or 3.5.3+) found"
