@@ -223,6 +223,15 @@ def _result_values() -> set[str]:
     return values
 
 
+def _http_refusal_reasons() -> set[str]:
+    """The reasons docs/operations.md lists for inbox_coordinator_http_refusals_total."""
+    lines = (ROOT / "docs" / "operations.md").read_text().splitlines()
+    row = next(line for line in lines if line.startswith("| `inbox_coordinator_http_refusals_total`"))
+    listed = set(re.findall(r"`(\w+)`", row.split("|")[3]))
+    assert listed, row
+    return listed
+
+
 def test_alerts_use_metrics_and_labels_that_exist() -> None:
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"]}
     exported = {family.name + suffix for family in Metrics().registry.collect() for suffix in suffixes[family.type]}
@@ -244,6 +253,8 @@ def test_alerts_use_metrics_and_labels_that_exist() -> None:
                 assert values == {SERVICE_NAME}, rule["alert"]
             if label == "family":
                 assert values <= {"subjects", "deliveries", "sending"}, rule["alert"]
+            if label == "reason" and "http_refusals" in expr:
+                assert values <= _http_refusal_reasons(), rule["alert"]
         assert rule["annotations"]["summary"]
 
 
