@@ -227,7 +227,7 @@ def _http_refusal_reasons() -> set[str]:
     """The reasons docs/operations.md lists for inbox_coordinator_http_refusals_total."""
     lines = (ROOT / "docs" / "operations.md").read_text().splitlines()
     row = next(line for line in lines if line.startswith("| `inbox_coordinator_http_refusals_total`"))
-    listed = set(re.findall(r"`(\w+)`", row.split("|")[3]))
+    listed = set(re.findall(r"`(\w+)`", row.split("|")[3].split(":", 1)[1]))
     assert listed, row
     return listed
 
