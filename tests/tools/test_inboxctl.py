@@ -28,9 +28,9 @@ import pytest
 
 from coordinator.etcd_process import EtcdServer
 from inbox_claims import Coordinator, Subject, SubjectState
-from inbox_claims.cli import clock, main
+from inbox_claims.cli import clock, main, table
 from inbox_claims.testing import RunningCoordinator, running_coordinator
-from inbox_claims.types import FenceResult, MessageSummary
+from inbox_claims.types import FenceResult, MessageSummary, OutsideReply, SubjectStatus
 from tests.server.test_auth import TOKENS, _serve, _token_file
 
 ANA = "ana@example.com"
@@ -523,3 +523,24 @@ def test_text_that_would_show_as_something_else_is_written_out(ctl: Ctl, agent: 
     assert "\\u202e" in document
     assert "\u202e" not in document
     assert json.loads(document)["subject"]["id"] == disguised
+
+
+def test_a_table_row_says_a_reply_from_the_mailbox_whole_on_another_day_and_with_long_names() -> None:
+    """The row's words are never cut: only the names in them are. A reply from yesterday prints its date, which
+    made the sentence 83 characters, and a fixed cut at 80 left "a person answer…" (seen in CI past midnight)."""
+    now = datetime.now(UTC)
+    yesterday = now - timedelta(days=1, minutes=2)
+    holder = "support-agent-with-a-very-long-principal-name-" + "x" * 40
+    status = SubjectStatus(
+        subject=Subject.message("grant-1", "msg-1"),
+        state=SubjectState.REPLIED,
+        holder="ana@shop.example",
+        replied_outside=True,
+        outside_reply=OutsideReply("ana@shop.example", yesterday, "gmail-1", "agent-a", stopped_holder=holder),
+    )
+    row = table([status], now)[1]
+    day = yesterday.astimezone().strftime("%Y-%m-%d")
+    assert f"answered from the mailbox at {day} " in row
+    assert row.endswith("… stopped, a person answered")
+    assert holder[:35] + "…" in row
+    assert holder not in row

@@ -206,25 +206,31 @@ def holder_text(status: SubjectStatus) -> str:
     return f"{status.holder}{kind}"
 
 
-def answered_outside(status: SubjectStatus, *, who: bool = True) -> str:
+def answered_outside(status: SubjectStatus, *, who: bool = True, name_width: int | None = None) -> str:
     """A reply written outside the coordinator, in people's words: ``answered from the mailbox by Ana Lima
     <ana@shop.example> at 14:05``, and what it meant for the subject (an agent stopped; both replies went out).
-    ``who=False`` leaves out the sender where the holder already names them (a table's HOLDER column)."""
+    ``who=False`` leaves out the sender where the holder already names them (a table's HOLDER column);
+    ``name_width`` cuts the names in it, never the words around them (a table cell stays readable whatever the
+    length of the time, which carries its date on another day)."""
     reply = status.outside_reply
     if reply is None:
         return ""
+
+    def name(text: str) -> str:
+        return text if name_width is None else _cut(text, name_width)
+
     words = "answered from the mailbox"
     if who or not status.replied_outside:
-        words += f" by {reply.sender or 'someone'}"
+        words += f" by {name(reply.sender or 'someone')}"
     if reply.sent_at is not None:
         words += f" at {clock(reply.sent_at)}"
     if status.replied_outside:
-        return words + (f"; {reply.stopped_holder} stopped, a person answered" if reply.stopped_holder else "")
+        return words + (f"; {name(reply.stopped_holder)} stopped, a person answered" if reply.stopped_holder else "")
     also = {
         SubjectState.SENDING: "is sending a reply too: both go out",
         SubjectState.IN_DOUBT: "may have sent a reply too",
     }.get(status.state, "sent a reply too: both went out")
-    return f"{words}; {status.holder} {also}"
+    return f"{words}; {name(status.holder)} {also}"
 
 
 def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
@@ -289,7 +295,9 @@ def table(statuses: Sequence[SubjectStatus], now: datetime) -> list[str]:
             _cut(holder_text(status), 36),
             ago(since, now),
             "never" if status.state is SubjectState.IN_DOUBT else within(expires, now),
-            _cut(answered_outside(status, who=False) or status.note, 80 if status.outside_reply else 40),
+            visible(answered_outside(status, who=False, name_width=36))
+            if status.outside_reply
+            else _cut(status.note, 40),
         )
         if described:
             summary = status.summary
