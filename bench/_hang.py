@@ -21,8 +21,8 @@ from collections import Counter
 
 import grpc
 
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 STREAMS_PER_CONNECTION = 100
 PRINCIPAL = (("x-inbox-principal", "slow-watcher"),)

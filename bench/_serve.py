@@ -107,7 +107,7 @@ async def _serve_proxy(options: argparse.Namespace, status: _StatusFile) -> None
     from aetcd import rpc
 
     from coordinator.server import SERVICE_NAME
-    from inbox_claims._proto import coordinator_pb2 as pb
+    from inbox_wire.v1 import coordinator_pb2 as pb
 
     from ._load import put_if_absent
 

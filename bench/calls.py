@@ -22,8 +22,8 @@ from typing import Any
 from aetcd import rpc
 
 from inbox_claims import AsyncCoordinator, Subject
-from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims.types import ClaimOutcome
+from inbox_wire.v1 import coordinator_pb2 as pb
 
 from ._common import Environment, SetupError, Workload, add_common_arguments, alternate, run_id
 from ._load import (

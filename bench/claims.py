@@ -32,7 +32,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inbox_claims import Subject
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 
 from ._common import (
     CoordinatorProcess,

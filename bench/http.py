@@ -32,8 +32,8 @@ from typing import Any
 
 import httpx
 
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._common import CoordinatorProcess, Environment, percentile, run_id
 from ._load import channel, metadata, subject

@@ -35,8 +35,8 @@ from typing import Any
 import grpc
 
 from coordinator.etcd_process import free_port
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._common import CoordinatorProcess, Environment, SetupError, _stop, mib, rss_bytes, run_id
 from ._load import subject

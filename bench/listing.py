@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._common import CoordinatorProcess, Environment, run_id
 from ._load import subject

@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._common import CoordinatorProcess, CpuMeter, Environment, Result, mib, percentile, rss_bytes, run_id
 from ._load import channel, metadata, subject

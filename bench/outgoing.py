@@ -20,7 +20,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 
 from ._common import Environment, add_common_arguments, alternate, run_id
 from ._load import (

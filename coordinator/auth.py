@@ -26,7 +26,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from inbox_claims._wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
+from inbox_wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 
 from .domain import Caller, Grants, HolderKind
 from .errors import InvalidArgument, PermissionDenied, Unauthenticated

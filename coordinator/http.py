@@ -35,9 +35,9 @@ from google.protobuf import message as message_module
 from google.protobuf.any_pb2 import Any as AnyMessage
 from google.rpc import status_pb2
 
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto.coordinator_connect import CoordinatorASGIApplication
-from inbox_claims._wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
+from coordinator.api._connect import CoordinatorASGIApplication
+from inbox_wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
+from inbox_wire.v1 import coordinator_pb2 as pb
 
 from ._encoded import Encoded
 from .http_guard import (

@@ -30,7 +30,7 @@ from typing import Any, cast
 import grpc
 from google.protobuf.message import DecodeError
 
-from inbox_claims._wire import PRINCIPAL_METADATA
+from inbox_wire import PRINCIPAL_METADATA
 
 from ._encoded import writes_encoded
 from .auth import current_principal

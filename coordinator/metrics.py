@@ -22,7 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from inbox_claims._wire import VERSION
+from inbox_wire import VERSION
 
 from . import logs
 from ._keys import COUNTED_FAMILIES

@@ -14,9 +14,9 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
-from inbox_claims._wire import BATCH_MAX_CALLS
+from inbox_wire import BATCH_MAX_CALLS
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._encoded import Encoded
 from ._shared import LastConverted

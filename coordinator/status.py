@@ -15,7 +15,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from inbox_claims._wire import RETRY_AFTER_METADATA
+from inbox_wire import RETRY_AFTER_METADATA
 
 from .errors import CoordinatorError, InvalidArgument, ResourceExhausted
 

@@ -17,9 +17,9 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
-from inbox_claims._wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
+from inbox_wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 

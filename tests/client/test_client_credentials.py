@@ -22,9 +22,9 @@ from coordinator.server import wall_clock_ms
 from coordinator.service import CoordinatorServicer
 from coordinator.store import EtcdSettings, EtcdStore
 from inbox_claims import AsyncCoordinator, Coordinator, CoordinatorUnavailable, RetryPolicy, Subject, SubjectState
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
 from inbox_claims.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from inbox_claims.types import ClaimOutcome
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.client.support import SendLog
 from tests.conftest import TEST_LIMITS
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from coordinator.etcd_process import free_port
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message
 
 

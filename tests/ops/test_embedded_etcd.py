@@ -27,7 +27,7 @@ import pytest
 from coordinator.config import ConfigError, describe, load
 from coordinator.embedded import OWNER_FILE, PORTS_FILE, VERSION_FILE, EmbeddedSettings, process_alive
 from coordinator.etcd_process import ENV_ETCD_BIN, EtcdMemberSpec, EtcdServer, etcd_version, free_port, version_tuple
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message, missing_on_this_machine
 from tests.ops.test_cli import _wait_for_line
 

@@ -23,7 +23,7 @@ import pytest
 from coordinator.config import ConfigError, load
 from coordinator.etcd_process import free_port
 from coordinator.testing.etcd_cluster import EtcdCluster
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message, missing_on_this_machine
 from tests.ops.test_cli import _wait_for_line
 

@@ -34,7 +34,7 @@ from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
 from coordinator.testing.etcd_cluster import EtcdCluster
 from coordinator.testing.etcd_peek import EtcdPeek
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, eventually, message, new_request_id, rpc_error
 

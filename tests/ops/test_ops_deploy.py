@@ -25,7 +25,7 @@ from coordinator.cli import EXIT_CONFIG, build_parser, version_warning
 from coordinator.config import BY_NAME, ENV_PREFIX, Config, load, parse_host_port, settings_table
 from coordinator.metrics import Metrics
 from coordinator.server import LIVENESS_SERVICE, SERVICE_NAME
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 
 ROOT = Path(__file__).resolve().parents[2]

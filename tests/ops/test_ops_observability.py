@@ -20,7 +20,7 @@ from coordinator import logs
 from coordinator.etcd_process import EtcdServer
 from coordinator.server import LIVENESS_SERVICE, SERVICE_NAME, CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, eventually, message, rpc_error
 

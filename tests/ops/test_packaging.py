@@ -36,7 +36,8 @@ def _build(tmp_path: Path) -> dict[str, object]:
         shutil.copy(ROOT / name, source / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(ROOT / "coordinator", source / "coordinator", ignore=ignore)
-    shutil.copytree(ROOT / "clients" / "python" / "inbox_claims", source / "clients/python/inbox_claims", ignore=ignore)
+    for package in ("inbox_claims", "inbox_wire"):
+        shutil.copytree(ROOT / "clients" / "python" / package, source / "clients" / "python" / package, ignore=ignore)
     result = subprocess.run(
         [sys.executable, "-c", _BUILD, str(tmp_path / "dist")],
         cwd=source,
@@ -76,3 +77,16 @@ def test_the_wheel_carries_the_claims_board(tmp_path: Path) -> None:
     board = {path.name for path in (ROOT / "coordinator" / "board").iterdir() if path.is_file()}
     assert board, "no board files"
     assert {f"coordinator/board/{name}" for name in board} <= names
+
+
+def test_the_client_packages_carry_no_server_code(tmp_path: Path) -> None:
+    """The wire package holds what both sides import (messages, stubs, constants); the Connect code of the HTTP
+    face needs the server's dependencies and ships in the coordinator only."""
+    built = _build(tmp_path)
+    with zipfile.ZipFile(tmp_path / "dist" / str(built["wheel"])) as wheel:
+        names = set(wheel.namelist())
+    client = {name for name in names if name.startswith(("inbox_claims/", "inbox_wire/"))}
+    assert "inbox_wire/v1/coordinator_pb2.py" in client
+    assert "inbox_wire/v1/coordinator_pb2_grpc.py" in client
+    assert not [name for name in client if "connect" in name.rsplit("/", 1)[-1]]
+    assert "coordinator/api/_connect.py" in names

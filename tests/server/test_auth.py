@@ -31,8 +31,8 @@ from coordinator.quotas import QuotaSettings
 from coordinator.server import wall_clock_ms
 from coordinator.service import CoordinatorServicer
 from coordinator.store import EtcdSettings, EtcdStore
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import TEST_LIMITS
 from tests.helpers import Actor, error_reason, error_retry_delay_ms, message, new_request_id, rpc_error
 

@@ -25,11 +25,11 @@ from coordinator.store import EtcdSettings, EtcdStore
 from inbox_claims import AsyncCoordinator, Coordinator, Subject
 from inbox_claims._batch import MAX_BATCHES_IN_FLIGHT, Coalescer
 from inbox_claims._core import Rpc
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
-from inbox_claims._wire import BATCH_MAX_CALLS
 from inbox_claims.errors import InvalidRequest
 from inbox_claims.types import ClaimOutcome
+from inbox_wire import BATCH_MAX_CALLS
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import PATIENT, LateCoordinator, StartCoordinator, test_rules
 from tests.helpers import Actor, message, new_request_id, rpc_error
 

@@ -25,7 +25,7 @@ from playwright.async_api import Browser, Locator, Page, async_playwright, expec
 from coordinator.auth import TokenAuthenticator
 from coordinator.etcd_process import EtcdServer
 from coordinator.server import CoordinatorServer
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message, missing_on_this_machine, new_request_id
 from tests.server.test_auth import TOKENS, _token_file
 from tests.server.test_http import serve

@@ -13,7 +13,7 @@ import pytest
 
 from chaos.common import skewed_clock_env
 from coordinator.etcd_process import EtcdServer, free_port
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message, serve_process
 
 SEND_TIMEOUT_S = 6.0

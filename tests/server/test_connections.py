@@ -21,7 +21,7 @@ from coordinator.interceptor import REQUEST_TIMEOUT_REASON
 from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.service import SERVICE_NAME
 from coordinator.store import EtcdSettings
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, error_reason, eventually, message, rpc_error, spawn, wait_for_line
 

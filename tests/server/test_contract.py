@@ -11,7 +11,7 @@ import pytest
 from coordinator.server import CoordinatorServer
 from coordinator.service import SERVICE_NAME
 from coordinator.status import DOMAIN
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, error_reason, eventually, message, rpc_error
 
 DEV_METADATA = (("x-inbox-principal", "agent-a"), ("x-inbox-principal-kind", "agent"))

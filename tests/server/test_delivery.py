@@ -7,7 +7,7 @@ import collections
 
 import grpc
 
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, eventually, message, new_request_id
 
 GRANTED = pb.ClaimReplyResponse.GRANTED

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 from coordinator.etcd_process import EtcdServer, free_port
 from inbox_claims._batch import BATCHABLE
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.etcd  # starts etcd (or a coordinator with its own) itself
 

@@ -10,7 +10,7 @@ import uuid
 import grpc
 
 from coordinator.server import CoordinatorServer
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, message
 

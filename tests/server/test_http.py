@@ -28,7 +28,7 @@ from coordinator.etcd_process import EtcdServer
 from coordinator.quotas import QuotaSettings
 from coordinator.server import CoordinatorServer, ServerSettings
 from coordinator.store import EtcdSettings
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor
 from tests.server.test_auth import TOKENS, _token_file

@@ -27,7 +27,7 @@ from playwright.async_api import async_playwright
 
 from coordinator.etcd_process import EtcdServer, free_port
 from coordinator.http_guard import DESCRIPTOR_RESERVE, HeadLimits
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, eventually, message, spawn, stop_serving, wait_for_line
 from tests.server.test_board import CHROMIUM
 

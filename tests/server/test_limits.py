@@ -14,7 +14,7 @@ from coordinator.domain import Subject, SubjectKind
 from coordinator.etcd_process import EtcdServer
 from coordinator.quotas import QuotaSettings
 from coordinator.store_api import encode_cursor
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, message, new_request_id, rpc_error, thread
 
@@ -203,7 +203,7 @@ async def test_thread_and_outgoing_field_limits(agent: Actor, mailbox: str) -> N
 
 
 async def test_missing_principal_is_unauthenticated(channel: grpc.aio.Channel, mailbox: str) -> None:
-    from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+    from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
     stub = pb_grpc.CoordinatorStub(channel)
     error = await rpc_error(stub.ClaimReply(pb.ClaimReplyRequest(request_id="r", subject=message(mailbox, "m"))))

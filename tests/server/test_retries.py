@@ -15,7 +15,7 @@ import pytest
 
 from coordinator import domain
 from coordinator.server import wall_clock_ms
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, error_reason, eventually, message, new_request_id, rpc_error
 

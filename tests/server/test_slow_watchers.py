@@ -15,8 +15,8 @@ import pytest
 
 from coordinator.etcd_process import EtcdServer, free_port
 from coordinator.quotas import QuotaSettings
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, eventually, message, serve_process
 

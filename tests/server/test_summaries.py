@@ -11,7 +11,7 @@ from coordinator import limits
 from coordinator._keys import prefix_end
 from coordinator.config import load
 from coordinator.etcd_process import EtcdServer
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, message, new_request_id, rpc_error
 

@@ -29,7 +29,7 @@ from coordinator.errors import InvalidArgument
 from coordinator.server import wall_clock_ms
 from coordinator.service import event_out
 from coordinator.store_api import Store
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 
 AGENT = Caller("agent-a", HolderKind.AGENT)

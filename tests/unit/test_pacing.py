@@ -8,7 +8,7 @@ import time
 from coordinator._encoded import Encoded, writes_encoded
 from coordinator._shared import LastConverted
 from coordinator.pacing import WritePacer
-from inbox_claims._proto import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2 as pb
 
 
 async def _turns(pacer: WritePacer, principal: str, count: int, done: list[str]) -> None:

@@ -16,8 +16,8 @@ from coordinator.limits import PAGE_TOKEN_MAX_BYTES
 from coordinator.server import wall_clock_ms
 from coordinator.service import CoordinatorServicer
 from coordinator.store_api import Store, encode_cursor
-from inbox_claims._proto import coordinator_pb2 as pb
-from inbox_claims._proto import coordinator_pb2_grpc as pb_grpc
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import test_rules
 from tests.helpers import Actor, message, rpc_error
 

@@ -19,6 +19,8 @@ import importlib
 import warnings
 from typing import Any
 
+from inbox_wire import VERSION
+
 from . import _errors as _client_errors
 from . import types as _value_types
 from ._async import AsyncClaim, AsyncCoordinator
@@ -42,7 +44,6 @@ from ._guard import ANSWERED_EVENTS
 from ._sync import Claim, Coordinator
 from ._types import RetryPolicy, Subject, SubjectState, SubjectStatus
 from ._webhooks import __all__ as _webhook_names
-from ._wire import VERSION
 
 __version__ = VERSION
 

@@ -13,6 +13,8 @@ from typing import Any, Concatenate, Literal, ParamSpec, Protocol, Self, TypeVar
 
 import grpc
 
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
+
 from . import _batch
 from ._batch import BATCHABLE, Coalescer
 from ._core import (
@@ -39,7 +41,6 @@ from ._guard import (
     ReplyPolicy,
     Scope,
 )
-from ._proto import coordinator_pb2_grpc as pb_grpc
 from ._types import MessageSummary
 
 __all__ = ["AsyncClaim", "AsyncCoordinator"]

@@ -15,9 +15,10 @@ from typing import Any, Generic, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from inbox_wire import BATCH_MAX_CALLS
+from inbox_wire.v1 import coordinator_pb2 as pb
+
 from ._core import Rpc, RpcFailure
-from ._proto import coordinator_pb2 as pb
-from ._wire import BATCH_MAX_CALLS
 
 W = TypeVar("W")
 

@@ -40,9 +40,11 @@ import grpc
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from inbox_wire import BATCH_MAX_CALLS, PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA, RETRY_AFTER_METADATA, VERSION
+from inbox_wire.v1 import coordinator_pb2 as pb
+
 from ._errors import error_for
 from ._outgoing import MAILBOX_ADDRESSES_ENV, SENT_FOLDERS_ENV, OutgoingRules
-from ._proto import coordinator_pb2 as pb
 from ._types import (
     CallerIdentity,
     ClaimOutcome,
@@ -69,7 +71,6 @@ from ._types import (
     WatchItem,
     WatchSnapshot,
 )
-from ._wire import BATCH_MAX_CALLS, PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA, RETRY_AFTER_METADATA, VERSION
 
 log = logging.getLogger("inbox_claims")
 

@@ -24,9 +24,10 @@ from mcp.server import Server, ServerRequestContext
 from mcp.server.stdio import stdio_server
 from starlette import types as asgi
 
+from inbox_wire import VERSION
+
 from .._async import AsyncCoordinator
 from .._settings import client_arguments
-from .._wire import VERSION
 from ..cli import ConfigFile, UsageError, connection_options, resolve_settings
 from ._guard import SendTool, Upstream, build_guard
 from ._presets import PRESETS, UNPRESETTABLE

@@ -14,7 +14,7 @@ from connectrpc.interceptor import Interceptor, InterceptorSync
 from connectrpc.method import IdempotencyLevel, MethodInfo
 from connectrpc.request import Headers, RequestContext
 from connectrpc.server import ConnectASGIApplication, ConnectWSGIApplication, Endpoint, EndpointSync
-from . import coordinator_pb2 as inbox_dot_coordinator_dot_v1_dot_coordinator__pb2
+from inbox_wire.v1 import coordinator_pb2 as inbox_dot_coordinator_dot_v1_dot_coordinator__pb2
 
 
 class Coordinator(Protocol):

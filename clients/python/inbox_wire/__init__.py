@@ -1,9 +1,18 @@
-"""The wire contract's constants, in one place for the coordinator and its Python client (the coordinator
-imports them from here, as it imports the generated messages from ``inbox_claims._proto``). The Node client
-(clients/node) spells the same values; the .proto documents them.
+"""The wire contract, neutral ground between the coordinator and its Python client: the messages and gRPC stubs
+generated from proto/ (``inbox_wire.v1``, by scripts/gen_proto.py) and the constants both sides spell. Neither
+side imports the other's modules; both import this. The Node client (clients/node) spells the same values,
+checked by the shared vectors of conformance/; the .proto documents them.
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "BATCH_MAX_CALLS",
+    "PRINCIPAL_KIND_METADATA",
+    "PRINCIPAL_METADATA",
+    "RETRY_AFTER_METADATA",
+    "VERSION",
+]
 
 # The package's version: pyproject.toml reads it from here (dynamic version), the coordinator reports it.
 VERSION = "0.1.0"
