@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from coordinator.etcd_process import EtcdServer, etcd_version, free_port
+from coordinator.store.etcd.process import EtcdServer, etcd_version, free_port
 
 
 class SetupError(RuntimeError):

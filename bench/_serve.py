@@ -28,10 +28,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from coordinator import logs
-from coordinator.quotas import QuotaSettings
-from coordinator.server import CoordinatorServer, ServerSettings
-from coordinator.store import EtcdSettings
+from coordinator.api.quotas import QuotaSettings
+from coordinator.ops import logs
+from coordinator.ops.server import CoordinatorServer, ServerSettings
+from coordinator.store.etcd.store import EtcdSettings, EtcdStore
 
 
 def _rss_bytes() -> int:
@@ -77,12 +77,14 @@ async def _serve_coordinator(options: argparse.Namespace, status: _StatusFile) -
     status.write(event="serving", address=server.address, http=http, pid=os.getpid())
 
     def stats() -> dict[str, Any]:
+        assert isinstance(server.store, EtcdStore)
         requests, transactions = server.store.batch_stats
+        statistics = server.store.statistics()
         return {
             "batch_requests": requests,
             "batch_transactions": transactions,
-            "feeds": server.store.feeds.mailboxes,
-            "subscribers": server.store.feeds.subscribers,
+            "feeds": statistics.watched_mailboxes,
+            "subscribers": statistics.watch_subscribers,
         }
 
     await _until_stopped(status, stats)
@@ -106,7 +108,7 @@ async def _serve_proxy(options: argparse.Namespace, status: _StatusFile) -> None
     subject's key, answered GRANTED, with no checks, records, leases, metrics or logs."""
     from aetcd import rpc
 
-    from coordinator.server import SERVICE_NAME
+    from coordinator.ops.server import SERVICE_NAME
     from inbox_wire.v1 import coordinator_pb2 as pb
 
     from ._load import put_if_absent

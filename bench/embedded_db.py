@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from coordinator.etcd_process import free_port
+from coordinator.store.etcd.process import free_port
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -60,7 +60,7 @@ class _EmbeddedServe:
             [
                 sys.executable,
                 "-m",
-                "coordinator.cli",
+                "coordinator",
                 "serve",
                 f"--listen=127.0.0.1:{self.port}",
                 "--metrics-listen=",

@@ -180,8 +180,8 @@ async def _grpc_stubs(address: str, connections: int) -> AsyncIterator[list[pb_g
 
 # Where a sample of the coordinator went, by the frames on its stack; the first layer that matches wins.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("the call: observer, servicer, engine", ("coordinator/interceptor.py",)),
-    ("protobuf JSON mapping and json", ("json_format.py", "/json/", "coordinator/protojson.py")),
+    ("the call: observer, servicer, engine", ("coordinator/api/interceptor.py",)),
+    ("protobuf JSON mapping and json", ("json_format.py", "/json/", "coordinator/api/protojson.py")),
     ("HTTP: uvicorn, httptools, connect-python, http.py", ("uvicorn/", "httptools", "connectrpc/", "/http.py")),
     ("the call's etcd transactions (store, etcd client)", ("coordinator/", "grpc/aio/")),
     ("event loop waiting in epoll", ("EpollSelector.select",)),

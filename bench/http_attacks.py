@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from coordinator.etcd_process import free_port
+from coordinator.store.etcd.process import free_port
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -238,7 +238,7 @@ async def _grpc_answers(address: str) -> str:
 
 def _health(address: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "health", "--address", address, "--timeout", "3"],
+        [sys.executable, "-m", "coordinator", "health", "--address", address, "--timeout", "3"],
         capture_output=True,
         text=True,
         check=False,
@@ -301,7 +301,7 @@ def _limited(nofile: int) -> None:
 async def _descriptors(options: argparse.Namespace, env: Environment) -> None:
     grpc_address, http_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     log_path = env.tmp / f"serve-{run_id()}.log"
-    command = [sys.executable, "-m", "coordinator.cli", "serve", "--listen", grpc_address]
+    command = [sys.executable, "-m", "coordinator", "serve", "--listen", grpc_address]
     command += ["--http-listen", http_address, "--metrics-listen", "", "--etcd-endpoints", env.etcd.endpoint]
     command += ["--prefix", f"bench/{run_id()}/", "--log-format", "json"]
     with log_path.open("w") as log:

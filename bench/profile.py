@@ -46,7 +46,7 @@ def _py_spy() -> str:
 
 
 def _frame(text: str) -> tuple[str, str]:
-    """'Engine.claim_reply (coordinator/engine.py:147)' -> ('Engine.claim_reply', 'coordinator/engine.py')."""
+    """'Engine.claim_reply (coordinator/core/engine.py:147)' -> ('Engine.claim_reply', 'coordinator/core/engine.py')."""
     name, _, where = text.partition(" (")
     return name, where.rsplit(":", 1)[0].rstrip(")")
 
@@ -57,20 +57,32 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("gRPC: poller thread (Cython)", ("Thread.run",)),
     ("gRPC: client calls to etcd (Cython + Python)", ("grpc/aio/_call.py", "grpc/aio/_channel.py", "grpc/")),
     ("asyncio event loop, selectors", ("asyncio/", "selectors.py", "_weakrefset.py", "<frozen abc>")),
-    ("coordinator: service.py (protobuf in/out, auth, quotas)", ("coordinator/service.py", "coordinator/auth.py")),
-    ("coordinator: interceptor / metrics", ("coordinator/interceptor.py", "coordinator/metrics", "prometheus_client/")),
-    ("coordinator: engine.py + domain.py + limits.py", ("coordinator/engine.py", "coordinator/domain.py", "limits.py")),
+    (
+        "coordinator: service.py (protobuf in/out, auth, quotas)",
+        ("coordinator/api/service.py", "coordinator/api/auth.py"),
+    ),
+    (
+        "coordinator: interceptor / metrics",
+        ("coordinator/api/interceptor.py", "coordinator/metrics", "prometheus_client/"),
+    ),
+    (
+        "coordinator: engine.py + domain.py + limits.py",
+        ("coordinator/core/engine.py", "coordinator/core/domain.py", "limits.py"),
+    ),
     (
         "coordinator: store.py + etcd_client.py, group_commit.py, lease_buckets.py, feeds.py",
         (
-            "coordinator/store.py",
-            "coordinator/etcd_client.py",
-            "coordinator/group_commit.py",
-            "coordinator/lease_buckets.py",
-            "coordinator/feeds.py",
+            "coordinator/store/etcd/store.py",
+            "coordinator/store/etcd/client.py",
+            "coordinator/store/etcd/group_commit.py",
+            "coordinator/store/etcd/lease_buckets.py",
+            "coordinator/store/etcd/feeds.py",
         ),
     ),
-    ("coordinator: _codec.py + _keys.py (records, keys)", ("coordinator/_codec.py", "coordinator/_keys.py")),
+    (
+        "coordinator: _codec.py + _keys.py (records, keys)",
+        ("coordinator/store/etcd/codec.py", "coordinator/store/etcd/keys.py"),
+    ),
     ("json, dataclasses, other", ("",)),
 ]
 

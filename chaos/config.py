@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.etcd_process import EtcdNotFound, etcd_version, find_etcd_binary, is_broken_version
+from coordinator.store.etcd.process import EtcdNotFound, etcd_version, find_etcd_binary, is_broken_version
 
 CLUSTER_LANE = ("etcd_kill", "etcd_leader_kill", "etcd_slow", "etcd_partition", "agent_kill", "clock_skew")
 PROCESS_LANE = ("coordinator_kill", "agent_pause")

@@ -11,9 +11,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from coordinator import domain
-from coordinator.errors import StoreUnavailable
-from coordinator.testing.etcd_peek import EtcdPeek
+from coordinator.core import domain
+from coordinator.core.errors import StoreUnavailable
+from coordinator.store.etcd.peek import EtcdPeek
 from inbox_claims import AsyncCoordinator, InboxClaimsError, RetryPolicy, Subject, SubjectState
 from inbox_claims.types import EventType, SubjectKind, WatchEvent, WatchSnapshot
 

@@ -20,9 +20,9 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.etcd_process import free_port
-from coordinator.server import SERVICE_NAME
-from coordinator.testing.etcd_cluster import EtcdCluster, MemberPlacement
+from coordinator.ops.server import SERVICE_NAME
+from coordinator.store.etcd.cluster import EtcdCluster, MemberPlacement
+from coordinator.store.etcd.process import free_port
 
 from . import netns
 from .common import JsonlTail, child_argv, python_module_argv, skewed_clock_env
@@ -278,7 +278,7 @@ class Processes:
             [
                 sys.executable,
                 "-m",
-                "coordinator.cli",
+                "coordinator",
                 "serve",
                 "--listen",
                 f"127.0.0.1:{self.coordinator_ports[index]}",

@@ -12,12 +12,12 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.domain import Rules
-from coordinator.etcd_process import EtcdServer, free_port
-from coordinator.limits import Limits
-from coordinator.quotas import QuotaSettings
-from coordinator.server import CoordinatorServer, ServerSettings
-from coordinator.store import EtcdSettings
+from coordinator.api.quotas import QuotaSettings
+from coordinator.core.domain import Rules
+from coordinator.core.limits import Limits
+from coordinator.ops.server import CoordinatorServer, ServerSettings
+from coordinator.store.etcd.process import EtcdServer, free_port
+from coordinator.store.etcd.store import EtcdSettings
 from inbox_claims import RetryPolicy
 
 from .helpers import Actor

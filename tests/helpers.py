@@ -17,6 +17,8 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from coordinator.ops.server import CoordinatorServer
+from coordinator.store.etcd.store import EtcdStore
 from inbox_wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
@@ -30,6 +32,12 @@ def missing_on_this_machine(what: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(f"CI must provide this: {what}")
     pytest.skip(what)
+
+
+def etcd_store_of(server: CoordinatorServer) -> EtcdStore:
+    """The server's store, for a test that reads what only the etcd store has (group commit, raft term)."""
+    assert isinstance(server.store, EtcdStore), server.store
+    return server.store
 
 
 def message(mailbox: str, message_id: str) -> pb.Subject:
@@ -300,7 +308,7 @@ class _CallView:
 def serve_process(*flags: str, env: Mapping[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
     """``inbox-coordinator serve`` in a process of its own (with ``env`` added to its environment), once it says
     it serves; stopped with SIGTERM after, and it must then exit 0 (a crash shows as a signal)."""
-    process = spawn([sys.executable, "-m", "coordinator.cli", "serve", *flags], env)
+    process = spawn([sys.executable, "-m", "coordinator", "serve", *flags], env)
     wait_for_line(process, "serving gRPC on")
     try:
         yield process

@@ -24,7 +24,7 @@ import pytest
 from chaos import checker
 from chaos.config import ALL_KINDS, CRASH_KINDS, Config, choose_etcd
 from chaos.workload import plan
-from coordinator.etcd_process import ENV_ETCD_BIN
+from coordinator.store.etcd.process import ENV_ETCD_BIN
 from inbox_claims.types import SubjectKind, idempotency_key
 
 pytestmark = pytest.mark.etcd  # starts etcd (or a coordinator with its own) itself

@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.etcd_process import EtcdServer, free_port
-from coordinator.server import CoordinatorServer, ServerSettings
-from coordinator.store import EtcdSettings
+from coordinator.ops.server import CoordinatorServer, ServerSettings
+from coordinator.store.etcd.process import EtcdServer, free_port
+from coordinator.store.etcd.store import EtcdSettings
 from inbox_claims import (
     AlreadyReplied,
     AsyncClaim,

@@ -13,14 +13,14 @@ import grpc
 import pytest
 import trustme
 
-from coordinator.auth import TlsSettings, TokenAuthenticator, hash_token, new_token, server_credentials
-from coordinator.domain import Rules
-from coordinator.engine import Engine
-from coordinator.etcd_process import EtcdServer
-from coordinator.quotas import QuotaSettings
-from coordinator.server import wall_clock_ms
-from coordinator.service import CoordinatorServicer
-from coordinator.store import EtcdSettings, EtcdStore
+from coordinator.api.auth import TlsSettings, TokenAuthenticator, hash_token, new_token, server_credentials
+from coordinator.api.quotas import QuotaSettings
+from coordinator.api.service import CoordinatorServicer
+from coordinator.core.domain import Rules
+from coordinator.core.engine import Engine
+from coordinator.ops.server import wall_clock_ms
+from coordinator.store.etcd.process import EtcdServer
+from coordinator.store.etcd.store import EtcdSettings, EtcdStore
 from inbox_claims import AsyncCoordinator, Coordinator, CoordinatorUnavailable, RetryPolicy, Subject, SubjectState
 from inbox_claims.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from inbox_claims.types import ClaimOutcome

@@ -21,7 +21,7 @@ import inbox_claims
 import inbox_claims._default
 import inbox_claims.asgi
 import inbox_claims.webhooks
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import Behaviour, FakeNylas
 from inbox_claims import (
     AlreadyReplied,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from inbox_claims import (
     AlreadyReplied,
     Claim,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.etcd_process import EtcdServer
+from coordinator.store.etcd.process import EtcdServer
 from inbox_claims import Coordinator, CoordinatorUnavailable, RetryPolicy, Subject, SubjectState
 from inbox_claims.errors import InvalidRequest, Unauthenticated
 from inbox_claims.testing import async_running_coordinator, running_coordinator
@@ -127,7 +127,7 @@ def test_importing_the_client_never_imports_the_server() -> None:
 
 @pytest.mark.etcd
 def test_running_coordinator_can_authenticate_by_token(tmp_path: Path) -> None:
-    from coordinator.auth import hash_token, new_token
+    from coordinator.api.auth import hash_token, new_token
 
     token, digest = new_token()
     tokens = tmp_path / "tokens.toml"

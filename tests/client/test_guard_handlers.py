@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from coordinator.etcd_process import EtcdServer, free_port
+from coordinator.store.etcd.process import EtcdServer, free_port
 from examples.agent.fake_nylas import FakeNylas, Sent
 from inbox_claims import Subject, SubjectState
 from inbox_claims.testing import RunningCoordinator, running_coordinator, sign_nylas

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.etcd_process import EtcdServer, free_port
+from coordinator.store.etcd.process import EtcdServer, free_port
 from inbox_claims import AsyncClaim, AsyncCoordinator, Claim, Coordinator, Notification, RetryPolicy, Subject
 from inbox_claims.asgi import nylas_webhook_app
 from inbox_claims.testing import running_coordinator, sign_nylas

@@ -17,7 +17,7 @@ from typing import Literal
 import httpx
 import pytest
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import Behaviour, FakeNylas
 from inbox_claims import (
     AsyncCoordinator,

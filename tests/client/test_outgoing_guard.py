@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
 from inbox_claims import (
     AsyncCoordinator,

@@ -25,8 +25,8 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from werkzeug.serving import make_server
 
-from coordinator.etcd_process import EtcdServer
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
+from coordinator.store.etcd.process import EtcdServer
 from inbox_claims import AsyncClaim, AsyncCoordinator, Claim, Notification, Subject, SubjectState
 from inbox_claims.asgi import WebhookApp, nylas_webhook_app
 from inbox_claims.testing import RunningCoordinator, running_coordinator, sign_nylas, sign_standard_webhook

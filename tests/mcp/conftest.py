@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
 from tests.conftest import StartCoordinator
 from tests.mcp.support import API_KEY

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from mcp import Client, StdioServerParameters
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
 from inbox_claims.mcp._presets import PRESETS, UNPRESETTABLE
 from tests.mcp.fake_email import SEND_TOOL, Outbox

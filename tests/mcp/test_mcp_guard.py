@@ -14,7 +14,7 @@ import pytest
 from mcp import Client
 from mcp.shared.exceptions import MCPError
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.mcp import SendTool
 from inbox_claims.mcp._presets import PRESETS

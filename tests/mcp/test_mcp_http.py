@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from mcp import Client
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
 from inbox_claims import Subject, SubjectState
 from tests.helpers import eventually, spawn, wait_for_line

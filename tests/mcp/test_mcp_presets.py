@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.mcp._cli import main
 from inbox_claims.mcp._presets import PRESETS, UNPRESETTABLE, Preset

@@ -13,7 +13,7 @@ from typing import Any
 
 from mcp import Client, StdioServerParameters
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
 from inbox_claims import Subject, SubjectState
 from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox

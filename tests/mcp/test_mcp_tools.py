@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from tests.conftest import StartCoordinator

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.etcd_process import free_port
+from coordinator.store.etcd.process import free_port
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message
 
@@ -24,7 +24,7 @@ def _start(data_dir: Path, port: int) -> subprocess.Popen[str]:
         [
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "coordinator",
             "serve",
             "--listen",
             f"127.0.0.1:{port}",
@@ -101,7 +101,7 @@ async def test_serve_runs_on_an_embedded_etcd_and_keeps_its_data(tmp_path: Path)
 
 def test_serve_refuses_a_bad_endpoint_list(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--etcd-endpoints", "etcd-a:2379,etcd_b:2379"],
+        [sys.executable, "-m", "coordinator", "serve", "--etcd-endpoints", "etcd-a:2379,etcd_b:2379"],
         capture_output=True,
         text=True,
         timeout=30,

@@ -24,9 +24,16 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.config import ConfigError, describe, load
-from coordinator.embedded import OWNER_FILE, PORTS_FILE, VERSION_FILE, EmbeddedSettings, process_alive
-from coordinator.etcd_process import ENV_ETCD_BIN, EtcdMemberSpec, EtcdServer, etcd_version, free_port, version_tuple
+from coordinator.ops.config import ConfigError, describe, load
+from coordinator.store.etcd.embedded import OWNER_FILE, PORTS_FILE, VERSION_FILE, EmbeddedSettings, process_alive
+from coordinator.store.etcd.process import (
+    ENV_ETCD_BIN,
+    EtcdMemberSpec,
+    EtcdServer,
+    etcd_version,
+    free_port,
+    version_tuple,
+)
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message, missing_on_this_machine
 from tests.ops.test_cli import _wait_for_line
@@ -61,7 +68,7 @@ class Serve:
             [
                 sys.executable,
                 "-m",
-                "coordinator.cli",
+                "coordinator",
                 "serve",
                 f"--listen=127.0.0.1:{self.port}",
                 "--metrics-listen=",
@@ -268,7 +275,7 @@ def test_serve_exits_non_zero_when_its_etcd_cannot_be_restarted(data_dir: Path) 
 
 def _check(data_dir: Path, binary: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "check", f"--data-dir={data_dir}"],
+        [sys.executable, "-m", "coordinator", "check", f"--data-dir={data_dir}"],
         capture_output=True,
         text=True,
         timeout=60,

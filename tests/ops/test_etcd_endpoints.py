@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.config import ConfigError, load
-from coordinator.etcd_process import free_port
-from coordinator.testing.etcd_cluster import EtcdCluster
+from coordinator.ops.config import ConfigError, load
+from coordinator.store.etcd.cluster import EtcdCluster
+from coordinator.store.etcd.process import free_port
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message, missing_on_this_machine
 from tests.ops.test_cli import _wait_for_line
@@ -57,7 +57,7 @@ def _serve_seeing(hosts: Path, port: int, endpoints: str) -> subprocess.Popen[st
             str(hosts),
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "coordinator",
             "serve",
             f"--listen=127.0.0.1:{port}",
             "--metrics-listen=",

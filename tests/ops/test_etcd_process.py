@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.etcd_process import (
+from coordinator.store.etcd.cluster import EtcdCluster
+from coordinator.store.etcd.process import (
     ENV_ETCD_BIN,
     EtcdMemberSpec,
     EtcdNotFound,
@@ -27,7 +28,6 @@ from coordinator.etcd_process import (
     find_etcd_binary,
     free_port,
 )
-from coordinator.testing.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.etcd  # starts etcd (or a coordinator with its own) itself
 

@@ -12,11 +12,11 @@ import pytest
 import trustme
 from aetcd import rpc
 
-from coordinator.domain import Subject, SubjectKind
-from coordinator.errors import StoreUnavailable
-from coordinator.etcd_process import EtcdClientTls, EtcdMemberSpec, EtcdServer, free_port
-from coordinator.server import wall_clock_ms
-from coordinator.store import EtcdSettings, EtcdStore, open_channel
+from coordinator.core.domain import Subject, SubjectKind
+from coordinator.core.errors import StoreUnavailable
+from coordinator.ops.server import wall_clock_ms
+from coordinator.store.etcd.process import EtcdClientTls, EtcdMemberSpec, EtcdServer, free_port
+from coordinator.store.etcd.store import EtcdSettings, EtcdStore, open_channel
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, message
 

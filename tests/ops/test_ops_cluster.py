@@ -27,16 +27,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator._keys import prefix_end
-from coordinator.domain import Subject, SubjectKind
-from coordinator.etcd_process import EtcdServer
-from coordinator.server import CoordinatorServer, ServerSettings
-from coordinator.store import EtcdSettings
-from coordinator.testing.etcd_cluster import EtcdCluster
-from coordinator.testing.etcd_peek import EtcdPeek
+from coordinator.core.domain import Subject, SubjectKind
+from coordinator.ops.server import CoordinatorServer, ServerSettings
+from coordinator.store.etcd.cluster import EtcdCluster
+from coordinator.store.etcd.keys import prefix_end
+from coordinator.store.etcd.peek import EtcdPeek
+from coordinator.store.etcd.process import EtcdServer
+from coordinator.store.etcd.store import EtcdSettings
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
-from tests.helpers import Actor, eventually, message, new_request_id, rpc_error
+from tests.helpers import Actor, etcd_store_of, eventually, message, new_request_id, rpc_error
 
 pytestmark = pytest.mark.etcd  # starts etcd (or a coordinator with its own) itself
 
@@ -271,14 +271,14 @@ async def test_a_claim_made_after_a_leader_change_frees_within_the_bound(
             lease_before = await _lease_of(peek, mailbox, "before")
             granted = await peek.lease_left(lease_before)
             assert granted is not None
-            term_before = server.store.etcd.raft_term
+            term_before = etcd_store_of(server).etcd.raft_term
             assert term_before > 0
 
             await asyncio.sleep(0.5)
             leader = await asyncio.to_thread(cluster.leader_index)
             await asyncio.to_thread(cluster.move_leader, (leader + 1) % len(cluster.members))
             await agent.status(message(mailbox, "before"))  # the coordinator's next answer from etcd
-            assert server.store.etcd.raft_term > term_before
+            assert etcd_store_of(server).etcd.raft_term > term_before
             # The premise: the new leader restarted the first claim's lease, which now ends past the bound.
             left = await peek.lease_left(lease_before)
             assert left is not None

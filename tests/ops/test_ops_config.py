@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import version_warning
-from coordinator.config import SETTINGS, ConfigError, load
-from coordinator.etcd_process import EtcdServer, etcd_version, free_port
+from coordinator.ops.cli import version_warning
+from coordinator.ops.config import SETTINGS, ConfigError, load
+from coordinator.store.etcd.process import EtcdServer, etcd_version, free_port
 from tests.conftest import StartCoordinator
 
 
@@ -149,7 +149,7 @@ async def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str,
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "coordinator.cli",
+        "coordinator",
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

@@ -21,10 +21,11 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.cli import EXIT_CONFIG, build_parser, version_warning
-from coordinator.config import BY_NAME, ENV_PREFIX, Config, load, parse_host_port, settings_table
-from coordinator.metrics import Metrics
-from coordinator.server import LIVENESS_SERVICE, SERVICE_NAME
+from coordinator.api.addresses import parse_host_port
+from coordinator.ops.cli import EXIT_CONFIG, build_parser, version_warning
+from coordinator.ops.config import BY_NAME, ENV_PREFIX, Config, load, settings_table
+from coordinator.ops.metrics import Metrics
+from coordinator.ops.server import LIVENESS_SERVICE, SERVICE_NAME
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 
@@ -374,7 +375,7 @@ def test_every_shipped_config_file_loads(path: str, tmp_path: Path) -> None:
 
 def test_the_runbook_has_the_current_configuration_reference() -> None:
     runbook = (ROOT / "docs" / "operations.md").read_text()
-    assert settings_table() in runbook, "regenerate with: python -m coordinator.config"
+    assert settings_table() in runbook, "regenerate with: python -m coordinator.ops.config"
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Running it for real", 1)[1].split("\n## ", 1)[0]
     assert "docs/operations.md" in section

@@ -16,10 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator import logs
-from coordinator.etcd_process import EtcdServer
-from coordinator.server import LIVENESS_SERVICE, SERVICE_NAME, CoordinatorServer, ServerSettings
-from coordinator.store import EtcdSettings
+from coordinator.ops import logs
+from coordinator.ops.server import LIVENESS_SERVICE, SERVICE_NAME, CoordinatorServer, ServerSettings
+from coordinator.store.etcd.process import EtcdServer
+from coordinator.store.etcd.store import EtcdSettings
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, eventually, message, rpc_error

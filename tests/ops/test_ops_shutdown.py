@@ -14,7 +14,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.etcd_process import EtcdServer, free_port
+from coordinator.store.etcd.process import EtcdServer, free_port
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, message, rpc_error
@@ -22,7 +22,7 @@ from tests.helpers import Actor, message, rpc_error
 
 def _start(*flags: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "serve", *flags],
+        [sys.executable, "-m", "coordinator", "serve", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -74,9 +74,9 @@ def test_the_wheel_carries_the_claims_board(tmp_path: Path) -> None:
     built = _build(tmp_path)
     with zipfile.ZipFile(tmp_path / "dist" / str(built["wheel"])) as wheel:
         names = set(wheel.namelist())
-    board = {path.name for path in (ROOT / "coordinator" / "board").iterdir() if path.is_file()}
+    board = {path.name for path in (ROOT / "coordinator" / "api" / "board").iterdir() if path.is_file()}
     assert board, "no board files"
-    assert {f"coordinator/board/{name}" for name in board} <= names
+    assert {f"coordinator/api/board/{name}" for name in board} <= names
 
 
 def test_the_client_packages_carry_no_server_code(tmp_path: Path) -> None:

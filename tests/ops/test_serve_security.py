@@ -16,12 +16,12 @@ import httpx
 import pytest
 import trustme
 
-from coordinator.etcd_process import EtcdServer, free_port
+from coordinator.store.etcd.process import EtcdServer, free_port
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.helpers import Actor, eventually, message, rpc_error, spawn, wait_for_line
 
-CLI = [sys.executable, "-m", "coordinator.cli"]
+CLI = [sys.executable, "-m", "coordinator"]
 
 
 def _token_new(principal: str, *extra: str) -> tuple[str, str]:

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import trustme
 
-from coordinator.auth import (
+from coordinator.api.auth import (
     Authenticator,
     TlsSettings,
     TokenAuthenticator,
@@ -24,13 +24,13 @@ from coordinator.auth import (
     new_token,
     server_credentials,
 )
-from coordinator.domain import Rules
-from coordinator.engine import Engine
-from coordinator.etcd_process import EtcdServer
-from coordinator.quotas import QuotaSettings
-from coordinator.server import wall_clock_ms
-from coordinator.service import CoordinatorServicer
-from coordinator.store import EtcdSettings, EtcdStore
+from coordinator.api.quotas import QuotaSettings
+from coordinator.api.service import CoordinatorServicer
+from coordinator.core.domain import Rules
+from coordinator.core.engine import Engine
+from coordinator.ops.server import wall_clock_ms
+from coordinator.store.etcd.process import EtcdServer
+from coordinator.store.etcd.store import EtcdSettings, EtcdStore
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import TEST_LIMITS

@@ -17,11 +17,11 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.engine import Engine
-from coordinator.etcd_process import EtcdServer
-from coordinator.server import CoordinatorServer, wall_clock_ms
-from coordinator.service import CoordinatorServicer
-from coordinator.store import EtcdSettings, EtcdStore
+from coordinator.api.service import CoordinatorServicer
+from coordinator.core.engine import Engine
+from coordinator.ops.server import CoordinatorServer, wall_clock_ms
+from coordinator.store.etcd.process import EtcdServer
+from coordinator.store.etcd.store import EtcdSettings, EtcdStore
 from inbox_claims import AsyncCoordinator, Coordinator, Subject
 from inbox_claims._batch import MAX_BATCHES_IN_FLIGHT, Coalescer
 from inbox_claims._core import Rpc

@@ -22,9 +22,9 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 from playwright.async_api import Browser, Locator, Page, async_playwright, expect
 
-from coordinator.auth import TokenAuthenticator
-from coordinator.etcd_process import EtcdServer
-from coordinator.server import CoordinatorServer
+from coordinator.api.auth import TokenAuthenticator
+from coordinator.ops.server import CoordinatorServer
+from coordinator.store.etcd.process import EtcdServer
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message, missing_on_this_machine, new_request_id
 from tests.server.test_auth import TOKENS, _token_file

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from chaos.common import skewed_clock_env
-from coordinator.etcd_process import EtcdServer, free_port
+from coordinator.store.etcd.process import EtcdServer, free_port
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message, serve_process
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.etcd_process import EtcdServer, free_port
-from coordinator.interceptor import REQUEST_TIMEOUT_REASON
-from coordinator.server import CoordinatorServer, ServerSettings
-from coordinator.service import SERVICE_NAME
-from coordinator.store import EtcdSettings
+from coordinator.api.interceptor import REQUEST_TIMEOUT_REASON
+from coordinator.api.service import SERVICE_NAME
+from coordinator.ops.server import CoordinatorServer, ServerSettings
+from coordinator.store.etcd.process import EtcdServer, free_port
+from coordinator.store.etcd.store import EtcdSettings
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, error_reason, eventually, message, rpc_error, spawn, wait_for_line
@@ -49,9 +49,7 @@ def _rss_mib(pid: int) -> float:
 async def test_a_request_that_never_arrives_is_cut_off_and_memory_stays_flat(etcd: EtcdServer, prefix: str) -> None:
     port = free_port()
     serve = ["serve", "--listen", f"127.0.0.1:{port}", "--etcd-endpoints", etcd.endpoint, "--prefix", prefix]
-    process = spawn(
-        [sys.executable, "-m", "coordinator.cli", *serve, "--request-timeout", "1s", "--metrics-listen", ""]
-    )
+    process = spawn([sys.executable, "-m", "coordinator", *serve, "--request-timeout", "1s", "--metrics-listen", ""])
     # Each cut-off call logs a line: read them, or the pipe fills and the coordinator's logging blocks.
     assert process.stdout is not None
     reader = threading.Thread(target=process.stdout.read, daemon=True)

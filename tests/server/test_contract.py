@@ -8,9 +8,9 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.server import CoordinatorServer
-from coordinator.service import SERVICE_NAME
-from coordinator.status import DOMAIN
+from coordinator.api.service import SERVICE_NAME
+from coordinator.api.status import DOMAIN
+from coordinator.ops.server import CoordinatorServer
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, error_reason, eventually, message, rpc_error
 

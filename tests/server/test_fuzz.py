@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.etcd_process import EtcdServer, free_port
+from coordinator.store.etcd.process import EtcdServer, free_port
 from inbox_claims._batch import BATCHABLE
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
@@ -181,7 +181,7 @@ def fuzz_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzTarget
         [
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "coordinator",
             "serve",
             "--listen",
             f"127.0.0.1:{port}",

@@ -9,10 +9,10 @@ import uuid
 
 import grpc
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
-from tests.helpers import Actor, message
+from tests.helpers import Actor, etcd_store_of, message
 
 UNBATCHED = {"max_batch": 1}
 BATCHED = {"max_batch": 64, "max_batches_in_flight": 1}
@@ -92,9 +92,9 @@ async def test_batched_and_unbatched_claims_give_identical_outcomes(start_coordi
     assert plain == grouped
     assert plain["s1"] == {pb.ClaimReplyResponse.GRANTED: 1, pb.ClaimReplyResponse.DUPLICATE_DELIVERY: 7}
     assert plain["s2"] == {pb.ClaimReplyResponse.GRANTED: 1, pb.ClaimReplyResponse.HELD: 7}
-    requests, transactions = batched.store.batch_stats
+    requests, transactions = etcd_store_of(batched).batch_stats
     assert transactions > requests, "concurrent claims were not grouped"
-    assert unbatched.store.batch_stats == (0, 0)
+    assert etcd_store_of(unbatched).batch_stats == (0, 0)
 
 
 async def test_one_subject_never_twice_in_a_batch(start_coordinator: StartCoordinator, mailbox: str) -> None:
@@ -109,7 +109,7 @@ async def test_one_subject_never_twice_in_a_batch(start_coordinator: StartCoordi
     results = collections.Counter(r.result for r in responses[:60])
     assert results == {pb.ClaimReplyResponse.GRANTED: 1, pb.ClaimReplyResponse.HELD: 59}
     assert all(r.result == pb.ClaimReplyResponse.GRANTED for r in responses[60:])
-    requests, transactions = server.store.batch_stats
+    requests, transactions = etcd_store_of(server).batch_stats
     assert transactions >= 90
     assert requests < transactions
 

@@ -22,12 +22,12 @@ from google.rpc import error_details_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.auth import TokenAuthenticator
-from coordinator.cli import board_line
-from coordinator.etcd_process import EtcdServer
-from coordinator.quotas import QuotaSettings
-from coordinator.server import CoordinatorServer, ServerSettings
-from coordinator.store import EtcdSettings
+from coordinator.api.auth import TokenAuthenticator
+from coordinator.api.quotas import QuotaSettings
+from coordinator.ops.cli import board_line
+from coordinator.ops.server import CoordinatorServer, ServerSettings
+from coordinator.store.etcd.process import EtcdServer
+from coordinator.store.etcd.store import EtcdSettings
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor

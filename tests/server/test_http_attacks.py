@@ -25,15 +25,15 @@ import grpc
 import pytest
 from playwright.async_api import async_playwright
 
-from coordinator.etcd_process import EtcdServer, free_port
-from coordinator.http_guard import DESCRIPTOR_RESERVE, HeadLimits
+from coordinator.api.http_guard import DESCRIPTOR_RESERVE, HeadLimits
+from coordinator.store.etcd.process import EtcdServer, free_port
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, eventually, message, spawn, stop_serving, wait_for_line
 from tests.server.test_board import CHROMIUM
 
 pytestmark = pytest.mark.etcd  # starts coordinators on the shared etcd itself
 
-CLI = [sys.executable, "-m", "coordinator.cli"]
+CLI = [sys.executable, "-m", "coordinator"]
 API = "/inbox.coordinator.v1.Coordinator/"
 LIMITS = HeadLimits()
 # Runs a command with a descriptor limit of its own (soft, hard), as `prlimit --nofile` would.

@@ -9,11 +9,11 @@ import urllib.request
 import grpc
 import pytest
 
-from coordinator import limits
-from coordinator.domain import Subject, SubjectKind
-from coordinator.etcd_process import EtcdServer
-from coordinator.quotas import QuotaSettings
-from coordinator.store_api import encode_cursor
+from coordinator.api.quotas import QuotaSettings
+from coordinator.core import limits
+from coordinator.core.domain import Subject, SubjectKind
+from coordinator.core.storage import encode_cursor
+from coordinator.store.etcd.process import EtcdServer
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, message, new_request_id, rpc_error, thread

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.etcd_process import EtcdServer
-from coordinator.server import WRITES_HEALTH_SERVICE, CoordinatorServer
+from coordinator.ops.server import WRITES_HEALTH_SERVICE, CoordinatorServer
+from coordinator.store.etcd.process import EtcdServer
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, eventually, message, rpc_error

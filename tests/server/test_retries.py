@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator import domain
-from coordinator.server import wall_clock_ms
+from coordinator.core import domain
+from coordinator.ops.server import wall_clock_ms
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, error_reason, eventually, message, new_request_id, rpc_error

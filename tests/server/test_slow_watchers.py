@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.etcd_process import EtcdServer, free_port
-from coordinator.quotas import QuotaSettings
+from coordinator.api.quotas import QuotaSettings
+from coordinator.store.etcd.process import EtcdServer, free_port
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import StartCoordinator

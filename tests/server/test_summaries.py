@@ -7,10 +7,10 @@ import grpc
 from aetcd import rpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from coordinator import limits
-from coordinator._keys import prefix_end
-from coordinator.config import load
-from coordinator.etcd_process import EtcdServer
+from coordinator.core import limits
+from coordinator.ops.config import load
+from coordinator.store.etcd.keys import prefix_end
+from coordinator.store.etcd.process import EtcdServer
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, message, new_request_id, rpc_error

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from coordinator.server import CoordinatorServer
+from coordinator.ops.server import CoordinatorServer
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, eventually, message, rpc_error, thread

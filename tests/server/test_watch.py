@@ -91,8 +91,8 @@ async def test_many_watchers_share_one_etcd_watch(start_coordinator: StartCoordi
             assert (await anext(stream)).WhichOneof("kind") == "snapshot"
         other = Actor(channel, "x").watch(mailbox + "-other")
         await anext(other)
-        assert server.store.feeds.mailboxes == 2
-        assert server.store.feeds.subscribers == 51
+        assert server.store.statistics().watched_mailboxes == 2
+        assert server.store.statistics().watch_subscribers == 51
         await agent.claim(message(mailbox, "m"))
         events = await asyncio.gather(*(_next_events(s, 1) for s in watchers))
         assert {e[0].type for e in events} == {E.EVENT_TYPE_CLAIMED}

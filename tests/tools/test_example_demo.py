@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coordinator.etcd_process import EtcdServer
+from coordinator.store.etcd.process import EtcdServer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.etcd_process import EtcdServer
+from coordinator.store.etcd.process import EtcdServer
 from inbox_claims import Coordinator, Subject, SubjectState
 from inbox_claims.cli import clock, main, table
 from inbox_claims.testing import RunningCoordinator, running_coordinator
@@ -341,7 +341,7 @@ def test_settings_precedence_flags_over_env_over_file(ctl: Ctl, running: Running
 def token_coordinator(etcd: EtcdServer, token_file: Path) -> Iterator[str]:
     """A coordinator that authenticates bearer tokens (tests/server/test_auth.py's principals), in a thread
     of its own."""
-    from coordinator.auth import TokenAuthenticator
+    from coordinator.api.auth import TokenAuthenticator
 
     address: list[str] = []
     ready, stop = threading.Event(), threading.Event()

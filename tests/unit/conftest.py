@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from coordinator.memory_store import MemoryStore
-from coordinator.server import wall_clock_ms
-from coordinator.store import EtcdSettings, EtcdStore
-from coordinator.store_api import Store
+from coordinator.core.storage import Store
+from coordinator.ops.server import wall_clock_ms
+from coordinator.store.etcd.store import EtcdSettings, EtcdStore
+from coordinator.store.memory import MemoryStore
 
 
 @pytest.fixture(params=["memory", pytest.param("etcd", marks=pytest.mark.etcd)])

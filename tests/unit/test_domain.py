@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator import domain
-from coordinator.domain import (
+from coordinator.core import domain
+from coordinator.core.domain import (
     Caller,
     EndMark,
     EndReason,
@@ -20,8 +20,8 @@ from coordinator.domain import (
     Subject,
     SubjectKind,
 )
-from coordinator.errors import FailedPrecondition, PermissionDenied
-from coordinator.limits import Limits
+from coordinator.core.errors import FailedPrecondition, PermissionDenied
+from coordinator.core.limits import Limits
 
 RULES = Rules(Limits(), claim_bucket_ms=1_000, send_timeout_ms=60_000)
 AGENT = Caller("agent-a", HolderKind.AGENT)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.testing.etcd_cluster import EtcdCluster, MemberPlacement
+from coordinator.store.etcd.cluster import EtcdCluster, MemberPlacement
 
 
 def test_placed_members_listen_where_their_placement_says_and_run_its_binary(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aetcd import rpc
 
-from coordinator.etcd_client import EtcdClient, EtcdSettings
+from coordinator.store.etcd.client import EtcdClient, EtcdSettings
 
 
 class _Observer:
@@ -28,7 +28,7 @@ def _answering(kind: Any, term: int) -> Any:
 async def test_the_term_moves_with_the_leaders_answers_only(caplog: pytest.LogCaptureFixture) -> None:
     client = EtcdClient(EtcdSettings(["127.0.0.1:9"]), _Observer())
     try:
-        caplog.set_level(logging.INFO, logger="coordinator.etcd_client")
+        caplog.set_level(logging.INFO, logger="coordinator.store.etcd.client")
         await client.call(_answering(rpc.TxnResponse, 4), rpc.TxnRequest())
         assert client.raft_term == 4
         await client.call(_answering(rpc.RangeResponse, 9), rpc.RangeRequest(key=b"k", serializable=True))

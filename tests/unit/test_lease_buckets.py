@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from coordinator.errors import StoreUnavailable
-from coordinator.lease_buckets import GRANTS_PER_CALL, LONGER_TTL_SHARED_S, SHARED_WITHIN_MS, LeaseBuckets
+from coordinator.core.errors import StoreUnavailable
+from coordinator.store.etcd.lease_buckets import GRANTS_PER_CALL, LONGER_TTL_SHARED_S, SHARED_WITHIN_MS, LeaseBuckets
 
 
 class Clocks:

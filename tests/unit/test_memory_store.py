@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from coordinator.domain import Caller, ClaimResult, EventType, FenceResult, HolderKind, State, Subject, SubjectKind
-from coordinator.engine import Engine, Event, Snapshot
-from coordinator.memory_store import MemoryStore
+from coordinator.core.domain import Caller, ClaimResult, EventType, FenceResult, HolderKind, State, Subject, SubjectKind
+from coordinator.core.engine import Engine, Event, Snapshot
+from coordinator.store.memory import MemoryStore
 from tests.conftest import test_rules
 
 AGENT = Caller("agent-a", HolderKind.AGENT)

@@ -9,8 +9,9 @@ import uuid
 
 import pytest
 
-from coordinator import engine as engine_module
-from coordinator.domain import (
+from coordinator.api.service import event_out
+from coordinator.core import engine as engine_module
+from coordinator.core.domain import (
     Caller,
     ClaimResult,
     EventType,
@@ -24,11 +25,10 @@ from coordinator.domain import (
     ThreadLink,
     new_claim,
 )
-from coordinator.engine import Engine, Event, OutgoingOutcome, Snapshot
-from coordinator.errors import InvalidArgument
-from coordinator.server import wall_clock_ms
-from coordinator.service import event_out
-from coordinator.store_api import Store
+from coordinator.core.engine import Engine, Event, OutgoingOutcome, Snapshot
+from coordinator.core.errors import InvalidArgument
+from coordinator.core.storage import Store
+from coordinator.ops.server import wall_clock_ms
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from coordinator._encoded import Encoded, writes_encoded
-from coordinator._shared import LastConverted
-from coordinator.pacing import WritePacer
+from coordinator.api.encoded import Encoded, writes_encoded
+from coordinator.api.pacing import WritePacer
+from coordinator.core.memo import LastConverted
 from inbox_wire.v1 import coordinator_pb2 as pb
 
 

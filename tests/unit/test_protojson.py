@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.protojson import ProtoJson
+from coordinator.api.protojson import ProtoJson
 from inbox_wire.v1 import coordinator_pb2 as pb
 
 INT_RANGES = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.quotas import _BUCKETS_KEPT, RateLimiter
+from coordinator.api.quotas import _BUCKETS_KEPT, RateLimiter
 
 
 class _Clock:

@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from coordinator.domain import Subject, SubjectKind
-from coordinator.engine import Engine
-from coordinator.limits import PAGE_TOKEN_MAX_BYTES
-from coordinator.server import wall_clock_ms
-from coordinator.service import CoordinatorServicer
-from coordinator.store_api import Store, encode_cursor
+from coordinator.api.service import CoordinatorServicer
+from coordinator.core.domain import Subject, SubjectKind
+from coordinator.core.engine import Engine
+from coordinator.core.limits import PAGE_TOKEN_MAX_BYTES
+from coordinator.core.storage import Store, encode_cursor
+from coordinator.ops.server import wall_clock_ms
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import test_rules

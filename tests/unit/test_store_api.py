@@ -7,10 +7,10 @@ import base64
 import grpc
 import pytest
 
-from coordinator.domain import Subject, SubjectKind
-from coordinator.errors import CoordinatorError, InvalidArgument, StoreUnavailable
-from coordinator.service import status_code
-from coordinator.store_api import decode_cursor, encode_cursor
+from coordinator.api.service import status_code
+from coordinator.core.domain import Subject, SubjectKind
+from coordinator.core.errors import CoordinatorError, InvalidArgument, StoreUnavailable
+from coordinator.core.storage import decode_cursor, encode_cursor
 
 
 def test_cursor_round_trips_any_subject_id() -> None:

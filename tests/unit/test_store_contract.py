@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from coordinator.domain import (
+from coordinator.core.domain import (
     Caller,
     ClaimResult,
     EventType,
@@ -24,10 +24,10 @@ from coordinator.domain import (
     Summary,
     TakeoverResult,
 )
-from coordinator.engine import Engine, Event, Snapshot
-from coordinator.errors import FailedPrecondition, InvalidArgument
-from coordinator.server import wall_clock_ms
-from coordinator.store_api import Store
+from coordinator.core.engine import Engine, Event, Snapshot
+from coordinator.core.errors import FailedPrecondition, InvalidArgument
+from coordinator.core.storage import Store
+from coordinator.ops.server import wall_clock_ms
 from tests.conftest import test_rules
 
 AGENT = Caller("agent-a", HolderKind.AGENT)

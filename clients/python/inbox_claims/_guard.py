@@ -214,7 +214,7 @@ def current_claim_base() -> ClaimBase | None:
 
 # Unix seconds of the year 10000: a later "date" is not a time the coordinator can store.
 _YEAR_10000 = 253402300800
-# The coordinator's limits on a summary's texts (coordinator/limits.py): longer ones are cut, not refused.
+# The coordinator's limits on a summary's texts (coordinator/core/limits.py): longer ones are cut, not refused.
 SUMMARY_SUBJECT_LINE_MAX_BYTES = 512
 SUMMARY_SENDER_MAX_BYTES = 512
 

@@ -26,21 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
-import threading
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
+from types import ModuleType
+from typing import Literal, TypedDict, Unpack
 
 from ._async import AsyncCoordinator
 from ._sync import Coordinator
 from ._types import HolderKind, RetryPolicy
 from ._webhooks import sign_nylas, sign_standard_webhook
-
-if TYPE_CHECKING:
-    from coordinator.server import ServerSettings
 
 __all__ = [
     "CoordinatorOptions",
@@ -106,15 +101,16 @@ class RunningCoordinator:
         return AsyncCoordinator(self.target, principal=principal, kind=kind, timeout=timeout, retry=retry)
 
 
-def _server_modules() -> Any:
+def _server() -> ModuleType:
+    """The server's entry point for tests (``coordinator.testing``), imported only when a coordinator starts."""
     try:
-        from coordinator import auth, domain, etcd_process, limits, server, store
+        import coordinator.testing
     except ImportError as error:
         raise ImportError(
             "inbox_claims.testing starts a real coordinator, which needs the server: "
             "pip install 'inbox-coordinator[server]'"
         ) from error
-    return auth, domain, etcd_process, limits, server, store
+    return coordinator.testing
 
 
 @contextlib.contextmanager
@@ -122,57 +118,8 @@ def _etcd(options: CoordinatorOptions) -> Iterator[str]:
     if "etcd_endpoint" in options:
         yield options["etcd_endpoint"]
         return
-    _, _, etcd_process, _, _, _ = _server_modules()
-    with contextlib.ExitStack() as stack:
-        data_dir = options.get("data_dir") or stack.enter_context(tempfile.TemporaryDirectory(prefix="inbox-etcd-"))
-        etcd = etcd_process.EtcdServer(Path(data_dir) / "etcd", log_path=Path(data_dir) / "etcd.log")
-        etcd.start()
-        stack.callback(etcd.stop)
-        yield etcd.endpoint
-
-
-class _ServerThread:
-    """A CoordinatorServer on an event loop of its own, in a daemon thread."""
-
-    def __init__(self, settings: ServerSettings) -> None:
-        self._settings = settings
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self.address = ""
-        self._thread = threading.Thread(target=self._main, name="inbox-coordinator", daemon=True)
-
-    def start(self, timeout: float = 30.0) -> None:
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"the coordinator did not start within {timeout} s")
-        if self._error is not None:
-            raise self._error
-
-    def _main(self) -> None:
-        asyncio.run(self._serve())
-
-    async def _serve(self) -> None:
-        _, _, _, _, server_module, _ = _server_modules()
-        try:
-            server = server_module.CoordinatorServer(self._settings)
-            await server.start()
-        except BaseException as error:
-            self._error = error
-            self._ready.set()
-            return
-        self._loop, self._stop, self.address = asyncio.get_running_loop(), asyncio.Event(), server.address
-        self._ready.set()
-        try:
-            await self._stop.wait()
-        finally:
-            await server.stop(grace=0.5)
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=30)
+    with _server().etcd_for_tests(options.get("data_dir")) as endpoint:
+        yield endpoint
 
 
 @contextlib.contextmanager
@@ -182,29 +129,19 @@ def running_coordinator(**options: Unpack[CoordinatorOptions]) -> Iterator[Runni
     Options: see :class:`CoordinatorOptions`. Yields a :class:`RunningCoordinator` (``.target``,
     ``.client(principal)``, ``.async_client(principal)``).
     """
-    auth, domain, _, limits, server_module, store = _server_modules()
-    prefix = options.get("prefix") or f"inbox-claims-test/{uuid.uuid4().hex}/"
-    min_ttl = options.get("min_ttl", 5)
-    rules = domain.Rules(
-        limits.Limits(ttl_min_seconds=min_ttl, ttl_default_seconds=max(options.get("default_ttl", 60), min_ttl)),
-        send_timeout_ms=int(options.get("send_timeout", 120.0) * 1000),
-    )
-    with _etcd(options) as endpoint:
-        settings = server_module.ServerSettings(
-            store.EtcdSettings([endpoint], prefix=prefix, call_timeout_s=2.0),
+    with (
+        _etcd(options) as endpoint,
+        _server().serve_in_thread(
+            etcd_endpoint=endpoint,
+            prefix=options.get("prefix", ""),
             listen=options.get("listen", "127.0.0.1:0"),
-            rules=rules,
-            sweep_interval_s=0.2,
-            health_interval_s=0.5,
-            shutdown_grace_s=1.0,
-            authenticator=auth.TokenAuthenticator(Path(options["token_file"])) if "token_file" in options else None,
-        )
-        thread = _ServerThread(settings)
-        thread.start()
-        try:
-            yield RunningCoordinator(target=thread.address, etcd_endpoint=endpoint, prefix=prefix)
-        finally:
-            thread.stop()
+            min_ttl=options.get("min_ttl", 5),
+            default_ttl=options.get("default_ttl", 60),
+            send_timeout=options.get("send_timeout", 120.0),
+            token_file=options.get("token_file"),
+        ) as served,
+    ):
+        yield RunningCoordinator(target=served.address, etcd_endpoint=endpoint, prefix=served.prefix)
 
 
 @contextlib.asynccontextmanager

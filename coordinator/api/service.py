@@ -1,0 +1,760 @@
+"""The gRPC servicer: protobuf in, engine call, protobuf out; coordinator errors to status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from coordinator.api.auth import (
+    ALL_ACCESS,
+    ROLES,
+    Authenticator,
+    CallCredentials,
+    DevelopmentAuthenticator,
+    MailboxGrants,
+    current_principal,
+)
+from coordinator.api.encoded import Encoded
+from coordinator.api.pacing import WritePacer
+from coordinator.api.quotas import QuotaSettings, RateLimiter, WatchSlots
+from coordinator.api.status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort, error_metadata, retry_after_ms
+from coordinator.core.domain import (
+    Caller,
+    ClaimResult,
+    DeliveryRecord,
+    EventType,
+    FenceResult,
+    HolderKind,
+    OutgoingResult,
+    OutsideReply,
+    ResolveOutcome,
+    State,
+    Stored,
+    Subject,
+    SubjectKind,
+    Summary,
+    TakeoverResult,
+)
+from coordinator.core.engine import Engine, Event, Snapshot
+from coordinator.core.errors import (
+    CoordinatorError,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    SlowConsumer,
+    StoreConflict,
+    StoreUnavailable,
+    Unauthenticated,
+)
+from coordinator.core.memo import LastConverted
+from inbox_wire import BATCH_MAX_CALLS
+from inbox_wire.v1 import coordinator_pb2 as pb
+from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SERVICE_NAME", "CoordinatorServicer"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+_STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
+    StoreConflict: grpc.StatusCode.ABORTED,
+    SlowConsumer: grpc.StatusCode.ABORTED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def status_code(error: CoordinatorError) -> grpc.StatusCode:
+    """The status of the nearest class in ``error``'s hierarchy that has one: a new subclass answers as its
+    parent does instead of falling through."""
+    for cls in type(error).__mro__:
+        code = _STATUS_CODES.get(cls)
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+_KINDS = {pb.SUBJECT_KIND_MESSAGE: SubjectKind.MESSAGE, pb.SUBJECT_KIND_THREAD: SubjectKind.THREAD}
+_KINDS_OUT = {v: k for k, v in _KINDS.items()}
+_HOLDER_KINDS_OUT = {HolderKind.AGENT: pb.HOLDER_KIND_AGENT, HolderKind.HUMAN: pb.HOLDER_KIND_HUMAN}
+_STATES = {
+    State.FREE: pb.SUBJECT_STATE_FREE,
+    State.CLAIMED: pb.SUBJECT_STATE_CLAIMED,
+    State.SENDING: pb.SUBJECT_STATE_SENDING,
+    State.REPLIED: pb.SUBJECT_STATE_REPLIED,
+    State.IN_DOUBT: pb.SUBJECT_STATE_IN_DOUBT,
+}
+_STATES_IN = {v: k for k, v in _STATES.items()}
+_CLAIM_RESULTS = {
+    ClaimResult.GRANTED: pb.ClaimReplyResponse.GRANTED,
+    ClaimResult.HELD: pb.ClaimReplyResponse.HELD,
+    ClaimResult.ALREADY_REPLIED: pb.ClaimReplyResponse.ALREADY_REPLIED,
+    ClaimResult.DUPLICATE_DELIVERY: pb.ClaimReplyResponse.DUPLICATE_DELIVERY,
+}
+_FENCE_RESULTS = {FenceResult.OK: pb.FENCE_RESULT_OK, FenceResult.STALE_TOKEN: pb.FENCE_RESULT_STALE_TOKEN}
+_TAKEOVER_RESULTS = {
+    TakeoverResult.TAKEN_OVER: pb.TakeoverResponse.TAKEN_OVER,
+    TakeoverResult.GRANTED: pb.TakeoverResponse.GRANTED,
+    TakeoverResult.HELD: pb.TakeoverResponse.HELD,
+    TakeoverResult.ALREADY_REPLIED: pb.TakeoverResponse.ALREADY_REPLIED,
+}
+_EVENT_TYPES = {
+    EventType.CLAIMED: pb.EVENT_TYPE_CLAIMED,
+    EventType.RENEWED: pb.EVENT_TYPE_RENEWED,
+    EventType.RELEASED: pb.EVENT_TYPE_RELEASED,
+    EventType.EXPIRED: pb.EVENT_TYPE_EXPIRED,
+    EventType.SENDING: pb.EVENT_TYPE_SENDING,
+    EventType.REPLIED: pb.EVENT_TYPE_REPLIED,
+    EventType.ABORTED: pb.EVENT_TYPE_ABORTED,
+    EventType.TAKEN_OVER: pb.EVENT_TYPE_TAKEN_OVER,
+    EventType.IN_DOUBT: pb.EVENT_TYPE_IN_DOUBT,
+    EventType.RESOLVED_NOT_SENT: pb.EVENT_TYPE_RESOLVED_NOT_SENT,
+    EventType.RETENTION_ENDED: pb.EVENT_TYPE_RETENTION_ENDED,
+    EventType.MARKED_REPLIED: pb.EVENT_TYPE_MARKED_REPLIED,
+    EventType.ANSWERED_OUTSIDE: pb.EVENT_TYPE_ANSWERED_OUTSIDE,
+}
+_OUTGOING_RESULTS = {
+    OutgoingResult.OWN_REPLY: pb.RecordOutgoingResponse.OWN_REPLY,
+    OutgoingResult.ANSWERED_OUTSIDE: pb.RecordOutgoingResponse.ANSWERED_OUTSIDE,
+    OutgoingResult.DUPLICATE_DELIVERY: pb.RecordOutgoingResponse.DUPLICATE_DELIVERY,
+}
+_RESOLVE_OUTCOMES = {
+    pb.ResolveInDoubtRequest.OUTCOME_SENT: ResolveOutcome.SENT,
+    pb.ResolveInDoubtRequest.OUTCOME_NOT_SENT: ResolveOutcome.NOT_SENT,
+}
+
+
+def _timestamp(ms: int | None) -> Timestamp | None:
+    if not ms:  # None, or 0: not kept (a reply record drops its claim's acquisition time)
+        return None
+    stamp = Timestamp()
+    stamp.FromMilliseconds(ms)
+    return stamp
+
+
+def subject_in(message: pb.Subject, field: str = "subject") -> Subject:
+    kind = _KINDS.get(message.kind)
+    if kind is None:
+        raise InvalidArgument(f"{field}.kind", "must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD")
+    return Subject(message.mailbox, kind, message.id)
+
+
+def time_in(container: Any, name: str, field: str) -> int | None:
+    """A Timestamp field in milliseconds; None when unset."""
+    if not container.HasField(name):
+        return None
+    stamp: Timestamp = getattr(container, name)
+    if stamp.nanos < 0 or stamp.nanos > 999_999_999:
+        raise InvalidArgument(f"{field}.nanos", "must be 0..999999999")
+    return int(stamp.ToMilliseconds())
+
+
+def summary_in(message: pb.MessageSummary) -> Summary:
+    received = message.received_at
+    if received.nanos < 0 or received.nanos > 999_999_999:
+        raise InvalidArgument("summary.received_at.nanos", "must be 0..999999999")
+    return Summary(message.subject_line, message.sender, received.ToMilliseconds() if received.seconds else None)
+
+
+def outside_reply_out(reply: OutsideReply | None) -> pb.OutsideReply | None:
+    if reply is None:
+        return None
+    return pb.OutsideReply(
+        sender=reply.sender,
+        sent_at=_timestamp(reply.sent_ms),
+        message_id=reply.message_id,
+        recorded_by=reply.recorded_by,
+        stopped_holder=reply.stopped_holder,
+    )
+
+
+def summary_out(summary: Summary | None) -> pb.MessageSummary | None:
+    if not summary:
+        return None
+    return pb.MessageSummary(
+        subject_line=summary.subject_line, sender=summary.sender, received_at=_timestamp(summary.received_ms)
+    )
+
+
+def subject_out(subject: Subject) -> pb.Subject:
+    return pb.Subject(mailbox=subject.mailbox, kind=_KINDS_OUT[subject.kind], id=subject.id)
+
+
+def status_out(subject: Subject, stored: Stored | None) -> pb.SubjectStatus:
+    if stored is None:
+        return pb.SubjectStatus(subject=subject_out(subject), state=pb.SUBJECT_STATE_FREE)
+    record = stored.record
+    return pb.SubjectStatus(
+        subject=subject_out(subject),
+        state=_STATES[record.state],
+        holder=record.holder,
+        holder_kind=_HOLDER_KINDS_OUT[record.holder_kind],
+        fencing_token=stored.token,
+        acquired_at=_timestamp(record.acquired_ms),
+        expires_at=_timestamp(record.expires_ms),
+        note=record.note,
+        send_started_at=_timestamp(record.send_started_ms),
+        send_deadline=_timestamp(record.send_deadline_ms),
+        sent_at=_timestamp(record.sent_ms),
+        sent_message_id=record.sent_message_id,
+        revision=stored.revision,
+        ttl_seconds=record.ttl_seconds,
+        replied_by_hand=record.replied_by_hand,
+        summary=summary_out(record.summary),
+        replied_outside=record.replied_outside,
+        outside_reply=outside_reply_out(record.outside_reply),
+        settled_by=record.settled_by,
+    )
+
+
+def delivery_out(delivery: DeliveryRecord) -> pb.DeliveryRecord:
+    return pb.DeliveryRecord(
+        mailbox=delivery.mailbox,
+        notification_id=delivery.notification_id,
+        recorded_by=delivery.recorded_by,
+        recorded_at=_timestamp(delivery.recorded_ms),
+        subject=subject_out(delivery.subject) if delivery.subject is not None else None,
+    )
+
+
+def event_out(event: Event) -> pb.WatchEvent:
+    change = event.change
+    previous = change.previous
+    # A reply written outside ends a claim without deleting its key: the claim it ended is named as a deletion's.
+    ended = change.now is None or (
+        event.type is EventType.ANSWERED_OUTSIDE and previous is not None and previous.record.state is State.CLAIMED
+    )
+    return pb.WatchEvent(
+        type=_EVENT_TYPES[event.type],
+        status=status_out(change.subject, change.now),
+        previous_holder=previous.record.holder
+        if previous is not None and (ended or event.type is EventType.CLAIMED)
+        else "",
+        previous_token=previous.token if previous is not None and ended else 0,
+        revision=change.revision,
+        reason=change.end.detail if change.end is not None else "",
+    )
+
+
+def credentials_of(context: grpc.aio.ServicerContext[Any, Any], with_certificates: bool = True) -> CallCredentials:
+    metadata = {key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
+    if not with_certificates:
+        return CallCredentials(metadata)
+    auth = context.auth_context()
+    names = [
+        name.decode(errors="replace")
+        for key in ("x509_common_name", "x509_subject_alternative_name")
+        for name in auth.get(key, ())
+    ]
+    return CallCredentials(metadata, names)
+
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[["CoordinatorServicer", Caller, Req], Awaitable[Resp]]
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: CoordinatorError) -> NoReturn:
+    await abort(
+        context,
+        status_code(error),
+        str(error),
+        error.reason,
+        retry_after_ms=retry_after_ms(error),
+        metadata=error_metadata(error),
+    )
+
+
+class _DrainWatch:
+    """Notices a Watch stream whose client stopped reading. Once it does, HTTP/2 flow control holds the stream's
+    write back; a write still not taken by gRPC after ``timeout_s`` marks the stream slow and closes its feed
+    (so no more events are queued or converted for it), and the stream then ends with ABORTED.
+
+    The write itself is awaited plainly and never cancelled: grpc.aio drops a batch's operations when the
+    coroutine awaiting it is cancelled while gRPC core still holds them (grpc/grpc#43360), the crash described
+    in docs/reliability.md, "Slow watchers". One guard task per stream checks the write's age four times per
+    timeout, so a healthy stream's writes cost nothing extra."""
+
+    def __init__(
+        self, timeout_s: float, feed: AsyncGenerator[Any, None], who: str, pacer: WritePacer, principal: str
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._pacer = pacer
+        self._principal = principal
+        self._who = who
+        self.slow = False
+        self._feed = feed
+        self._writing_since: float | None = None
+
+    async def write(self, context: grpc.aio.ServicerContext[Any, Any], message: Any) -> None:
+        await self._pacer.turn(self._principal)
+        loop = asyncio.get_running_loop()
+        self._writing_since = loop.time()
+        try:
+            await context.write(message)
+        finally:
+            self._writing_since = None
+        self.raise_if_slow()
+
+    def raise_if_slow(self) -> None:
+        if self.slow:
+            raise SlowConsumer(
+                f"this watcher did not read its stream for {self.timeout_s:g} s (the server's watch drain timeout) "
+                "and missed events; watch again: a new Watch starts from a fresh snapshot"
+            )
+
+    async def guard(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.timeout_s / 4)
+            since = self._writing_since
+            if since is not None and loop.time() - since >= self.timeout_s:
+                self.slow = True
+                log.warning(
+                    "%s: no write taken for %g s, the client stopped reading; cut off", self._who, self.timeout_s
+                )
+                # The feed is suspended at its yield while the handler waits in write: closing it unsubscribes.
+                await self._feed.aclose()
+                return
+
+
+def _deadline_message(deadline: float) -> str:
+    return f"the call ran past the server's limit of {deadline:g} s; retry it with the same request id"
+
+
+# The reason of a call cut off by the server's call deadline (--call-deadline).
+CALL_DEADLINE_REASON = "CALL_DEADLINE"
+
+
+def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generated base's loosely typed method
+    """A unary RPC: authenticates, bounds the call's time, and turns coordinator errors into their status
+    codes; anything else is a bug, answered INTERNAL by the interceptor (coordinator.api.interceptor)."""
+
+    @functools.wraps(handler)
+    async def rpc(self: CoordinatorServicer, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
+        deadline = self.quotas.call_deadline_s
+        try:
+            caller = self._authenticate(context)
+            async with asyncio.timeout(deadline):
+                return await handler(self, caller, request)
+        except TimeoutError:
+            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, _deadline_message(deadline), CALL_DEADLINE_REASON)
+        except CoordinatorError as error:
+            await _abort(context, error)
+
+    return rpc
+
+
+class BatchObserver(Protocol):
+    """Told about every call a Batch carried, as the interceptor is told about every RPC."""
+
+    def batch_call(
+        self,
+        path: str,
+        request: Any,
+        response: Any,
+        error: pb.CallError | None,
+        seconds: float,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None: ...
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(
+        self,
+        engine: Engine,
+        authenticator: Authenticator | None = None,
+        quotas: QuotaSettings | None = None,
+        batch_observer: BatchObserver | None = None,
+    ) -> None:
+        self._engine = engine
+        self.authenticator = authenticator or DevelopmentAuthenticator()
+        self.quotas = quotas or QuotaSettings()
+        self.batch_observer = batch_observer
+        self._rates = RateLimiter(self.quotas.calls_per_second, self.quotas.burst)
+        self._watches = WatchSlots(self.quotas.max_watches)
+        self._pacer = WritePacer(self.quotas.watch_events_per_second)
+        # The engine hands every watcher of a mailbox the same event: it is serialized once, for all of them.
+        self._encoded_events: LastConverted[Event, Encoded] = LastConverted(
+            lambda event: Encoded.of(pb.WatchResponse(event=event_out(event)))
+        )
+
+    def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any], calls: int = 1) -> Caller:
+        caller = self.authenticator.authenticate(credentials_of(context, self.authenticator.uses_certificates))
+        current_principal.set(caller.principal)
+        wait = self._rates.acquire(caller.principal, calls)
+        if wait > 0:
+            raise ResourceExhausted(
+                f"principal {caller.principal!r} is over its limit of {self.quotas.calls_per_second:g} calls/s; "
+                f"retry in {math.ceil(wait * 1000)} ms",
+                wait,
+            )
+        return caller
+
+    async def _record_delivery(self, caller: Caller, request: pb.RecordDeliveryRequest) -> pb.RecordDeliveryResponse:
+        new, record = await self._engine.record_delivery(
+            caller,
+            request_id=request.request_id,
+            mailbox=request.mailbox,
+            notification_id=request.notification_id,
+        )
+        result = pb.RecordDeliveryResponse.NEW if new else pb.RecordDeliveryResponse.DUPLICATE
+        return pb.RecordDeliveryResponse(result=result, first=delivery_out(record))
+
+    async def _claim_reply(self, caller: Caller, request: pb.ClaimReplyRequest) -> pb.ClaimReplyResponse:
+        subject = subject_in(request.subject)
+        outcome = await self._engine.claim_reply(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            notification_id=request.notification_id,
+            ttl_seconds=request.ttl_seconds,
+            note=request.note,
+            summary=summary_in(request.summary),
+            thread_id=request.thread_id,
+            received_ms=time_in(request, "received_at", "received_at"),
+        )
+        return pb.ClaimReplyResponse(
+            result=_CLAIM_RESULTS[outcome.result],
+            status=status_out(subject, outcome.stored),
+            delivery=delivery_out(outcome.delivery) if outcome.delivery is not None else None,
+        )
+
+    async def _record_outgoing(self, caller: Caller, request: pb.RecordOutgoingRequest) -> pb.RecordOutgoingResponse:
+        outcome = await self._engine.record_outgoing(
+            caller,
+            request_id=request.request_id,
+            mailbox=request.mailbox,
+            notification_id=request.notification_id,
+            message_id=request.message_id,
+            thread_id=request.thread_id,
+            sent_ms=time_in(request, "sent_at", "sent_at"),
+            sender=request.sender,
+        )
+        return pb.RecordOutgoingResponse(
+            result=_OUTGOING_RESULTS[outcome.result],
+            subjects=[status_out(subject, stored) for subject, stored in outcome.subjects],
+            delivery=delivery_out(outcome.delivery) if outcome.delivery is not None else None,
+        )
+
+    async def _renew_claim(self, caller: Caller, request: pb.RenewClaimRequest) -> pb.RenewClaimResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.renew(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+            ttl_seconds=request.ttl_seconds,
+        )
+        return pb.RenewClaimResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    async def _release_claim(self, caller: Caller, request: pb.ReleaseClaimRequest) -> pb.ReleaseClaimResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.release(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+            redeliverable=request.redeliverable,
+        )
+        return pb.ReleaseClaimResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    async def _begin_send(self, caller: Caller, request: pb.BeginSendRequest) -> pb.BeginSendResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.begin_send(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+        )
+        return pb.BeginSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    async def _confirm_sent(self, caller: Caller, request: pb.ConfirmSentRequest) -> pb.ConfirmSentResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.confirm_sent(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+            sent_message_id=request.sent_message_id,
+        )
+        return pb.ConfirmSentResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    async def _abort_send(self, caller: Caller, request: pb.AbortSendRequest) -> pb.AbortSendResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.abort_send(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+            reason=request.reason,
+            redeliverable=request.redeliverable,
+        )
+        return pb.AbortSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    async def _mark_replied(self, caller: Caller, request: pb.MarkRepliedRequest) -> pb.MarkRepliedResponse:
+        subject = subject_in(request.subject)
+        result, stored = await self._engine.mark_replied(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            token=request.fencing_token,
+            sent_message_id=request.sent_message_id,
+            note=request.note,
+        )
+        return pb.MarkRepliedResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    async def _get_status(self, caller: Caller, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
+        subject = subject_in(request.subject)
+        return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(caller, subject)))
+
+    async def _get_caller(self, caller: Caller, request: pb.GetCallerRequest) -> pb.GetCallerResponse:
+        development = isinstance(self.authenticator, DevelopmentAuthenticator)
+        grants = caller.grants
+        # A token principal's grants say what it was given; anything else (development mode) has every right.
+        granted = grants if isinstance(grants, MailboxGrants) else ALL_ACCESS
+        admin = "admin" in granted.role_names
+        return pb.GetCallerResponse(
+            principal=caller.principal,
+            kind=_HOLDER_KINDS_OUT[caller.kind],
+            roles=sorted(ROLES if admin else granted.role_names),
+            mailboxes=["*"] if admin else list(granted.patterns),
+            development_mode=development,
+        )
+
+    async def _list_claims(self, caller: Caller, request: pb.ListClaimsRequest) -> pb.ListClaimsResponse:
+        states = set()
+        for state in request.states:
+            if state not in _STATES_IN:
+                raise InvalidArgument("states", f"{state} is not a SubjectState")
+            states.add(_STATES_IN[state])
+        page = await self._engine.list_claims(
+            caller,
+            mailbox=request.mailbox,
+            states=frozenset(states),
+            page_size=request.page_size,
+            page_token=request.page_token or None,
+        )
+        return pb.ListClaimsResponse(
+            subjects=[status_out(subject, stored) for subject, stored in page.subjects],
+            next_page_token=page.next_token or "",
+            revision=page.revision,
+        )
+
+    async def _list_recent_messages(
+        self, caller: Caller, request: pb.ListRecentMessagesRequest
+    ) -> pb.ListRecentMessagesResponse:
+        deliveries = await self._engine.recent_messages(
+            caller, mailbox=request.mailbox, query=request.query, page_size=request.page_size
+        )
+        return pb.ListRecentMessagesResponse(
+            messages=[
+                pb.RecentMessage(
+                    subject=subject_out(delivery.subject),
+                    summary=summary_out(delivery.summary),
+                    first_seen_at=_timestamp(delivery.recorded_ms),
+                    seen_by=delivery.recorded_by,
+                )
+                for delivery in deliveries
+                if delivery.subject is not None
+            ]
+        )
+
+    async def _takeover(self, caller: Caller, request: pb.TakeoverRequest) -> pb.TakeoverResponse:
+        subject = subject_in(request.subject)
+        outcome = await self._engine.takeover(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            ttl_seconds=request.ttl_seconds,
+            note=request.note,
+            summary=summary_in(request.summary),
+            from_person=request.from_person,
+        )
+        return pb.TakeoverResponse(
+            result=_TAKEOVER_RESULTS[outcome.result],
+            status=status_out(subject, outcome.stored),
+            previous_holder=outcome.previous_holder,
+            previous_token=outcome.previous_token,
+        )
+
+    async def _resolve_in_doubt(self, caller: Caller, request: pb.ResolveInDoubtRequest) -> pb.ResolveInDoubtResponse:
+        subject = subject_in(request.subject)
+        outcome = _RESOLVE_OUTCOMES.get(request.outcome)
+        if outcome is None:
+            raise InvalidArgument("outcome", "must be OUTCOME_SENT or OUTCOME_NOT_SENT")
+        stored = await self._engine.resolve_in_doubt(
+            caller,
+            request_id=request.request_id,
+            subject=subject,
+            outcome=outcome,
+            sent_message_id=request.sent_message_id,
+            note=request.note,
+        )
+        return pb.ResolveInDoubtResponse(status=status_out(subject, stored))
+
+    RecordDelivery = _unary(_record_delivery)
+    ClaimReply = _unary(_claim_reply)
+    RenewClaim = _unary(_renew_claim)
+    ReleaseClaim = _unary(_release_claim)
+    BeginSend = _unary(_begin_send)
+    ConfirmSent = _unary(_confirm_sent)
+    AbortSend = _unary(_abort_send)
+    GetStatus = _unary(_get_status)
+    ListClaims = _unary(_list_claims)
+    ListRecentMessages = _unary(_list_recent_messages)
+    Takeover = _unary(_takeover)
+    ResolveInDoubt = _unary(_resolve_in_doubt)
+    MarkReplied = _unary(_mark_replied)
+    RecordOutgoing = _unary(_record_outgoing)
+    GetCaller = _unary(_get_caller)
+
+    # The generated base declares a response iterator; a handler that writes with context.write returns None.
+    async def Watch(  # type: ignore[override]
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        # Written with context.write, not as an async generator: a generator's messages are written by gRPC,
+        # which gives no way to bound how long one write may wait for a client that stopped reading.
+        try:
+            caller = self._authenticate(context)
+            if not self._watches.acquire(caller.principal):
+                raise ResourceExhausted(
+                    f"principal {caller.principal!r} already has {self.quotas.max_watches} watches open, the limit; "
+                    "close one first",
+                    1.0,
+                    reason="TOO_MANY_WATCHES",
+                )
+            # The slot is held until the call is over for gRPC, not just for this handler: a stream ended for
+            # being slow still holds buffers until its client reads its status or goes away.
+            # grpc-stubs declare the callback type as a class, where any callable of the context will do.
+            context.add_done_callback(lambda _context: self._watches.release(caller.principal))  # type: ignore[arg-type]
+            watch = self._engine.watch(
+                caller, request.mailbox, request.after_revision, max_lag_s=self.quotas.watch_drain_timeout_s
+            )
+            async with contextlib.aclosing(watch) as items:
+                drain = _DrainWatch(
+                    self.quotas.watch_drain_timeout_s,
+                    items,
+                    f"Watch of mailbox {request.mailbox!r} by {caller.principal!r}",
+                    self._pacer,
+                    caller.principal,
+                )
+                guard = asyncio.create_task(drain.guard(), name="watch drain guard")
+                try:
+                    async for item in items:
+                        message: pb.WatchResponse | Encoded
+                        if isinstance(item, Snapshot):
+                            message = pb.WatchResponse(
+                                snapshot=pb.WatchSnapshot(
+                                    subjects=[status_out(subject, stored) for subject, stored in item.subjects],
+                                    revision=item.revision,
+                                )
+                            )
+                        else:
+                            message = self._encoded_events(item)
+                        await drain.write(context, message)
+                finally:
+                    guard.cancel()
+                drain.raise_if_slow()
+        except SlowConsumer as error:
+            # Not context.abort(): it awaits sending the status, which waits behind the messages the client is
+            # not reading, and an awaited gRPC batch must never be left to be cancelled (see _DrainWatch). Set
+            # here, the status goes out after the buffered messages, when the client reads or goes away.
+            context.set_code(_STATUS_CODES[SlowConsumer])
+            context.set_details(str(error))
+        except CoordinatorError as error:
+            await _abort(context, error)
+
+    async def Batch(self, request: pb.BatchRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.BatchResponse:
+        calls = request.calls
+        try:
+            if len(calls) > BATCH_MAX_CALLS:
+                raise InvalidArgument("calls", f"has {len(calls)} calls; the limit is {BATCH_MAX_CALLS} per batch")
+            caller = self._authenticate(context, max(len(calls), 1))
+        except CoordinatorError as error:
+            await _abort(context, error)
+        started = time.perf_counter()
+        fields = [call.WhichOneof("call") for call in calls]
+        # One deadline for the batch, not one timer per call: they all started together.
+        tasks = [
+            asyncio.create_task(self._batch_call(caller, field, getattr(call, field) if field else None, started))
+            for call, field in zip(calls, fields, strict=True)
+        ]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.quotas.call_deadline_s)
+        results = []
+        for call, field, task in zip(calls, fields, tasks, strict=True):
+            if task.done():
+                response, refusal, seconds = task.result()
+            else:
+                task.cancel()
+                response, seconds = None, time.perf_counter() - started
+                refusal = pb.CallError(
+                    code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                    message=_deadline_message(self.quotas.call_deadline_s),
+                    reason=CALL_DEADLINE_REASON,
+                )
+            if self.batch_observer is not None:
+                path = _BATCH_PATHS.get(field or "", _BATCH_PATH)
+                request_message = getattr(call, field) if field is not None else None
+                self.batch_observer.batch_call(path, request_message, response, refusal, seconds, context)
+            if refusal is not None or field is None:
+                results.append(pb.BatchResult(error=refusal))
+            else:
+                results.append(pb.BatchResult(**{field: response}))
+        return pb.BatchResponse(results=results)
+
+    async def _batch_call(
+        self, caller: Caller, field: str | None, request: Any, started: float
+    ) -> tuple[Any, pb.CallError | None, float]:
+        """One call of a batch: its response or its error (as the unary call's status), and its duration."""
+        try:
+            if field is None:
+                raise InvalidArgument("calls[].call", "is empty; set one of the request fields")
+            response = await _BATCH_CALLS[field](self, caller, request)
+            return response, None, time.perf_counter() - started
+        except CoordinatorError as failure:
+            refused = pb.CallError(code=status_code(failure).value[0], message=str(failure), reason=failure.reason)
+            retry_after = retry_after_ms(failure)
+            if retry_after is not None:
+                refused.retry_after_ms = retry_after
+        except Exception:
+            # One call's bug must not cost the other calls their answers; it is logged like an unary one's.
+            log.exception("a %s call of a batch failed", field)
+            refused = pb.CallError(
+                code=grpc.StatusCode.INTERNAL.value[0], message=INTERNAL_ERROR_MESSAGE, reason=INTERNAL_REASON
+            )
+        return None, refused, time.perf_counter() - started
+
+
+# The calls a Batch may carry: its oneof field -> the handler of the unary RPC of the same name.
+_BATCH_CALLS: dict[str, Handler[Any, Any]] = {
+    "record_delivery": CoordinatorServicer._record_delivery,
+    "claim_reply": CoordinatorServicer._claim_reply,
+    "renew_claim": CoordinatorServicer._renew_claim,
+    "release_claim": CoordinatorServicer._release_claim,
+    "begin_send": CoordinatorServicer._begin_send,
+    "confirm_sent": CoordinatorServicer._confirm_sent,
+    "abort_send": CoordinatorServicer._abort_send,
+    "get_status": CoordinatorServicer._get_status,
+    "mark_replied": CoordinatorServicer._mark_replied,
+    "record_outgoing": CoordinatorServicer._record_outgoing,
+}
+# Each carried call is observed under the path of the unary RPC it stands for: /<service>/ClaimReply.
+_BATCH_PATHS = {field: f"/{SERVICE_NAME}/{field.title().replace('_', '')}" for field in _BATCH_CALLS}
+_BATCH_PATH = f"/{SERVICE_NAME}/Batch"

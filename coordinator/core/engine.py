@@ -1,0 +1,784 @@
+"""The use cases: each call validates its input, asks the domain what to do and has the store do it.
+
+Nothing here knows etcd (that is the store) or protobuf (that is the service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from coordinator.core import domain, limits
+from coordinator.core.domain import (
+    Caller,
+    ClaimResult,
+    DeliveryRecord,
+    EndMark,
+    EventType,
+    FenceResult,
+    OutgoingResult,
+    OutsideReply,
+    ResolveOutcome,
+    Rules,
+    State,
+    Stored,
+    Subject,
+    SubjectKind,
+    Summary,
+    TakeoverResult,
+    ThreadLink,
+    Transition,
+)
+from coordinator.core.errors import InvalidArgument, SlowConsumer, StoreConflict, StoreUnavailable
+from coordinator.core.memo import LastConverted
+from coordinator.core.storage import Change, FeedLost, Store, encode_cursor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClaimOutcome:
+    result: ClaimResult
+    stored: Stored | None
+    delivery: DeliveryRecord | None = None
+
+
+@dataclass(frozen=True)
+class OutgoingOutcome:
+    result: OutgoingResult
+    subjects: tuple[tuple[Subject, Stored | None], ...] = ()
+    delivery: DeliveryRecord | None = None
+
+
+@dataclass(frozen=True)
+class TakeoverOutcome:
+    result: TakeoverResult
+    stored: Stored | None
+    previous_holder: str = ""
+    previous_token: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    subjects: list[tuple[Subject, Stored]]
+    revision: int
+
+
+@dataclass(frozen=True)
+class Event:
+    type: EventType
+    change: Change
+
+
+@dataclass(frozen=True)
+class Page:
+    subjects: list[tuple[Subject, Stored]]
+    next_token: str | None
+    revision: int
+
+
+def _check_subject(caller: Caller, subject: Subject) -> None:
+    limits.check_text("subject.mailbox", subject.mailbox, limits.MAILBOX_MAX_BYTES, required=True)
+    limits.check_text("subject.id", subject.id, limits.SUBJECT_ID_MAX_BYTES, required=True)
+    domain.authorize_mailbox(caller, subject.mailbox)
+
+
+def _check_mailbox(caller: Caller, mailbox: str) -> None:
+    limits.check_text("mailbox", mailbox, limits.MAILBOX_MAX_BYTES, required=True)
+    domain.authorize_mailbox(caller, mailbox)
+
+
+def _check_request_id(request_id: str) -> None:
+    limits.check_text("request_id", request_id, limits.REQUEST_ID_MAX_BYTES, required=True)
+
+
+def _checked_summary(summary: Summary | None) -> Summary | None:
+    """The summary as it is stored: within its limits, and without invisible formatting (see limits)."""
+    if summary is None:
+        return None
+    limits.check_text(
+        "summary.subject_line", summary.subject_line, limits.SUMMARY_SUBJECT_LINE_MAX_BYTES, required=False
+    )
+    limits.check_text("summary.sender", summary.sender, limits.SUMMARY_SENDER_MAX_BYTES, required=False)
+    if summary.received_ms is not None and summary.received_ms < 0:
+        raise InvalidArgument("summary.received_at", "is before 1970; leave it unset when unknown")
+    subject_line = limits.without_invisible_formatting(summary.subject_line)
+    sender = limits.without_invisible_formatting(summary.sender)
+    if (subject_line, sender) == (summary.subject_line, summary.sender):
+        return summary
+    return dataclasses.replace(summary, subject_line=subject_line, sender=sender)
+
+
+def _thread_link(subject: Subject, thread_id: str, received_ms: int | None) -> ThreadLink | None:
+    """ClaimReply's thread and received time, both or neither; a thread subject is its own thread."""
+    limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=False)
+    limits.check_time_ms("received_at", received_ms, required=False)
+    if subject.kind is SubjectKind.THREAD:
+        if thread_id and thread_id != subject.id:
+            raise InvalidArgument("thread_id", "names another thread than the thread subject; leave it empty")
+        if received_ms is None and not thread_id:
+            return None  # a thread claim without the time of the message it was made for is in no thread
+        thread_id = subject.id
+    if not thread_id and received_ms is None:
+        return None
+    if received_ms is None:
+        raise InvalidArgument(
+            "received_at",
+            "is required with thread_id: a reply written outside the coordinator answers the messages of its "
+            "thread received before it",
+        )
+    if not thread_id:
+        raise InvalidArgument("thread_id", "is required with received_at (the message's thread)")
+    return ThreadLink(thread_id, received_ms)
+
+
+def _check_fenced_call(caller: Caller, request_id: str, subject: Subject, token: int) -> None:
+    """What every call carrying a fencing token checks first, in the order its errors name the fields."""
+    _check_request_id(request_id)
+    _check_subject(caller, subject)
+    if token <= 0:
+        raise InvalidArgument("fencing_token", "is required: pass the token ClaimReply granted (a positive number)")
+
+
+def _statuses(
+    view: domain.ThreadView, subjects: Iterable[Subject], written: dict[Subject, Stored]
+) -> tuple[tuple[Subject, Stored | None], ...]:
+    """The answer's subjects, as written now or as the view read them."""
+    read = {entry.subject: entry.stored for entry in view.entries}
+    return tuple((subject, written[subject] if subject in written else read.get(subject)) for subject in subjects)
+
+
+def _events(changes: Iterable[Change]) -> Iterator[Event]:
+    for change in changes:
+        event_type = domain.classify_change(change.previous, change.now, change.end)
+        if event_type is not None:
+            yield Event(event_type, change)
+
+
+# How often a takeover takes over again when an agent claimed between its two steps.
+_TAKEOVER_ROUNDS = 3
+# How often a ClaimReply decides again when the thread's latest outside reply changed under it.
+_CLAIM_ROUNDS = 4
+# How often RecordOutgoing reads and decides again when its thread changed under it.
+_OUTGOING_ROUNDS = 32
+# Subjects rewritten per RecordOutgoing transaction, within etcd's 128 operations per transaction; a thread with
+# more is answered in several, each deciding on what the one before left.
+OUTGOING_WRITES_PER_TXN = 100
+
+
+class Engine:
+    def __init__(self, store: Store, rules: Rules, clock: Callable[[], int]) -> None:
+        self.store = store
+        self.rules = rules
+        # Every watcher of a mailbox gets the same batch from the feed: its events are made once, for all.
+        self._shared_events: LastConverted[list[Change], list[Event]] = LastConverted(lambda b: list(_events(b)))
+        self._clock = clock
+
+    # --- deliveries and claims -----------------------------------------------------------------------------
+
+    async def record_delivery(
+        self, caller: Caller, *, request_id: str, mailbox: str, notification_id: str
+    ) -> tuple[bool, DeliveryRecord]:
+        """(True, the new record) on a first sighting; (False, the first record) for a duplicate."""
+        _check_request_id(request_id)
+        _check_mailbox(caller, mailbox)
+        limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=True)
+        now = self._clock()
+        record = domain.new_delivery(
+            self.rules,
+            caller,
+            mailbox=mailbox,
+            notification_id=notification_id,
+            request_id=request_id,
+            now_ms=now,
+            subject=None,
+        )
+        earlier = await self.store.record_delivery(record, self.rules.delivery_expiry(now))
+        if earlier is None or domain.is_own_delivery(earlier, caller, request_id):
+            return True, earlier or record
+        return False, earlier
+
+    async def claim_reply(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        notification_id: str,
+        ttl_seconds: int,
+        note: str,
+        summary: Summary | None = None,
+        thread_id: str = "",
+        received_ms: int | None = None,
+    ) -> ClaimOutcome:
+        _check_request_id(request_id)
+        _check_subject(caller, subject)
+        limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
+        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        summary = _checked_summary(summary)
+        link = _thread_link(subject, thread_id, received_ms)
+        ttl = self.rules.limits.ttl(ttl_seconds)
+        now = self._clock()
+        arguments = domain.fingerprint("ClaimReply", subject, notification_id, ttl, note)
+        record = domain.new_claim(
+            self.rules,
+            caller,
+            ttl_seconds=ttl,
+            note=note,
+            request_id=request_id,
+            now_ms=now,
+            fingerprint=arguments,
+            summary=summary,
+            received_ms=link.received_ms if link is not None else None,
+        )
+        delivery = (
+            domain.new_delivery(
+                self.rules,
+                caller,
+                mailbox=subject.mailbox,
+                notification_id=notification_id,
+                request_id=request_id,
+                now_ms=now,
+                subject=subject,
+                summary=summary,
+            )
+            if notification_id
+            else None
+        )
+        candidate = record
+        outside_revision = 0
+        for _ in range(_CLAIM_ROUNDS):
+            attempt = await self.store.claim(
+                subject,
+                candidate,
+                delivery,
+                self.rules.delivery_expiry(now),
+                thread=link,
+                # As long as a delivery record: past that no copy of the claim's send comes back, and a claim
+                # does not stay CLAIMED for a day; the thread's record of an outside reply lasts longer.
+                thread_expires_ms=self.rules.delivery_expiry(now),
+                outside_revision=outside_revision,
+            )
+            if attempt.created is not None:
+                answered = attempt.created.record.replied_outside
+                return ClaimOutcome(ClaimResult.ALREADY_REPLIED if answered else ClaimResult.GRANTED, attempt.created)
+            if attempt.delivery is not None and domain.is_duplicate_delivery(
+                attempt.delivery, subject, attempt.current, attempt.end, caller, request_id, attempt.delivery_revision
+            ):
+                return ClaimOutcome(ClaimResult.DUPLICATE_DELIVERY, None, attempt.delivery)
+            if attempt.current is not None:
+                conflict = domain.claim_conflict(attempt.current, caller, request_id, arguments)
+                return ClaimOutcome(conflict, attempt.current)
+            if link is not None and attempt.outside_revision != outside_revision:
+                # The thread's latest reply written outside is not the one decided on: did it answer this message?
+                outside_revision = attempt.outside_revision
+                mark = attempt.outside
+                answered_by = mark if mark is not None and domain.answered_before(mark, link) else None
+                candidate = (
+                    record
+                    if answered_by is None
+                    else domain.answered_outside(self.rules, None, answered_by, now, summary) or record
+                )
+                continue
+            # The delivery is recorded but the subject is free: either our own retry whose first answer was
+            # lost, or a redelivery after the claim it led to lapsed (its holder crashed). Claim again.
+            delivery = None
+        raise StoreConflict(f"the thread of {subject.id!r} kept changing while this ClaimReply ran; retry it")
+
+    async def record_outgoing(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        mailbox: str,
+        notification_id: str,
+        message_id: str,
+        thread_id: str,
+        sent_ms: int | None,
+        sender: str,
+    ) -> OutgoingOutcome:
+        """A message the mailbox sent: the mailbox's own reply, or one written outside the coordinator, which
+        answers the messages of its thread received before it (docs/design.md#replies-written-outside)."""
+        _check_request_id(request_id)
+        _check_mailbox(caller, mailbox)
+        limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
+        limits.check_text("message_id", message_id, limits.MESSAGE_ID_MAX_BYTES, required=True)
+        limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=True)
+        sent = limits.check_time_ms("sent_at", sent_ms, required=True)
+        assert sent is not None
+        limits.check_text("sender", sender, limits.SENDER_MAX_BYTES, required=False)
+        now = self._clock()
+        arguments = domain.fingerprint("RecordOutgoing", mailbox, notification_id, message_id, thread_id, sent, sender)
+        reply = OutsideReply(sender, sent, message_id, caller.principal)
+        first_result: OutgoingResult | None = None
+        for _ in range(_OUTGOING_ROUNDS):
+            view = await self.store.read_thread(mailbox, thread_id, notification_id or None)
+            seen = view.delivery
+            if seen is not None:
+                if seen.outgoing is None or not domain.is_own_delivery(seen, caller, request_id):
+                    return OutgoingOutcome(OutgoingResult.DUPLICATE_DELIVERY, (), seen)
+                domain.is_retry(seen.request_id, seen.fingerprint, request_id, arguments, "RecordOutgoing")
+                if first_result is None:  # a retry: its first attempt's answer, from what that attempt left
+                    subjects = domain.recorded_answer(view, seen.outgoing, message_id)
+                    return OutgoingOutcome(seen.outgoing, _statuses(view, subjects, {}))
+            plan = domain.plan_outgoing(self.rules, view, reply, now)
+            result = first_result or plan.result  # once a round committed, its answer is the call's
+            writes = plan.writes[:OUTGOING_WRITES_PER_TXN]
+            delivery = (
+                domain.new_delivery(
+                    self.rules,
+                    caller,
+                    mailbox=mailbox,
+                    notification_id=notification_id,
+                    request_id=request_id,
+                    now_ms=now,
+                    subject=None,
+                    outgoing=result,
+                    fingerprint=arguments,
+                )
+                if notification_id and seen is None
+                else None
+            )
+            if not writes and plan.mark is None and delivery is None:
+                return OutgoingOutcome(result, _statuses(view, plan.subjects, {}))
+            written = await self.store.commit_outgoing(
+                mailbox,
+                thread_id,
+                view,
+                writes,
+                plan.mark,
+                self.rules.reply_expiry(now),
+                delivery,
+                self.rules.delivery_expiry(now),
+            )
+            if written is None:
+                log.debug("RecordOutgoing on thread %r of %r lost a race; deciding again", thread_id, mailbox)
+                continue
+            if len(plan.writes) <= len(writes):
+                return OutgoingOutcome(result, _statuses(view, plan.subjects, written))
+            # More subjects than one transaction takes: the next round decides on what this one left.
+            first_result = result
+        raise StoreConflict(f"the thread {thread_id!r} kept changing while this RecordOutgoing ran; retry it")
+
+    # --- calls with a fencing token ------------------------------------------------------------------------
+
+    async def renew(
+        self, caller: Caller, *, request_id: str, subject: Subject, token: int, ttl_seconds: int
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, request_id, subject, token)
+        ttl = self.rules.limits.ttl(ttl_seconds)
+        arguments = domain.fingerprint("RenewClaim", subject, token, ttl)
+        return await self._apply(
+            subject,
+            lambda current, _end: domain.renew(
+                self.rules,
+                current,
+                caller,
+                token=token,
+                ttl_seconds=ttl,
+                now_ms=self._clock(),
+                request_id=request_id,
+                request_fingerprint=arguments,
+            ),
+            from_recent_write=True,
+        )
+
+    async def release(
+        self, caller: Caller, *, request_id: str, subject: Subject, token: int, redeliverable: bool = False
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, request_id, subject, token)
+        arguments = domain.fingerprint("ReleaseClaim", subject, token, redeliverable)
+        return await self._apply(
+            subject,
+            lambda current, end: domain.release(
+                current,
+                end,
+                caller,
+                token=token,
+                request_id=request_id,
+                now_ms=self._clock(),
+                redeliverable=redeliverable,
+                request_fingerprint=arguments,
+            ),
+        )
+
+    async def begin_send(
+        self, caller: Caller, *, request_id: str, subject: Subject, token: int
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, request_id, subject, token)
+        arguments = domain.fingerprint("BeginSend", subject, token)
+        now = self._clock()
+        transition, after = await self.store.apply(
+            subject,
+            lambda current, _end: domain.begin_send(
+                self.rules,
+                current,
+                caller,
+                token=token,
+                now_ms=now,
+                request_id=request_id,
+                request_fingerprint=arguments,
+            ),
+            self.rules.end_mark_expiry(now),
+            send_marker_expires_ms=self.rules.send_marker_expiry(now),
+            from_recent_write=True,
+        )
+        return transition.result, after
+
+    async def confirm_sent(
+        self, caller: Caller, *, request_id: str, subject: Subject, token: int, sent_message_id: str
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, request_id, subject, token)
+        limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
+        arguments = domain.fingerprint("ConfirmSent", subject, token, sent_message_id)
+        return await self._apply(
+            subject,
+            lambda current, _end: domain.confirm_sent(
+                self.rules,
+                current,
+                caller,
+                token=token,
+                sent_message_id=sent_message_id,
+                now_ms=self._clock(),
+                request_id=request_id,
+                request_fingerprint=arguments,
+            ),
+            from_recent_write=True,
+        )
+
+    async def mark_replied(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        token: int,
+        sent_message_id: str,
+        note: str,
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, request_id, subject, token)
+        limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
+        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        arguments = domain.fingerprint("MarkReplied", subject, token, sent_message_id, note)
+        return await self._apply(
+            subject,
+            lambda current, _end: domain.mark_replied(
+                self.rules,
+                current,
+                caller,
+                token=token,
+                sent_message_id=sent_message_id,
+                note=note,
+                request_id=request_id,
+                now_ms=self._clock(),
+                request_fingerprint=arguments,
+            ),
+            from_recent_write=True,
+        )
+
+    async def abort_send(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        token: int,
+        reason: str,
+        redeliverable: bool = False,
+    ) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, request_id, subject, token)
+        limits.check_text("reason", reason, limits.NOTE_MAX_BYTES, required=False)
+        arguments = domain.fingerprint("AbortSend", subject, token, reason, redeliverable)
+        return await self._apply(
+            subject,
+            lambda current, end: domain.abort_send(
+                self.rules,
+                current,
+                end,
+                caller,
+                token=token,
+                reason=reason,
+                request_id=request_id,
+                now_ms=self._clock(),
+                redeliverable=redeliverable,
+                request_fingerprint=arguments,
+            ),
+        )
+
+    async def _apply(
+        self,
+        subject: Subject,
+        decide: Callable[[Stored | None, EndMark | None], Transition],
+        *,
+        from_recent_write: bool = False,
+    ) -> tuple[FenceResult, Stored | None]:
+        transition, after = await self.store.apply(
+            subject, decide, self._end_mark_expiry(), from_recent_write=from_recent_write
+        )
+        return transition.result, after
+
+    def _end_mark_expiry(self) -> int:
+        return self.rules.end_mark_expiry(self._clock())
+
+    # --- reads ---------------------------------------------------------------------------------------------
+
+    async def status(self, caller: Caller, subject: Subject) -> Stored | None:
+        _check_subject(caller, subject)
+        return await self.store.status(subject)
+
+    async def list_claims(
+        self, caller: Caller, *, mailbox: str, states: frozenset[State], page_size: int, page_token: str | None
+    ) -> Page:
+        """``page_token``: an opaque cursor the store issued (INVALID_ARGUMENT when it is not this mailbox's)."""
+        _check_mailbox(caller, mailbox)
+        size = limits.check_page_size(page_size)
+        wanted = states or frozenset(State) - {State.FREE}
+        # Unfiltered, every subject read is listed: one range of the page's size. Filtered, most may not be, so
+        # the mailbox is read in ranges of LIST_RANGE_SUBJECTS, at most LIST_RANGES_PER_PAGE of them a page (one
+        # subject per round trip took 4.7 s for page_size 1 on 6,000 subjects); a page that ends on that bound
+        # holds fewer than ``size`` (none, even) and a token that goes on from the last subject read.
+        limit = max(size, limits.LIST_RANGE_SUBJECTS) if states else size
+        found: list[tuple[Subject, Stored]] = []
+        cursor = page_token
+        revision = 0
+        for _ in range(limits.LIST_RANGES_PER_PAGE):
+            items, last, revision = await self.store.list_subjects(
+                mailbox, cursor=cursor, limit=limit, revision=revision
+            )
+            for index, item in enumerate(items):
+                if item[1].record.state in wanted:
+                    found.append(item)
+                    if len(found) == size:
+                        more = last is not None or index < len(items) - 1
+                        return Page(found, encode_cursor(item[0]) if more else None, revision)
+            if last is None:
+                return Page(found, None, revision)
+            cursor = last
+        return Page(found, cursor, revision)
+
+    async def recent_messages(
+        self, caller: Caller, *, mailbox: str, query: str, page_size: int
+    ) -> list[DeliveryRecord]:
+        """The mailbox's recently delivered messages, newest first, one per subject, whose summary or id contains
+        ``query`` (case-insensitive): the deliveries ClaimReply recorded, among the newest
+        RECENT_DELIVERIES_READ_MAX of them."""
+        _check_mailbox(caller, mailbox)
+        limits.check_text("query", query, limits.RECENT_QUERY_MAX_BYTES, required=False)
+        size = limits.check_page_size(page_size, limits.RECENT_PAGE_SIZE_DEFAULT, limits.RECENT_PAGE_SIZE_MAX)
+        wanted = query.casefold()
+        seen: set[Subject] = set()
+        found: list[DeliveryRecord] = []
+        for delivery in await self.store.recent_deliveries(mailbox, limits.RECENT_DELIVERIES_READ_MAX):
+            subject = delivery.subject
+            if subject is None or subject in seen:
+                continue
+            seen.add(subject)
+            summary = delivery.summary or domain.Summary()
+            if wanted and not any(
+                wanted in text.casefold() for text in (summary.subject_line, summary.sender, subject.id)
+            ):
+                continue
+            found.append(delivery)
+            if len(found) == size:
+                break
+        return found
+
+    # --- humans --------------------------------------------------------------------------------------------
+
+    async def takeover(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        ttl_seconds: int,
+        note: str,
+        summary: Summary | None = None,
+        from_person: str = "",
+    ) -> TakeoverOutcome:
+        domain.require_human(caller)
+        domain.require_role(caller, "takeover", "Takeover")
+        _check_request_id(request_id)
+        _check_subject(caller, subject)
+        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        limits.check_text("from_person", from_person, limits.PRINCIPAL_MAX_BYTES, required=False)
+        summary = _checked_summary(summary)
+        ttl = self.rules.limits.ttl(ttl_seconds)
+        # from_person only when given: a retry from a client that never sends it keeps its fingerprint.
+        arguments = domain.fingerprint("Takeover", subject, ttl, note, *([from_person] if from_person else []))
+        if not summary:
+            # A person taking over from a terminal rarely knows the subject line; the agent's claim does.
+            before = await self.store.status(subject)
+            summary = before.record.summary if before is not None else None
+        record = domain.new_claim(
+            self.rules,
+            caller,
+            ttl_seconds=ttl,
+            note=note,
+            request_id=request_id,
+            now_ms=self._clock(),
+            fingerprint=arguments,
+            summary=summary,
+        )
+        previous: EndMark | None = None
+        outcome: TakeoverOutcome | None = None
+        # Two steps, because etcd refuses to delete and create one key in one transaction, and the new token must
+        # be a new create revision. An agent may claim in between: then its claim is taken over too, a few times
+        # at most; a human who claims in between keeps it (HELD), unless it is the colleague named in from_person.
+        for _ in range(_TAKEOVER_ROUNDS):
+            retried = False
+
+            def decide(current: Stored | None, end: EndMark | None) -> Transition:
+                # A retry of this request: its claim stands (answer it again), or only its first step landed.
+                nonlocal previous, retried
+                holds, own_end = domain.own_takeover(current, end, caller, request_id, arguments)
+                previous = previous or own_end
+                retried = holds
+                if holds:
+                    return Transition(FenceResult.OK)
+                return domain.takeover_release(
+                    current,
+                    caller,
+                    request_id=request_id,
+                    now_ms=self._clock(),
+                    request_fingerprint=arguments,
+                    from_person=from_person,
+                )
+
+            transition, current = await self.store.apply(subject, decide, self._end_mark_expiry())
+            previous = previous or transition.end
+            holder, token = (previous.previous_holder, previous.token) if previous else ("", 0)
+            if retried:
+                result = TakeoverResult.TAKEN_OVER if previous else TakeoverResult.GRANTED
+                return TakeoverOutcome(result, current, holder, token)
+            if transition.end is None and current is not None:
+                refusal = domain.takeover_refusal(current, caller, from_person)
+                return TakeoverOutcome(refusal or TakeoverResult.HELD, current, holder, token)
+            attempt = await self.store.claim(subject, record, None, 0)
+            if attempt.created is not None:
+                result = TakeoverResult.TAKEN_OVER if previous else TakeoverResult.GRANTED
+                return TakeoverOutcome(result, attempt.created, holder, token)
+            assert attempt.current is not None
+            refusal = domain.takeover_refusal(attempt.current, caller, from_person)
+            outcome = TakeoverOutcome(refusal or TakeoverResult.HELD, attempt.current, holder, token)
+            if refusal is not None:
+                return outcome
+        assert outcome is not None
+        return outcome
+
+    async def resolve_in_doubt(
+        self,
+        caller: Caller,
+        *,
+        request_id: str,
+        subject: Subject,
+        outcome: ResolveOutcome,
+        sent_message_id: str,
+        note: str,
+    ) -> Stored | None:
+        domain.require_role(caller, "resolve", "ResolveInDoubt")
+        _check_request_id(request_id)
+        _check_subject(caller, subject)
+        limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
+        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        arguments = domain.fingerprint("ResolveInDoubt", subject, outcome, sent_message_id, note)
+        _, after = await self.store.apply(
+            subject,
+            lambda current, end: domain.resolve_in_doubt(
+                self.rules,
+                current,
+                caller,
+                outcome=outcome,
+                sent_message_id=sent_message_id,
+                note=note,
+                request_id=request_id,
+                now_ms=self._clock(),
+                last_end=end,
+                request_fingerprint=arguments,
+            ),
+            self._end_mark_expiry(),
+        )
+        return after
+
+    # --- watch and upkeep ----------------------------------------------------------------------------------
+
+    async def watch(
+        self, caller: Caller, mailbox: str, after_revision: int = 0, *, max_lag_s: float = 10.0
+    ) -> AsyncGenerator[Snapshot | Event, None]:
+        """A snapshot, then every transition; with ``after_revision`` (a reconnecting watcher's last revision),
+        the transitions since then instead of the snapshot, while etcd still has them. A watcher that has more
+        changes waiting every time it takes one, for ``max_lag_s``, is not keeping up: SlowConsumer."""
+        _check_mailbox(caller, mailbox)
+        if after_revision < 0:
+            raise InvalidArgument("after_revision", "must be 0 (start with a snapshot) or a revision the stream sent")
+        async with self.store.subscribe(mailbox) as queue:
+            # Subscribed first: every change after the revision read below reaches the queue.
+            history = await self.store.changes_since(mailbox, after_revision) if after_revision else None
+            if history is not None:
+                changes, revision = history
+                for event in _events(changes):
+                    yield event
+            else:
+                subjects, revision = await self.store.snapshot(mailbox)
+                yield Snapshot(subjects, revision)
+            loop = asyncio.get_running_loop()
+            behind_since: float | None = None
+            while True:
+                batch = await queue.get()
+                if isinstance(batch, FeedLost):
+                    if batch.slow_subscriber:
+                        raise SlowConsumer(str(batch))
+                    raise StoreUnavailable(f"the watch of mailbox {mailbox!r} ended: {batch}; watch again")
+                # Monotonic time, not the injected clock: how far behind a stream is is this process's business.
+                if queue.empty():
+                    behind_since = None
+                elif behind_since is None:
+                    behind_since = loop.time()
+                elif loop.time() - behind_since > max_lag_s:
+                    log.warning(
+                        "Watch of mailbox %r by %r stayed behind its changes for %g s; cut off",
+                        mailbox,
+                        caller.principal,
+                        max_lag_s,
+                    )
+                    raise SlowConsumer(
+                        f"this watcher stayed behind the mailbox's changes for {max_lag_s:g} s (the server's watch "
+                        "drain timeout) and is cut off; watch again: a new Watch starts from a fresh snapshot. "
+                        "A principal's watches share a limit of events per second (the server's "
+                        "--watch-events-per-second): one stream per mailbox keeps up where many fall behind"
+                    )
+                if batch[0].revision > revision:
+                    events: Iterable[Event] = self._shared_events(batch)
+                else:  # (what is not newer is in the snapshot or the history already)
+                    events = list(_events(change for change in batch if change.revision > revision))
+                for event in events:
+                    yield event
+
+    async def sweep_in_doubt(self) -> int:
+        """Moves every SENDING subject whose send marker etcd expired to IN_DOUBT; returns how many it moved."""
+        moved = 0
+        due, swept_revision = await self.store.due_sends()
+        for subject in due:
+            transition, _ = await self.store.apply(
+                subject,
+                lambda current, _end: domain.mark_in_doubt(current, swept_revision=swept_revision),
+                self._end_mark_expiry(),
+                marker_gone=True,
+            )
+            moved += transition.result is FenceResult.OK
+        return moved
+
+    async def run_sweeper(self, interval_s: float = 1.0) -> None:
+        # Sleeps first: the sweep's read (one etcd transaction) stays off the start-up path, and a send whose
+        # marker expired while no replica ran is reported one interval later, well inside the stated bound.
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                moved = await self.sweep_in_doubt()
+                if moved:
+                    log.warning("marked %d subject(s) IN_DOUBT: a send began and was never confirmed", moved)
+            except StoreUnavailable as error:
+                log.warning("IN_DOUBT sweep skipped: %s", error)

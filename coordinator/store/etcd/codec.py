@@ -1,0 +1,210 @@
+"""How records are written as etcd values: compact JSON with one-letter keys, readable with etcdctl.
+
+Values are kept small because etcd's quota bounds reply records times their retention (docs/operations.md,
+"Capacity"): what the key already says (a delivery's mailbox and notification id) is not repeated, empty
+fields are left out, and a REPLIED record keeps only what a reply record is for (who sent what, when).
+
+    subject:   {"s": state, "h": holder, "k": kind, "a": acquired ms, "l": ttl s, "x": expires ms, "n": note,
+                 "r": request id, "f": its arguments' fingerprint, "q": last request id, "g": its fingerprint,
+                 "b": send started ms, "d": send deadline ms, "t": sent ms, "m": sent message id,
+                 "y": 1 when replied by hand (MarkReplied), "v": [subject line, sender, received ms],
+                 "j": 1 when replied outside, "o": the outside reply, "w": the message's received ms,
+                 "e": the outgoing message taken for this send's copy (an outside reply's shape),
+                 "z": who settled it (ResolveInDoubt SENT)}
+    delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id],
+                "o": RecordOutgoing's answer ("own" or "out"), "g": its arguments' fingerprint,
+                "v": [subject line, sender, received ms]}
+    outside reply (a subject's "o", a thread's latest): [sender, sent ms, message id, recorded by, stopped holder]
+    thread entry: {"w": the message's received ms}
+    end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "g": its fingerprint,
+                "t": at ms, "n": detail, "u": 0 when it leaves its notification redeliverable}
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from coordinator.core.domain import (
+    DeliveryRecord,
+    EndMark,
+    EndReason,
+    HolderKind,
+    OutgoingResult,
+    OutsideReply,
+    State,
+    Subject,
+    SubjectKind,
+    SubjectRecord,
+    Summary,
+)
+
+_STATES = {State.CLAIMED: "c", State.SENDING: "s", State.REPLIED: "r", State.IN_DOUBT: "d"}
+_STATES_IN = {code: state for state, code in _STATES.items()}
+_KINDS = {HolderKind.AGENT: "a", HolderKind.HUMAN: "h"}
+_KINDS_IN = {code: kind for kind, code in _KINDS.items()}
+_OUTGOING = {OutgoingResult.OWN_REPLY: "own", OutgoingResult.ANSWERED_OUTSIDE: "out"}
+_OUTGOING_IN = {code: result for result, code in _OUTGOING.items()}
+# What a reply record no longer needs once the reply went out: the claim's bookkeeping.
+# The last request ("q", "g") stays when there is one: only ResolveInDoubt (SENT) leaves one on a reply record.
+_CLAIM_ONLY = ("a", "l", "r", "f", "d")
+
+
+# One encoder for every record: json.dumps with options builds a new JSONEncoder on each call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
+def _dump(data: dict[str, Any]) -> bytes:
+    return _ENCODER.encode({k: v for k, v in data.items() if v not in (None, "")}).encode()
+
+
+def encode_record(record: SubjectRecord) -> bytes:
+    data: dict[str, Any] = {
+        "s": _STATES[record.state],
+        "h": record.holder,
+        "k": _KINDS[record.holder_kind],
+        "a": record.acquired_ms,
+        "l": record.ttl_seconds,
+        "x": record.expires_ms,
+        "n": record.note,
+        "r": record.request_id,
+        "f": record.fingerprint,
+        "q": record.last_request_id,
+        "g": record.last_fingerprint,
+        "b": record.send_started_ms,
+        "d": record.send_deadline_ms,
+        "t": record.sent_ms,
+        "m": record.sent_message_id,
+        "y": 1 if record.replied_by_hand else None,
+        "v": _summary(record.summary),
+        "j": 1 if record.replied_outside else None,
+        "o": _outside(record.outside_reply),
+        "w": record.received_ms,
+        "e": _outside(record.echo),
+        "z": record.settled_by,
+    }
+    if record.state is State.REPLIED:
+        for key in _CLAIM_ONLY:
+            del data[key]
+    return _dump(data)
+
+
+def decode_record(value: bytes) -> SubjectRecord:
+    data = json.loads(value)
+    return SubjectRecord(
+        state=_STATES_IN[data["s"]],
+        holder=data["h"],
+        holder_kind=_KINDS_IN[data["k"]],
+        acquired_ms=data.get("a", 0),
+        ttl_seconds=data.get("l", 0),
+        expires_ms=data.get("x"),
+        note=data.get("n", ""),
+        request_id=data.get("r", ""),
+        fingerprint=data.get("f", ""),
+        last_request_id=data.get("q", ""),
+        last_fingerprint=data.get("g", ""),
+        send_started_ms=data.get("b"),
+        send_deadline_ms=data.get("d"),
+        sent_ms=data.get("t"),
+        sent_message_id=data.get("m", ""),
+        replied_by_hand=bool(data.get("y")),
+        summary=Summary(*data["v"]) if "v" in data else None,
+        replied_outside=bool(data.get("j")),
+        outside_reply=OutsideReply(*data["o"]) if "o" in data else None,
+        received_ms=data.get("w"),
+        echo=OutsideReply(*data["e"]) if "e" in data else None,
+        settled_by=data.get("z", ""),
+    )
+
+
+def _summary(summary: Summary | None) -> list[Any] | None:
+    return [summary.subject_line, summary.sender, summary.received_ms] if summary else None
+
+
+def _outside(reply: OutsideReply | None) -> list[Any] | None:
+    if reply is None:
+        return None
+    return [reply.sender, reply.sent_ms, reply.message_id, reply.recorded_by, reply.stopped_holder]
+
+
+def encode_outside_reply(reply: OutsideReply) -> bytes:
+    return _ENCODER.encode(_outside(reply)).encode()
+
+
+def decode_outside_reply(value: bytes) -> OutsideReply:
+    return OutsideReply(*json.loads(value))
+
+
+def encode_thread_entry(received_ms: int) -> bytes:
+    return _dump({"w": received_ms})
+
+
+def decode_thread_entry(value: bytes) -> int:
+    return int(json.loads(value)["w"])
+
+
+def encode_end_mark(mark: EndMark) -> bytes:
+    return _dump(
+        {
+            "w": mark.reason.value,
+            "b": mark.by,
+            "o": mark.token,
+            "p": mark.previous_holder,
+            "r": mark.request_id,
+            "g": mark.fingerprint,
+            "t": mark.at_ms,
+            "n": mark.detail,
+            "u": None if mark.settles_delivery else 0,
+        }
+    )
+
+
+def decode_end_mark(value: bytes) -> EndMark:
+    data = json.loads(value)
+    return EndMark(
+        reason=EndReason(data["w"]),
+        by=data["b"],
+        token=data["o"],
+        previous_holder=data.get("p", ""),
+        request_id=data.get("r", ""),
+        at_ms=data["t"],
+        detail=data.get("n", ""),
+        settles_delivery="u" not in data,
+        fingerprint=data.get("g", ""),
+    )
+
+
+def encode_delivery(delivery: DeliveryRecord) -> bytes:
+    subject = [delivery.subject.kind.value, delivery.subject.id] if delivery.subject is not None else None
+    outgoing = _OUTGOING[delivery.outgoing] if delivery.outgoing is not None else None
+    return _dump(
+        {
+            "b": delivery.recorded_by,
+            "t": delivery.recorded_ms,
+            "r": delivery.request_id,
+            "s": subject,
+            "o": outgoing,
+            "g": delivery.fingerprint,
+            "v": _summary(delivery.summary),
+        }
+    )
+
+
+def decode_delivery(value: bytes, mailbox: str, notification_id: str) -> DeliveryRecord:
+    """``mailbox`` and ``notification_id`` are those of the key the value was read from."""
+    data = json.loads(value)
+    subject = None
+    if "s" in data:
+        kind, subject_id = data["s"]
+        subject = Subject(mailbox, SubjectKind(kind), subject_id)
+    return DeliveryRecord(
+        mailbox=mailbox,
+        notification_id=notification_id,
+        recorded_by=data["b"],
+        recorded_ms=data["t"],
+        request_id=data.get("r", ""),
+        subject=subject,
+        outgoing=_OUTGOING_IN[data["o"]] if "o" in data else None,
+        fingerprint=data.get("g", ""),
+        summary=Summary(*data["v"]) if "v" in data else None,
+    )

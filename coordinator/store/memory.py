@@ -1,0 +1,377 @@
+"""An in-memory ``Store`` (coordinator/core/storage.py) for fast tests of the engine and the service: the same
+semantics as ``EtcdStore`` where the engine can tell (tests/unit/test_store_contract.py runs the same behaviour
+tests against both, and the etcd-backed suite stays the authority).
+
+- Every write is one atomic step that bumps one global revision counter, as an etcd transaction does: a
+  subject's fencing token is the revision that created it, and a recreated subject gets a larger one.
+- Leases are expiry instants on an injected clock (milliseconds): a key whose instant has passed is deleted, at
+  a revision of its own, before the next operation looks, and watchers see the deletion as etcd's would show.
+- Watches: every change of a mailbox reaches each subscriber's queue in revision order.
+
+Not modelled: reads at a past revision (a listing's later pages read the current state), history compaction,
+etcd's unavailability, group commit and lease buckets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from coordinator.core.domain import (
+    DeliveryRecord,
+    EndMark,
+    OutsideReply,
+    State,
+    Stored,
+    Subject,
+    SubjectRecord,
+    ThreadEntry,
+    ThreadLink,
+    ThreadView,
+    Transition,
+)
+from coordinator.core.errors import InvalidArgument, StoreConflict
+from coordinator.core.storage import (
+    Change,
+    ClaimAttempt,
+    FeedLost,
+    FeedQueue,
+    Listing,
+    StoreStatistics,
+    decode_cursor,
+    encode_cursor,
+    subject_order,
+)
+
+V = TypeVar("V")
+
+
+@dataclass
+class _Leased(Generic[V]):
+    value: V
+    revision: int
+    expires_ms: int | None  # None: no lease
+
+    def expired(self, now_ms: int) -> bool:
+        return self.expires_ms is not None and now_ms >= self.expires_ms
+
+
+@dataclass
+class _Thread:
+    """One thread's keys: its claimed subjects (their messages' received times) and its latest outside reply.
+    ``changed``: the revision of its last write, as the range compare of etcd's RecordOutgoing sees it."""
+
+    entries: dict[Subject, _Leased[int]] = field(default_factory=dict)
+    mark: _Leased[OutsideReply] | None = None
+    changed: int = 0
+
+
+@dataclass
+class _Mailbox:
+    history: list[Change] = field(default_factory=list)
+    subscribers: set[FeedQueue] = field(default_factory=set)
+
+
+class MemoryStore:
+    def __init__(self, clock: Callable[[], int]) -> None:
+        self._clock = clock
+        self._revision = 1
+        self._subjects: dict[Subject, Stored] = {}
+        self._subject_expiry: dict[Subject, int] = {}
+        self._ends: dict[Subject, _Leased[EndMark]] = {}
+        self._deliveries: dict[tuple[str, str], _Leased[DeliveryRecord]] = {}
+        self._sending: set[Subject] = set()
+        self._send_markers: dict[Subject, int] = {}
+        self._mailboxes: dict[str, _Mailbox] = {}
+        self._threads: dict[tuple[str, str], _Thread] = {}
+
+    # --- the write path ------------------------------------------------------------------------------------
+
+    def _next_revision(self) -> int:
+        self._revision += 1
+        return self._revision
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for subject in sorted((s for s, at in self._subject_expiry.items() if now >= at), key=subject_order):
+            previous = self._subjects.pop(subject)
+            del self._subject_expiry[subject]
+            self._publish(Change(subject, previous, None, None, self._next_revision()))
+        for key in [k for k, leased in self._deliveries.items() if leased.expired(now)]:
+            del self._deliveries[key]
+        for subject in [s for s, leased in self._ends.items() if leased.expired(now)]:
+            del self._ends[subject]
+        for subject in [s for s, at in self._send_markers.items() if now >= at]:
+            del self._send_markers[subject]
+        for thread in self._threads.values():
+            for subject in [s for s, leased in thread.entries.items() if leased.expired(now)]:
+                del thread.entries[subject]
+            if thread.mark is not None and thread.mark.expired(now):
+                thread.mark = None
+
+    def _put_subject(self, subject: Subject, stored: Stored) -> None:
+        self._subjects[subject] = stored
+        if stored.record.expires_ms is None:
+            self._subject_expiry.pop(subject, None)
+        else:
+            self._subject_expiry[subject] = stored.record.expires_ms
+
+    def _publish(self, change: Change) -> None:
+        mailbox = self._mailboxes.setdefault(change.subject.mailbox, _Mailbox())
+        mailbox.history.append(change)
+        for queue in list(mailbox.subscribers):
+            try:
+                queue.put_nowait([change])
+            except asyncio.QueueFull:
+                mailbox.subscribers.discard(queue)
+                queue.get_nowait()
+                queue.put_nowait(FeedLost("this watcher fell behind; watch again", slow_subscriber=True))
+
+    # --- Store ---------------------------------------------------------------------------------------------
+
+    async def record_delivery(self, delivery: DeliveryRecord, expires_ms: int) -> DeliveryRecord | None:
+        self._expire()
+        key = (delivery.mailbox, delivery.notification_id)
+        earlier = self._deliveries.get(key)
+        if earlier is not None:
+            return earlier.value
+        self._deliveries[key] = _Leased(delivery, self._next_revision(), expires_ms)
+        return None
+
+    async def claim(
+        self,
+        subject: Subject,
+        record: SubjectRecord,
+        delivery: DeliveryRecord | None,
+        delivery_expires_ms: int,
+        *,
+        thread: ThreadLink | None = None,
+        thread_expires_ms: int = 0,
+        outside_revision: int = 0,
+    ) -> ClaimAttempt:
+        self._expire()
+        current = self._subjects.get(subject)
+        seen = self._deliveries.get((delivery.mailbox, delivery.notification_id)) if delivery is not None else None
+        linked = self._threads.setdefault((subject.mailbox, thread.thread_id), _Thread()) if thread else None
+        mark = linked.mark if linked is not None else None
+        mark_moved = linked is not None and (mark.revision if mark is not None else 0) != outside_revision
+        if current is None and seen is None and not mark_moved:
+            revision = self._next_revision()
+            created = Stored(record, token=revision, revision=revision)
+            self._put_subject(subject, created)
+            if delivery is not None:
+                self._deliveries[(delivery.mailbox, delivery.notification_id)] = _Leased(
+                    delivery, revision, delivery_expires_ms
+                )
+            if thread is not None and linked is not None:
+                linked.entries[subject] = _Leased(thread.received_ms, revision, thread_expires_ms)
+                linked.changed = revision
+            self._publish(Change(subject, None, created, None, revision))
+            return ClaimAttempt(created, None, None)
+        end = self._ends.get(subject) if delivery is not None else None
+        return ClaimAttempt(
+            None,
+            current,
+            seen.value if seen is not None else None,
+            end.value if end is not None else None,
+            seen.revision if seen is not None else 0,
+            mark.value if mark is not None else None,
+            mark.revision if mark is not None else 0,
+        )
+
+    async def read_thread(self, mailbox: str, thread_id: str, notification_id: str | None) -> ThreadView:
+        self._expire()
+        thread = self._threads.get((mailbox, thread_id), _Thread())
+        entries = tuple(
+            ThreadEntry(subject, leased.value, self._subjects.get(subject))
+            for subject, leased in sorted(thread.entries.items(), key=lambda item: subject_order(item[0]))
+        )
+        seen = self._deliveries.get((mailbox, notification_id)) if notification_id else None
+        return ThreadView(
+            entries,
+            thread.mark.value if thread.mark is not None else None,
+            self._revision,
+            thread.mark.revision if thread.mark is not None else 0,
+            seen.value if seen is not None else None,
+        )
+
+    async def commit_outgoing(
+        self,
+        mailbox: str,
+        thread_id: str,
+        view: ThreadView,
+        writes: Sequence[tuple[ThreadEntry, SubjectRecord]],
+        mark: OutsideReply | None,
+        mark_expires_ms: int,
+        delivery: DeliveryRecord | None,
+        delivery_expires_ms: int,
+    ) -> dict[Subject, Stored] | None:
+        self._expire()
+        thread = self._threads.setdefault((mailbox, thread_id), _Thread())
+        unchanged = all(
+            (self._subjects[e.subject].revision if e.subject in self._subjects else None)
+            == (e.stored.revision if e.stored is not None else None)
+            for e, _ in writes
+        )
+        if (
+            thread.changed > view.revision
+            or not unchanged
+            or (delivery is not None and (mailbox, delivery.notification_id) in self._deliveries)
+        ):
+            return None
+        revision = self._next_revision()
+        written = {}
+        for entry, record in writes:
+            previous = self._subjects.get(entry.subject)
+            after = Stored(record, token=previous.token if previous is not None else revision, revision=revision)
+            self._put_subject(entry.subject, after)
+            self._publish(Change(entry.subject, previous, after, None, revision))
+            written[entry.subject] = after
+        if mark is not None:
+            thread.mark = _Leased(mark, revision, mark_expires_ms)
+            thread.changed = revision
+        if delivery is not None:
+            self._deliveries[(mailbox, delivery.notification_id)] = _Leased(delivery, revision, delivery_expires_ms)
+        return written
+
+    async def apply(
+        self,
+        subject: Subject,
+        decide: Callable[[Stored | None, EndMark | None], Transition],
+        end_mark_expires_ms: int,
+        *,
+        send_marker_expires_ms: int = 0,
+        marker_gone: bool = False,
+        from_recent_write: bool = False,
+    ) -> tuple[Transition, Stored | None]:
+        self._expire()
+        current = self._subjects.get(subject)
+        end = self._ends.get(subject)
+        transition = decide(current, end.value if end is not None else None)
+        if transition.write is None and transition.end is None:
+            return transition, current
+        assert current is not None, "a transition always starts from a stored subject"
+        if marker_gone and subject in self._send_markers:
+            raise StoreConflict("the send marker is still there; retry it")
+        revision = self._next_revision()
+        was_sending = current.record.state is State.SENDING
+        will_send = transition.write is not None and transition.write.state is State.SENDING
+        if was_sending and not will_send:
+            self._sending.discard(subject)
+            self._send_markers.pop(subject, None)
+        after = None
+        if transition.write is not None:
+            after = Stored(transition.write, token=current.token, revision=revision)
+            self._put_subject(subject, after)
+            if will_send and not was_sending:
+                self._sending.add(subject)
+                self._send_markers[subject] = send_marker_expires_ms
+        if transition.end is not None:
+            del self._subjects[subject]
+            self._subject_expiry.pop(subject, None)
+            self._ends[subject] = _Leased(transition.end, revision, end_mark_expires_ms)
+        self._publish(Change(subject, current, after, transition.end, revision))
+        return transition, after
+
+    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+        self._expire()
+        mine = [leased for (box, _), leased in self._deliveries.items() if box == mailbox]
+        return [leased.value for leased in sorted(mine, key=lambda leased: -leased.revision)[:limit]]
+
+    async def status(self, subject: Subject) -> Stored | None:
+        self._expire()
+        return self._subjects.get(subject)
+
+    async def list_subjects(
+        self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0
+    ) -> tuple[Listing, str | None, int]:
+        self._expire()
+        after = subject_order(decode_cursor(cursor, mailbox)) if cursor is not None else None
+        ordered = sorted(
+            ((subject_order(s), s, stored) for s, stored in self._subjects.items() if s.mailbox == mailbox),
+            key=lambda item: item[0],
+        )
+        following = [(s, stored) for key, s, stored in ordered if after is None or key > after]
+        page = following[:limit]
+        more = len(following) > limit
+        return page, encode_cursor(page[-1][0]) if more and page else None, self._revision
+
+    async def snapshot(self, mailbox: str, revision: int = 0) -> tuple[Listing, int]:
+        self._expire()
+        subjects = [(s, stored) for s, stored in self._subjects.items() if s.mailbox == mailbox]
+        return sorted(subjects, key=lambda item: subject_order(item[0])), self._revision
+
+    async def changes_since(self, mailbox: str, after_revision: int) -> tuple[list[Change], int] | None:
+        self._expire()
+        if after_revision > self._revision:
+            raise InvalidArgument("after_revision", f"{after_revision} is ahead of the store's {self._revision}")
+        first: dict[Subject, Change] = {}
+        last: dict[Subject, Change] = {}
+        for change in self._mailboxes.get(mailbox, _Mailbox()).history:
+            if change.revision > after_revision:
+                first.setdefault(change.subject, change)
+                last[change.subject] = change
+        changes = []
+        for subject, earliest in first.items():
+            latest = last[subject]
+            previous, now = earliest.previous, latest.now
+            if previous is not None and now is not None and previous.revision == now.revision:
+                continue
+            end = latest.end if now is None and previous is not None and latest.end is not None else None
+            if end is not None and previous is not None and end.token != previous.token:
+                end = None
+            changes.append(Change(subject, previous, now, end, latest.revision))
+        changes.sort(key=lambda change: change.revision)
+        return changes, self._revision
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, mailbox: str) -> AsyncIterator[FeedQueue]:
+        queue: FeedQueue = asyncio.Queue(4096)
+        feed = self._mailboxes.setdefault(mailbox, _Mailbox())
+        feed.subscribers.add(queue)
+        try:
+            yield queue
+        finally:
+            feed.subscribers.discard(queue)
+
+    async def due_sends(self, limit: int = 256) -> tuple[list[Subject], int]:
+        self._expire()
+        due = [s for s in sorted(self._sending, key=subject_order) if s not in self._send_markers]
+        return due[:limit], self._revision
+
+    # --- health and upkeep ------------------------------------------------------------------------------------
+
+    async def ping(self) -> str:
+        return "memory (this process)"
+
+    async def alarms(self) -> list[str]:
+        return []
+
+    async def current_revision(self) -> int:
+        return self._revision
+
+    def statistics(self) -> StoreStatistics:
+        watched = [feed for feed in self._mailboxes.values() if feed.subscribers]
+        return StoreStatistics(
+            watched_mailboxes=len(watched), watch_subscribers=sum(len(feed.subscribers) for feed in watched)
+        )
+
+    async def count_records(self) -> dict[str, int]:
+        self._expire()
+        return {
+            "subjects": len(self._subjects) + len(self._ends),
+            "deliveries": len(self._deliveries),
+            "sending": len(self._sending),
+            "threads": sum(len(thread.entries) + (thread.mark is not None) for thread in self._threads.values()),
+        }
+
+    async def end_subscriptions(self) -> None:
+        for feed in self._mailboxes.values():
+            for queue in list(feed.subscribers):
+                queue.put_nowait(FeedLost("the coordinator is shutting down"))
+
+    async def close(self) -> None:
+        await self.end_subscriptions()
