@@ -172,14 +172,42 @@ class CallCredentials:
     certificate_names: Sequence[str] = ()
 
 
+@dataclass(frozen=True)
+class Identity:
+    """Who a caller is and what it may do, as GetCaller tells it (``inboxctl whoami``, the board)."""
+
+    principal: str
+    kind: HolderKind
+    roles: tuple[str, ...]
+    mailboxes: tuple[str, ...]
+    """Globs; ``("*",)`` for an admin, whose grants reach every mailbox."""
+    development_mode: bool
+
+
 class Authenticator:
     """Maps a call's credentials to a Caller."""
 
     # Whether authenticate() looks at client certificates; reading them costs time on every call.
     uses_certificates = True
+    # Whether every caller has every right (no authentication: development mode).
+    grants_everything = False
 
     def authenticate(self, credentials: CallCredentials) -> Caller:
         raise NotImplementedError
+
+    def identity(self, caller: Caller) -> Identity:
+        """What ``caller`` was granted: a token principal's grants as its file says (an admin has every role and
+        mailbox); without authentication, every right."""
+        grants = caller.grants
+        granted = grants if isinstance(grants, MailboxGrants) and not self.grants_everything else ALL_ACCESS
+        admin = "admin" in granted.role_names
+        return Identity(
+            principal=caller.principal,
+            kind=caller.kind,
+            roles=tuple(sorted(ROLES if admin else granted.role_names)),
+            mailboxes=("*",) if admin else granted.patterns,
+            development_mode=self.grants_everything,
+        )
 
 
 ALL_ACCESS = MailboxGrants(("*",), ROLES)
@@ -189,6 +217,7 @@ class DevelopmentAuthenticator(Authenticator):
     """No authentication: the principal is whatever the metadata says, with every right. Loopback only."""
 
     uses_certificates = False
+    grants_everything = True
 
     def authenticate(self, credentials: CallCredentials) -> Caller:
         principal = credentials.metadata.get(PRINCIPAL_METADATA, "")

@@ -7,26 +7,25 @@ import contextlib
 import functools
 import logging
 import math
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from coordinator.api.auth import (
-    ALL_ACCESS,
-    ROLES,
-    Authenticator,
-    CallCredentials,
-    DevelopmentAuthenticator,
-    MailboxGrants,
-    current_principal,
-)
+from coordinator.api.auth import Authenticator, CallCredentials, DevelopmentAuthenticator, current_principal
+from coordinator.api.batch import BatchObserver, BatchRunner
 from coordinator.api.encoded import Encoded
 from coordinator.api.pacing import WritePacer
 from coordinator.api.quotas import QuotaSettings, RateLimiter, WatchSlots
-from coordinator.api.status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort, error_metadata, retry_after_ms
+from coordinator.api.status import (
+    CALL_DEADLINE_REASON,
+    abort,
+    deadline_message,
+    error_metadata,
+    retry_after_ms,
+    status_code,
+)
 from coordinator.core.domain import (
     Caller,
     ClaimResult,
@@ -47,14 +46,10 @@ from coordinator.core.domain import (
 from coordinator.core.engine import Engine, Event, Snapshot
 from coordinator.core.errors import (
     CoordinatorError,
-    FailedPrecondition,
     InvalidArgument,
-    PermissionDenied,
     ResourceExhausted,
     SlowConsumer,
-    StoreConflict,
-    StoreUnavailable,
-    Unauthenticated,
+    WatcherBehind,
 )
 from coordinator.core.memo import LastConverted
 from inbox_wire import BATCH_MAX_CALLS
@@ -66,28 +61,6 @@ log = logging.getLogger(__name__)
 __all__ = ["SERVICE_NAME", "CoordinatorServicer"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-
-_STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
-    StoreConflict: grpc.StatusCode.ABORTED,
-    SlowConsumer: grpc.StatusCode.ABORTED,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-
-
-def status_code(error: CoordinatorError) -> grpc.StatusCode:
-    """The status of the nearest class in ``error``'s hierarchy that has one: a new subclass answers as its
-    parent does instead of falling through."""
-    for cls in type(error).__mro__:
-        code = _STATUS_CODES.get(cls)
-        if code is not None:
-            return code
-    return grpc.StatusCode.INTERNAL
-
 
 _KINDS = {pb.SUBJECT_KIND_MESSAGE: SubjectKind.MESSAGE, pb.SUBJECT_KIND_THREAD: SubjectKind.THREAD}
 _KINDS_OUT = {v: k for k, v in _KINDS.items()}
@@ -251,6 +224,18 @@ def event_out(event: Event) -> pb.WatchEvent:
     )
 
 
+def _slow_consumer_details(error: SlowConsumer) -> str:
+    """What a watcher cut off is told, naming the server settings that bound it."""
+    if not isinstance(error, WatcherBehind):
+        return str(error)
+    return (
+        f"this watcher stayed behind the mailbox's changes for {error.lag_s:g} s (the server's watch drain timeout) "
+        "and is cut off; watch again: a new Watch starts from a fresh snapshot. A principal's watches share a "
+        "limit of events per second (the server's --watch-events-per-second): one stream per mailbox keeps up "
+        "where many fall behind"
+    )
+
+
 def credentials_of(context: grpc.aio.ServicerContext[Any, Any], with_certificates: bool = True) -> CallCredentials:
     metadata = {key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
     if not with_certificates:
@@ -333,14 +318,6 @@ class _DrainWatch:
                 return
 
 
-def _deadline_message(deadline: float) -> str:
-    return f"the call ran past the server's limit of {deadline:g} s; retry it with the same request id"
-
-
-# The reason of a call cut off by the server's call deadline (--call-deadline).
-CALL_DEADLINE_REASON = "CALL_DEADLINE"
-
-
 def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generated base's loosely typed method
     """A unary RPC: authenticates, bounds the call's time, and turns coordinator errors into their status
     codes; anything else is a bug, answered INTERNAL by the interceptor (coordinator.api.interceptor)."""
@@ -353,25 +330,11 @@ def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generat
             async with asyncio.timeout(deadline):
                 return await handler(self, caller, request)
         except TimeoutError:
-            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, _deadline_message(deadline), CALL_DEADLINE_REASON)
+            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, deadline_message(deadline), CALL_DEADLINE_REASON)
         except CoordinatorError as error:
             await _abort(context, error)
 
     return rpc
-
-
-class BatchObserver(Protocol):
-    """Told about every call a Batch carried, as the interceptor is told about every RPC."""
-
-    def batch_call(
-        self,
-        path: str,
-        request: Any,
-        response: Any,
-        error: pb.CallError | None,
-        seconds: float,
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> None: ...
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -389,6 +352,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._rates = RateLimiter(self.quotas.calls_per_second, self.quotas.burst)
         self._watches = WatchSlots(self.quotas.max_watches)
         self._pacer = WritePacer(self.quotas.watch_events_per_second)
+        handlers = {field: functools.partial(handler, self) for field, handler in _BATCH_CALLS.items()}
+        self._batch = BatchRunner(handlers, SERVICE_NAME, self.quotas.call_deadline_s, batch_observer)
         # The engine hands every watcher of a mailbox the same event: it is serialized once, for all of them.
         self._encoded_events: LastConverted[Event, Encoded] = LastConverted(
             lambda event: Encoded.of(pb.WatchResponse(event=event_out(event)))
@@ -524,17 +489,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(caller, subject)))
 
     async def _get_caller(self, caller: Caller, request: pb.GetCallerRequest) -> pb.GetCallerResponse:
-        development = isinstance(self.authenticator, DevelopmentAuthenticator)
-        grants = caller.grants
-        # A token principal's grants say what it was given; anything else (development mode) has every right.
-        granted = grants if isinstance(grants, MailboxGrants) else ALL_ACCESS
-        admin = "admin" in granted.role_names
+        identity = self.authenticator.identity(caller)
         return pb.GetCallerResponse(
-            principal=caller.principal,
-            kind=_HOLDER_KINDS_OUT[caller.kind],
-            roles=sorted(ROLES if admin else granted.role_names),
-            mailboxes=["*"] if admin else list(granted.patterns),
-            development_mode=development,
+            principal=identity.principal,
+            kind=_HOLDER_KINDS_OUT[identity.kind],
+            roles=identity.roles,
+            mailboxes=identity.mailboxes,
+            development_mode=identity.development_mode,
         )
 
     async def _list_claims(self, caller: Caller, request: pb.ListClaimsRequest) -> pb.ListClaimsResponse:
@@ -675,8 +636,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             # Not context.abort(): it awaits sending the status, which waits behind the messages the client is
             # not reading, and an awaited gRPC batch must never be left to be cancelled (see _DrainWatch). Set
             # here, the status goes out after the buffered messages, when the client reads or goes away.
-            context.set_code(_STATUS_CODES[SlowConsumer])
-            context.set_details(str(error))
+            context.set_code(status_code(error))
+            context.set_details(_slow_consumer_details(error))
         except CoordinatorError as error:
             await _abort(context, error)
 
@@ -688,58 +649,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             caller = self._authenticate(context, max(len(calls), 1))
         except CoordinatorError as error:
             await _abort(context, error)
-        started = time.perf_counter()
-        fields = [call.WhichOneof("call") for call in calls]
-        # One deadline for the batch, not one timer per call: they all started together.
-        tasks = [
-            asyncio.create_task(self._batch_call(caller, field, getattr(call, field) if field else None, started))
-            for call, field in zip(calls, fields, strict=True)
-        ]
-        if tasks:
-            await asyncio.wait(tasks, timeout=self.quotas.call_deadline_s)
-        results = []
-        for call, field, task in zip(calls, fields, tasks, strict=True):
-            if task.done():
-                response, refusal, seconds = task.result()
-            else:
-                task.cancel()
-                response, seconds = None, time.perf_counter() - started
-                refusal = pb.CallError(
-                    code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                    message=_deadline_message(self.quotas.call_deadline_s),
-                    reason=CALL_DEADLINE_REASON,
-                )
-            if self.batch_observer is not None:
-                path = _BATCH_PATHS.get(field or "", _BATCH_PATH)
-                request_message = getattr(call, field) if field is not None else None
-                self.batch_observer.batch_call(path, request_message, response, refusal, seconds, context)
-            if refusal is not None or field is None:
-                results.append(pb.BatchResult(error=refusal))
-            else:
-                results.append(pb.BatchResult(**{field: response}))
-        return pb.BatchResponse(results=results)
-
-    async def _batch_call(
-        self, caller: Caller, field: str | None, request: Any, started: float
-    ) -> tuple[Any, pb.CallError | None, float]:
-        """One call of a batch: its response or its error (as the unary call's status), and its duration."""
-        try:
-            if field is None:
-                raise InvalidArgument("calls[].call", "is empty; set one of the request fields")
-            response = await _BATCH_CALLS[field](self, caller, request)
-            return response, None, time.perf_counter() - started
-        except CoordinatorError as failure:
-            refused = pb.CallError(code=status_code(failure).value[0], message=str(failure), reason=failure.reason)
-            retry_after = retry_after_ms(failure)
-            if retry_after is not None:
-                refused.retry_after_ms = retry_after
-        except Exception:
-            # One call's bug must not cost the other calls their answers; it is logged like an unary one's.
-            log.exception("a %s call of a batch failed", field)
-            refused = pb.CallError(
-                code=grpc.StatusCode.INTERNAL.value[0], message=INTERNAL_ERROR_MESSAGE, reason=INTERNAL_REASON
-            )
-        return None, refused, time.perf_counter() - started
+        return await self._batch.run(caller, calls, context)
 
 
 # The calls a Batch may carry: its oneof field -> the handler of the unary RPC of the same name.
@@ -755,6 +665,3 @@ _BATCH_CALLS: dict[str, Handler[Any, Any]] = {
     "mark_replied": CoordinatorServicer._mark_replied,
     "record_outgoing": CoordinatorServicer._record_outgoing,
 }
-# Each carried call is observed under the path of the unary RPC it stands for: /<service>/ClaimReply.
-_BATCH_PATHS = {field: f"/{SERVICE_NAME}/{field.title().replace('_', '')}" for field in _BATCH_CALLS}
-_BATCH_PATH = f"/{SERVICE_NAME}/Batch"

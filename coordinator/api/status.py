@@ -15,7 +15,17 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from coordinator.core.errors import CoordinatorError, InvalidArgument, ResourceExhausted
+from coordinator.core.errors import (
+    CoordinatorError,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    SlowConsumer,
+    StoreConflict,
+    StoreUnavailable,
+    Unauthenticated,
+)
 from inbox_wire import RETRY_AFTER_METADATA
 
 DOMAIN = "inbox-coordinator"
@@ -24,6 +34,34 @@ INTERNAL_REASON = "INTERNAL"
 INTERNAL_ERROR_MESSAGE = "internal error; the coordinator logged it (search its log for this call)"
 
 Trailers = tuple[tuple[str, str | bytes], ...]
+
+# The reason of a call cut off by the server's call deadline (--call-deadline).
+CALL_DEADLINE_REASON = "CALL_DEADLINE"
+
+_STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
+    StoreConflict: grpc.StatusCode.ABORTED,
+    SlowConsumer: grpc.StatusCode.ABORTED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def status_code(error: CoordinatorError) -> grpc.StatusCode:
+    """The status of the nearest class in ``error``'s hierarchy that has one: a new subclass answers as its
+    parent does instead of falling through."""
+    for cls in type(error).__mro__:
+        code = _STATUS_CODES.get(cls)
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def deadline_message(deadline: float) -> str:
+    return f"the call ran past the server's limit of {deadline:g} s; retry it with the same request id"
 
 
 def error_trailers(

@@ -32,7 +32,7 @@ from coordinator.core.domain import (
     ThreadLink,
     Transition,
 )
-from coordinator.core.errors import InvalidArgument, SlowConsumer, StoreConflict, StoreUnavailable
+from coordinator.core.errors import InvalidArgument, SlowConsumer, StoreConflict, StoreUnavailable, WatcherBehind
 from coordinator.core.memo import LastConverted
 from coordinator.core.storage import Change, FeedLost, Store, encode_cursor
 
@@ -744,12 +744,7 @@ class Engine:
                         caller.principal,
                         max_lag_s,
                     )
-                    raise SlowConsumer(
-                        f"this watcher stayed behind the mailbox's changes for {max_lag_s:g} s (the server's watch "
-                        "drain timeout) and is cut off; watch again: a new Watch starts from a fresh snapshot. "
-                        "A principal's watches share a limit of events per second (the server's "
-                        "--watch-events-per-second): one stream per mailbox keeps up where many fall behind"
-                    )
+                    raise WatcherBehind(max_lag_s)
                 if batch[0].revision > revision:
                     events: Iterable[Event] = self._shared_events(batch)
                 else:  # (what is not newer is in the snapshot or the history already)

@@ -74,3 +74,12 @@ class SlowConsumer(CoordinatorError):
     """A Watch stream's client did not keep up; it must watch again and start from a fresh snapshot."""
 
     reason = "SLOW_CONSUMER"
+
+
+class WatcherBehind(SlowConsumer):
+    """A watcher that had more changes waiting every time it took one, for ``lag_s`` seconds. The API layer
+    words it with the server's settings that bound it."""
+
+    def __init__(self, lag_s: float) -> None:
+        super().__init__(f"this watcher stayed behind the mailbox's changes for {lag_s:g} s and is cut off")
+        self.lag_s = lag_s

@@ -259,6 +259,8 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    etcd = settings.etcd
+    assert etcd is not None, "serve runs on etcd"
     server = CoordinatorServer(settings)
     await server.start()
     print(f"inbox-coordinator: serving gRPC on {server.address}; stop with Ctrl-C or SIGTERM", flush=True)
@@ -273,8 +275,8 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
             "fields": {
                 "event": "start",
                 "listen": server.address,
-                "etcd_endpoints": ",".join(settings.etcd.endpoints),
-                "etcd_prefix": settings.etcd.prefix,
+                "etcd_endpoints": ",".join(etcd.endpoints),
+                "etcd_prefix": etcd.prefix,
                 "metrics": server.metrics_server.address if server.metrics_server is not None else "",
             }
         },

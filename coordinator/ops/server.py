@@ -49,7 +49,8 @@ def wall_clock_ms() -> int:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    etcd: EtcdSettings
+    # The etcd store's settings; None only for a server given its store (CoordinatorServer's ``store``).
+    etcd: EtcdSettings | None
     listen: str = "127.0.0.1:50051"
     rules: Rules = field(default_factory=lambda: Rules(Limits()))
     sweep_interval_s: float = 1.0
@@ -198,7 +199,11 @@ class CoordinatorServer:
     def __init__(self, settings: ServerSettings, metrics: Metrics | None = None, store: Store | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
-        self.store: Store = store or EtcdStore(settings.etcd, wall_clock_ms, observer=self.metrics)
+        if store is None:
+            if settings.etcd is None:
+                raise ValueError("ServerSettings.etcd is required unless the server is given its store")
+            store = EtcdStore(settings.etcd, wall_clock_ms, observer=self.metrics)
+        self.store: Store = store
         self.engine = Engine(self.store, settings.rules, wall_clock_ms)
         observer = RpcObserver(self.metrics, settings.request_timeout_s, access_log=settings.access_log)
         self._server = grpc.aio.server(options=grpc_options(settings))

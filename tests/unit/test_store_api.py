@@ -7,7 +7,7 @@ import base64
 import grpc
 import pytest
 
-from coordinator.api.service import status_code
+from coordinator.api.status import status_code
 from coordinator.core.domain import Subject, SubjectKind
 from coordinator.core.errors import CoordinatorError, InvalidArgument, StoreUnavailable
 from coordinator.core.storage import decode_cursor, encode_cursor
