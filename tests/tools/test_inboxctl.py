@@ -55,12 +55,24 @@ def home(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def patient(shared_etcd: EtcdServer) -> Iterator[RunningCoordinator]:
+    """A coordinator whose sends stay SENDING for minutes: for a test that reads a send begun and not confirmed
+    (``running``'s half-second send timeout turned one IN_DOUBT on a loaded machine)."""
+    with running_coordinator(etcd_endpoint=shared_etcd.endpoint, send_timeout=300, min_ttl=2) as coordinator:
+        yield coordinator
+
+
 @pytest.fixture
 def ctl(running: RunningCoordinator, home: Path) -> Ctl:
+    return _ctl_for(running.target, home)
+
+
+def _ctl_for(target: str, home: Path) -> Ctl:
     """``ctl(*args, env={...})``: runs inboxctl against the coordinator, as ANA (a human) unless told otherwise."""
 
     def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        settings = {"INBOX_COORDINATOR_TARGET": running.target, "INBOX_PRINCIPAL": ANA, **(env or {})}
+        settings = {"INBOX_COORDINATOR_TARGET": target, "INBOX_PRINCIPAL": ANA, **(env or {})}
         return subprocess.run(
             [sys.executable, "-m", "inbox_claims.cli", *args],
             env=clean_env(home, **settings),
@@ -459,70 +471,73 @@ def test_whoami_says_who_the_coordinator_takes_you_to_be_and_what_you_may_do(
 
 
 def test_a_reply_from_the_mailbox_is_said_in_peoples_words(
-    ctl: Ctl, running: RunningCoordinator, home: Path, agent: Coordinator, mailbox: str
+    patient: RunningCoordinator, home: Path, mailbox: str
 ) -> None:
     """What a support person sees when someone answered from Gmail: who and when, on the row of the agent that
     stopped because of it, in status, ls and watch; and beside a send that went out anyway."""
-    at = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=2)
-    drafting, sending = Subject.message(mailbox, "msg-drafting"), Subject.message(mailbox, "msg-sending")
-    asked = at - timedelta(minutes=5)
-    agent.claim(drafting, ttl=30, thread_id="t-1", received_at=asked)
-    other = agent.claim(sending, ttl=30, thread_id="t-2", received_at=asked)
-    agent.begin_send(sending, other.token)
-    agent.record_outgoing(mailbox, "copy-1", "t-2", at, sender="Shop")  # the send's own copy, before its confirmation
-    env = clean_env(home, INBOX_COORDINATOR_TARGET=running.target, INBOX_PRINCIPAL=ANA)
-    command = [sys.executable, "-m", "inbox_claims.cli", "watch", mailbox, "--count", "2"]
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as watch:
-        assert watch.stdout is not None
-        assert "watching" in watch.stdout.readline()
-        watch.stdout.readline(), watch.stdout.readline()  # the two subjects of the snapshot
-        agent.record_outgoing(mailbox, "gmail-1", "t-1", at, sender="ana@shop.example")
-        agent.record_outgoing(mailbox, "gmail-2", "t-2", at, sender="ana@shop.example")
-        out, err = watch.communicate(timeout=20)
-    assert watch.returncode == 0, err
-    local = clock(at)  # the person's local time, as inboxctl prints times
-    lines = out.splitlines()
-    assert lines[0].split()[1:] == [
-        "ANSWERED_OUTSIDE",
-        "message",
-        "msg-drafting",
-        "in",
-        f"{mailbox}:",
-        *(f"answered from the mailbox by ana@shop.example at {local}; agent-a stopped, a person answered".split()),
-    ]
-    assert lines[1].endswith(
-        f"answered from the mailbox by ana@shop.example at {local}; agent-a is sending a reply too: both go out"
-    )
-    status = ctl("status", mailbox, "msg-drafting")
-    assert status.returncode == 0, status.stderr
-    assert f"{mailbox}: REPLIED" in status.stdout
-    assert f"replied   answered from the mailbox by ana@shop.example at {local}; agent-a stopped" in status.stdout
-    both = ctl("status", mailbox, "msg-sending")
-    assert f"message msg-sending in {mailbox}: SENDING" in both.stdout
-    assert "also      answered from the mailbox by ana@shop.example" in both.stdout
-    listing = ctl("ls", mailbox)
-    row = next(line for line in listing.stdout.splitlines() if "msg-drafting" in line)
-    assert "REPLIED" in row
-    assert "ana@shop.example (human)" in row
-    assert f"answered from the mailbox at {local}; agent-a stopped, a person answered" in row
+    ctl = _ctl_for(patient.target, home)
+    with patient.client("agent-a") as agent:
+        at = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=2)
+        drafting, sending = Subject.message(mailbox, "msg-drafting"), Subject.message(mailbox, "msg-sending")
+        asked = at - timedelta(minutes=5)
+        agent.claim(drafting, ttl=30, thread_id="t-1", received_at=asked)
+        other = agent.claim(sending, ttl=30, thread_id="t-2", received_at=asked)
+        agent.begin_send(sending, other.token)
+        agent.record_outgoing(
+            mailbox, "copy-1", "t-2", at, sender="Shop"
+        )  # the send's own copy, before its confirmation
+        env = clean_env(home, INBOX_COORDINATOR_TARGET=patient.target, INBOX_PRINCIPAL=ANA)
+        command = [sys.executable, "-m", "inbox_claims.cli", "watch", mailbox, "--count", "2"]
+        with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as watch:
+            assert watch.stdout is not None
+            assert "watching" in watch.stdout.readline()
+            watch.stdout.readline(), watch.stdout.readline()  # the two subjects of the snapshot
+            agent.record_outgoing(mailbox, "gmail-1", "t-1", at, sender="ana@shop.example")
+            agent.record_outgoing(mailbox, "gmail-2", "t-2", at, sender="ana@shop.example")
+            out, err = watch.communicate(timeout=20)
+        assert watch.returncode == 0, err
+        local = clock(at)  # the person's local time, as inboxctl prints times
+        lines = out.splitlines()
+        assert lines[0].split()[1:] == [
+            "ANSWERED_OUTSIDE",
+            "message",
+            "msg-drafting",
+            "in",
+            f"{mailbox}:",
+            *(f"answered from the mailbox by ana@shop.example at {local}; agent-a stopped, a person answered".split()),
+        ]
+        assert lines[1].endswith(
+            f"answered from the mailbox by ana@shop.example at {local}; agent-a is sending a reply too: both go out"
+        )
+        status = ctl("status", mailbox, "msg-drafting")
+        assert status.returncode == 0, status.stderr
+        assert f"{mailbox}: REPLIED" in status.stdout
+        assert f"replied   answered from the mailbox by ana@shop.example at {local}; agent-a stopped" in status.stdout
+        both = ctl("status", mailbox, "msg-sending")
+        assert f"message msg-sending in {mailbox}: SENDING" in both.stdout
+        assert "also      answered from the mailbox by ana@shop.example" in both.stdout
+        listing = ctl("ls", mailbox)
+        row = next(line for line in listing.stdout.splitlines() if "msg-drafting" in line)
+        assert "REPLIED" in row
+        assert "ana@shop.example (human)" in row
+        assert f"answered from the mailbox at {local}; agent-a stopped, a person answered" in row
 
-
-def test_text_that_would_show_as_something_else_is_written_out(ctl: Ctl, agent: Coordinator, mailbox: str) -> None:
-    # Summaries are cleaned by the coordinator; an id or a note may still carry a right-to-left override.
-    disguised = "invoice-\u202egnp.exe"
-    agent.claim(Subject.message(mailbox, disguised), note="see \u2067attached\u2069")
-    status = ctl("status", mailbox, disguised)
-    assert status.returncode == 0, status.stderr
-    assert "invoice-<U+202E>gnp.exe" in status.stdout
-    assert "note      see <U+2067>attached<U+2069>" in status.stdout
-    assert "\u202e" not in status.stdout
-    listing = ctl("ls", mailbox)
-    assert "invoice-<U+202E>gnp.exe" in listing.stdout
-    assert "\u202e" not in listing.stdout
-    document = ctl("status", mailbox, disguised, "--json").stdout
-    assert "\\u202e" in document
-    assert "\u202e" not in document
-    assert json.loads(document)["subject"]["id"] == disguised
+    def test_text_that_would_show_as_something_else_is_written_out(ctl: Ctl, agent: Coordinator, mailbox: str) -> None:
+        # Summaries are cleaned by the coordinator; an id or a note may still carry a right-to-left override.
+        disguised = "invoice-\u202egnp.exe"
+        agent.claim(Subject.message(mailbox, disguised), note="see \u2067attached\u2069")
+        status = ctl("status", mailbox, disguised)
+        assert status.returncode == 0, status.stderr
+        assert "invoice-<U+202E>gnp.exe" in status.stdout
+        assert "note      see <U+2067>attached<U+2069>" in status.stdout
+        assert "\u202e" not in status.stdout
+        listing = ctl("ls", mailbox)
+        assert "invoice-<U+202E>gnp.exe" in listing.stdout
+        assert "\u202e" not in listing.stdout
+        document = ctl("status", mailbox, disguised, "--json").stdout
+        assert "\\u202e" in document
+        assert "\u202e" not in document
+        assert json.loads(document)["subject"]["id"] == disguised
 
 
 def test_a_table_row_says_a_reply_from_the_mailbox_whole_on_another_day_and_with_long_names() -> None:
