@@ -1,32 +1,12 @@
-"""Which notifications are about a message the mailbox sent: the shared cases of conformance/outgoing.json (the
-Node client's tests run the same file), and the settings that feed them."""
+"""The settings that decide which notifications are about a message the mailbox sent. The rules' cases are
+shared with the Node client: conformance/outgoing.json, run by tests/client/test_conformance.py."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from inbox_claims import AsyncCoordinator, Coordinator
 from inbox_claims._outgoing import DEFAULT_SENT_FOLDERS, OutgoingMatch, OutgoingRules
-
-CASES = json.loads((Path(__file__).resolve().parents[2] / "conformance" / "outgoing.json").read_text())["cases"]
-
-
-@pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
-def test_the_shared_outgoing_cases(case: dict[str, Any]) -> None:
-    settings = case["settings"]
-    rules = OutgoingRules.of(settings["sent_folders"], settings["mailbox_addresses"])
-    found = rules.match(case["message"])
-    expected = case["match"]
-    assert found == (None if expected is None else OutgoingMatch(expected["rule"], expected["value"]))
-
-
-def test_the_cases_cover_every_rule_and_both_answers() -> None:
-    rules = {case["match"]["rule"] if case["match"] else None for case in CASES}
-    assert rules == {None, "sent_folder", "mailbox_address"}
 
 
 def test_settings_come_from_arguments_or_the_environment() -> None:

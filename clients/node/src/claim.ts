@@ -74,7 +74,7 @@ export interface ReplyOptions {
 
 type Phase = "claiming" | "outgoing" | "claimed" | "lost" | "beginning" | "sending" | "replied" | "aborted" | "unknown" | "released";
 
-const REASON_MAX_BYTES = 1024;
+export const REASON_MAX_BYTES = 1024;
 // After a failed renewal, try again after a third of the time left, but not more often than this.
 const RENEWAL_RETRY_FLOOR_MS = 200;
 
@@ -112,7 +112,7 @@ function grantedStatus(result: ClaimResult, subject: Subject, notificationId: st
 
 // The coordinator's limits on a summary's texts (SUMMARY_SUBJECT_LINE_MAX_BYTES, SUMMARY_SENDER_MAX_BYTES):
 // longer ones are cut, not refused.
-const SUMMARY_TEXT_MAX_BYTES = 512;
+export const SUMMARY_TEXT_MAX_BYTES = 512;
 // Unix seconds before the year 10000: a later "date" is not a time the coordinator can store.
 const LAST_DATE_SECONDS = 253402300800;
 

@@ -91,8 +91,10 @@ export function nylasChallengeResponse(query: URLSearchParams | Record<string, u
   }
   if (typeof value !== "string") throw new WebhookVerificationError("'challenge' query parameter must be a single string");
   if (!value) throw new WebhookVerificationError("'challenge' query parameter is empty");
-  if (value.length > MAX_CHALLENGE_LENGTH) {
-    throw new WebhookVerificationError(`'challenge' query parameter is ${value.length} characters long, more than the ${MAX_CHALLENGE_LENGTH} allowed`);
+  // Characters are code points, as the Python client counts them: .length would count an emoji twice.
+  const length = [...value].length;
+  if (length > MAX_CHALLENGE_LENGTH) {
+    throw new WebhookVerificationError(`'challenge' query parameter is ${length} characters long, more than the ${MAX_CHALLENGE_LENGTH} allowed`);
   }
   return value;
 }

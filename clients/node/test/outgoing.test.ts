@@ -1,15 +1,14 @@
-// The mailbox's own messages, as the Python client handles them: the shared cases of conformance/outgoing.json,
-// and against a real coordinator pair on a real etcd: an outgoing message never reaches the work, the agent's own
-// reply is recognised when it comes back, a person answering from "Gmail" stops the agent drafting (its signal
-// aborts), and the middleware answers 503 while the coordinator cannot record a notification.
+// The mailbox's own messages, as the Python client handles them, against a real coordinator pair on a real etcd: an
+// outgoing message never reaches the work, the agent's own reply is recognised when it comes back, a person
+// answering from "Gmail" stops the agent drafting (its signal aborts), and the middleware answers 503 while the
+// coordinator cannot record a notification. The rules' shared cases (conformance/outgoing.json) run in
+// conformance.test.ts.
 import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
-import { readFileSync } from "node:fs";
 import { createServer, type Server } from "node:http";
 import type { AddressInfo } from "node:net";
-import { join } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
-import { Cluster, REPO } from "../src/testing.js";
+import { Cluster } from "../src/testing.js";
 import { Nylas } from "../src/nylas.js";
 import {
   ClaimLost,
@@ -20,23 +19,7 @@ import {
   nylasWebhookListener,
   signNylas,
   type Envelope,
-  type OutgoingMatch,
 } from "../src/index.js";
-
-interface Case {
-  name: string;
-  settings: { sent_folders: string[]; mailbox_addresses: string[] };
-  message: Record<string, unknown>;
-  match: OutgoingMatch | null;
-}
-const CASES = (JSON.parse(readFileSync(join(REPO, "conformance", "outgoing.json"), "utf8")) as { cases: Case[] }).cases;
-
-for (const shared of CASES) {
-  test(`outgoing rules (conformance/outgoing.json): ${shared.name}`, () => {
-    const rules = new OutgoingRules(shared.settings.sent_folders, shared.settings.mailbox_addresses);
-    assert.deepEqual(rules.match(shared.message) ?? null, shared.match);
-  });
-}
 
 test("the settings come from the options or the environment, and a bad one is refused", () => {
   process.env["INBOX_SENT_FOLDERS"] = "AAMkSent, INBOX.Sent";
