@@ -38,10 +38,8 @@ from inbox_claims._outgoing import (
     OutgoingMatch,
     OutgoingRules,
 )
-from inbox_claims._proto import coordinator_pb2 as pb
 from inbox_claims._settings import SETTINGS
 from inbox_claims._types import IDEMPOTENCY_KEY_PREFIX
-from inbox_claims._wire import BATCH_MAX_CALLS, PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA, RETRY_AFTER_METADATA
 from inbox_claims.errors import NotificationError, WebhookVerificationError
 from inbox_claims.testing import sign_nylas, sign_standard_webhook
 from inbox_claims.types import DEFAULT_TARGET, MessageSummary, SubjectKind, idempotency_key
@@ -54,6 +52,8 @@ from inbox_claims.webhooks import (
     verify_nylas_signature,
     verify_standard_webhook,
 )
+from inbox_wire import BATCH_MAX_CALLS, PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA, RETRY_AFTER_METADATA
+from inbox_wire.v1 import coordinator_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
 DIR = ROOT / "conformance"
