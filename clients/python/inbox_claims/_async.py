@@ -1,4 +1,5 @@
-"""The asyncio client: performs the core's effects with ``grpc.aio`` and a task per guarded claim."""
+"""The asyncio client: its calls (each runs a flow of :mod:`._core`), the effects performed with ``grpc.aio``, and
+a task per guarded claim."""
 
 # The calls' timeout= is the blocking client's too: it bounds every attempt's gRPC deadline (which the
 # coordinator sees) and the retries between them; an asyncio.timeout() around the call would only cancel it.

@@ -12,6 +12,7 @@ import logging
 import operator
 import random
 import time
+import uuid
 from collections.abc import Iterable
 from datetime import datetime
 from typing import TypeVar
@@ -38,7 +39,7 @@ from ._convert import (
     ttl_to_pb,
     watch_item_from_pb,
 )
-from ._effects import Emit, Flow, Op, OpenStream, ReadStream, Rpc, RpcFailure, Sleep, Stream, new_request_id
+from ._effects import Emit, Flow, Op, OpenStream, ReadStream, Rpc, RpcFailure, Sleep, Stream
 from ._options import ClientOptions
 from ._types import (
     CallerIdentity,
@@ -68,6 +69,10 @@ RETRYABLE = frozenset(
 )
 
 R = TypeVar("R")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
 
 
 class Core:

@@ -1,4 +1,4 @@
-"""The effects a flow yields, and the :class:`Runner` that steps a flow for a client.
+"""The effects a flow yields, the :class:`Runner` that steps a flow for a client, and :class:`Op`, one call.
 
 Every client call is a *flow*: a generator that yields effects (:class:`Rpc`, :class:`Sleep`, :class:`Invoke`,
 :class:`OpenStream`, :class:`ReadStream`, :class:`Emit`) and receives their results. The flow decides everything
@@ -13,7 +13,6 @@ the two clients' I/O, and what the batching (:mod:`._batch`) reads, with no know
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
@@ -38,7 +37,6 @@ __all__ = [
     "Runner",
     "Sleep",
     "Stream",
-    "new_request_id",
 ]
 
 R = TypeVar("R")
@@ -194,7 +192,3 @@ class Op(Generic[R]):
     method: str
     request: Message
     decode: Callable[[Any], R]
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex

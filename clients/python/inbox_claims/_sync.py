@@ -1,4 +1,5 @@
-"""The blocking client: performs the core's effects with ``grpc`` (sync) and a thread per guarded claim."""
+"""The blocking client: its calls (each runs a flow of :mod:`._core`), the effects performed with ``grpc`` (sync),
+and a thread per guarded claim."""
 
 from __future__ import annotations
 
