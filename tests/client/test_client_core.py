@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from inbox_claims import Coordinator, CoordinatorUnavailable, RetryPolicy, Subject
-from inbox_claims._core import Rpc, RpcFailure, Sleep
+from inbox_claims._effects import Rpc, RpcFailure, Sleep
 from inbox_claims.errors import InvalidRequest, QuotaExceeded
 from inbox_claims.types import HolderKind, SubjectKind, idempotency_key
 from inbox_claims.webhooks import NotificationError, parse_notification

@@ -1,6 +1,6 @@
 """The guard an existing handler wraps its answer in (``guard``), the send without a wrapper function
-(``inbox_claims.nylas.send``), ``from_env()``, the per-call ``timeout=``, and the curated top level with its
-deprecated old names. Against a real coordinator on a real etcd and the fake Nylas endpoint."""
+(``inbox_claims.nylas.send``), ``from_env()``, the per-call ``timeout=``, and the curated top level. Against a
+real coordinator on a real etcd and the fake Nylas endpoint."""
 
 from __future__ import annotations
 
@@ -445,25 +445,3 @@ def test_the_top_level_is_what_a_guarded_agent_needs() -> None:
         public = __import__(f"inbox_claims.{module}", fromlist=["__all__"])
         for name in public.__all__:
             getattr(public, name)
-
-
-@pytest.mark.parametrize("old_name", sorted(inbox_claims.MOVED))
-def test_every_old_top_level_name_still_works_with_a_deprecation_warning(old_name: str) -> None:
-    module, new_name = inbox_claims.MOVED[old_name]
-    with pytest.warns(DeprecationWarning, match=rf"inbox_claims\.{old_name} moved to {module}\.{new_name}"):
-        value = getattr(inbox_claims, old_name)
-    assert value is getattr(__import__(module, fromlist=[new_name]), new_name)
-
-
-def test_an_old_from_import_warns_and_an_unknown_name_is_an_attribute_error() -> None:
-    with pytest.warns(DeprecationWarning, match="now NylasSendOutcomeUnknown"):
-        from inbox_claims.nylas import NylasSendUnknown
-    assert NylasSendUnknown is NylasSendOutcomeUnknown
-    with pytest.warns(DeprecationWarning, match="inbox_claims.testing.sign_nylas"):
-        from inbox_claims import sign_nylas  # noqa: F401
-    with pytest.warns(DeprecationWarning, match="inbox_claims.webhooks.NotificationError"):
-        from inbox_claims import EnvelopeError
-    assert EnvelopeError is inbox_claims.webhooks.NotificationError
-    assert len(inbox_claims.MOVED) == 32  # with the 20 kept, the 52 names of 0.1
-    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
-        inbox_claims.Nothing  # noqa: B018

@@ -24,7 +24,7 @@ from coordinator.store.etcd.process import EtcdServer
 from coordinator.store.etcd.store import EtcdSettings, EtcdStore
 from inbox_claims import AsyncCoordinator, Coordinator, Subject
 from inbox_claims._batch import MAX_BATCHES_IN_FLIGHT, Coalescer
-from inbox_claims._core import Rpc
+from inbox_claims._effects import Rpc
 from inbox_claims.errors import InvalidRequest
 from inbox_claims.types import ClaimOutcome
 from inbox_wire import BATCH_MAX_CALLS

@@ -18,7 +18,7 @@ from google.protobuf.message import Message
 from inbox_wire import BATCH_MAX_CALLS
 from inbox_wire.v1 import coordinator_pb2 as pb
 
-from ._core import Rpc, RpcFailure
+from ._effects import Rpc, RpcFailure
 
 W = TypeVar("W")
 

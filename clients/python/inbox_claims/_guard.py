@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeAlias, TypedDict, TypeVar
 
-from ._core import Core, Flow, Invoke, Op, Sleep
+from ._core import Core
+from ._effects import Flow, Invoke, Op, Sleep
 from ._envelope import Notification, parse_notification
 from ._errors import (
     AlreadyReplied,

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._core import DEFAULT_TARGET
+from ._options import DEFAULT_TARGET
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The blocking client: performs the core's effects with ``grpc`` (sync) and a thread per guarded claim."""
+"""The blocking client: its calls (each runs a flow of :mod:`._core`), the effects performed with ``grpc`` (sync),
+and a thread per guarded claim."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
+from datetime import datetime
 from types import TracebackType
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, Self, TypeVar, Unpack, overload
 
@@ -16,20 +18,9 @@ import grpc
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 from . import _batch
+from ._base import ClientBase
 from ._batch import BATCHABLE, Coalescer
-from ._core import (
-    ClientBase,
-    Effect,
-    Emit,
-    Flow,
-    Invoke,
-    OpenStream,
-    ReadStream,
-    Rpc,
-    RpcFailure,
-    Runner,
-    Sleep,
-)
+from ._effects import Effect, Emit, Flow, Invoke, OpenStream, ReadStream, Rpc, RpcFailure, Runner, Sleep, Stream
 from ._envelope import Notification
 from ._errors import ClaimLost, SendRejected
 from ._guard import (
@@ -41,7 +32,21 @@ from ._guard import (
     ReplyPolicy,
     Scope,
 )
-from ._types import MessageSummary
+from ._types import (
+    CallerIdentity,
+    ClaimResult,
+    ClaimsPage,
+    DeliveryResult,
+    FenceResult,
+    MessageSummary,
+    OutgoingResult,
+    RecentMessage,
+    Subject,
+    SubjectState,
+    SubjectStatus,
+    TakeoverResult,
+    WatchItem,
+)
 
 __all__ = ["Claim", "Coordinator"]
 
@@ -199,8 +204,8 @@ class Coordinator(ClientBase):
                     runner.answer = self._perform(effect, sleep)
             result.append(runner.returned)
 
-    def _iterate(self, flow: Flow[None]) -> Generator[Any, None, None]:
-        return self._run(flow, [])
+    def _iterate(self, stream: Stream[T]) -> Generator[T, None, None]:
+        return self._run(stream.flow, [])
 
     def _drive(self, flow: Flow[R], sleep: Callable[[float], Any] = time.sleep) -> R:
         result: list[R] = []
@@ -221,6 +226,187 @@ class Coordinator(ClientBase):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    # -- the calls: each runs its flow from Core (what it sends, how it reads the answer, when it retries) --
+
+    def record_delivery(self, mailbox: str, notification_id: str, *, timeout: float | None = None) -> DeliveryResult:
+        """Delivery dedup on its own: ``is_new`` on the first sighting of ``notification_id`` in ``mailbox``.
+
+        Prefer ``reply_to`` (or ``claim(..., notification_id=...)``) when the notification leads to a reply:
+        then dedup and claim are one etcd transaction.
+        """
+        return self._drive(self._core.record_delivery(mailbox, notification_id, timeout=timeout))
+
+    def record_outgoing(
+        self,
+        mailbox: str,
+        message_id: str,
+        thread_id: str,
+        sent_at: datetime,
+        *,
+        sender: str = "",
+        notification_id: str = "",
+        timeout: float | None = None,
+    ) -> OutgoingResult:
+        """RecordOutgoing: a message the mailbox sent (in a sent folder, or from one of its own addresses). The
+        coordinator answers whether it is the mailbox's own reply (OWN_REPLY) or one written outside it
+        (ANSWERED_OUTSIDE: it ended the claims on the messages of its thread received at or before ``sent_at``).
+        The guard calls it for you on every outgoing notification; never answer such a message."""
+        return self._drive(
+            self._core.record_outgoing(
+                mailbox, message_id, thread_id, sent_at, sender=sender, notification_id=notification_id, timeout=timeout
+            )
+        )
+
+    def claim(
+        self,
+        subject: Subject,
+        *,
+        ttl: int = 0,
+        notification_id: str = "",
+        note: str = "",
+        summary: MessageSummary | None = None,
+        thread_id: str = "",
+        received_at: datetime | None = None,
+        timeout: float | None = None,
+    ) -> ClaimResult:
+        """ClaimReply: the exclusive, TTL'd right to reply to ``subject`` (``ttl`` 0: the server's default).
+
+        Answers a :class:`ClaimResult` (GRANTED, HELD, ALREADY_REPLIED, DUPLICATE_DELIVERY); nothing is
+        renewed for you. Agents should use ``reply_to``, which renews, fences the send and cleans up.
+        ``thread_id`` and ``received_at`` (both or neither: the message's thread and when it was received, as
+        the provider says) let a reply written outside the coordinator in that thread end the claim.
+        """
+        return self._drive(
+            self._core.claim(
+                subject,
+                ttl=ttl,
+                notification_id=notification_id,
+                note=note,
+                summary=summary,
+                thread_id=thread_id,
+                received_at=received_at,
+                timeout=timeout,
+            )
+        )
+
+    def renew(self, subject: Subject, token: int, *, ttl: int = 0, timeout: float | None = None) -> FenceResult:
+        """RenewClaim: pushes the claim's expiry ``ttl`` seconds out (``ok`` False: the token is stale)."""
+        return self._drive(self._core.renew(subject, token, ttl=ttl, timeout=timeout))
+
+    def release(
+        self, subject: Subject, token: int, *, redeliverable: bool = False, timeout: float | None = None
+    ) -> FenceResult:
+        """ReleaseClaim: gives the claim up without replying; the subject becomes FREE. ``redeliverable``: this
+        is not a decision about the message (the work failed), so a redelivery of its notification may claim
+        again; leave it False when you decided not to reply."""
+        return self._drive(self._core.release(subject, token, redeliverable=redeliverable, timeout=timeout))
+
+    def begin_send(self, subject: Subject, token: int, *, timeout: float | None = None) -> FenceResult:
+        """BeginSend, the commit point: CLAIMED to SENDING only if ``token`` is current (else ``ok`` False:
+        do not send). Afterwards call ``confirm_sent`` or ``abort_send`` before the send deadline."""
+        return self._drive(self._core.begin_send(subject, token, timeout=timeout))
+
+    def confirm_sent(
+        self, subject: Subject, token: int, sent_message_id: str = "", *, timeout: float | None = None
+    ) -> FenceResult:
+        """ConfirmSent: the reply went out (SENDING or IN_DOUBT to REPLIED), with the mail API's message id."""
+        return self._drive(self._core.confirm_sent(subject, token, sent_message_id, timeout=timeout))
+
+    def abort_send(
+        self,
+        subject: Subject,
+        token: int,
+        reason: str = "",
+        *,
+        redeliverable: bool = False,
+        timeout: float | None = None,
+    ) -> FenceResult:
+        """AbortSend: the send certainly did not go out (SENDING or IN_DOUBT to FREE); ``redeliverable`` as in
+        ``release``."""
+        return self._drive(self._core.abort_send(subject, token, reason, redeliverable=redeliverable, timeout=timeout))
+
+    def mark_replied(
+        self, subject: Subject, token: int, *, sent_message_id: str = "", note: str = "", timeout: float | None = None
+    ) -> FenceResult:
+        """MarkReplied: the holder answered without the coordinator (in a mail client, by phone): CLAIMED to
+        REPLIED, so later claims answer ALREADY_REPLIED. Fenced like ``begin_send`` (``ok`` False: not yours)."""
+        return self._drive(
+            self._core.mark_replied(subject, token, sent_message_id=sent_message_id, note=note, timeout=timeout)
+        )
+
+    def status(self, subject: Subject, *, timeout: float | None = None) -> SubjectStatus:
+        """GetStatus: one subject's state (FREE when nothing is recorded)."""
+        return self._drive(self._core.status(subject, timeout=timeout))
+
+    def caller(self, *, timeout: float | None = None) -> CallerIdentity:
+        """GetCaller: who the coordinator takes this client's credentials to be (principal, kind, roles, mailboxes)."""
+        return self._drive(self._core.caller(timeout=timeout))
+
+    def list_claims(
+        self,
+        mailbox: str,
+        *,
+        states: Iterable[SubjectState] = (),
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> ClaimsPage:
+        """ListClaims: one page of the mailbox's subjects that are not FREE (only ``states`` if given), in key
+        order. Pass the page's ``next_page_token`` for the next one, or use ``iter_claims``."""
+        return self._drive(
+            self._core.list_claims(mailbox, states=states, page_size=page_size, page_token=page_token, timeout=timeout)
+        )
+
+    def recent_messages(
+        self, mailbox: str, *, query: str = "", page_size: int = 0, timeout: float | None = None
+    ) -> tuple[RecentMessage, ...]:
+        """ListRecentMessages: the mailbox's recently delivered messages (the delivery retention, 24 h), newest
+        first, whose subject line, sender or id contains ``query``: what a person picks one to answer from."""
+        return self._drive(self._core.recent_messages(mailbox, query=query, page_size=page_size, timeout=timeout))
+
+    def iter_claims(
+        self, mailbox: str, *, states: Iterable[SubjectState] = (), page_size: int = 0
+    ) -> Generator[SubjectStatus, None, None]:
+        """Every subject ``list_claims`` would list, page after page (each page read at its own revision)."""
+        return self._iterate(self._core.iter_claims(mailbox, states=states, page_size=page_size))
+
+    def watch(self, mailbox: str, *, reconnect: bool = True) -> Generator[WatchItem, None, None]:
+        """Watch: a :class:`WatchSnapshot` of the mailbox, then a :class:`WatchEvent` for every transition.
+
+        With ``reconnect`` (the default) a stream that ends with UNAVAILABLE (the coordinator restarted, or
+        lost its etcd watch) is opened again with the retry policy's backoff, and resumes after the revision of
+        the last snapshot or event received: the events missed meanwhile arrive, without a new snapshot (one
+        comes only when etcd no longer has that revision). The retry budget is renewed by every item received.
+        Runs until you stop iterating.
+        """
+        return self._iterate(self._core.watch(mailbox, reconnect=reconnect))
+
+    def takeover(
+        self,
+        subject: Subject,
+        *,
+        ttl: int = 0,
+        note: str = "",
+        summary: MessageSummary | None = None,
+        from_person: str = "",
+        timeout: float | None = None,
+    ) -> TakeoverResult:
+        """Takeover (humans only): ends an agent's claim (its token goes stale at once) and gives the caller a
+        new one. From a person only when ``from_person`` names them (the caller confirmed it; otherwise HELD);
+        never after the send began (ALREADY_REPLIED)."""
+        return self._drive(
+            self._core.takeover(subject, ttl=ttl, note=note, summary=summary, from_person=from_person, timeout=timeout)
+        )
+
+    def resolve_in_doubt(
+        self, subject: Subject, *, sent: bool, sent_message_id: str = "", note: str = "", timeout: float | None = None
+    ) -> SubjectStatus:
+        """ResolveInDoubt: settles an IN_DOUBT subject after someone checked the sent folder: ``sent=True``
+        records it REPLIED (with ``sent_message_id`` when known), ``sent=False`` frees it."""
+        return self._drive(
+            self._core.resolve_in_doubt(subject, sent=sent, sent_message_id=sent_message_id, note=note, timeout=timeout)
+        )
 
     # -- the guard -------------------------------------------------------------------------------------------
 

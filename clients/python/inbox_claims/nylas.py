@@ -52,7 +52,6 @@ same code (:func:`build_send_request`, :func:`interpret_send_response`) and only
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -519,16 +518,3 @@ def send(
     if not isinstance(claim, Claim):
         raise TypeError("an httpx.Client send inside an asyncio claim: use an httpx.AsyncClient there")
     return claim.send(_post_sync, client, request)
-
-
-def __getattr__(name: str) -> Any:
-    # 0.1's name of NylasSendOutcomeUnknown (the Nylas form of SendOutcomeUnknown, as NylasSendRejected is of
-    # SendRejected); it goes away in 0.2.
-    if name == "NylasSendUnknown":
-        warnings.warn(
-            "inbox_claims.nylas.NylasSendUnknown is now NylasSendOutcomeUnknown; the old name goes away in 0.2",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return NylasSendOutcomeUnknown
-    raise AttributeError(f"module 'inbox_claims.nylas' has no attribute {name!r}")
