@@ -31,7 +31,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator.api.quotas import QuotaSettings
 from coordinator.ops import logs
 from coordinator.ops.server import CoordinatorServer, ServerSettings
-from coordinator.store.etcd.store import EtcdSettings, EtcdStore
+from coordinator.store.etcd.settings import EtcdSettings
+from coordinator.store.etcd.store import EtcdStore
 
 
 def _rss_bytes() -> int:

@@ -17,7 +17,7 @@ from coordinator.core.domain import Rules
 from coordinator.core.limits import Limits
 from coordinator.ops.server import CoordinatorServer, ServerSettings
 from coordinator.store.etcd.process import EtcdServer, free_port
-from coordinator.store.etcd.store import EtcdSettings
+from coordinator.store.etcd.settings import EtcdSettings
 from inbox_claims import RetryPolicy
 
 from .helpers import Actor

@@ -25,7 +25,7 @@ from coordinator.api.quotas import QuotaSettings
 from coordinator.core.domain import Rules
 from coordinator.core.limits import Limits
 from coordinator.store.etcd.channels import check_endpoints
-from coordinator.store.etcd.store import EtcdSettings
+from coordinator.store.etcd.settings import EtcdSettings
 
 ENV_PREFIX = "INBOX_COORDINATOR_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"

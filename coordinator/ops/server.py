@@ -28,7 +28,8 @@ from coordinator.core.errors import StoreUnavailable
 from coordinator.core.limits import Limits
 from coordinator.core.storage import Store
 from coordinator.ops.metrics import Metrics, MetricsServer, refresh_gauges
-from coordinator.store.etcd.store import EtcdSettings, EtcdStore
+from coordinator.store.etcd.settings import EtcdSettings
+from coordinator.store.etcd.store import EtcdStore
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)

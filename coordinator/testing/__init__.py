@@ -28,8 +28,8 @@ from coordinator.api.auth import TokenAuthenticator
 from coordinator.core.domain import Rules
 from coordinator.core.limits import Limits
 from coordinator.ops.server import CoordinatorServer, ServerSettings
-from coordinator.store.etcd.client import EtcdSettings
 from coordinator.store.etcd.process import EtcdServer
+from coordinator.store.etcd.settings import EtcdSettings
 
 __all__ = ["ServedCoordinator", "etcd_for_tests", "serve_in_thread"]
 

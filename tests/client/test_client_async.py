@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.ops.server import CoordinatorServer, ServerSettings
 from coordinator.store.etcd.process import EtcdServer, free_port
-from coordinator.store.etcd.store import EtcdSettings
+from coordinator.store.etcd.settings import EtcdSettings
 from inbox_claims import (
     AlreadyReplied,
     AsyncClaim,

@@ -20,7 +20,8 @@ from coordinator.core.domain import Rules
 from coordinator.core.engine import Engine
 from coordinator.ops.server import wall_clock_ms
 from coordinator.store.etcd.process import EtcdServer
-from coordinator.store.etcd.store import EtcdSettings, EtcdStore
+from coordinator.store.etcd.settings import EtcdSettings
+from coordinator.store.etcd.store import EtcdStore
 from inbox_claims import AsyncCoordinator, Coordinator, CoordinatorUnavailable, RetryPolicy, Subject, SubjectState
 from inbox_claims.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from inbox_claims.types import ClaimOutcome

@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.ops.server import CoordinatorServer, ServerSettings
 from coordinator.store.etcd.process import EtcdServer, free_port
-from coordinator.store.etcd.store import EtcdSettings
+from coordinator.store.etcd.settings import EtcdSettings
 from inbox_claims import AsyncCoordinator, Coordinator, CoordinatorUnavailable, RetryPolicy, Subject
 from inbox_claims.types import ClaimOutcome, WatchEvent, WatchSnapshot
 from tests.conftest import PATIENT, LateCoordinator, test_rules

@@ -23,7 +23,7 @@ import pytest
 
 from inbox_claims import Coordinator, RetryPolicy, Subject, asgi, nylas
 from inbox_claims._batch import MAX_BATCHES_IN_FLIGHT, answers
-from inbox_claims._core import Rpc, RpcFailure
+from inbox_claims._effects import Rpc, RpcFailure
 from inbox_claims._guard import (
     REASON_MAX_BYTES,
     SUMMARY_SENDER_MAX_BYTES,

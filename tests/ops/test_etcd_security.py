@@ -15,8 +15,10 @@ from aetcd import rpc
 from coordinator.core.domain import Subject, SubjectKind
 from coordinator.core.errors import StoreUnavailable
 from coordinator.ops.server import wall_clock_ms
+from coordinator.store.etcd.channels import open_channel
 from coordinator.store.etcd.process import EtcdClientTls, EtcdMemberSpec, EtcdServer, free_port
-from coordinator.store.etcd.store import EtcdSettings, EtcdStore, open_channel
+from coordinator.store.etcd.settings import EtcdSettings
+from coordinator.store.etcd.store import EtcdStore
 from tests.conftest import StartCoordinator
 from tests.helpers import Actor, message
 

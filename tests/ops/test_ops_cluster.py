@@ -33,7 +33,7 @@ from coordinator.store.etcd.cluster import EtcdCluster
 from coordinator.store.etcd.keys import prefix_end
 from coordinator.store.etcd.peek import EtcdPeek
 from coordinator.store.etcd.process import EtcdServer
-from coordinator.store.etcd.store import EtcdSettings
+from coordinator.store.etcd.settings import EtcdSettings
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, etcd_store_of, eventually, message, new_request_id, rpc_error

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordinator.ops import logs
 from coordinator.ops.server import LIVENESS_SERVICE, SERVICE_NAME, CoordinatorServer, ServerSettings
 from coordinator.store.etcd.process import EtcdServer
-from coordinator.store.etcd.store import EtcdSettings
+from coordinator.store.etcd.settings import EtcdSettings
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, eventually, message, rpc_error

@@ -30,7 +30,8 @@ from coordinator.core.domain import Rules
 from coordinator.core.engine import Engine
 from coordinator.ops.server import wall_clock_ms
 from coordinator.store.etcd.process import EtcdServer
-from coordinator.store.etcd.store import EtcdSettings, EtcdStore
+from coordinator.store.etcd.settings import EtcdSettings
+from coordinator.store.etcd.store import EtcdStore
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import TEST_LIMITS

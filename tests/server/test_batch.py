@@ -21,7 +21,8 @@ from coordinator.api.service import CoordinatorServicer
 from coordinator.core.engine import Engine
 from coordinator.ops.server import CoordinatorServer, wall_clock_ms
 from coordinator.store.etcd.process import EtcdServer
-from coordinator.store.etcd.store import EtcdSettings, EtcdStore
+from coordinator.store.etcd.settings import EtcdSettings
+from coordinator.store.etcd.store import EtcdStore
 from inbox_claims import AsyncCoordinator, Coordinator, Subject
 from inbox_claims._batch import MAX_BATCHES_IN_FLIGHT, Coalescer
 from inbox_claims._effects import Rpc

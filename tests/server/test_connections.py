@@ -20,7 +20,7 @@ from coordinator.api.interceptor import REQUEST_TIMEOUT_REASON
 from coordinator.api.service import SERVICE_NAME
 from coordinator.ops.server import CoordinatorServer, ServerSettings
 from coordinator.store.etcd.process import EtcdServer, free_port
-from coordinator.store.etcd.store import EtcdSettings
+from coordinator.store.etcd.settings import EtcdSettings
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor, error_reason, eventually, message, rpc_error, spawn, wait_for_line

@@ -27,7 +27,7 @@ from coordinator.api.quotas import QuotaSettings
 from coordinator.ops.cli import board_line
 from coordinator.ops.server import CoordinatorServer, ServerSettings
 from coordinator.store.etcd.process import EtcdServer
-from coordinator.store.etcd.store import EtcdSettings
+from coordinator.store.etcd.settings import EtcdSettings
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import test_rules
 from tests.helpers import Actor

@@ -22,11 +22,12 @@ def _modules(root: Path) -> list[Path]:
     return sorted(path for path in root.rglob("*.py") if "__pycache__" not in path.parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, absolute (relative imports resolved against its package)."""
-    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
-    if path.parent.parts[-2:] == ("clients", "python") or "python" in package:
-        package = path.relative_to(ROOT / "clients" / "python").with_suffix("").parts[:-1]
+def _imports(path: Path, packages: Path | None = None) -> set[str]:
+    """Every module ``path`` imports, absolute (relative imports resolved against its package, whose folder is
+    under ``packages``: the repository's root for the server, clients/python for the client)."""
+    if packages is None:
+        packages = ROOT / "clients" / "python" if CLIENT.parent in path.parents else ROOT
+    package = path.relative_to(packages).with_suffix("").parts[:-1]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -123,3 +124,74 @@ def test_the_checks_see_imports() -> None:
     assert any(module.startswith("coordinator.store.etcd") for module in _imports(SERVER / "ops" / "server.py"))
     assert "coordinator.testing" in _imports(CLIENT / "testing.py")
     assert _layer("coordinator.api.service") == "api"
+
+
+def _module_name(path: Path, packages: Path) -> str:
+    parts = list(path.relative_to(packages).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _cycles(root: Path) -> list[list[str]]:
+    """The import circles among the modules of the package ``root`` (strongly connected components of two or
+    more modules), type-checking imports included: a circle is a circle for a reader too."""
+    paths = {_module_name(path, root.parent): path for path in _modules(root)}
+
+    def target(imported: str) -> str | None:
+        # ``from pkg import mod`` imports the module pkg.mod; ``from pkg.mod import Name`` the module pkg.mod.
+        while imported and imported not in paths:
+            imported = imported.rpartition(".")[0]
+        return imported or None
+
+    graph = {
+        name: {found for imported in _imports(path, root.parent) if (found := target(imported)) not in (None, name)}
+        for name, path in paths.items()
+    }
+    # A package's __init__ that imports its submodules is not a circle with them: only the reverse arrows count.
+    for name in graph:
+        graph[name] = {found for found in graph[name] if not (found is not None and name.startswith(found + "."))}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for child in graph[node]:
+            if child is None:
+                continue
+            if child not in index:
+                visit(child)
+                low[node] = min(low[node], low[child])
+            elif child in stack:
+                low[node] = min(low[node], index[child])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_import_circles_in_the_server_or_the_client() -> None:
+    assert _cycles(SERVER) == []
+    assert _cycles(CLIENT) == []
+
+
+def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
+    package = tmp_path / "circle"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from circle.b import B\nA = 1\n")
+    (package / "b.py").write_text("from circle import a\nB = 2\n")
+    assert _cycles(package) == [["circle.a", "circle.b"]]
+    (package / "b.py").write_text("B = 2\n")
+    assert _cycles(package) == []

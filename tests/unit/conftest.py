@@ -9,7 +9,8 @@ import pytest
 
 from coordinator.core.storage import Store
 from coordinator.ops.server import wall_clock_ms
-from coordinator.store.etcd.store import EtcdSettings, EtcdStore
+from coordinator.store.etcd.settings import EtcdSettings
+from coordinator.store.etcd.store import EtcdStore
 from coordinator.store.memory import MemoryStore
 
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from aetcd import rpc
 
-from coordinator.store.etcd.client import EtcdClient, EtcdSettings
+from coordinator.store.etcd.client import EtcdClient
+from coordinator.store.etcd.settings import EtcdSettings
 
 
 class _Observer:

@@ -24,13 +24,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from aetcd import rpc
 
-if TYPE_CHECKING:
-    from coordinator.store.etcd.client import EtcdSettings
+from coordinator.store.etcd.settings import EtcdSettings
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -18,6 +16,7 @@ from aetcd import rpc
 
 from coordinator.core.errors import StoreUnavailable
 from coordinator.store.etcd.channels import EtcdChannels, EtcdEndpoint
+from coordinator.store.etcd.settings import EtcdSettings
 
 T = TypeVar("T")
 
@@ -27,35 +26,6 @@ log = logging.getLogger(__name__)
 # transaction is linearizable too). A serializable read or a member's status answers with that member's own
 # term, which a member cut off from the others raises at every campaign it starts.
 _THROUGH_THE_LEADER = (rpc.TxnRequest, rpc.RangeRequest, rpc.LeaseGrantRequest)
-
-
-@dataclass(frozen=True)
-class EtcdSettings:
-    endpoints: Sequence[str]
-    prefix: str = "inbox-coordinator/v1/"
-    # Deadline of one etcd call: a store slower than this is reported UNAVAILABLE, not waited on forever.
-    call_timeout_s: float = 5.0
-    # Group commit: transactions that arrive while others are in flight are sent together, each as a
-    # nested transaction of one etcd request (one raft entry, one fsync). 1 turns batching off.
-    max_batch: int = 64
-    # How many batches may be in flight at once. Two: while one is committed the next fills, which is what
-    # Batch RPCs from busy clients need (1.04x the raw etcd loop against 0.94x with one); one suits agents
-    # that make one call at a time (+15% for them). docs/performance.md, finding 1.
-    max_batches_in_flight: int = 2
-    # TLS to etcd: the CA that signed etcd's certificate, and a client certificate for --client-cert-auth.
-    # Endpoints written https://... use TLS with the system's CAs when no CA file is given.
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
-    # etcd's own authentication (etcdctl user add; auth enable).
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-
-    @property
-    def uses_tls(self) -> bool:
-        return any((self.ca_file, self.cert_file, self.key_file)) or any(
-            e.startswith("https://") for e in self.endpoints
-        )
 
 
 def is_bad_auth_token(error: grpc.aio.AioRpcError) -> bool:

@@ -15,8 +15,9 @@ from aetcd import rpc
 
 from coordinator.core.domain import Subject
 from coordinator.core.errors import StoreUnavailable
-from coordinator.store.etcd.client import EtcdClient, EtcdSettings, is_lease_not_found
+from coordinator.store.etcd.client import EtcdClient, is_lease_not_found
 from coordinator.store.etcd.keys import Keys
+from coordinator.store.etcd.settings import EtcdSettings
 
 __all__ = ["EtcdPeek", "KeyLease", "LeaseLeft"]
 

@@ -45,11 +45,9 @@ from coordinator.core.storage import (
     encode_cursor,
 )
 from coordinator.store.etcd import codec as _codec
-from coordinator.store.etcd.channels import open_channel as open_channel  # where tests and tools have always found it
 from coordinator.store.etcd.client import (
     EtcdClient,
     EtcdObserver,
-    EtcdSettings,
     FutureRevision,
     RevisionCompacted,
     is_lease_not_found,
@@ -59,8 +57,9 @@ from coordinator.store.etcd.feeds import FeedHub
 from coordinator.store.etcd.group_commit import TxnBatcher
 from coordinator.store.etcd.keys import Keys, prefix_end
 from coordinator.store.etcd.lease_buckets import LeaseBuckets
+from coordinator.store.etcd.settings import EtcdSettings
 
-__all__ = ["Change", "ClaimAttempt", "EtcdSettings", "EtcdStore", "FeedLost", "open_channel"]
+__all__ = ["EtcdStore"]
 
 log = logging.getLogger(__name__)
 
