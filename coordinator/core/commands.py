@@ -11,15 +11,18 @@ forgotten. Version 1, stable across releases and languages:
    except ``request_id`` and except every field whose value is its default;
 2. values: strings as strings, integers in decimal, booleans, ``None`` as null, an enum as its value, a domain
    dataclass (``Subject``, ``Summary``) as an object of its fields, by the same rule (defaults left out);
-3. written as canonical JSON: keys sorted, no spaces, every character outside ASCII as a ``\\uXXXX`` escape
-   (so the bytes do not depend on any Unicode table);
+3. written as canonical JSON: keys sorted (field names are ASCII), no spaces, ``"`` and ``\\`` and the control
+   characters with a short form (``\\b \\f \\n \\r \\t``) as short escapes, every other control character
+   and every character outside ASCII as ``\\uxxxx`` in lower-case hex (a surrogate pair beyond U+FFFF): as
+   Python's ``json.dumps(..., sort_keys=True, separators=(",", ":"), ensure_ascii=True)`` writes it, and
+   depending on no Unicode table;
 4. hashed with BLAKE2b, 8-byte digest, over those ASCII bytes; written ``v1:`` + the digest in unpadded
    base64url.
 
 A field at its default is left out so that a field a later release adds, with a default, leaves the
 fingerprint of every call that does not use it as the earlier release computed it: a retry that crosses a
-rolling upgrade is still a retry. A change of anything else in the encoding is a new version, with its own
-prefix, and the previous one recognised as ``recognises`` recognises the legacy one below.
+rolling upgrade is still a retry. Anything else that changes the bytes is a new version with its own prefix,
+and ``recognises`` then keeps recognising version 1 for as long as it keeps the legacy fingerprint below.
 
 A command is fingerprinted as the caller sent it, after deterministic normalisation only (the engine resolves a
 TTL of 0 to the rules' default and an empty summary to none), never after anything read from the store: a
@@ -34,7 +37,8 @@ REQUEST_ID_REUSED (judged on the old tuple's arguments only: those are all the o
 branch must stay until no record written by a release before version 1 can remain, that is for the reply
 retention after the last replica of the old release stopped; the release after that may delete
 ``legacy_fingerprint``, its implementations and ``_legacy_digest``, and make ``recognises`` compare with
-``fingerprint`` alone.
+``fingerprint`` alone. (The other way round there is no bridge: during the upgrade, a replica of the earlier
+release answers a retry of a call a new replica recorded REQUEST_ID_REUSED, refused and never applied twice.)
 """
 
 from __future__ import annotations

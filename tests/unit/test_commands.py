@@ -68,6 +68,11 @@ def _vectors() -> list[tuple[str, dict[str, Any]]]:
 # --- golden vectors ---------------------------------------------------------------------------------------
 
 
+def test_every_command_class_is_listed() -> None:
+    declared = {cls for cls in Command.__subclasses__() if cls.__module__ == commands.__name__}
+    assert declared == set(COMMANDS), "list a new command in COMMANDS: the tests below cover what it lists"
+
+
 def test_every_command_has_golden_vectors() -> None:
     named = {name for name, _ in _vectors()}
     assert named == set(COMMAND_CLASSES), "add vectors for a new command to tests/data/fingerprints.json"
