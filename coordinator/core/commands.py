@@ -63,17 +63,32 @@ def _digest(data: bytes) -> str:
     return base64.urlsafe_b64encode(hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()).decode().rstrip("=")
 
 
+_NO_DEFAULT = object()
+# Each dataclass's fields and their defaults, read once: every call of the coordinator fingerprints its command.
+_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _fields_and_defaults(cls: type) -> tuple[tuple[str, Any], ...]:
+    known = _FIELDS.get(cls)
+    if known is None:
+        known = _FIELDS[cls] = tuple((field.name, _default(field)) for field in dataclasses.fields(cls))
+    return known
+
+
+def _default(field: dataclasses.Field[Any]) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return _NO_DEFAULT
+
+
 def _non_default_fields(value: Any, *, skip: str = "") -> dict[str, Any]:
     fields = {}
-    for field in dataclasses.fields(value):
-        if field.name == skip:
-            continue
-        current = getattr(value, field.name)
-        if field.default is not dataclasses.MISSING and current == field.default:
-            continue
-        if field.default_factory is not dataclasses.MISSING and current == field.default_factory():
-            continue
-        fields[field.name] = _encodable(current)
+    for name, default in _fields_and_defaults(type(value)):
+        current = getattr(value, name)
+        if name != skip and (default is _NO_DEFAULT or current != default):
+            fields[name] = _encodable(current)
     return fields
 
 
@@ -88,10 +103,13 @@ def _encodable(value: Any) -> Any:
     raise TypeError(f"a command field of type {type(value).__name__} has no fingerprint encoding")
 
 
+# One encoder for every command: json.dumps with options builds a new JSONEncoder on each call.
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
 def canonical_document(command: Command) -> str:
     """The text version 1 hashes (see the module's docstring): also what the golden vectors show."""
-    document = [command.rpc, _non_default_fields(command, skip="request_id")]
-    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return _CANONICAL_JSON.encode([command.rpc, _non_default_fields(command, skip="request_id")])
 
 
 # --- the legacy fingerprint: delete with legacy_fingerprint (see the module's docstring) --------------------
