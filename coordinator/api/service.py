@@ -26,6 +26,7 @@ from coordinator.api.status import (
     retry_after_ms,
     status_code,
 )
+from coordinator.core import commands
 from coordinator.core.domain import (
     Caller,
     ClaimResult,
@@ -374,9 +375,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def _record_delivery(self, caller: Caller, request: pb.RecordDeliveryRequest) -> pb.RecordDeliveryResponse:
         new, record = await self._engine.record_delivery(
             caller,
-            request_id=request.request_id,
-            mailbox=request.mailbox,
-            notification_id=request.notification_id,
+            commands.RecordDelivery(
+                request_id=request.request_id, mailbox=request.mailbox, notification_id=request.notification_id
+            ),
         )
         result = pb.RecordDeliveryResponse.NEW if new else pb.RecordDeliveryResponse.DUPLICATE
         return pb.RecordDeliveryResponse(result=result, first=delivery_out(record))
@@ -385,14 +386,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         subject = subject_in(request.subject)
         outcome = await self._engine.claim_reply(
             caller,
-            request_id=request.request_id,
-            subject=subject,
-            notification_id=request.notification_id,
-            ttl_seconds=request.ttl_seconds,
-            note=request.note,
-            summary=summary_in(request.summary),
-            thread_id=request.thread_id,
-            received_ms=time_in(request, "received_at", "received_at"),
+            commands.ClaimReply(
+                request_id=request.request_id,
+                subject=subject,
+                notification_id=request.notification_id,
+                ttl_seconds=request.ttl_seconds,
+                note=request.note,
+                summary=summary_in(request.summary),
+                thread_id=request.thread_id,
+                received_ms=time_in(request, "received_at", "received_at"),
+            ),
         )
         return pb.ClaimReplyResponse(
             result=_CLAIM_RESULTS[outcome.result],
@@ -403,13 +406,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def _record_outgoing(self, caller: Caller, request: pb.RecordOutgoingRequest) -> pb.RecordOutgoingResponse:
         outcome = await self._engine.record_outgoing(
             caller,
-            request_id=request.request_id,
-            mailbox=request.mailbox,
-            notification_id=request.notification_id,
-            message_id=request.message_id,
-            thread_id=request.thread_id,
-            sent_ms=time_in(request, "sent_at", "sent_at"),
-            sender=request.sender,
+            commands.RecordOutgoing(
+                request_id=request.request_id,
+                mailbox=request.mailbox,
+                notification_id=request.notification_id,
+                message_id=request.message_id,
+                thread_id=request.thread_id,
+                sent_ms=time_in(request, "sent_at", "sent_at"),
+                sender=request.sender,
+            ),
         )
         return pb.RecordOutgoingResponse(
             result=_OUTGOING_RESULTS[outcome.result],
@@ -421,10 +426,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         subject = subject_in(request.subject)
         result, stored = await self._engine.renew(
             caller,
-            request_id=request.request_id,
-            subject=subject,
-            token=request.fencing_token,
-            ttl_seconds=request.ttl_seconds,
+            commands.RenewClaim(
+                request_id=request.request_id,
+                subject=subject,
+                token=request.fencing_token,
+                ttl_seconds=request.ttl_seconds,
+            ),
         )
         return pb.RenewClaimResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
@@ -432,20 +439,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         subject = subject_in(request.subject)
         result, stored = await self._engine.release(
             caller,
-            request_id=request.request_id,
-            subject=subject,
-            token=request.fencing_token,
-            redeliverable=request.redeliverable,
+            commands.ReleaseClaim(
+                request_id=request.request_id,
+                subject=subject,
+                token=request.fencing_token,
+                redeliverable=request.redeliverable,
+            ),
         )
         return pb.ReleaseClaimResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
     async def _begin_send(self, caller: Caller, request: pb.BeginSendRequest) -> pb.BeginSendResponse:
         subject = subject_in(request.subject)
         result, stored = await self._engine.begin_send(
-            caller,
-            request_id=request.request_id,
-            subject=subject,
-            token=request.fencing_token,
+            caller, commands.BeginSend(request_id=request.request_id, subject=subject, token=request.fencing_token)
         )
         return pb.BeginSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
@@ -453,10 +459,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         subject = subject_in(request.subject)
         result, stored = await self._engine.confirm_sent(
             caller,
-            request_id=request.request_id,
-            subject=subject,
-            token=request.fencing_token,
-            sent_message_id=request.sent_message_id,
+            commands.ConfirmSent(
+                request_id=request.request_id,
+                subject=subject,
+                token=request.fencing_token,
+                sent_message_id=request.sent_message_id,
+            ),
         )
         return pb.ConfirmSentResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
@@ -464,11 +472,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         subject = subject_in(request.subject)
         result, stored = await self._engine.abort_send(
             caller,
-            request_id=request.request_id,
-            subject=subject,
-            token=request.fencing_token,
-            reason=request.reason,
-            redeliverable=request.redeliverable,
+            commands.AbortSend(
+                request_id=request.request_id,
+                subject=subject,
+                token=request.fencing_token,
+                reason=request.reason,
+                redeliverable=request.redeliverable,
+            ),
         )
         return pb.AbortSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
@@ -476,11 +486,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         subject = subject_in(request.subject)
         result, stored = await self._engine.mark_replied(
             caller,
-            request_id=request.request_id,
-            subject=subject,
-            token=request.fencing_token,
-            sent_message_id=request.sent_message_id,
-            note=request.note,
+            commands.MarkReplied(
+                request_id=request.request_id,
+                subject=subject,
+                token=request.fencing_token,
+                sent_message_id=request.sent_message_id,
+                note=request.note,
+            ),
         )
         return pb.MarkRepliedResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
@@ -540,12 +552,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         subject = subject_in(request.subject)
         outcome = await self._engine.takeover(
             caller,
-            request_id=request.request_id,
-            subject=subject,
-            ttl_seconds=request.ttl_seconds,
-            note=request.note,
-            summary=summary_in(request.summary),
-            from_person=request.from_person,
+            commands.Takeover(
+                request_id=request.request_id,
+                subject=subject,
+                ttl_seconds=request.ttl_seconds,
+                note=request.note,
+                summary=summary_in(request.summary),
+                from_person=request.from_person,
+            ),
         )
         return pb.TakeoverResponse(
             result=_TAKEOVER_RESULTS[outcome.result],
@@ -561,11 +575,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise InvalidArgument("outcome", "must be OUTCOME_SENT or OUTCOME_NOT_SENT")
         stored = await self._engine.resolve_in_doubt(
             caller,
-            request_id=request.request_id,
-            subject=subject,
-            outcome=outcome,
-            sent_message_id=request.sent_message_id,
-            note=request.note,
+            commands.ResolveInDoubt(
+                request_id=request.request_id,
+                subject=subject,
+                outcome=outcome,
+                sent_message_id=request.sent_message_id,
+                note=request.note,
+            ),
         )
         return pb.ResolveInDoubtResponse(status=status_out(subject, stored))
 

@@ -7,14 +7,27 @@ on a stale read never lands: it is taken again on a fresh one.
 
 from __future__ import annotations
 
-import base64
 import enum
-import hashlib
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from coordinator.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from coordinator.core.limits import Limits
+
+if TYPE_CHECKING:  # the commands are made of this module's values; the rules only read their fields
+    from coordinator.core.commands import (
+        AbortSend,
+        BeginSend,
+        ClaimReply,
+        Command,
+        ConfirmSent,
+        MarkReplied,
+        ReleaseClaim,
+        RenewClaim,
+        ResolveInDoubt,
+        Takeover,
+    )
 
 
 class SubjectKind(enum.Enum):
@@ -319,23 +332,19 @@ def state_of(stored: Stored | None) -> State:
 # --- Retries --------------------------------------------------------------------------------------------
 
 
-def fingerprint(call: str, *arguments: object) -> str:
-    """A short digest of a call and its arguments (everything but the request id): a retry repeats it exactly."""
-    digest = hashlib.blake2b(repr((call, arguments)).encode(), digest_size=8).digest()
-    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
-
-
-def is_retry(recorded_id: str, recorded_fingerprint: str, request_id: str, request_fingerprint: str, call: str) -> bool:
-    """Whether a call is a retry of the one recorded (same request id, same arguments); a reuse of the id with
-    other arguments is refused, because answering it as the first call would hide that it was never made.
-    Records written before fingerprints were kept have none: their id alone decides."""
+def is_retry(recorded_id: str, recorded_fingerprint: str, command: Command) -> bool:
+    """Whether ``command`` is a retry of the call recorded (same request id, same arguments: its fingerprint, of
+    any version still recognised); a reuse of the id with other arguments is refused, because answering it as
+    the first call would hide that it was never made. Records written before fingerprints were kept have none:
+    their id alone decides."""
+    request_id = command.request_id
     if not request_id or recorded_id != request_id:
         return False
-    if recorded_fingerprint and recorded_fingerprint != request_fingerprint:
+    if recorded_fingerprint and not command.recognises(recorded_fingerprint):
         raise InvalidArgument(
             "request_id",
-            f"{request_id!r} was already used for a different call on this subject ({call} with other arguments, "
-            "or another RPC); a retry must repeat its call exactly, and a new call needs a new request id",
+            f"{request_id!r} was already used for a different call on this subject ({command.rpc} with other "
+            "arguments, or another RPC); a retry must repeat its call exactly, and a new call needs a new request id",
             reason="REQUEST_ID_REUSED",
         )
     return True
@@ -347,15 +356,14 @@ def is_retry(recorded_id: str, recorded_fingerprint: str, request_id: str, reque
 def new_claim(
     rules: Rules,
     caller: Caller,
+    command: ClaimReply | Takeover,
     *,
-    ttl_seconds: int,
-    note: str,
-    request_id: str,
     now_ms: int,
-    fingerprint: str = "",
     summary: Summary | None = None,
     received_ms: int | None = None,
 ) -> SubjectRecord:
+    """The claim ``command`` makes. The summary is passed apart: a Takeover's may come from the claim it takes
+    over, which is not the call's argument (nor in its fingerprint)."""
     return SubjectRecord(
         summary=summary if summary and rules.store_summaries else None,
         received_ms=received_ms,
@@ -363,11 +371,11 @@ def new_claim(
         holder=caller.principal,
         holder_kind=caller.kind,
         acquired_ms=now_ms,
-        ttl_seconds=ttl_seconds,
-        expires_ms=rules.claim_expiry(now_ms, ttl_seconds),
-        note=note,
-        request_id=request_id,
-        fingerprint=fingerprint,
+        ttl_seconds=command.ttl_seconds,
+        expires_ms=rules.claim_expiry(now_ms, command.ttl_seconds),
+        note=command.note,
+        request_id=command.request_id,
+        fingerprint=command.fingerprint,
     )
 
 
@@ -404,11 +412,10 @@ def is_own_delivery(delivery: DeliveryRecord, caller: Caller, request_id: str) -
 
 def is_duplicate_delivery(
     delivery: DeliveryRecord,
-    subject: Subject,
+    command: ClaimReply,
     current: Stored | None,
     end: EndMark | None,
     caller: Caller,
-    request_id: str,
     delivery_revision: int,
 ) -> bool:
     """Whether a notification recorded earlier (at etcd revision ``delivery_revision``) must be dropped now.
@@ -419,23 +426,21 @@ def is_duplicate_delivery(
     redelivery may claim again, which is how a crash is recovered. A notification recorded for another
     subject, or by RecordDelivery alone, is always a duplicate.
     """
-    if is_own_delivery(delivery, caller, request_id):
+    if is_own_delivery(delivery, caller, command.request_id):
         return False
-    if current is not None or delivery.subject != subject:
+    if current is not None or delivery.subject != command.subject:
         return True
     # "Since it was recorded" by revisions, not by the two records' timestamps: those come from the clocks of
     # the replicas that wrote them. The claim an end mark ended was created at its token.
     return end is not None and end.settles_delivery and end.token >= delivery_revision
 
 
-def claim_conflict(current: Stored, caller: Caller, request_id: str, request_fingerprint: str = "") -> ClaimResult:
+def claim_conflict(current: Stored, caller: Caller, command: ClaimReply) -> ClaimResult:
     """The answer to a ClaimReply whose create-if-absent found the subject taken. HELD may name the caller
     itself: its own claim, made by another request (use that request's token)."""
     record = current.record
     if record.state is State.CLAIMED:
-        if record.holder == caller.principal and is_retry(
-            record.request_id, record.fingerprint, request_id, request_fingerprint, "ClaimReply"
-        ):
+        if record.holder == caller.principal and is_retry(record.request_id, record.fingerprint, command):
             return ClaimResult.GRANTED
         return ClaimResult.HELD
     return ClaimResult.ALREADY_REPLIED
@@ -460,38 +465,23 @@ def _wrong_state(call: str, token: int, state: State, needed: str) -> FailedPrec
     return FailedPrecondition(f"{call}: the claim with token {token} is {state.name}; {call} needs {needed}")
 
 
-def _repeats_last(record: SubjectRecord, request_id: str, request_fingerprint: str, call: str) -> bool:
-    return is_retry(record.last_request_id, record.last_fingerprint, request_id, request_fingerprint, call)
+def _repeats_last(record: SubjectRecord, command: Command) -> bool:
+    return is_retry(record.last_request_id, record.last_fingerprint, command)
 
 
-def _repeats_holders_last(
-    current: Stored | None, caller: Caller, request_id: str, request_fingerprint: str, call: str
-) -> bool:
+def _repeats_holders_last(current: Stored | None, caller: Caller, command: Command) -> bool:
     """Whether the holder's last call on the subject was this one; checked before the token, so that an id
     reused with another token is refused rather than answered STALE_TOKEN."""
-    return (
-        current is not None
-        and current.record.holder == caller.principal
-        and _repeats_last(current.record, request_id, request_fingerprint, call)
-    )
+    return current is not None and current.record.holder == caller.principal and _repeats_last(current.record, command)
 
 
-def _stamped(record: SubjectRecord, request_id: str, request_fingerprint: str) -> SubjectRecord:
-    return replace(record, last_request_id=request_id, last_fingerprint=request_fingerprint)
+def _stamped(record: SubjectRecord, command: Command) -> SubjectRecord:
+    return replace(record, last_request_id=command.request_id, last_fingerprint=command.fingerprint)
 
 
-def renew(
-    rules: Rules,
-    current: Stored | None,
-    caller: Caller,
-    *,
-    token: int,
-    ttl_seconds: int,
-    now_ms: int,
-    request_id: str = "",
-    request_fingerprint: str = "",
-) -> Transition:
-    repeat = _repeats_holders_last(current, caller, request_id, request_fingerprint, "RenewClaim")
+def renew(rules: Rules, current: Stored | None, caller: Caller, command: RenewClaim, *, now_ms: int) -> Transition:
+    token, ttl_seconds = command.token, command.ttl_seconds
+    repeat = _repeats_holders_last(current, caller, command)
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
     assert current is not None
@@ -500,21 +490,14 @@ def renew(
     if repeat:
         return Transition(FenceResult.OK)  # the same answer as the first attempt, not a second renewal
     renewed = replace(current.record, ttl_seconds=ttl_seconds, expires_ms=rules.claim_expiry(now_ms, ttl_seconds))
-    return Transition(FenceResult.OK, write=_stamped(renewed, request_id, request_fingerprint))
+    return Transition(FenceResult.OK, write=_stamped(renewed, command))
 
 
 def release(
-    current: Stored | None,
-    last_end: EndMark | None,
-    caller: Caller,
-    *,
-    token: int,
-    request_id: str,
-    now_ms: int,
-    redeliverable: bool = False,
-    request_fingerprint: str = "",
+    current: Stored | None, last_end: EndMark | None, caller: Caller, command: ReleaseClaim, *, now_ms: int
 ) -> Transition:
-    if _repeats(last_end, caller, token, request_id, request_fingerprint, EndReason.RELEASED):
+    token = command.token
+    if _repeats(last_end, caller, token, command, EndReason.RELEASED):
         return Transition(FenceResult.OK)
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
@@ -528,25 +511,17 @@ def release(
             caller.principal,
             token,
             current.record.holder,
-            request_id,
+            command.request_id,
             now_ms,
-            settles_delivery=not redeliverable,
-            fingerprint=request_fingerprint,
+            settles_delivery=not command.redeliverable,
+            fingerprint=command.fingerprint,
         ),
     )
 
 
-def begin_send(
-    rules: Rules,
-    current: Stored | None,
-    caller: Caller,
-    *,
-    token: int,
-    now_ms: int,
-    request_id: str = "",
-    request_fingerprint: str = "",
-) -> Transition:
-    _repeats_holders_last(current, caller, request_id, request_fingerprint, "BeginSend")
+def begin_send(rules: Rules, current: Stored | None, caller: Caller, command: BeginSend, *, now_ms: int) -> Transition:
+    token = command.token
+    _repeats_holders_last(current, caller, command)
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
     assert current is not None
@@ -566,20 +541,13 @@ def begin_send(
         send_started_ms=now_ms,
         send_deadline_ms=now_ms + rules.send_timeout_ms,
     )
-    return Transition(FenceResult.OK, write=_stamped(sending, request_id, request_fingerprint))
+    return Transition(FenceResult.OK, write=_stamped(sending, command))
 
 
 def confirm_sent(
-    rules: Rules,
-    current: Stored | None,
-    caller: Caller,
-    *,
-    token: int,
-    sent_message_id: str,
-    now_ms: int,
-    request_id: str = "",
-    request_fingerprint: str = "",
+    rules: Rules, current: Stored | None, caller: Caller, command: ConfirmSent, *, now_ms: int
 ) -> Transition:
+    token, sent_message_id = command.token, command.sent_message_id
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
     assert current is not None
@@ -605,22 +573,19 @@ def abort_send(
     current: Stored | None,
     last_end: EndMark | None,
     caller: Caller,
+    command: AbortSend,
     *,
-    token: int,
-    reason: str,
-    request_id: str,
     now_ms: int,
-    redeliverable: bool = False,
-    request_fingerprint: str = "",
 ) -> Transition:
-    if _repeats(last_end, caller, token, request_id, request_fingerprint, EndReason.ABORTED):
+    token = command.token
+    if _repeats(last_end, caller, token, command, EndReason.ABORTED):
         return Transition(FenceResult.OK)
     if (
         current is not None
         and current.token == token
         and current.record.outside_reply is not None
         and current.record.outside_reply.stopped_holder == caller.principal
-        and _repeats_last(current.record, request_id, request_fingerprint, "AbortSend")
+        and _repeats_last(current.record, command)
     ):
         return Transition(FenceResult.OK)  # a retry of the abort that found someone had answered (below)
     if not _check_token(current, caller, token):
@@ -631,7 +596,7 @@ def abort_send(
         raise _wrong_state("AbortSend", token, record.state, "SENDING (before BeginSend use ReleaseClaim)")
     answered = _answered_by_its_copy(rules, record, now_ms)
     if answered is not None:
-        return Transition(FenceResult.OK, write=_stamped(answered, request_id, request_fingerprint))
+        return Transition(FenceResult.OK, write=_stamped(answered, command))
     return Transition(
         FenceResult.OK,
         end=EndMark(
@@ -639,32 +604,24 @@ def abort_send(
             caller.principal,
             token,
             current.record.holder,
-            request_id,
+            command.request_id,
             now_ms,
-            reason,
-            settles_delivery=not redeliverable,
-            fingerprint=request_fingerprint,
+            command.reason,
+            settles_delivery=not command.redeliverable,
+            fingerprint=command.fingerprint,
         ),
     )
 
 
 def mark_replied(
-    rules: Rules,
-    current: Stored | None,
-    caller: Caller,
-    *,
-    token: int,
-    sent_message_id: str,
-    note: str,
-    request_id: str,
-    now_ms: int,
-    request_fingerprint: str = "",
+    rules: Rules, current: Stored | None, caller: Caller, command: MarkReplied, *, now_ms: int
 ) -> Transition:
     """The holder answered without the coordinator (in a mail client, by phone): CLAIMED becomes REPLIED.
 
     Fenced like BeginSend, since it stands for a send: a holder whose claim lapsed or was taken over must not
     record a reply over the new holder's claim."""
-    retried = _repeats_holders_last(current, caller, request_id, request_fingerprint, "MarkReplied")
+    token = command.token
+    retried = _repeats_holders_last(current, caller, command)
     if not _check_token(current, caller, token):
         return Transition(FenceResult.STALE_TOKEN)
     assert current is not None
@@ -673,8 +630,10 @@ def mark_replied(
         return Transition(FenceResult.OK)  # a retry: the first attempt recorded it
     if record.state is not State.CLAIMED:
         raise _wrong_state("MarkReplied", token, record.state, "CLAIMED (after BeginSend use ConfirmSent)")
-    replied = replace(_replied(rules, record, sent_message_id, now_ms), note=note or record.note, replied_by_hand=True)
-    return Transition(FenceResult.OK, write=_stamped(replied, request_id, request_fingerprint))
+    replied = replace(
+        _replied(rules, record, command.sent_message_id, now_ms), note=command.note or record.note, replied_by_hand=True
+    )
+    return Transition(FenceResult.OK, write=_stamped(replied, command))
 
 
 def _answered_by_its_copy(rules: Rules, record: SubjectRecord, now_ms: int) -> SubjectRecord | None:
@@ -722,15 +681,13 @@ def _replied(rules: Rules, record: SubjectRecord, sent_message_id: str, now_ms: 
     )
 
 
-def _repeats(
-    last_end: EndMark | None, caller: Caller, token: int, request_id: str, request_fingerprint: str, reason: EndReason
-) -> bool:
+def _repeats(last_end: EndMark | None, caller: Caller, token: int, command: Command, reason: EndReason) -> bool:
     """Whether ``last_end`` is this very call's: its retry answers OK and changes nothing."""
     return (
         last_end is not None
         and last_end.by == caller.principal
         and (token == 0 or last_end.token == token)
-        and is_retry(last_end.request_id, last_end.fingerprint, request_id, request_fingerprint, reason.value)
+        and is_retry(last_end.request_id, last_end.fingerprint, command)
         and last_end.reason is reason
     )
 
@@ -760,7 +717,7 @@ def takeover_refusal(current: Stored | None, caller: Caller, from_person: str = 
 
 
 def own_takeover(
-    current: Stored | None, last_end: EndMark | None, caller: Caller, request_id: str, request_fingerprint: str
+    current: Stored | None, last_end: EndMark | None, caller: Caller, command: Takeover
 ) -> tuple[bool, EndMark | None]:
     """What a Takeover with this request id already did: (whether the claim it made stands, the end mark it left
     on the agent's claim). A retry answers from these instead of taking over again (or answering HELD)."""
@@ -768,25 +725,17 @@ def own_takeover(
         current is not None
         and current.record.state is State.CLAIMED
         and current.record.holder == caller.principal
-        and is_retry(current.record.request_id, current.record.fingerprint, request_id, request_fingerprint, "Takeover")
+        and is_retry(current.record.request_id, current.record.fingerprint, command)
     )
-    ended = _repeats(last_end, caller, 0, request_id, request_fingerprint, EndReason.TAKEN_OVER)
+    ended = _repeats(last_end, caller, 0, command, EndReason.TAKEN_OVER)
     return holds, last_end if ended else None
 
 
-def takeover_release(
-    current: Stored | None,
-    caller: Caller,
-    *,
-    request_id: str,
-    now_ms: int,
-    request_fingerprint: str = "",
-    from_person: str = "",
-) -> Transition:
+def takeover_release(current: Stored | None, caller: Caller, command: Takeover, *, now_ms: int) -> Transition:
     """First step of a takeover: end the holder's claim (an agent's, or the named colleague's), which makes
     its token stale at once."""
     require_human(caller)
-    if current is None or takeover_refusal(current, caller, from_person) is not None:
+    if current is None or takeover_refusal(current, caller, command.from_person) is not None:
         return Transition(FenceResult.STALE_TOKEN)
     return Transition(
         FenceResult.OK,
@@ -795,10 +744,10 @@ def takeover_release(
             caller.principal,
             current.token,
             current.record.holder,
-            request_id,
+            command.request_id,
             now_ms,
             f"taken over by {caller.principal}",
-            fingerprint=request_fingerprint,
+            fingerprint=command.fingerprint,
         ),
     )
 
@@ -807,38 +756,33 @@ def resolve_in_doubt(
     rules: Rules,
     current: Stored | None,
     caller: Caller,
+    command: ResolveInDoubt,
     *,
-    outcome: ResolveOutcome,
-    sent_message_id: str,
-    note: str,
-    request_id: str,
     now_ms: int,
     last_end: EndMark | None = None,
-    request_fingerprint: str = "",
 ) -> Transition:
+    note = command.note
     state = state_of(current)
     # A retry finds the subject as its first attempt left it: REPLIED with its stamp, or FREE with its end mark.
     if state is State.REPLIED:
         assert current is not None
-        if _repeats_last(current.record, request_id, request_fingerprint, "ResolveInDoubt"):
+        if _repeats_last(current.record, command):
             return Transition(FenceResult.OK)
-    elif state is State.FREE and _repeats(
-        last_end, caller, 0, request_id, request_fingerprint, EndReason.RESOLVED_NOT_SENT
-    ):
+    elif state is State.FREE and _repeats(last_end, caller, 0, command, EndReason.RESOLVED_NOT_SENT):
         return Transition(FenceResult.OK)
     if state is not State.IN_DOUBT:
         raise FailedPrecondition(
             f"ResolveInDoubt: the subject is {state.name}; only an IN_DOUBT subject can be resolved"
         )
     assert current is not None
-    if outcome is ResolveOutcome.SENT:
-        resolved = _stamped(_replied(rules, current.record, sent_message_id, now_ms), request_id, request_fingerprint)
+    if command.outcome is ResolveOutcome.SENT:
+        resolved = _stamped(_replied(rules, current.record, command.sent_message_id, now_ms), command)
         return Transition(
             FenceResult.OK, write=replace(resolved, note=note or resolved.note, settled_by=caller.principal)
         )
     answered = _answered_by_its_copy(rules, current.record, now_ms)
     if answered is not None:  # not sent, so the message taken for its copy was someone's answer (as abort_send)
-        return Transition(FenceResult.OK, write=_stamped(replace(answered, note=note), request_id, request_fingerprint))
+        return Transition(FenceResult.OK, write=_stamped(replace(answered, note=note), command))
     return Transition(
         FenceResult.OK,
         end=EndMark(
@@ -846,10 +790,10 @@ def resolve_in_doubt(
             caller.principal,
             current.token,
             current.record.holder,
-            request_id,
+            command.request_id,
             now_ms,
             note,
-            fingerprint=request_fingerprint,
+            fingerprint=command.fingerprint,
         ),
     )
 

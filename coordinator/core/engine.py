@@ -12,6 +12,19 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from coordinator.core import domain, limits
+from coordinator.core.commands import (
+    AbortSend,
+    BeginSend,
+    ClaimReply,
+    ConfirmSent,
+    MarkReplied,
+    RecordDelivery,
+    RecordOutgoing,
+    ReleaseClaim,
+    RenewClaim,
+    ResolveInDoubt,
+    Takeover,
+)
 from coordinator.core.domain import (
     Caller,
     ClaimResult,
@@ -21,7 +34,6 @@ from coordinator.core.domain import (
     FenceResult,
     OutgoingResult,
     OutsideReply,
-    ResolveOutcome,
     Rules,
     State,
     Stored,
@@ -96,8 +108,9 @@ def _check_request_id(request_id: str) -> None:
 
 
 def _checked_summary(summary: Summary | None) -> Summary | None:
-    """The summary as it is stored: within its limits, and without invisible formatting (see limits)."""
-    if summary is None:
+    """The summary as it is stored: within its limits, and without invisible formatting (see limits); None when
+    it says nothing, as a request without one does."""
+    if not summary:
         return None
     limits.check_text(
         "summary.subject_line", summary.subject_line, limits.SUMMARY_SUBJECT_LINE_MAX_BYTES, required=False
@@ -135,11 +148,13 @@ def _thread_link(subject: Subject, thread_id: str, received_ms: int | None) -> T
     return ThreadLink(thread_id, received_ms)
 
 
-def _check_fenced_call(caller: Caller, request_id: str, subject: Subject, token: int) -> None:
+def _check_fenced_call(
+    caller: Caller, command: RenewClaim | ReleaseClaim | BeginSend | ConfirmSent | AbortSend | MarkReplied
+) -> None:
     """What every call carrying a fencing token checks first, in the order its errors name the fields."""
-    _check_request_id(request_id)
-    _check_subject(caller, subject)
-    if token <= 0:
+    _check_request_id(command.request_id)
+    _check_subject(caller, command.subject)
+    if command.token <= 0:
         raise InvalidArgument("fencing_token", "is required: pass the token ClaimReply granted (a positive number)")
 
 
@@ -179,58 +194,42 @@ class Engine:
 
     # --- deliveries and claims -----------------------------------------------------------------------------
 
-    async def record_delivery(
-        self, caller: Caller, *, request_id: str, mailbox: str, notification_id: str
-    ) -> tuple[bool, DeliveryRecord]:
+    async def record_delivery(self, caller: Caller, command: RecordDelivery) -> tuple[bool, DeliveryRecord]:
         """(True, the new record) on a first sighting; (False, the first record) for a duplicate."""
-        _check_request_id(request_id)
-        _check_mailbox(caller, mailbox)
-        limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=True)
+        _check_request_id(command.request_id)
+        _check_mailbox(caller, command.mailbox)
+        limits.check_text("notification_id", command.notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=True)
         now = self._clock()
         record = domain.new_delivery(
             self.rules,
             caller,
-            mailbox=mailbox,
-            notification_id=notification_id,
-            request_id=request_id,
+            mailbox=command.mailbox,
+            notification_id=command.notification_id,
+            request_id=command.request_id,
             now_ms=now,
             subject=None,
         )
         earlier = await self.store.record_delivery(record, self.rules.delivery_expiry(now))
-        if earlier is None or domain.is_own_delivery(earlier, caller, request_id):
+        if earlier is None or domain.is_own_delivery(earlier, caller, command.request_id):
             return True, earlier or record
         return False, earlier
 
-    async def claim_reply(
-        self,
-        caller: Caller,
-        *,
-        request_id: str,
-        subject: Subject,
-        notification_id: str,
-        ttl_seconds: int,
-        note: str,
-        summary: Summary | None = None,
-        thread_id: str = "",
-        received_ms: int | None = None,
-    ) -> ClaimOutcome:
-        _check_request_id(request_id)
+    async def claim_reply(self, caller: Caller, command: ClaimReply) -> ClaimOutcome:
+        _check_request_id(command.request_id)
+        subject, notification_id = command.subject, command.notification_id
         _check_subject(caller, subject)
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
-        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
-        summary = _checked_summary(summary)
-        link = _thread_link(subject, thread_id, received_ms)
-        ttl = self.rules.limits.ttl(ttl_seconds)
+        limits.check_text("note", command.note, limits.NOTE_MAX_BYTES, required=False)
+        summary = _checked_summary(command.summary)
+        link = _thread_link(subject, command.thread_id, command.received_ms)
+        # Normalised before it is fingerprinted (by the claim record), as every retry of it will be.
+        command = dataclasses.replace(command, ttl_seconds=self.rules.limits.ttl(command.ttl_seconds), summary=summary)
         now = self._clock()
-        arguments = domain.fingerprint("ClaimReply", subject, notification_id, ttl, note)
         record = domain.new_claim(
             self.rules,
             caller,
-            ttl_seconds=ttl,
-            note=note,
-            request_id=request_id,
+            command,
             now_ms=now,
-            fingerprint=arguments,
             summary=summary,
             received_ms=link.received_ms if link is not None else None,
         )
@@ -240,7 +239,7 @@ class Engine:
                 caller,
                 mailbox=subject.mailbox,
                 notification_id=notification_id,
-                request_id=request_id,
+                request_id=command.request_id,
                 now_ms=now,
                 subject=subject,
                 summary=summary,
@@ -266,11 +265,11 @@ class Engine:
                 answered = attempt.created.record.replied_outside
                 return ClaimOutcome(ClaimResult.ALREADY_REPLIED if answered else ClaimResult.GRANTED, attempt.created)
             if attempt.delivery is not None and domain.is_duplicate_delivery(
-                attempt.delivery, subject, attempt.current, attempt.end, caller, request_id, attempt.delivery_revision
+                attempt.delivery, command, attempt.current, attempt.end, caller, attempt.delivery_revision
             ):
                 return ClaimOutcome(ClaimResult.DUPLICATE_DELIVERY, None, attempt.delivery)
             if attempt.current is not None:
-                conflict = domain.claim_conflict(attempt.current, caller, request_id, arguments)
+                conflict = domain.claim_conflict(attempt.current, caller, command)
                 return ClaimOutcome(conflict, attempt.current)
             if link is not None and attempt.outside_revision != outside_revision:
                 # The thread's latest reply written outside is not the one decided on: did it answer this message?
@@ -288,31 +287,21 @@ class Engine:
             delivery = None
         raise StoreConflict(f"the thread of {subject.id!r} kept changing while this ClaimReply ran; retry it")
 
-    async def record_outgoing(
-        self,
-        caller: Caller,
-        *,
-        request_id: str,
-        mailbox: str,
-        notification_id: str,
-        message_id: str,
-        thread_id: str,
-        sent_ms: int | None,
-        sender: str,
-    ) -> OutgoingOutcome:
+    async def record_outgoing(self, caller: Caller, command: RecordOutgoing) -> OutgoingOutcome:
         """A message the mailbox sent: the mailbox's own reply, or one written outside the coordinator, which
         answers the messages of its thread received before it (docs/design.md#replies-written-outside)."""
+        request_id, mailbox, thread_id = command.request_id, command.mailbox, command.thread_id
+        notification_id, message_id = command.notification_id, command.message_id
         _check_request_id(request_id)
         _check_mailbox(caller, mailbox)
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("message_id", message_id, limits.MESSAGE_ID_MAX_BYTES, required=True)
         limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=True)
-        sent = limits.check_time_ms("sent_at", sent_ms, required=True)
+        sent = limits.check_time_ms("sent_at", command.sent_ms, required=True)
         assert sent is not None
-        limits.check_text("sender", sender, limits.SENDER_MAX_BYTES, required=False)
+        limits.check_text("sender", command.sender, limits.SENDER_MAX_BYTES, required=False)
         now = self._clock()
-        arguments = domain.fingerprint("RecordOutgoing", mailbox, notification_id, message_id, thread_id, sent, sender)
-        reply = OutsideReply(sender, sent, message_id, caller.principal)
+        reply = OutsideReply(command.sender, sent, message_id, caller.principal)
         first_result: OutgoingResult | None = None
         for _ in range(_OUTGOING_ROUNDS):
             view = await self.store.read_thread(mailbox, thread_id, notification_id or None)
@@ -320,7 +309,7 @@ class Engine:
             if seen is not None:
                 if seen.outgoing is None or not domain.is_own_delivery(seen, caller, request_id):
                     return OutgoingOutcome(OutgoingResult.DUPLICATE_DELIVERY, (), seen)
-                domain.is_retry(seen.request_id, seen.fingerprint, request_id, arguments, "RecordOutgoing")
+                domain.is_retry(seen.request_id, seen.fingerprint, command)
                 if first_result is None:  # a retry: its first attempt's answer, from what that attempt left
                     subjects = domain.recorded_answer(view, seen.outgoing, message_id)
                     return OutgoingOutcome(seen.outgoing, _statuses(view, subjects, {}))
@@ -337,7 +326,7 @@ class Engine:
                     now_ms=now,
                     subject=None,
                     outgoing=result,
-                    fingerprint=arguments,
+                    fingerprint=command.fingerprint,
                 )
                 if notification_id and seen is None
                 else None
@@ -365,147 +354,60 @@ class Engine:
 
     # --- calls with a fencing token ------------------------------------------------------------------------
 
-    async def renew(
-        self, caller: Caller, *, request_id: str, subject: Subject, token: int, ttl_seconds: int
-    ) -> tuple[FenceResult, Stored | None]:
-        _check_fenced_call(caller, request_id, subject, token)
-        ttl = self.rules.limits.ttl(ttl_seconds)
-        arguments = domain.fingerprint("RenewClaim", subject, token, ttl)
+    async def renew(self, caller: Caller, command: RenewClaim) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, command)
+        # Normalised before it is fingerprinted, as every retry of it will be.
+        command = dataclasses.replace(command, ttl_seconds=self.rules.limits.ttl(command.ttl_seconds))
         return await self._apply(
-            subject,
-            lambda current, _end: domain.renew(
-                self.rules,
-                current,
-                caller,
-                token=token,
-                ttl_seconds=ttl,
-                now_ms=self._clock(),
-                request_id=request_id,
-                request_fingerprint=arguments,
-            ),
+            command.subject,
+            lambda current, _end: domain.renew(self.rules, current, caller, command, now_ms=self._clock()),
             from_recent_write=True,
         )
 
-    async def release(
-        self, caller: Caller, *, request_id: str, subject: Subject, token: int, redeliverable: bool = False
-    ) -> tuple[FenceResult, Stored | None]:
-        _check_fenced_call(caller, request_id, subject, token)
-        arguments = domain.fingerprint("ReleaseClaim", subject, token, redeliverable)
+    async def release(self, caller: Caller, command: ReleaseClaim) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, command)
         return await self._apply(
-            subject,
-            lambda current, end: domain.release(
-                current,
-                end,
-                caller,
-                token=token,
-                request_id=request_id,
-                now_ms=self._clock(),
-                redeliverable=redeliverable,
-                request_fingerprint=arguments,
-            ),
+            command.subject,
+            lambda current, end: domain.release(current, end, caller, command, now_ms=self._clock()),
         )
 
-    async def begin_send(
-        self, caller: Caller, *, request_id: str, subject: Subject, token: int
-    ) -> tuple[FenceResult, Stored | None]:
-        _check_fenced_call(caller, request_id, subject, token)
-        arguments = domain.fingerprint("BeginSend", subject, token)
+    async def begin_send(self, caller: Caller, command: BeginSend) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, command)
         now = self._clock()
         transition, after = await self.store.apply(
-            subject,
-            lambda current, _end: domain.begin_send(
-                self.rules,
-                current,
-                caller,
-                token=token,
-                now_ms=now,
-                request_id=request_id,
-                request_fingerprint=arguments,
-            ),
+            command.subject,
+            lambda current, _end: domain.begin_send(self.rules, current, caller, command, now_ms=now),
             self.rules.end_mark_expiry(now),
             send_marker_expires_ms=self.rules.send_marker_expiry(now),
             from_recent_write=True,
         )
         return transition.result, after
 
-    async def confirm_sent(
-        self, caller: Caller, *, request_id: str, subject: Subject, token: int, sent_message_id: str
-    ) -> tuple[FenceResult, Stored | None]:
-        _check_fenced_call(caller, request_id, subject, token)
-        limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
-        arguments = domain.fingerprint("ConfirmSent", subject, token, sent_message_id)
+    async def confirm_sent(self, caller: Caller, command: ConfirmSent) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, command)
+        limits.check_text("sent_message_id", command.sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
         return await self._apply(
-            subject,
-            lambda current, _end: domain.confirm_sent(
-                self.rules,
-                current,
-                caller,
-                token=token,
-                sent_message_id=sent_message_id,
-                now_ms=self._clock(),
-                request_id=request_id,
-                request_fingerprint=arguments,
-            ),
+            command.subject,
+            lambda current, _end: domain.confirm_sent(self.rules, current, caller, command, now_ms=self._clock()),
             from_recent_write=True,
         )
 
-    async def mark_replied(
-        self,
-        caller: Caller,
-        *,
-        request_id: str,
-        subject: Subject,
-        token: int,
-        sent_message_id: str,
-        note: str,
-    ) -> tuple[FenceResult, Stored | None]:
-        _check_fenced_call(caller, request_id, subject, token)
-        limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
-        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
-        arguments = domain.fingerprint("MarkReplied", subject, token, sent_message_id, note)
+    async def mark_replied(self, caller: Caller, command: MarkReplied) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, command)
+        limits.check_text("sent_message_id", command.sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
+        limits.check_text("note", command.note, limits.NOTE_MAX_BYTES, required=False)
         return await self._apply(
-            subject,
-            lambda current, _end: domain.mark_replied(
-                self.rules,
-                current,
-                caller,
-                token=token,
-                sent_message_id=sent_message_id,
-                note=note,
-                request_id=request_id,
-                now_ms=self._clock(),
-                request_fingerprint=arguments,
-            ),
+            command.subject,
+            lambda current, _end: domain.mark_replied(self.rules, current, caller, command, now_ms=self._clock()),
             from_recent_write=True,
         )
 
-    async def abort_send(
-        self,
-        caller: Caller,
-        *,
-        request_id: str,
-        subject: Subject,
-        token: int,
-        reason: str,
-        redeliverable: bool = False,
-    ) -> tuple[FenceResult, Stored | None]:
-        _check_fenced_call(caller, request_id, subject, token)
-        limits.check_text("reason", reason, limits.NOTE_MAX_BYTES, required=False)
-        arguments = domain.fingerprint("AbortSend", subject, token, reason, redeliverable)
+    async def abort_send(self, caller: Caller, command: AbortSend) -> tuple[FenceResult, Stored | None]:
+        _check_fenced_call(caller, command)
+        limits.check_text("reason", command.reason, limits.NOTE_MAX_BYTES, required=False)
         return await self._apply(
-            subject,
-            lambda current, end: domain.abort_send(
-                self.rules,
-                current,
-                end,
-                caller,
-                token=token,
-                reason=reason,
-                request_id=request_id,
-                now_ms=self._clock(),
-                redeliverable=redeliverable,
-                request_fingerprint=arguments,
-            ),
+            command.subject,
+            lambda current, end: domain.abort_send(self.rules, current, end, caller, command, now_ms=self._clock()),
         )
 
     async def _apply(
@@ -588,41 +490,25 @@ class Engine:
 
     # --- humans --------------------------------------------------------------------------------------------
 
-    async def takeover(
-        self,
-        caller: Caller,
-        *,
-        request_id: str,
-        subject: Subject,
-        ttl_seconds: int,
-        note: str,
-        summary: Summary | None = None,
-        from_person: str = "",
-    ) -> TakeoverOutcome:
+    async def takeover(self, caller: Caller, command: Takeover) -> TakeoverOutcome:
         domain.require_human(caller)
         domain.require_role(caller, "takeover", "Takeover")
-        _check_request_id(request_id)
+        _check_request_id(command.request_id)
+        subject, from_person = command.subject, command.from_person
         _check_subject(caller, subject)
-        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
+        limits.check_text("note", command.note, limits.NOTE_MAX_BYTES, required=False)
         limits.check_text("from_person", from_person, limits.PRINCIPAL_MAX_BYTES, required=False)
-        summary = _checked_summary(summary)
-        ttl = self.rules.limits.ttl(ttl_seconds)
-        # from_person only when given: a retry from a client that never sends it keeps its fingerprint.
-        arguments = domain.fingerprint("Takeover", subject, ttl, note, *([from_person] if from_person else []))
+        # Normalised before it is fingerprinted, as every retry of it will be.
+        command = dataclasses.replace(
+            command, ttl_seconds=self.rules.limits.ttl(command.ttl_seconds), summary=_checked_summary(command.summary)
+        )
+        summary = command.summary
         if not summary:
-            # A person taking over from a terminal rarely knows the subject line; the agent's claim does.
+            # A person taking over from a terminal rarely knows the subject line; the agent's claim does. Read from
+            # the store, so not the call's argument: the command (and its fingerprint) keeps what the caller sent.
             before = await self.store.status(subject)
             summary = before.record.summary if before is not None else None
-        record = domain.new_claim(
-            self.rules,
-            caller,
-            ttl_seconds=ttl,
-            note=note,
-            request_id=request_id,
-            now_ms=self._clock(),
-            fingerprint=arguments,
-            summary=summary,
-        )
+        record = domain.new_claim(self.rules, caller, command, now_ms=self._clock(), summary=summary)
         previous: EndMark | None = None
         outcome: TakeoverOutcome | None = None
         # Two steps, because etcd refuses to delete and create one key in one transaction, and the new token must
@@ -634,19 +520,12 @@ class Engine:
             def decide(current: Stored | None, end: EndMark | None) -> Transition:
                 # A retry of this request: its claim stands (answer it again), or only its first step landed.
                 nonlocal previous, retried
-                holds, own_end = domain.own_takeover(current, end, caller, request_id, arguments)
+                holds, own_end = domain.own_takeover(current, end, caller, command)
                 previous = previous or own_end
                 retried = holds
                 if holds:
                     return Transition(FenceResult.OK)
-                return domain.takeover_release(
-                    current,
-                    caller,
-                    request_id=request_id,
-                    now_ms=self._clock(),
-                    request_fingerprint=arguments,
-                    from_person=from_person,
-                )
+                return domain.takeover_release(current, caller, command, now_ms=self._clock())
 
             transition, current = await self.store.apply(subject, decide, self._end_mark_expiry())
             previous = previous or transition.end
@@ -669,35 +548,16 @@ class Engine:
         assert outcome is not None
         return outcome
 
-    async def resolve_in_doubt(
-        self,
-        caller: Caller,
-        *,
-        request_id: str,
-        subject: Subject,
-        outcome: ResolveOutcome,
-        sent_message_id: str,
-        note: str,
-    ) -> Stored | None:
+    async def resolve_in_doubt(self, caller: Caller, command: ResolveInDoubt) -> Stored | None:
         domain.require_role(caller, "resolve", "ResolveInDoubt")
-        _check_request_id(request_id)
-        _check_subject(caller, subject)
-        limits.check_text("sent_message_id", sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
-        limits.check_text("note", note, limits.NOTE_MAX_BYTES, required=False)
-        arguments = domain.fingerprint("ResolveInDoubt", subject, outcome, sent_message_id, note)
+        _check_request_id(command.request_id)
+        _check_subject(caller, command.subject)
+        limits.check_text("sent_message_id", command.sent_message_id, limits.SENT_MESSAGE_ID_MAX_BYTES, required=False)
+        limits.check_text("note", command.note, limits.NOTE_MAX_BYTES, required=False)
         _, after = await self.store.apply(
-            subject,
+            command.subject,
             lambda current, end: domain.resolve_in_doubt(
-                self.rules,
-                current,
-                caller,
-                outcome=outcome,
-                sent_message_id=sent_message_id,
-                note=note,
-                request_id=request_id,
-                now_ms=self._clock(),
-                last_end=end,
-                request_fingerprint=arguments,
+                self.rules, current, caller, command, now_ms=self._clock(), last_end=end
             ),
             self._end_mark_expiry(),
         )

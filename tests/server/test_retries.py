@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.core import domain
+from coordinator.core import commands, domain
 from coordinator.ops.server import wall_clock_ms
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
@@ -197,13 +197,11 @@ async def test_a_takeover_retried_after_only_its_first_step_landed_still_reports
         # The first step alone, as the engine makes it, then nothing more (a crash in between).
         human = domain.Caller("ana@example.com", domain.HolderKind.HUMAN)
         taken = domain.Subject(mailbox, domain.SubjectKind.MESSAGE, "m1")
-        arguments = domain.fingerprint("Takeover", taken, 60, "")
+        takeover = commands.Takeover(request_id=request_id, subject=taken, ttl_seconds=60)
         store, now = coordinator.engine.store, wall_clock_ms()
         await store.apply(
             taken,
-            lambda current, _end: domain.takeover_release(
-                current, human, request_id=request_id, now_ms=now, request_fingerprint=arguments
-            ),
+            lambda current, _end: domain.takeover_release(current, human, takeover, now_ms=now),
             coordinator.engine.rules.end_mark_expiry(now),
         )
         assert (await caller.agent.status(subject)).state == pb.SUBJECT_STATE_FREE

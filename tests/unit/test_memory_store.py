@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from coordinator.core.commands import BeginSend, ClaimReply, RenewClaim
 from coordinator.core.domain import Caller, ClaimResult, EventType, FenceResult, HolderKind, State, Subject, SubjectKind
 from coordinator.core.engine import Engine, Event, Snapshot
 from coordinator.store.memory import MemoryStore
@@ -35,7 +36,7 @@ async def test_a_claim_expires_at_its_ttl_and_its_token_goes_stale() -> None:
     stream = engine.watch(AGENT, "box")
     assert isinstance(await anext(stream), Snapshot)
     granted = await engine.claim_reply(
-        AGENT, request_id=uuid.uuid4().hex, subject=subject, notification_id="", ttl_seconds=5, note=""
+        AGENT, ClaimReply(request_id=uuid.uuid4().hex, subject=subject, notification_id="", ttl_seconds=5, note="")
     )
     assert granted.stored is not None
     clock.ms += 4_999
@@ -43,11 +44,11 @@ async def test_a_claim_expires_at_its_ttl_and_its_token_goes_stale() -> None:
     clock.ms += 1
     assert await engine.status(AGENT, subject) is None
     renewed = await engine.renew(
-        AGENT, request_id=uuid.uuid4().hex, subject=subject, token=granted.stored.token, ttl_seconds=5
+        AGENT, RenewClaim(request_id=uuid.uuid4().hex, subject=subject, token=granted.stored.token, ttl_seconds=5)
     )
     assert renewed[0] is FenceResult.STALE_TOKEN
     again = await engine.claim_reply(
-        OTHER, request_id=uuid.uuid4().hex, subject=subject, notification_id="", ttl_seconds=5, note=""
+        OTHER, ClaimReply(request_id=uuid.uuid4().hex, subject=subject, notification_id="", ttl_seconds=5, note="")
     )
     assert again.result is ClaimResult.GRANTED
     assert again.stored is not None
@@ -61,10 +62,10 @@ async def test_a_send_not_confirmed_by_its_deadline_becomes_in_doubt() -> None:
     engine, clock = _engine()
     subject = Subject("box", SubjectKind.MESSAGE, "m")
     granted = await engine.claim_reply(
-        AGENT, request_id=uuid.uuid4().hex, subject=subject, notification_id="", ttl_seconds=60, note=""
+        AGENT, ClaimReply(request_id=uuid.uuid4().hex, subject=subject, notification_id="", ttl_seconds=60, note="")
     )
     assert granted.stored is not None
-    await engine.begin_send(AGENT, request_id=uuid.uuid4().hex, subject=subject, token=granted.stored.token)
+    await engine.begin_send(AGENT, BeginSend(request_id=uuid.uuid4().hex, subject=subject, token=granted.stored.token))
     assert await engine.sweep_in_doubt() == 0
     clock.ms = engine.rules.send_marker_expiry(clock.ms)
     assert await engine.sweep_in_doubt() == 1

@@ -11,6 +11,15 @@ import pytest
 
 from coordinator.api.service import event_out
 from coordinator.core import engine as engine_module
+from coordinator.core.commands import (
+    AbortSend,
+    BeginSend,
+    ClaimReply,
+    ConfirmSent,
+    RecordOutgoing,
+    ReleaseClaim,
+    RenewClaim,
+)
 from coordinator.core.domain import (
     Caller,
     ClaimResult,
@@ -63,13 +72,15 @@ async def _claim(
 ) -> tuple[ClaimResult, int]:
     outcome = await engine.claim_reply(
         caller,
-        request_id=_rid(),
-        subject=subject,
-        notification_id=notification_id,
-        ttl_seconds=60,
-        note="drafting",
-        thread_id=thread if subject.kind is SubjectKind.MESSAGE else "",
-        received_ms=received_ms,
+        ClaimReply(
+            request_id=_rid(),
+            subject=subject,
+            notification_id=notification_id,
+            ttl_seconds=60,
+            note="drafting",
+            thread_id=thread if subject.kind is SubjectKind.MESSAGE else "",
+            received_ms=received_ms,
+        ),
     )
     return outcome.result, outcome.stored.token if outcome.stored is not None else 0
 
@@ -87,13 +98,15 @@ async def _outgoing(
 ) -> OutgoingOutcome:
     return await engine.record_outgoing(
         caller,
-        request_id=request_id or _rid(),
-        mailbox=mailbox,
-        notification_id=notification_id,
-        message_id=message_id,
-        thread_id=thread,
-        sent_ms=sent_ms,
-        sender=ANA,
+        RecordOutgoing(
+            request_id=request_id or _rid(),
+            mailbox=mailbox,
+            notification_id=notification_id,
+            message_id=message_id,
+            thread_id=thread,
+            sent_ms=sent_ms,
+            sender=ANA,
+        ),
     )
 
 
@@ -121,13 +134,15 @@ async def test_a_reply_written_outside_ends_a_claim_on_a_message_it_answered(eng
     assert (record.sent_message_id, record.sent_ms) == ("gmail-1", ANSWERED)
     assert after.token == token  # the same key: its token is stale because a person answered, not because it moved
     # The holder learns it at its next renewal, and its commit point refuses it.
-    renewed, status = await engine.renew(AGENT, request_id=_rid(), subject=subject, token=token, ttl_seconds=60)
+    renewed, status = await engine.renew(
+        AGENT, RenewClaim(request_id=_rid(), subject=subject, token=token, ttl_seconds=60)
+    )
     assert renewed is FenceResult.STALE_TOKEN
     assert status is not None
     assert status.record.replied_outside
-    begun, _ = await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token)
+    begun, _ = await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=subject, token=token))
     assert begun is FenceResult.STALE_TOKEN
-    released, _ = await engine.release(AGENT, request_id=_rid(), subject=subject, token=token)
+    released, _ = await engine.release(AGENT, ReleaseClaim(request_id=_rid(), subject=subject, token=token))
     assert released is FenceResult.STALE_TOKEN
     # A later notification of the message (message.updated) finds it answered.
     assert (await _claim(engine, OTHER, subject, "t-1", ASKED, notification_id="n-2"))[0] is (
@@ -157,7 +172,8 @@ async def test_messages_received_before_the_reply_are_answered_and_later_ones_ar
     later = Subject(mailbox, SubjectKind.MESSAGE, "asked-after")
     result, token = await _claim(engine, AGENT, later, "t-1", ASKED_AGAIN)
     assert result is ClaimResult.GRANTED
-    assert (await engine.begin_send(AGENT, request_id=_rid(), subject=later, token=token))[0] is FenceResult.OK
+    begin = BeginSend(request_id=_rid(), subject=later, token=token)
+    assert (await engine.begin_send(AGENT, begin))[0] is FenceResult.OK
     # Another thread of the mailbox is untouched.
     elsewhere = Subject(mailbox, SubjectKind.MESSAGE, "other-thread")
     assert (await _claim(engine, AGENT, elsewhere, "t-2", ASKED))[0] is ClaimResult.GRANTED
@@ -167,7 +183,7 @@ async def test_a_copy_arriving_before_the_confirmation_is_the_sends_own(engine: 
     mailbox = _box()
     sending = Subject(mailbox, SubjectKind.MESSAGE, "sending")
     _, token = await _claim(engine, AGENT, sending, "t-1", ASKED)
-    await engine.begin_send(AGENT, request_id=_rid(), subject=sending, token=token)
+    await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=sending, token=token))
     drafting = Subject(mailbox, SubjectKind.MESSAGE, "drafting")
     _, held = await _claim(engine, OTHER, drafting, "t-1", ASKED)
 
@@ -179,11 +195,10 @@ async def test_a_copy_arriving_before_the_confirmation_is_the_sends_own(engine: 
         OutgoingResult.OWN_REPLY
     )
     # Nothing else of the thread was touched, and the send confirms as usual.
-    assert (await engine.renew(OTHER, request_id=_rid(), subject=drafting, token=held, ttl_seconds=60))[0] is (
-        FenceResult.OK
-    )
+    renewal = RenewClaim(request_id=_rid(), subject=drafting, token=held, ttl_seconds=60)
+    assert (await engine.renew(OTHER, renewal))[0] is FenceResult.OK
     result, replied = await engine.confirm_sent(
-        AGENT, request_id=_rid(), subject=sending, token=token, sent_message_id="sent-1"
+        AGENT, ConfirmSent(request_id=_rid(), subject=sending, token=token, sent_message_id="sent-1")
     )
     assert result is FenceResult.OK
     assert replied is not None
@@ -194,7 +209,7 @@ async def test_a_send_in_flight_keeps_its_state_and_both_replies_are_recorded(en
     mailbox = _box()
     sending = Subject(mailbox, SubjectKind.MESSAGE, "sending")
     _, token = await _claim(engine, AGENT, sending, "t-1", ASKED)
-    await engine.begin_send(AGENT, request_id=_rid(), subject=sending, token=token)
+    await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=sending, token=token))
     drafting = Subject(mailbox, SubjectKind.MESSAGE, "drafting")
     _, held = await _claim(engine, OTHER, drafting, "t-1", ASKED)
     await _outgoing(engine, mailbox, "t-1", "sent-1")  # the send's copy, before its ConfirmSent
@@ -210,12 +225,12 @@ async def test_a_send_in_flight_keeps_its_state_and_both_replies_are_recorded(en
     assert marked.record.outside_reply is not None
     assert marked.record.outside_reply.message_id == "gmail-1"
     assert ended.record.replied_outside
-    assert (await engine.begin_send(OTHER, request_id=_rid(), subject=drafting, token=held))[0] is (
+    assert (await engine.begin_send(OTHER, BeginSend(request_id=_rid(), subject=drafting, token=held)))[0] is (
         FenceResult.STALE_TOKEN
     )
     # The send still completes; its reply record says what happened beside it.
     result, after = await engine.confirm_sent(
-        AGENT, request_id=_rid(), subject=sending, token=token, sent_message_id="sent-1"
+        AGENT, ConfirmSent(request_id=_rid(), subject=sending, token=token, sent_message_id="sent-1")
     )
     assert result is FenceResult.OK
     assert after is not None
@@ -228,10 +243,10 @@ async def test_the_confirmation_settles_a_copy_that_was_someone_elses(engine: En
     mailbox = _box()
     confirmed = Subject(mailbox, SubjectKind.MESSAGE, "confirmed")
     _, token = await _claim(engine, AGENT, confirmed, "t-1", ASKED)
-    await engine.begin_send(AGENT, request_id=_rid(), subject=confirmed, token=token)
+    await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=confirmed, token=token))
     await _outgoing(engine, mailbox, "t-1", "gmail-1")  # taken for the send's copy
     _, after = await engine.confirm_sent(
-        AGENT, request_id=_rid(), subject=confirmed, token=token, sent_message_id="sent-1"
+        AGENT, ConfirmSent(request_id=_rid(), subject=confirmed, token=token, sent_message_id="sent-1")
     )
     assert after is not None
     assert after.record.outside_reply is not None  # the send went out, and so did someone's reply
@@ -240,11 +255,11 @@ async def test_the_confirmation_settles_a_copy_that_was_someone_elses(engine: En
 
     aborted = Subject(mailbox, SubjectKind.MESSAGE, "aborted")
     _, token = await _claim(engine, AGENT, aborted, "t-2", ASKED)
-    await engine.begin_send(AGENT, request_id=_rid(), subject=aborted, token=token)
+    await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=aborted, token=token))
     await _outgoing(engine, mailbox, "t-2", "gmail-2")
     request_id = _rid()
     result, status = await engine.abort_send(
-        AGENT, request_id=request_id, subject=aborted, token=token, reason="bounced"
+        AGENT, AbortSend(request_id=request_id, subject=aborted, token=token, reason="bounced")
     )
     # The send never went out, so the message taken for its copy was someone's answer: answered, not free.
     assert result is FenceResult.OK
@@ -252,7 +267,9 @@ async def test_the_confirmation_settles_a_copy_that_was_someone_elses(engine: En
     assert (status.record.state, status.record.replied_outside) == (State.REPLIED, True)
     assert status.record.outside_reply is not None
     assert status.record.outside_reply.stopped_holder == "agent-a"
-    retried, _ = await engine.abort_send(AGENT, request_id=request_id, subject=aborted, token=token, reason="bounced")
+    retried, _ = await engine.abort_send(
+        AGENT, AbortSend(request_id=request_id, subject=aborted, token=token, reason="bounced")
+    )
     assert retried is FenceResult.OK
 
 
@@ -260,8 +277,10 @@ async def test_the_mailboxs_own_reply_changes_nothing(engine: Engine) -> None:
     mailbox = _box()
     answered = Subject(mailbox, SubjectKind.MESSAGE, "answered")
     _, token = await _claim(engine, AGENT, answered, "t-1", ASKED)
-    await engine.begin_send(AGENT, request_id=_rid(), subject=answered, token=token)
-    await engine.confirm_sent(AGENT, request_id=_rid(), subject=answered, token=token, sent_message_id="sent-1")
+    await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=answered, token=token))
+    await engine.confirm_sent(
+        AGENT, ConfirmSent(request_id=_rid(), subject=answered, token=token, sent_message_id="sent-1")
+    )
     drafting = Subject(mailbox, SubjectKind.MESSAGE, "drafting")
     _, other = await _claim(engine, OTHER, drafting, "t-1", ASKED)
 
@@ -272,12 +291,15 @@ async def test_the_mailboxs_own_reply_changes_nothing(engine: Engine) -> None:
     still = await engine.status(OTHER, drafting)
     assert still is not None
     assert still.record.state is State.CLAIMED
-    assert (await engine.begin_send(OTHER, request_id=_rid(), subject=drafting, token=other))[0] is FenceResult.OK
+    begin = BeginSend(request_id=_rid(), subject=drafting, token=other)
+    assert (await engine.begin_send(OTHER, begin))[0] is FenceResult.OK
     # Its echo again (message.updated: another notification id) is still the mailbox's own.
     again = await _outgoing(engine, mailbox, "t-1", "sent-1", notification_id="n-updated")
     assert again.result is OutgoingResult.OWN_REPLY
     # A person answers after the agents' replies went out: both went out, and the reply records say so.
-    await engine.confirm_sent(OTHER, request_id=_rid(), subject=drafting, token=other, sent_message_id="sent-2")
+    await engine.confirm_sent(
+        OTHER, ConfirmSent(request_id=_rid(), subject=drafting, token=other, sent_message_id="sent-2")
+    )
     late = await _outgoing(engine, mailbox, "t-1", "gmail-1")
     assert sorted(subject.id for subject, _ in late.subjects) == ["answered", "drafting"]
     assert late.result is OutgoingResult.ANSWERED_OUTSIDE
@@ -298,7 +320,7 @@ async def test_a_thread_claim_is_ended_like_a_message_claim(engine: Engine) -> N
     _, token = await _claim(engine, AGENT, thread, "t-1", ASKED)
     outcome = await _outgoing(engine, mailbox, "t-1", "gmail-1")
     assert [subject for subject, _ in outcome.subjects] == [thread]
-    assert (await engine.begin_send(AGENT, request_id=_rid(), subject=thread, token=token))[0] is (
+    assert (await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=thread, token=token)))[0] is (
         FenceResult.STALE_TOKEN
     )
     # A thread claim made for a message asked after the reply is a new question.
@@ -384,7 +406,7 @@ async def test_concurrent_claims_and_a_reply_written_outside_leave_no_claim_that
         assert status.record.state is State.REPLIED, (subject, result)
         assert status.record.replied_outside
         if result is ClaimResult.GRANTED:
-            begun, _ = await engine.begin_send(caller, request_id=_rid(), subject=subject, token=token)
+            begun, _ = await engine.begin_send(caller, BeginSend(request_id=_rid(), subject=subject, token=token))
             assert begun is FenceResult.STALE_TOKEN
 
 
@@ -412,7 +434,8 @@ async def test_a_claim_and_a_reply_recorded_in_one_group_commit_never_both_land(
         thread = f"t-{round_}"
         subject = Subject(mailbox, SubjectKind.MESSAGE, f"m-{round_}")
         view = await store.read_thread(mailbox, thread, None)
-        record = new_claim(rules, AGENT, ttl_seconds=60, note="", request_id=_rid(), now_ms=wall_clock_ms())
+        claim = ClaimReply(request_id=_rid(), subject=subject, ttl_seconds=60)
+        record = new_claim(rules, AGENT, claim, now_ms=wall_clock_ms())
         attempt, written = await asyncio.gather(
             store.claim(
                 subject, record, None, 0, thread=ThreadLink(thread, ASKED), thread_expires_ms=wall_clock_ms() + 60_000
@@ -430,10 +453,11 @@ async def test_a_send_for_a_later_question_is_not_taken_for_the_copy_of_an_earli
     first, later = Subject(mailbox, SubjectKind.MESSAGE, "first"), Subject(mailbox, SubjectKind.MESSAGE, "later")
     _, held = await _claim(engine, AGENT, first, "t-1", ASKED)
     _, token = await _claim(engine, OTHER, later, "t-1", ASKED_AGAIN)
-    await engine.begin_send(OTHER, request_id=_rid(), subject=later, token=token)
+    await engine.begin_send(OTHER, BeginSend(request_id=_rid(), subject=later, token=token))
     outcome = await _outgoing(engine, mailbox, "t-1", "gmail-1", ANSWERED)
     assert (outcome.result, [subject for subject, _ in outcome.subjects]) == (OutgoingResult.ANSWERED_OUTSIDE, [first])
-    assert (await engine.begin_send(AGENT, request_id=_rid(), subject=first, token=held))[0] is FenceResult.STALE_TOKEN
+    begin = BeginSend(request_id=_rid(), subject=first, token=held)
+    assert (await engine.begin_send(AGENT, begin))[0] is FenceResult.STALE_TOKEN
     sending = await engine.status(OTHER, later)
     assert sending is not None
     assert (sending.record.state, sending.record.outside_reply) == (State.SENDING, None)

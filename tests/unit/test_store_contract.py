@@ -7,22 +7,39 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 
+from coordinator.core import domain
+from coordinator.core.commands import (
+    AbortSend,
+    BeginSend,
+    ClaimReply,
+    ConfirmSent,
+    MarkReplied,
+    RecordDelivery,
+    ReleaseClaim,
+    RenewClaim,
+    ResolveInDoubt,
+    Takeover,
+)
 from coordinator.core.domain import (
     Caller,
     ClaimResult,
+    EndMark,
     EventType,
     FenceResult,
     HolderKind,
     ResolveOutcome,
     Rules,
     State,
+    Stored,
     Subject,
     SubjectKind,
     Summary,
     TakeoverResult,
+    Transition,
 )
 from coordinator.core.engine import Engine, Event, Snapshot
 from coordinator.core.errors import FailedPrecondition, InvalidArgument
@@ -53,12 +70,14 @@ async def _claim(
 ) -> tuple[ClaimResult, int]:
     outcome = await engine.claim_reply(
         caller,
-        request_id=_rid(),
-        subject=subject,
-        notification_id=notification_id,
-        ttl_seconds=60,
-        note="",
-        summary=summary,
+        ClaimReply(
+            request_id=_rid(),
+            subject=subject,
+            notification_id=notification_id,
+            ttl_seconds=60,
+            note="",
+            summary=summary,
+        ),
     )
     return outcome.result, outcome.stored.token if outcome.stored is not None else 0
 
@@ -85,17 +104,16 @@ async def test_concurrent_claims_grant_exactly_one(engine: Engine) -> None:
 async def test_the_send_path_is_fenced_and_a_reply_blocks_later_claims(engine: Engine) -> None:
     subject = _subject()
     _, token = await _claim(engine, AGENT, subject)
-    assert (await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token + 1))[
-        0
-    ] is FenceResult.STALE_TOKEN
-    result, sending = await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token)
+    begin = BeginSend(request_id=_rid(), subject=subject, token=token + 1)
+    assert (await engine.begin_send(AGENT, begin))[0] is FenceResult.STALE_TOKEN
+    result, sending = await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=subject, token=token))
     assert result is FenceResult.OK
     assert sending is not None
     assert sending.record.state is State.SENDING
     with pytest.raises(FailedPrecondition):
-        await engine.renew(AGENT, request_id=_rid(), subject=subject, token=token, ttl_seconds=60)
+        await engine.renew(AGENT, RenewClaim(request_id=_rid(), subject=subject, token=token, ttl_seconds=60))
     result, replied = await engine.confirm_sent(
-        AGENT, request_id=_rid(), subject=subject, token=token, sent_message_id="sent-1"
+        AGENT, ConfirmSent(request_id=_rid(), subject=subject, token=token, sent_message_id="sent-1")
     )
     assert result is FenceResult.OK
     assert replied is not None
@@ -106,8 +124,9 @@ async def test_the_send_path_is_fenced_and_a_reply_blocks_later_claims(engine: E
 async def test_a_released_subject_is_claimed_again_with_a_larger_token(engine: Engine) -> None:
     subject = _subject()
     _, first = await _claim(engine, AGENT, subject)
-    assert (await engine.release(AGENT, request_id=_rid(), subject=subject, token=first))[0] is FenceResult.OK
-    assert (await engine.release(AGENT, request_id=_rid(), subject=subject, token=first))[0] is (
+    release = ReleaseClaim(request_id=_rid(), subject=subject, token=first)
+    assert (await engine.release(AGENT, release))[0] is FenceResult.OK
+    assert (await engine.release(AGENT, ReleaseClaim(request_id=_rid(), subject=subject, token=first)))[0] is (
         FenceResult.STALE_TOKEN
     )
     result, second = await _claim(engine, OTHER, subject)
@@ -119,8 +138,12 @@ async def test_a_notification_has_one_effect(engine: Engine) -> None:
     result, _ = await _claim(engine, AGENT, _subject("a"), notification_id="n-1")
     assert result is ClaimResult.GRANTED
     assert (await _claim(engine, OTHER, _subject("a"), notification_id="n-1"))[0] is ClaimResult.DUPLICATE_DELIVERY
-    first, record = await engine.record_delivery(AGENT, request_id=_rid(), mailbox="box", notification_id="n-2")
-    again, earlier = await engine.record_delivery(OTHER, request_id=_rid(), mailbox="box", notification_id="n-2")
+    first, record = await engine.record_delivery(
+        AGENT, RecordDelivery(request_id=_rid(), mailbox="box", notification_id="n-2")
+    )
+    again, earlier = await engine.record_delivery(
+        OTHER, RecordDelivery(request_id=_rid(), mailbox="box", notification_id="n-2")
+    )
     assert first
     assert not again
     assert earlier == record
@@ -129,14 +152,13 @@ async def test_a_notification_has_one_effect(engine: Engine) -> None:
 async def test_a_takeover_fences_the_agent_off(engine: Engine) -> None:
     subject = _subject()
     _, token = await _claim(engine, AGENT, subject)
-    outcome = await engine.takeover(HUMAN, request_id=_rid(), subject=subject, ttl_seconds=60, note="mine")
+    outcome = await engine.takeover(HUMAN, Takeover(request_id=_rid(), subject=subject, ttl_seconds=60, note="mine"))
     assert outcome.result is TakeoverResult.TAKEN_OVER
     assert outcome.previous_token == token
     assert outcome.stored is not None
     assert outcome.stored.token > token
-    assert (await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token))[
-        0
-    ] is FenceResult.STALE_TOKEN
+    begin = BeginSend(request_id=_rid(), subject=subject, token=token)
+    assert (await engine.begin_send(AGENT, begin))[0] is FenceResult.STALE_TOKEN
 
 
 async def test_a_person_takes_a_message_from_the_colleague_they_name_and_no_other(engine: Engine) -> None:
@@ -144,18 +166,24 @@ async def test_a_person_takes_a_message_from_the_colleague_they_name_and_no_othe
     _, token = await _claim(engine, bo, subject)
     for named in ("", "carla", "ana"):  # nobody, another person, oneself: the colleague's claim stands
         refused = await engine.takeover(
-            HUMAN, request_id=_rid(), subject=subject, ttl_seconds=60, note="", from_person=named
+            HUMAN, Takeover(request_id=_rid(), subject=subject, ttl_seconds=60, note="", from_person=named)
         )
         assert (refused.result, refused.stored and refused.stored.record.holder) == (TakeoverResult.HELD, "bo")
-    taken = await engine.takeover(HUMAN, request_id=_rid(), subject=subject, ttl_seconds=60, note="", from_person="bo")
+    taken = await engine.takeover(
+        HUMAN, Takeover(request_id=_rid(), subject=subject, ttl_seconds=60, note="", from_person="bo")
+    )
     assert (taken.result, taken.previous_holder, taken.previous_token) == (TakeoverResult.TAKEN_OVER, "bo", token)
     assert taken.stored is not None
     assert (taken.stored.record.holder, taken.stored.token > token) == ("ana", True)
     # Bo's token is stale at once: "I replied" from his screen records nothing over Ana's claim.
-    late = await engine.mark_replied(bo, request_id=_rid(), subject=subject, token=token, sent_message_id="", note="")
+    late = await engine.mark_replied(
+        bo, MarkReplied(request_id=_rid(), subject=subject, token=token, sent_message_id="", note="")
+    )
     assert late[0] is FenceResult.STALE_TOKEN
     # And naming Ana does not let Carla take it back from her without her being the one named.
-    again = await engine.takeover(carla, request_id=_rid(), subject=subject, ttl_seconds=60, note="", from_person="bo")
+    again = await engine.takeover(
+        carla, Takeover(request_id=_rid(), subject=subject, ttl_seconds=60, note="", from_person="bo")
+    )
     assert again.result is TakeoverResult.HELD
 
 
@@ -164,7 +192,7 @@ async def test_a_settled_send_names_who_settled_it(engine: Engine) -> None:
     engine = Engine(engine.store, rules, wall_clock_ms)
     subject = _subject(f"settled-{uuid.uuid4().hex}")
     _, token = await _claim(engine, AGENT, subject)
-    await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token)
+    await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=subject, token=token))
     # The send deadline passes unconfirmed: the sweeper reports it IN_DOUBT.
     for _ in range(100):
         await engine.sweep_in_doubt()
@@ -173,7 +201,10 @@ async def test_a_settled_send_names_who_settled_it(engine: Engine) -> None:
             break
         await asyncio.sleep(0.1)
     settled = await engine.resolve_in_doubt(
-        HUMAN, request_id=_rid(), subject=subject, outcome=ResolveOutcome.SENT, sent_message_id="", note="in Sent"
+        HUMAN,
+        ResolveInDoubt(
+            request_id=_rid(), subject=subject, outcome=ResolveOutcome.SENT, sent_message_id="", note="in Sent"
+        ),
     )
     assert settled is not None
     assert (settled.record.state, settled.record.holder, settled.record.settled_by) == (State.REPLIED, "agent-a", "ana")
@@ -190,7 +221,7 @@ async def test_recent_messages_are_the_deliveries_claimed_newest_first_with_thei
         result, token = await _claim(engine, AGENT, _subject(f"m-{n}", mailbox), f"n-{n}", summary)
         assert result is ClaimResult.GRANTED
         if n == 0:  # released since: still a recent message, what a person may want to answer themselves
-            await engine.release(AGENT, request_id=_rid(), subject=_subject("m-0", mailbox), token=token)
+            await engine.release(AGENT, ReleaseClaim(request_id=_rid(), subject=_subject("m-0", mailbox), token=token))
     # A redelivery of the same message, and a claim without a notification, add no entry.
     assert (await _claim(engine, OTHER, _subject("m-2", mailbox), "n-2"))[0] is ClaimResult.DUPLICATE_DELIVERY
     await _claim(engine, AGENT, _subject("no-notification", mailbox))
@@ -223,7 +254,7 @@ async def test_listing_pages_with_opaque_cursors_and_filters_by_state(engine: En
     tokens = {}
     for n in range(7):
         tokens[n] = (await _claim(engine, AGENT, _subject(f"m-{n}", mailbox)))[1]
-    await engine.begin_send(AGENT, request_id=_rid(), subject=_subject("m-3", mailbox), token=tokens[3])
+    await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=_subject("m-3", mailbox), token=tokens[3]))
     await _claim(engine, AGENT, _subject("elsewhere", mailbox + "-other"))
     seen: list[str] = []
     cursor = None
@@ -266,8 +297,8 @@ async def test_a_watch_sends_a_snapshot_then_each_transition(engine: Engine) -> 
     assert [(subject.id, stored.token) for subject, stored in snapshot.subjects] == [("before", held)]
     subject = _subject("during", mailbox)
     _, token = await _claim(engine, AGENT, subject)
-    await engine.begin_send(AGENT, request_id=_rid(), subject=subject, token=token)
-    await engine.abort_send(AGENT, request_id=_rid(), subject=subject, token=token, reason="bounced")
+    await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=subject, token=token))
+    await engine.abort_send(AGENT, AbortSend(request_id=_rid(), subject=subject, token=token, reason="bounced"))
     events = await _next_events(stream, 3)
     assert [event.type for event in events] == [EventType.CLAIMED, EventType.SENDING, EventType.ABORTED]
     assert all(event.change.subject == subject for event in events)
@@ -283,7 +314,7 @@ async def test_a_watch_resumed_after_a_revision_gets_what_changed_since(engine: 
     await stream.aclose()
     subject = _subject("m", mailbox)
     _, token = await _claim(engine, AGENT, subject)
-    await engine.release(AGENT, request_id=_rid(), subject=subject, token=token)
+    await engine.release(AGENT, ReleaseClaim(request_id=_rid(), subject=subject, token=token))
     _, again = await _claim(engine, OTHER, subject)
     resumed = engine.watch(AGENT, mailbox, after_revision=snapshot.revision)
     (event,) = await _next_events(resumed, 1)
@@ -291,3 +322,40 @@ async def test_a_watch_resumed_after_a_revision_gets_what_changed_since(engine: 
     assert event.change.now is not None
     assert event.change.now.token == again
     await resumed.aclose()
+
+
+async def test_records_written_before_fingerprint_version_1_still_answer_retries_and_refuse_reuses(
+    engine: Engine, store: Store
+) -> None:
+    """A claim record and an end mark as a release before version 1 wrote them, with the legacy fingerprint
+    (coordinator/core/commands.py): the same call retried after the upgrade gets its first answer; the same
+    request id with another argument is REQUEST_ID_REUSED."""
+    subject = _subject(f"m-{_rid()}")
+    claim = ClaimReply(request_id=_rid(), subject=subject, ttl_seconds=60, note="drafting")
+    written_before = replace(
+        domain.new_claim(engine.rules, AGENT, claim, now_ms=wall_clock_ms()), fingerprint=claim.legacy_fingerprint()
+    )
+    first = await store.claim(subject, written_before, None, 0)
+    assert first.created is not None
+    retried = await engine.claim_reply(AGENT, claim)
+    assert retried.result is ClaimResult.GRANTED
+    assert retried.stored is not None
+    assert retried.stored.token == first.created.token
+    with pytest.raises(InvalidArgument) as refused:
+        await engine.claim_reply(AGENT, replace(claim, note="another"))
+    assert refused.value.reason == "REQUEST_ID_REUSED"
+
+    release = ReleaseClaim(request_id=_rid(), subject=subject, token=first.created.token)
+    fingerprint = release.legacy_fingerprint()
+    assert fingerprint is not None
+
+    def released_before(current: Stored | None, end: EndMark | None) -> Transition:
+        transition = domain.release(current, end, AGENT, release, now_ms=wall_clock_ms())
+        assert transition.end is not None
+        return replace(transition, end=replace(transition.end, fingerprint=fingerprint))
+
+    await store.apply(subject, released_before, engine.rules.end_mark_expiry(wall_clock_ms()))
+    assert (await engine.release(AGENT, release))[0] is FenceResult.OK
+    with pytest.raises(InvalidArgument) as refused:
+        await engine.release(AGENT, replace(release, redeliverable=True))
+    assert refused.value.reason == "REQUEST_ID_REUSED"
