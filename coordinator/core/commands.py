@@ -52,7 +52,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from coordinator.core.domain import ResolveOutcome, Subject, Summary
+from coordinator.core.values import ResolveOutcome, Subject, Summary
 
 FINGERPRINT_VERSION = "v1"
 _PREFIX = FINGERPRINT_VERSION + ":"

@@ -14,8 +14,12 @@ from typing import TYPE_CHECKING
 
 from coordinator.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from coordinator.core.limits import Limits
+from coordinator.core.values import ResolveOutcome as ResolveOutcome
+from coordinator.core.values import Subject as Subject
+from coordinator.core.values import SubjectKind as SubjectKind
+from coordinator.core.values import Summary as Summary
 
-if TYPE_CHECKING:  # the commands are made of this module's values; the rules only read their fields
+if TYPE_CHECKING:  # the rules read the commands' fields; the commands are made of coordinator.core.values
     from coordinator.core.commands import (
         AbortSend,
         BeginSend,
@@ -28,11 +32,6 @@ if TYPE_CHECKING:  # the commands are made of this module's values; the rules on
         ResolveInDoubt,
         Takeover,
     )
-
-
-class SubjectKind(enum.Enum):
-    MESSAGE = "m"
-    THREAD = "t"
 
 
 class HolderKind(enum.Enum):
@@ -92,24 +91,12 @@ class TakeoverResult(enum.Enum):
     ALREADY_REPLIED = "already_replied"
 
 
-class ResolveOutcome(enum.Enum):
-    SENT = "sent"
-    NOT_SENT = "not_sent"
-
-
 class OutgoingResult(enum.Enum):
     """RecordOutgoing's answers (docs/design.md#replies-written-outside)."""
 
     OWN_REPLY = "own_reply"
     ANSWERED_OUTSIDE = "answered_outside"
     DUPLICATE_DELIVERY = "duplicate_delivery"
-
-
-@dataclass(frozen=True)
-class Subject:
-    mailbox: str
-    kind: SubjectKind
-    id: str
 
 
 class Grants:
@@ -149,19 +136,6 @@ def require_role(caller: Caller, role: str, call: str) -> None:
             f"{call} needs the role {role!r}, which principal {caller.principal!r} does not have",
             reason="ROLE_MISSING",
         )
-
-
-@dataclass(frozen=True)
-class Summary:
-    """What a person tells one email from another by: personal data, stored only when the operator allows
-    (``Rules.store_summaries``) and deleted with the record that carries it."""
-
-    subject_line: str = ""
-    sender: str = ""
-    received_ms: int | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self.subject_line or self.sender or self.received_ms)
 
 
 @dataclass(frozen=True)
