@@ -4,13 +4,16 @@ Nylas send endpoint that counts sends: at most one reply per message, whatever t
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
-from inbox_claims import AsyncCoordinator, Subject, SubjectState
+from inbox_claims import AsyncCoordinator, ClaimLost, Subject, SubjectState
+from inbox_claims.mcp import _answers as answers
+from inbox_claims.types import LossReason
 from tests.conftest import StartCoordinator
 from tests.mcp.support import agent_session, reply_arguments, text
 
@@ -145,6 +148,40 @@ async def test_a_persons_takeover_while_the_model_drafts_refuses_the_send_with_t
     assert answer(then)["outcome"] == "held"
     assert "ana@example.com (a person)" in answer(then)["message"]
     assert fake.sends == []
+
+
+async def test_a_person_answering_from_the_mailbox_while_the_model_drafts_stops_its_send(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str
+) -> None:
+    """Replies written outside our tools reach MCP agents too: a claim made with the email's thread and arrival
+    time is ended by a person's reply from Gmail in that thread, and the model is told not to reply."""
+    asked = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)
+    where = {"mailbox": mailbox, "message_id": "msg-late", "thread_id": "thr-7", "received_at": asked.isoformat()}
+    async with (
+        agent_session(server.address, "agent-a", api_base=fake.api_base) as (client, _),
+        AsyncCoordinator(server.address, principal="helpdesk-relay") as relay,
+    ):
+        claimed = await client.call_tool("claim_message", where)
+        assert answer(claimed)["outcome"] == "granted"
+        answered_at = asked + timedelta(minutes=3)
+        await relay.record_outgoing(mailbox, "gmail-9", "thr-7", answered_at, sender="ana@shop.example")
+        refused = await client.call_tool("send_reply", {**reply_arguments(mailbox, "msg-late"), **where})
+        then = await client.call_tool("claim_message", where)
+
+    assert refused.is_error
+    assert answer(refused)["outcome"] == "lost"
+    assert answer(refused)["message"].startswith("Not sent: ana@shop.example already answered this email from the")
+    assert answer(refused)["message"].endswith("do not reply.")
+    assert answer(then)["outcome"] == "already_replied"
+    assert answer(then)["message"].startswith("Already answered from the mailbox by ana@shop.example at ")
+    assert fake.sends == []
+
+
+def test_every_way_to_lose_a_claim_is_told_in_its_own_words() -> None:
+    subject = Subject.message("grant-1", "m-1")
+    said = {answers.lost(ClaimLost(subject, 7, reason, None), "agent-a").message for reason in LossReason}
+    assert len(said) == len(LossReason)
+    assert not [message for message in said if "(it ended)" in message]
 
 
 async def test_claim_message_answers_in_words_a_model_acts_on(

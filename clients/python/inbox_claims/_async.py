@@ -413,6 +413,7 @@ class AsyncCoordinator(ClientBase):
         ttl: int = 60,
         note: str = "",
         summary: MessageSummary | None = None,
+        received_at: datetime | None = None,
         on_lost: Callable[[AsyncClaim], object] | None = None,
         cancel_on_loss: bool = False,
     ) -> AsyncClaim:
@@ -430,7 +431,10 @@ class AsyncCoordinator(ClientBase):
         ``notification``: what the handler has, the raw body, the decoded event or a parsed notification.
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
         (or replace it: ``reply_to(mailbox=..., message_id=...)``); ``summary`` (which email it is, shown to the
-        people watching) overrides the one read from the notification. A notification about a message the
+        people watching) overrides the one read from the notification. ``received_at`` (when the message arrived,
+        for a claim made without its notification) with ``thread_id``: a reply written from the mailbox in that
+        thread ends the claim, as it does for a claim made from a notification, which carries both. A
+        notification about a message the
         mailbox sent (in a sent folder, or from one of its own addresses: the client's ``sent_folders`` and
         ``mailbox_addresses``) is never claimed: entering reports it with RecordOutgoing, logs one line and
         raises :class:`OutgoingMessage`.
@@ -446,6 +450,7 @@ class AsyncCoordinator(ClientBase):
             ttl=ttl,
             note=note,
             summary=summary,
+            received_at=received_at,
         )
         return AsyncClaim(self, state, on_lost, cancel_on_loss)
 

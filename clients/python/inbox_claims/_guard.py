@@ -300,6 +300,7 @@ class GuardState:
         ttl: int,
         note: str,
         summary: MessageSummary | None = None,
+        received_at: datetime | None = None,
     ) -> GuardState:
         """The state of ``reply_to``'s claim (both clients): the subject to claim, the notification id to dedup on
         and the summary, from one decoding of the notification and/or explicit ids.
@@ -318,9 +319,10 @@ class GuardState:
             thread_id = thread_id or notification.thread_id
             if notification_id is None:
                 notification_id = notification.notification_id
-        # The thread and the message's date come only from a notification: with them a reply written outside the
-        # coordinator in the thread ends the claim; without a date, neither is sent (the coordinator needs both).
-        date = _date_of(notification) if notification is not None else None
+        # The thread and the message's date come from the notification (or, without one, from the caller): with
+        # them a reply written outside the coordinator in the thread ends the claim; without a date, neither is
+        # sent (the coordinator needs both).
+        date = _date_of(notification) if notification is not None else received_at
         thread = thread_id if date is not None else None
         if not mailbox:
             raise ValueError("reply_to needs a mailbox: pass mailbox= (the notification carries no grant_id)")

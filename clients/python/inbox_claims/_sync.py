@@ -422,6 +422,7 @@ class Coordinator(ClientBase):
         ttl: int = 60,
         note: str = "",
         summary: MessageSummary | None = None,
+        received_at: datetime | None = None,
         on_lost: Callable[[Claim], object] | None = None,
     ) -> Claim:
         """A guarded claim on the message a notification is about; use it as ``with coord.reply_to(n) as claim``.
@@ -436,7 +437,10 @@ class Coordinator(ClientBase):
         ``notification``: what the handler has, the raw body, the decoded event or a parsed notification.
         Explicit ``mailbox``/``message_id``/``thread_id``/``notification_id`` override the notification's
         (or replace it: ``reply_to(mailbox=..., message_id=...)``); ``summary`` (which email it is, shown to the
-        people watching) overrides the one read from the notification. A notification about a message the
+        people watching) overrides the one read from the notification. ``received_at`` (when the message arrived,
+        for a claim made without its notification) with ``thread_id``: a reply written from the mailbox in that
+        thread ends the claim, as it does for a claim made from a notification, which carries both. A
+        notification about a message the
         mailbox sent is never claimed: entering reports it with RecordOutgoing and raises
         :class:`OutgoingMessage` (see :meth:`AsyncCoordinator.reply_to`).
         """
@@ -451,6 +455,7 @@ class Coordinator(ClientBase):
             ttl=ttl,
             note=note,
             summary=summary,
+            received_at=received_at,
         )
         return Claim(self, state, on_lost)
 

@@ -153,6 +153,13 @@ def refusal(status: SubjectStatus, me: str) -> Answer:
             "a person must check the sent folder: do not reply."
         )
         at = status.send_started_at
+    elif status.replied_outside and status.outside_reply is not None:
+        reply = status.outside_reply
+        message = (
+            f"Already answered from the mailbox by {reply.sender or 'someone'} at {when(reply.sent_at)} "
+            "(outside these tools): do not reply."
+        )
+        at = reply.sent_at
     else:
         how = " by hand" if status.replied_by_hand else ""
         message = f"Already answered{how} by {name} at {when(status.sent_at)}: do not reply."
@@ -211,6 +218,17 @@ def lost(loss: ClaimLost, me: str) -> Answer:
     status = loss.status
     subject = loss.subject
     now = datetime.now(UTC)
+    if loss.reason is LossReason.ANSWERED_OUTSIDE:
+        reply = status.outside_reply if status is not None else None
+        by = f"{reply.sender} " if reply is not None and reply.sender else "someone "
+        at = f" at {when(reply.sent_at)}" if reply is not None and reply.sent_at is not None else ""
+        return Answer(
+            Outcome.LOST,
+            f"Not sent: {by}already answered this email from the mailbox{at} (outside these tools): do not reply.",
+            subject,
+            at=now,
+            **(_holder_fields(status, me) if status is not None else {}),
+        )
     if loss.reason is LossReason.TAKEN_OVER and status is not None:
         return Answer(
             Outcome.LOST,
@@ -224,7 +242,7 @@ def lost(loss: ClaimLost, me: str) -> Answer:
         LossReason.RENEWAL_FAILED: "the coordinator could not be reached to renew it",
         LossReason.STALE_TOKEN: "it was released or taken by someone else",
         LossReason.TAKEN_OVER: "a person took it over",
-    }[loss.reason]
+    }.get(loss.reason, "it ended")
     return Answer(
         Outcome.LOST,
         f"Not sent: your claim on this message ended ({why}). Someone else may be answering it: call "

@@ -22,6 +22,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 from .._async import AsyncClaim, AsyncCoordinator
@@ -34,6 +35,8 @@ DEFAULT_TTL = 120
 """Seconds a session's claim lasts past its last renewal: how long after a crash the message frees."""
 
 Deliver = Callable[[AsyncClaim], Awaitable[str | None]]
+# A message's thread id and when it arrived: with both, a reply written from the mailbox in the thread ends a claim.
+Thread = tuple[str, datetime]
 """The send itself, called after BeginSend with the claim (for its idempotency key); returns the sent message's
 id. Raise ``SendRejected`` when it certainly did not send; any other exception leaves the outcome unknown."""
 
@@ -106,13 +109,18 @@ class AgentSession:
         async with lock:
             yield
 
-    async def _acquire(self, subject: Subject, summary: MessageSummary | None, note: str) -> AsyncClaim | SubjectStatus:
-        """The claim, entered and kept, or the status of whoever has the message instead."""
+    async def _acquire(
+        self, subject: Subject, summary: MessageSummary | None, note: str, thread: Thread | None
+    ) -> AsyncClaim | SubjectStatus:
+        """The claim, entered and kept, or the status of whoever has the message instead. With ``thread`` (the
+        message's thread and when it arrived), a reply written from the mailbox in that thread ends the claim."""
         scoped: dict[str, Any] = (
             {"scope": "thread", "thread_id": subject.id}
             if subject.kind is SubjectKind.THREAD
             else {"message_id": subject.id}
         )
+        if thread is not None:
+            scoped["thread_id"], scoped["received_at"] = thread
         claim = self.coordinator.reply_to(mailbox=subject.mailbox, ttl=self.ttl, note=note, summary=summary, **scoped)
         try:
             await claim.__aenter__()
@@ -128,21 +136,28 @@ class AgentSession:
             await claim.__aexit__(None, None, None)
 
     async def _held_or_acquired(
-        self, subject: Subject, summary: MessageSummary | None, note: str
+        self, subject: Subject, summary: MessageSummary | None, note: str, thread: Thread | None = None
     ) -> AsyncClaim | SubjectStatus:
         held = self._claims.get(subject)
-        return held if held is not None else await self._acquire(subject, summary, note)
+        return held if held is not None else await self._acquire(subject, summary, note, thread)
 
     # -- the tools' operations ---------------------------------------------------------------------------------
 
-    async def claim(self, subject: Subject, *, summary: MessageSummary | None = None, note: str = "") -> Answer:
+    async def claim(
+        self,
+        subject: Subject,
+        *,
+        summary: MessageSummary | None = None,
+        note: str = "",
+        thread: Thread | None = None,
+    ) -> Answer:
         async with self._one_call(subject):
             held = self._claims.get(subject)
             if held is not None and held.loss is not None:
                 answer = answers.lost(held.loss, await self.principal())
                 await self._drop(subject)
                 return answer
-            got = held if held is not None else await self._acquire(subject, summary, note)
+            got = held if held is not None else await self._acquire(subject, summary, note, thread)
             if isinstance(got, SubjectStatus):
                 return answers.refusal(got, await self.principal())
             return answers.granted(subject, got.expires_at, again=held is not None)
@@ -155,13 +170,14 @@ class AgentSession:
         *,
         summary: MessageSummary | None = None,
         note: str = "",
+        thread: Thread | None = None,
     ) -> Answer:
         """The guarded send: claim unless held, BeginSend (fenced), ``deliver``, ConfirmSent (or AbortSend)."""
         async with self._one_call(subject):
             first = self._sent.first(subject)
             if first is not None and first.session == self.id:
                 return first.answer if first.fingerprint == reply_fingerprint else answers.different_reply(first.answer)
-            got = await self._held_or_acquired(subject, summary, note)
+            got = await self._held_or_acquired(subject, summary, note, thread)
             me = await self.principal()
             if isinstance(got, SubjectStatus):
                 return self._answer_to_a_repeat(got, me, first)
@@ -230,4 +246,4 @@ class AgentSession:
             await self._drop(subject)
 
 
-__all__ = ["DEFAULT_TTL", "AgentSession", "Answer", "Deliver", "Outcome", "SentReplies", "fingerprint"]
+__all__ = ["DEFAULT_TTL", "AgentSession", "Answer", "Deliver", "Outcome", "SentReplies", "Thread", "fingerprint"]

@@ -13,13 +13,13 @@ from typing import Any, Literal
 
 import mcp_types as types
 from mcp.server import Server, ServerRequestContext
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from .._errors import CoordinatorError, CoordinatorUnavailable, InvalidRequest, PermissionDenied, Unauthenticated
 from .._types import MessageSummary, Subject
 from ..nylas import AsyncNylas, NylasReply
 from ._answers import Answer, Outcome
-from ._session import AgentSession, fingerprint
+from ._session import AgentSession, Thread, fingerprint
 
 Scope = Literal["message", "thread"]
 
@@ -52,6 +52,20 @@ class Message(_Arguments):
         max_length=512,
         description="The email's thread id; required when this server claims whole conversations.",
     )
+    received_at: AwareDatetime | None = Field(
+        default=None,
+        description=(
+            "When the email arrived, as the mail service gives it (ISO 8601 with its offset, e.g. "
+            "2026-12-02T14:03:00Z). With thread_id, a reply someone writes from the mailbox in that thread "
+            "(a person in Gmail) ends your claim, and you are told not to send."
+        ),
+    )
+
+    def thread(self) -> Thread | None:
+        """The message's thread and when it arrived, when both are given."""
+        if self.thread_id is None or self.received_at is None:
+            return None
+        return self.thread_id, self.received_at
 
 
 class Summary(_Arguments):
@@ -334,7 +348,9 @@ class ClaimTools:
         if isinstance(arguments, SendReplyArguments):
             return answered(await self._send_reply(session, subject, arguments), error_unless=frozenset({Outcome.SENT}))
         if isinstance(arguments, ClaimArguments):
-            claimed = await session.claim(subject, summary=_summary(arguments.summary), note=arguments.note)
+            claimed = await session.claim(
+                subject, summary=_summary(arguments.summary), note=arguments.note, thread=arguments.thread()
+            )
             return answered(claimed, error_unless=None)
         if isinstance(arguments, MarkRepliedArguments):
             marked = await session.mark_replied(subject, sent_message_id=arguments.sent_message_id, note=arguments.note)
@@ -349,8 +365,10 @@ class ClaimTools:
         async def deliver(claim: Any) -> str | None:
             return await replies.send(arguments.mailbox, reply, claim.idempotency_key)
 
-        the_reply = arguments.model_dump(exclude={"summary", "thread_id"})
-        return await session.send(subject, fingerprint(the_reply), deliver, summary=_summary(arguments.summary))
+        the_reply = arguments.model_dump(exclude={"summary", "thread_id", "received_at"})
+        return await session.send(
+            subject, fingerprint(the_reply), deliver, summary=_summary(arguments.summary), thread=arguments.thread()
+        )
 
     async def _who(self, session: AgentSession, mailbox: str) -> types.CallToolResult:
         claims = await session.who_is_answering(mailbox)
