@@ -262,6 +262,8 @@ def wait_for_line(process: subprocess.Popen[str], needle: str) -> str:
         if needle in line:
             return seen
     process.kill()
+    # Reaped and its pipes closed here: left to the garbage collector, they warn inside whichever test runs next.
+    process.communicate()
     raise AssertionError(f"{needle!r} never printed:\n{seen}")
 
 

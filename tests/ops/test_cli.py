@@ -50,6 +50,8 @@ def _wait_for_line(process: subprocess.Popen[str], needle: str, timeout: float =
         if needle in line:
             return lines
     process.kill()
+    # Reaped and its pipes closed here: left to the garbage collector, they warn inside whichever test runs next.
+    process.communicate()
     raise AssertionError(f"{needle!r} never printed; output:\n{''.join(lines)}")
 
 

@@ -123,11 +123,18 @@ async def focused_text(page: Page) -> str:
     return text
 
 
+@pytest.fixture(params=[PHONE, LAPTOP], ids=["phone-390x844", "laptop-1280x800"])
+def screen(request: pytest.FixtureRequest) -> tuple[int, int]:
+    """The two screens each workflow is tried on: a phone (the card layout) and a laptop (the table)."""
+    width, height = request.param
+    return width, height
+
+
 async def test_two_people_see_an_agent_claim_a_takeover_and_a_reply_by_hand_live(
-    server: CoordinatorServer, browser: Browser, mailbox: str
+    server: CoordinatorServer, browser: Browser, mailbox: str, screen: tuple[int, int]
 ) -> None:
-    ana = await open_board(browser, board_url(server, mailbox), name="ana")
-    bo = await open_board(browser, board_url(server, mailbox), name="bo")
+    ana = await open_board(browser, board_url(server, mailbox), name="ana", size=screen)
+    bo = await open_board(browser, board_url(server, mailbox), name="bo", size=screen)
     for page in (ana, bo):
         await expect(page.locator("#empty")).to_be_visible()
     async with grpc.aio.insecure_channel(server.address) as channel:
@@ -177,9 +184,9 @@ async def test_two_people_see_an_agent_claim_a_takeover_and_a_reply_by_hand_live
 
 
 async def test_a_reply_from_the_mailbox_shows_who_answered_and_that_the_agent_stopped(
-    server: CoordinatorServer, browser: Browser, mailbox: str
+    server: CoordinatorServer, browser: Browser, mailbox: str, screen: tuple[int, int]
 ) -> None:
-    page = await open_board(browser, board_url(server, mailbox), name="bo")
+    page = await open_board(browser, board_url(server, mailbox), name="bo", size=screen)
     await expect(page.locator("#empty")).to_be_visible()
     asked = Timestamp(seconds=int(time.time()) - 600)
     async with grpc.aio.insecure_channel(server.address) as channel:
@@ -224,9 +231,9 @@ async def test_a_reply_from_the_mailbox_shows_who_answered_and_that_the_agent_st
 
 
 async def test_a_person_settles_unconfirmed_sends_from_the_keyboard_credited_and_asked_nothing_unknowable(
-    server: CoordinatorServer, browser: Browser, mailbox: str
+    server: CoordinatorServer, browser: Browser, mailbox: str, screen: tuple[int, int]
 ) -> None:
-    ana = await open_board(browser, board_url(server, mailbox), name="ana")
+    ana = await open_board(browser, board_url(server, mailbox), name="ana", size=screen)
     async with grpc.aio.insecure_channel(server.address) as channel:
         agent = Actor(channel, "support-agent-1")
         for name, line in (("msg-stuck", "Invoice 77"), ("msg-lost", "Cancel my plan")):
@@ -266,9 +273,9 @@ async def test_a_person_settles_unconfirmed_sends_from_the_keyboard_credited_and
 
 
 async def test_a_persons_claim_counts_down_warns_before_it_ends_and_is_kept_or_given_back(
-    server: CoordinatorServer, browser: Browser, mailbox: str
+    server: CoordinatorServer, browser: Browser, mailbox: str, screen: tuple[int, int]
 ) -> None:
-    ana = await open_board(browser, board_url(server, mailbox), name="ana", size=LAPTOP)
+    ana = await open_board(browser, board_url(server, mailbox), name="ana", size=screen)
     async with grpc.aio.insecure_channel(server.address) as channel:
         person, agent = Actor(channel, "ana", kind="human"), Actor(channel, "agent-a")
         # Her claim has less than the warning's two minutes left (as after 13 of her 15 minutes).
@@ -303,10 +310,10 @@ async def test_a_persons_claim_counts_down_warns_before_it_ends_and_is_kept_or_g
 
 
 async def test_a_person_takes_a_message_from_a_colleague_after_confirming_it(
-    server: CoordinatorServer, browser: Browser, mailbox: str
+    server: CoordinatorServer, browser: Browser, mailbox: str, screen: tuple[int, int]
 ) -> None:
-    ana = await open_board(browser, board_url(server, mailbox), name="ana")
-    bo = await open_board(browser, board_url(server, mailbox), name="bo")
+    ana = await open_board(browser, board_url(server, mailbox), name="ana", size=screen)
+    bo = await open_board(browser, board_url(server, mailbox), name="bo", size=screen)
     async with grpc.aio.insecure_channel(server.address) as channel:
         colleague = Actor(channel, "bo", kind="human")
         held = await claim(colleague, message(mailbox, "msg-parcel"), "Where is my parcel?", "carl@example.net")
@@ -335,7 +342,7 @@ async def test_a_person_takes_a_message_from_a_colleague_after_confirming_it(
 
 
 async def test_answering_an_email_yourself_starts_from_the_recent_emails_not_an_id(
-    server: CoordinatorServer, browser: Browser, mailbox: str
+    server: CoordinatorServer, browser: Browser, mailbox: str, screen: tuple[int, int]
 ) -> None:
     async with grpc.aio.insecure_channel(server.address) as channel:
         agent = Actor(channel, "agent-a")
@@ -349,7 +356,7 @@ async def test_answering_an_email_yourself_starts_from_the_recent_emails_not_an_
             agent, message(mailbox, "msg-refund"), "Refund for order 1182?", "Bea <bea@example.org>",
             notification_id="n-refund", received_ago=60,
         )  # fmt: skip
-        ana = await open_board(browser, board_url(server, mailbox), name="ana")
+        ana = await open_board(browser, board_url(server, mailbox), name="ana", size=screen)
         await expect(ana.get_by_text("message id")).to_have_count(0)  # nobody types an id
         await ana.get_by_text("Answer an email yourself").click()
         await expect(ana.locator("#answer-query")).to_be_focused()
@@ -378,7 +385,7 @@ async def test_answering_an_email_yourself_starts_from_the_recent_emails_not_an_
 
 
 async def test_look_alike_emails_are_told_apart_by_when_they_came_in(
-    server: CoordinatorServer, browser: Browser, mailbox: str
+    server: CoordinatorServer, browser: Browser, mailbox: str, screen: tuple[int, int]
 ) -> None:
     async with grpc.aio.insecure_channel(server.address) as channel:
         agent = Actor(channel, "agent-a")
@@ -387,7 +394,7 @@ async def test_look_alike_emails_are_told_apart_by_when_they_came_in(
                 agent, message(mailbox, name), "Invoice 77 is wrong", "Dana <dana@example.com>", received_ago=ago
             )
         await claim(agent, message(mailbox, "msg-alone"), "Thank you!", "Dana <dana@example.com>")
-    page = await open_board(browser, board_url(server, mailbox), name="ana")
+    page = await open_board(browser, board_url(server, mailbox), name="ana", size=screen)
     first, second = row(page, "msg-first").locator(".alike"), row(page, "msg-second").locator(".alike")
     await expect(first).to_contain_text("Same subject and sender as 1 other here; this one came in", timeout=LIVE)
     await expect(second).to_contain_text("Same subject and sender as 1 other here; this one came in")
@@ -415,15 +422,15 @@ async def test_token_sign_in_is_refused_for_another_tenants_mailbox(
 
 
 async def test_a_person_without_the_takeover_role_is_offered_no_takeover_and_told_why(
-    etcd: EtcdServer, prefix: str, tmp_path: Path, browser: Browser
+    etcd: EtcdServer, prefix: str, tmp_path: Path, browser: Browser, screen: tuple[int, int]
 ) -> None:
     secured = await serve(etcd, prefix, authenticator=TokenAuthenticator(_token_file(tmp_path / "tokens.toml")))
     try:
         async with grpc.aio.insecure_channel(secured.address) as channel:
             agent = Actor(channel, "agent-a", token=TOKENS["agent-a"])
             await claim(agent, message("acme-1", "msg-parcel"), "Where is my parcel?", "carl@example.net")
-            bo = await open_board(browser, board_url(secured, "acme-1"), token=TOKENS["bo"])
-            ana = await open_board(browser, board_url(secured, "acme-1"), token=TOKENS["ana"])
+            bo = await open_board(browser, board_url(secured, "acme-1"), token=TOKENS["bo"], size=screen)
+            ana = await open_board(browser, board_url(secured, "acme-1"), token=TOKENS["ana"], size=screen)
             await expect(bo.locator("#who")).to_have_text("Signed in as bo · acme-1")
             # Ana (role takeover) is offered it; Bo (no role) is not, and reads why.
             await expect(row(ana, "msg-parcel").get_by_role("button", name="Take over")).to_be_visible(timeout=LIVE)

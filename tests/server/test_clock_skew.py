@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from chaos.common import skewed_clock_env
-from coordinator.store.etcd.process import EtcdServer, free_port
+from coordinator.store.etcd.process import EtcdServer, free_ports
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, message, serve_process
 
@@ -26,7 +26,7 @@ SKEW = "5m"
 @pytest.fixture
 async def replicas(etcd: EtcdServer, prefix: str) -> AsyncIterator[tuple[grpc.aio.Channel, grpc.aio.Channel]]:
     """(the fast replica's channel, the slow replica's channel)."""
-    fast_port, slow_port = free_port(), free_port()
+    fast_port, slow_port = free_ports(2)
 
     def flags(port: int) -> list[str]:
         return [

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.store.etcd.process import EtcdServer, free_port
+from coordinator.store.etcd.process import EtcdServer, free_ports
 from inbox_claims._batch import BATCHABLE
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
@@ -176,7 +176,7 @@ def fuzz_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzTarget
     request that stops short is cut off within a second."""
     etcd = EtcdServer(tmp_path_factory.mktemp("fuzz") / "etcd")
     etcd.start()
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     process = subprocess.Popen(
         [
             sys.executable,

@@ -26,7 +26,7 @@ import pytest
 from playwright.async_api import async_playwright
 
 from coordinator.api.http_guard import DESCRIPTOR_RESERVE, HeadLimits
-from coordinator.store.etcd.process import EtcdServer, free_port
+from coordinator.store.etcd.process import EtcdServer, free_port, free_ports
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, eventually, message, spawn, stop_serving, wait_for_line
 from tests.server.test_board import CHROMIUM
@@ -79,7 +79,7 @@ class Served:
 
 @contextlib.contextmanager
 def served(etcd: EtcdServer, prefix: str, *flags: str, nofile: tuple[int, int] | None = None) -> Iterator[Served]:
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(3)]
     command = [*CLI, "serve", "--listen", addresses[0], "--http-listen", addresses[1]]
     command += ["--metrics-listen", addresses[2], "--etcd-endpoints", etcd.endpoint, "--prefix", prefix, *flags]
     if nofile is not None:
@@ -462,7 +462,8 @@ async def test_principal_headers_and_page_tokens_over_http_are_checked_as_over_g
 def test_a_taken_port_is_one_line_naming_it(etcd: EtcdServer, prefix: str, face: str) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         address = f"127.0.0.1:{taken.getsockname()[1]}"
-        ports = {"--listen": f"127.0.0.1:{free_port()}", "--http-listen": f"127.0.0.1:{free_port()}", face: address}
+        grpc_port, http_port = free_ports(2)
+        ports = {"--listen": f"127.0.0.1:{grpc_port}", "--http-listen": f"127.0.0.1:{http_port}", face: address}
         done = subprocess.run(
             [
                 *CLI,

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from coordinator.api.quotas import QuotaSettings
-from coordinator.store.etcd.process import EtcdServer, free_port
+from coordinator.store.etcd.process import EtcdServer, free_ports
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import StartCoordinator
@@ -36,7 +36,7 @@ def _rss_bytes(pid: int) -> int:
 
 @pytest.fixture
 def coordinator_process(etcd: EtcdServer, prefix: str) -> Iterator[tuple[str, int, str]]:
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     with serve_process(
         f"--listen=127.0.0.1:{port}",
         f"--etcd-endpoints={etcd.endpoint}",

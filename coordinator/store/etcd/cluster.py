@@ -21,11 +21,11 @@ from coordinator.store.etcd.process import (
     EtcdMemberSpec,
     EtcdServer,
     EtcdStartError,
-    _free_ports,
     _http_json,
     _reap,
     _send_term,
     find_etcd_binary,
+    free_ports,
 )
 
 __all__ = ["EtcdCluster", "MemberPlacement"]
@@ -75,7 +75,7 @@ class EtcdCluster:
             return self._placements
         if self._binary is None:  # looked up once, here: placed members bring their own binaries
             self._binary = find_etcd_binary()
-        ports = _free_ports(2 * self._size)
+        ports = free_ports(2 * self._size)
         return [MemberPlacement("127.0.0.1", self._binary, ports[2 * i], ports[2 * i + 1]) for i in range(self._size)]
 
     def _build_members(self) -> None:

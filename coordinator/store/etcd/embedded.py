@@ -42,7 +42,7 @@ from coordinator.store.etcd.process import (
     EtcdStartError,
     etcd_version,
     find_etcd_binary,
-    free_port,
+    free_ports,
     installed_etcd_binaries,
 )
 
@@ -89,7 +89,10 @@ def _spec(data_dir: Path) -> EtcdMemberSpec:
     if ports_file.exists():
         ports = json.loads(ports_file.read_text())
         return EtcdMemberSpec("embedded", ports["client"], ports["peer"])
-    spec = EtcdMemberSpec("embedded", free_port(), free_port())
+    # Picked together: two separate picks can be the same port (a CI run's etcd failed to bind its peer port
+    # on the port its client listener had just taken).
+    client_port, peer_port = free_ports(2)
+    spec = EtcdMemberSpec("embedded", client_port, peer_port)
     ports_file.write_text(json.dumps({"client": spec.client_port, "peer": spec.peer_port}))
     return spec
 

@@ -155,10 +155,11 @@ def installed_etcd_binaries() -> list[Path]:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago (it can be taken before use)."""
-    return _free_ports(1, host)[0]
+    return free_ports(1, host)[0]
 
 
-def _free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` different TCP ports that were free on ``host`` a moment ago."""
     # All sockets stay open until every port is picked, so one batch never repeats a port.
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with contextlib.ExitStack() as stack:
@@ -344,7 +345,7 @@ class EtcdMemberSpec:
 
 
 def _auto_spec(name: str, host: str = "127.0.0.1") -> EtcdMemberSpec:
-    client_port, peer_port = _free_ports(2, host)
+    client_port, peer_port = free_ports(2, host)
     return EtcdMemberSpec(name=name, client_port=client_port, peer_port=peer_port, host=host)
 
 
