@@ -153,6 +153,22 @@ def installed_etcd_binaries() -> list[Path]:
     return found
 
 
+def _wait_until_stopped(pid: int, timeout: float = 2.0) -> None:
+    """Until every thread of ``pid`` is stopped (state T), where /proc tells; at most ``timeout`` seconds."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in tasks.iterdir():
+            with contextlib.suppress(OSError, IndexError):
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.005)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago (it can be taken before use)."""
     return free_ports(1, host)[0]
@@ -667,9 +683,13 @@ class EtcdServer:
         self._forget()
 
     def pause(self) -> None:
-        """SIGSTOP: the member stays in the cluster but stops answering anyone."""
+        """SIGSTOP: the member stays in the cluster but stops answering anyone. Returns once every thread of
+        it has stopped (Linux): a stop is delivered asynchronously, and a member on another CPU answered one more
+        request after the signal was sent (a CI run of a test that pauses etcd and expects a timeout)."""
         self._signal(signal.SIGSTOP)
         self._paused = True
+        assert self._proc is not None
+        _wait_until_stopped(self._proc.pid)
 
     def resume(self) -> None:
         """SIGCONT after :meth:`pause`."""
