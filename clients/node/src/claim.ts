@@ -54,6 +54,11 @@ export interface ReplyTarget {
   messageId?: string;
   threadId?: string;
   notificationId?: string;
+  /**
+   * When the message arrived, for a target given without its notification (a notification carries it): with
+   * threadId, a reply written from the mailbox in that thread ends the claim, as it does a notification's.
+   */
+  receivedAt?: Date;
 }
 
 export interface ReplyOptions {

@@ -648,9 +648,10 @@ export class Coordinator {
     const notification = "objectKind" in given ? given : undefined;
     const { subject, notificationId } = resolveSubject(given, options.scope ?? "message", options.mailbox);
     const summary = options.summary ?? summaryOf(notification);
-    // The thread and the message's date come only from a notification; without a date, neither is sent.
-    const receivedAt = notification === undefined ? undefined : dateOf(notification);
-    const threadId = receivedAt === undefined ? undefined : notification?.threadId;
+    // The thread and the message's date come from the notification (or, without one, from the target); without a
+    // date, neither is sent (the coordinator needs both).
+    const receivedAt = notification === undefined ? (given as ReplyTarget).receivedAt : dateOf(notification);
+    const threadId = receivedAt === undefined ? undefined : (notification ?? (given as ReplyTarget)).threadId;
     const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "", summary, threadId, receivedAt);
     const why = notification === undefined ? undefined : this.outgoing.match(notification.object);
     if (notification !== undefined && why !== undefined) {

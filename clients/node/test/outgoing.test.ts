@@ -18,6 +18,7 @@ import {
   messageSubject,
   nylasWebhookListener,
   signNylas,
+  type Claim,
   type Envelope,
 } from "../src/index.js";
 
@@ -149,11 +150,7 @@ test("a person answering from Gmail aborts the drafting agent's signal; its send
     .replyTo(envelope(mailbox, "m-1", thread), { ttl: 3 }, async (claim) => {
       await assert.rejects(webhook.replyTo(fromGmail(mailbox, thread), {}, async () => undefined), OutgoingMessage);
       // drafting: the renewal (every second) learns that a person answered and aborts the signal
-      await new Promise<void>((resolve) => {
-        const timer = setTimeout(resolve, 8_000);
-        claim.signal.addEventListener("abort", () => (clearTimeout(timer), resolve()), { once: true });
-      });
-      assert.ok(claim.signal.aborted, "the signal never aborted");
+      await untilAborted(claim);
       await claim.send(async () => {
         sends += 1;
         return "never";
@@ -172,6 +169,42 @@ test("a person answering from Gmail aborts the drafting agent's signal; its send
   await agent.replyTo(envelope(mailbox, "m-2", thread, { date: ANSWERED + 60 }), { ttl: 30 }, async () => void (answered += 1));
   assert.equal(answered, 1);
 });
+
+test("a claim made without its notification, given the thread and when the message arrived, is ended by a reply from the mailbox too", async () => {
+  const mailbox = unique("target");
+  const agent = cluster.client("agent-a", { logger: new Lines() });
+  const relay = cluster.client("helpdesk-relay", { replica: 1, logger: new Lines() });
+  const thread = unique("thread");
+  const asked = new Date((ANSWERED - 300) * 1000);
+  let sends = 0;
+  const error = await agent
+    .replyTo({ mailbox, messageId: "m-1", threadId: thread, receivedAt: asked }, { ttl: 3 }, async (claim) => {
+      await relay.recordOutgoing(mailbox, unique("gmail"), thread, new Date(ANSWERED * 1000), { sender: "ana@shop.example" });
+      await untilAborted(claim);
+      await claim.send(async () => String((sends += 1)));
+    })
+    .then(
+      () => undefined,
+      (e: unknown) => e,
+    );
+  assert.ok(error instanceof ClaimLost, String(error));
+  assert.equal(error.reason, "answered_outside");
+  assert.equal(sends, 0);
+  // Without the arrival time the claim is in no thread: the same reply leaves it, and its send goes out.
+  await agent.replyTo({ mailbox, messageId: "m-2", threadId: thread }, { ttl: 30 }, async (claim) => {
+    await relay.recordOutgoing(mailbox, unique("gmail"), thread, new Date((ANSWERED + 60) * 1000), { sender: "ana@shop.example" });
+    await claim.send(async () => "sent-m-2");
+  });
+});
+
+/** While the agent drafts: until the claim's signal aborts (8 s at most), which it must. */
+async function untilAborted(claim: Claim): Promise<void> {
+  await new Promise<void>((resolve) => {
+    const timer = setTimeout(resolve, 8_000);
+    claim.signal.addEventListener("abort", () => (clearTimeout(timer), resolve()), { once: true });
+  });
+  assert.ok(claim.signal.aborted, "the signal never aborted");
+}
 
 async function listen(server: Server): Promise<string> {
   await new Promise<void>((ok) => server.listen(0, "127.0.0.1", ok));
