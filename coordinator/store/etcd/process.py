@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -32,6 +31,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, Self
 
+from .ports import free_port, free_ports
+
 __all__ = [
     "ENV_ETCD_BIN",
     "EtcdMemberSpec",
@@ -41,6 +42,7 @@ __all__ = [
     "etcd_version",
     "find_etcd_binary",
     "free_port",
+    "free_ports",
 ]
 
 ENV_ETCD_BIN = "INBOX_COORDINATOR_ETCD_BIN"
@@ -167,24 +169,6 @@ def _wait_until_stopped(pid: int, timeout: float = 2.0) -> None:
         if states and all(state in ("T", "t") for state in states):
             return
         time.sleep(0.005)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (it can be taken before use)."""
-    return free_ports(1, host)[0]
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` different TCP ports that were free on ``host`` a moment ago."""
-    # All sockets stay open until every port is picked, so one batch never repeats a port.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with contextlib.ExitStack() as stack:
-        ports: list[int] = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
-            sock.bind((host, 0))
-            ports.append(int(sock.getsockname()[1]))
-        return ports
 
 
 _VERSION_RE = re.compile(r"^etcd Version:\s*(\S+)")
