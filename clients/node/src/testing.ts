@@ -40,19 +40,24 @@ function coordinatorBinary(): string {
 export const PICK_FLOOR = 20000;
 const handedOut = new Set<number>();
 
-/** Ports outside the kernel's ephemeral range, where it can be read and leaves enough; else none. */
+let cachedPool: number[] | undefined;
+
+/** Ports outside the kernel's ephemeral range, where it can be read and leaves enough; else none. Read once. */
 function portPool(): number[] {
+  if (cachedPool !== undefined) return cachedPool;
+  const pool: number[] = [];
+  cachedPool = pool;
   let low: number, high: number;
   try {
     [low, high] = readFileSync("/proc/sys/net/ipv4/ip_local_port_range", "utf8").trim().split(/\s+/).map(Number) as [number, number];
   } catch {
-    return [];
+    return pool;
   }
-  if (!Number.isInteger(low) || !Number.isInteger(high)) return [];
-  const pool: number[] = [];
+  if (!Number.isInteger(low) || !Number.isInteger(high)) return pool;
   for (let port = PICK_FLOOR; port < low; port++) pool.push(port);
   for (let port = Math.max(high + 1, PICK_FLOOR); port < 65536; port++) pool.push(port);
-  return pool.length >= 2000 ? pool : [];
+  if (pool.length < 2000) pool.length = 0;
+  return pool;
 }
 
 function listenOn(port: number): Promise<number | undefined> {

@@ -31,12 +31,14 @@ RESERVATIONS_KEPT = 512
 abandoned."""
 
 _MIN_POOL = 2000
+_DRAWS_PER_PORT = 200
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now, outside the kernel's ephemeral range, and reserved for this process: the
-    kernel never hands it out to a connection or to a ``bind(port 0)``, and no other process picks it here."""
+    kernel never hands it out to a connection or to a ``bind(port 0)``, no other process picks it here, and this
+    process picks it again only after handing out half the range. Where the range is unknown, the kernel picks."""
     return free_ports(1, host)[0]
 
 
@@ -81,25 +83,23 @@ class _Picker:
         with self._lock:
             if self._pool is None:
                 self._pool = _pool()
-            if not self._pool:
-                return _kernel_picked(count, host)
-            lock_file = self._shared_lock_file()
             picked: list[int] = []
-            for port in random.sample(self._pool, len(self._pool)):
-                if len(picked) == count:
-                    break
-                if port in self._handed_out:
-                    continue
-                if lock_file is not None and not self._reserve(lock_file, port):
-                    continue  # another process picked it
-                self._handed_out.add(port)
-                if _bindable(host, port):
-                    picked.append(port)
-            if len(picked) < count:
-                # Every port of the pool went out from this process: start over, oldest picks long since bound.
-                self._handed_out.clear()
-                return picked + _kernel_picked(count - len(picked), host)
-            return picked
+            if self._pool:
+                if len(self._handed_out) > len(self._pool) // 2:
+                    self._handed_out.clear()  # the oldest picks were bound, or abandoned, long ago
+                lock_file = self._shared_lock_file()
+                for _ in range(_DRAWS_PER_PORT * count):
+                    if len(picked) == count:
+                        break
+                    port = random.choice(self._pool)
+                    if port in self._handed_out:
+                        continue
+                    if lock_file is not None and not self._reserve(lock_file, port):
+                        continue  # another process picked it
+                    self._handed_out.add(port)
+                    if _bindable(host, port):
+                        picked.append(port)
+            return picked + _kernel_picked(count - len(picked), host)
 
     def _reserve(self, lock_file: int, port: int) -> bool:
         try:
