@@ -8,10 +8,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
+from coordinator import tracing
+from coordinator.api.interceptor import result_label
 from coordinator.api.status import (
     CALL_DEADLINE_REASON,
     INTERNAL_ERROR_MESSAGE,
@@ -24,9 +26,14 @@ from coordinator.core.domain import Caller
 from coordinator.core.errors import CoordinatorError, InvalidArgument
 from inbox_wire.v1 import coordinator_pb2 as pb
 
+if TYPE_CHECKING:
+    from coordinator.tracing._spans import Tracing
+
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchObserver", "BatchRunner", "CallHandler"]
+
+_CODE_NAMES = {code.value[0]: code.name.lower() for code in grpc.StatusCode}
 
 # One carried call: the handler of the unary RPC it stands for.
 CallHandler = Callable[[Caller, Any], Awaitable[Any]]
@@ -68,9 +75,16 @@ class BatchRunner:
     ) -> pb.BatchResponse:
         started = time.perf_counter()
         fields = [call.WhichOneof("call") for call in calls]
+        traces = tracing.active
+        if traces is not None:
+            traces.batch_carries(calls)
         # One deadline for the batch, not one timer per call: they all started together.
         tasks = [
-            asyncio.create_task(self._one(caller, field, getattr(call, field) if field else None, started))
+            asyncio.create_task(
+                self._one(caller, field, getattr(call, field) if field else None, started)
+                if traces is None
+                else self._traced(traces, call, caller, field, started)
+            )
             for call, field in zip(calls, fields, strict=True)
         ]
         if tasks:
@@ -96,6 +110,22 @@ class BatchRunner:
             else:
                 results.append(pb.BatchResult(**{field: response}))
         return pb.BatchResponse(results=results)
+
+    async def _traced(
+        self, traces: Tracing, call: pb.BatchCall, caller: Caller, field: str | None, started: float
+    ) -> tuple[Any, pb.CallError | None, float]:
+        """``_one`` under the carried call's own span (the child of the trace context its BatchCall carries)."""
+        request = getattr(call, field) if field else None
+        span = traces.carried_started(self._paths.get(field or "", self._batch_path), call)
+        if span is None:
+            return await self._one(caller, field, request, started)
+        response, refusal, seconds = await self._one(caller, field, request, started)
+        if refusal is not None:
+            traces.refused(refusal.reason, refusal.retry_after_ms or None)
+        code = refusal.code if refusal is not None else 0
+        result = result_label(response) if refusal is None else _CODE_NAMES.get(code, str(code))
+        traces.call_ended(span, request, code, result, response, principal=caller.principal)
+        return response, refusal, seconds
 
     async def _one(
         self, caller: Caller, field: str | None, request: Any, started: float

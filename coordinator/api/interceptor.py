@@ -30,6 +30,7 @@ from typing import Any, Protocol, cast
 import grpc
 from google.protobuf.message import DecodeError
 
+from coordinator import tracing
 from coordinator.api.auth import current_principal
 from coordinator.api.encoded import writes_encoded
 from coordinator.api.status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort
@@ -250,6 +251,8 @@ class _Method:
     timed: Any
     in_flight: Any
     routine_level: int  # for an OK or CANCELLED call
+    face: str = "grpc"  # the span's rpc.system: grpc, or connect_rpc for the HTTP/JSON face
+    path: str = ""  # service/method: the span's name
 
 
 class RpcObserver:
@@ -292,14 +295,16 @@ class RpcObserver:
         """``inner``, the servicer's method of ``path``, counted, timed and logged as a gRPC call to it is: for
         the HTTP face, whose calls reach the same methods. ``streaming``: a server stream written with
         ``context.write`` (Watch), not timed as a call."""
-        method = self._method(path)
+        method = self._method(path, face="connect_rpc")
         if inspect.isasyncgenfunction(inner):
             return self._stream(method, inner)
         return self._unary(method, inner, timed=not streaming)
 
-    def _method(self, path: str) -> _Method:
+    def _method(self, path: str, face: str = "grpc") -> _Method:
         service, _, name = path.lstrip("/").rpartition("/")
         return _Method(
+            face=face,
+            path=f"{service}/{name}",
             service=service,
             name=name,
             quiet=service in _QUIET_SERVICES,
@@ -350,7 +355,7 @@ class RpcObserver:
 
     def _stream(self, method: _Method, inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
         async def call(_requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            with _Observed(self._metrics, method, context, timed=False) as observed:
+            with _Observed(self._metrics, method, context, timed=False, traced=False) as observed:
                 observed.sent = 0
                 observed.request = request = await _read_request(context, self._request_timeout_s)
                 try:
@@ -417,18 +422,24 @@ class _Observed:
         context: grpc.aio.ServicerContext[Any, Any],
         *,
         timed: bool,
+        traced: bool = True,
     ) -> None:
         self._metrics = metrics
         self._method = method
+        self._traced = traced
         self.request: Any = None  # until it arrived and parsed
         self._context = context
         self._timed = timed
         self.response: Any = None
         self.sent: int | None = None  # messages written, for a stream
+        self._span: tracing.CallSpan | None = None
 
     def __enter__(self) -> _Observed:
         self._started = time.perf_counter()
         self._method.in_flight.inc()
+        traces = tracing.active
+        if traces is not None and self._traced and not self._method.quiet:
+            self._span = traces.call_started(self._method.path, self._context.invocation_metadata(), self._method.face)
         return self
 
     def __exit__(self, _type: type[BaseException] | None, error: BaseException | None, _tb: object) -> None:
@@ -437,7 +448,9 @@ class _Observed:
         code = _code_of(error, self._context) if error is not None else _set_code(self._context) or grpc.StatusCode.OK
         details = "" if code is grpc.StatusCode.OK else self._context.details() or ""
         response = self.response if code is grpc.StatusCode.OK else None
-        _record(
+        traces = tracing.active
+        span = self._span if traces is not None else None
+        result = _record(
             self._metrics,
             self._method,
             self.request,
@@ -448,7 +461,10 @@ class _Observed:
             seconds,
             timed=self._timed,
             sent=self.sent,
+            exemplar=traces.exemplar(span) if traces is not None and span is not None else None,
         )
+        if traces is not None and span is not None:
+            traces.call_ended(span, self.request, code.value[0], result, response, principal=_principal(self._context))
 
 
 def _record(
@@ -463,15 +479,17 @@ def _record(
     *,
     timed: bool,
     sent: int | None = None,
-) -> None:
-    """Counts, times and logs one call, whether it came alone or in a Batch."""
+    exemplar: dict[str, str] | None = None,
+) -> str:
+    """Counts, times and logs one call, whether it came alone or in a Batch; its result label. ``exemplar``: the
+    labels naming its trace, on its metrics (Prometheus shows them in the OpenMetrics exposition)."""
     if timed:
-        method.timed.observe(seconds)
+        method.timed.observe(seconds, exemplar)
     result = result_label(response) if code is grpc.StatusCode.OK and response is not None else code.name.lower()
     counter = method.counted.get(result)
     if counter is None:
         counter = method.counted[result] = metrics.rpcs.labels(method.service, method.name, result)
-    counter.inc()
+    counter.inc(1, exemplar)
     level = (
         logging.DEBUG
         if method.quiet
@@ -484,7 +502,7 @@ def _record(
         else logging.ERROR
     )
     if not log.isEnabledFor(level):
-        return
+        return result
     fields: dict[str, Any] = {
         "event": "rpc",
         "method": method.name,
@@ -502,6 +520,7 @@ def _record(
     if code is not grpc.StatusCode.OK:
         fields["details"] = details
     log.log(level, "%s %s %s", method.name, code.name, result, extra={"fields": fields})
+    return result
 
 
 def _principal(context: grpc.aio.ServicerContext[Any, Any]) -> str:

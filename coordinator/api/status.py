@@ -15,6 +15,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from coordinator import tracing
 from coordinator.core.errors import (
     CoordinatorError,
     FailedPrecondition,
@@ -103,6 +104,9 @@ async def abort(
     metadata: Mapping[str, str] | None = None,
 ) -> NoReturn:
     """Ends the call with ``code`` and ``message``, and the details that name ``reason``."""
+    traces = tracing.active
+    if traces is not None:
+        traces.refused(reason, retry_after_ms)
     trailers = error_trailers(code, message, reason, retry_after_ms=retry_after_ms, metadata=metadata)
     await context.abort(code, message, trailing_metadata=trailers)
     raise AssertionError("grpc's abort() returned")  # it raises; this satisfies NoReturn

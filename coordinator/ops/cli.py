@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator import tracing
 from coordinator.api import tls_log
 from coordinator.api.addresses import parse_host_port
 from coordinator.api.auth import ROLES, TokenAuthenticator, TokenFileError, new_token
@@ -261,6 +262,7 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
         loop.add_signal_handler(signum, stop.set)
     etcd = settings.etcd
     assert etcd is not None, "serve runs on etcd"
+    traces = tracing.start_from_environment()  # the OTEL_* variables (docs/operations.md#traces)
     server = CoordinatorServer(settings)
     await server.start()
     print(f"inbox-coordinator: serving gRPC on {server.address}; stop with Ctrl-C or SIGTERM", flush=True)
@@ -269,6 +271,8 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
     board = board_line(server)
     if board:
         print(board, flush=True)
+    if traces is not None:
+        print(f"inbox-coordinator: traces on: {traces.destination}", flush=True)
     log.info(
         "serving",
         extra={
@@ -306,6 +310,7 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
         flush=True,
     )
     await server.stop()
+    await asyncio.to_thread(tracing.close)
     log.info("stopped", extra={"fields": {"event": "stop"}})
     if failure is not None:
         raise failure

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from coordinator import tracing
 from coordinator.api.auth import Authenticator, TlsSettings, server_credentials
 from coordinator.api.http import BOARD_DIR, HttpFace, build_app
 from coordinator.api.http_guard import HostPolicy, HttpGuardSettings, Reporter
@@ -203,7 +204,9 @@ class CoordinatorServer:
         if store is None:
             if settings.etcd is None:
                 raise ValueError("ServerSettings.etcd is required unless the server is given its store")
-            store = EtcdStore(settings.etcd, wall_clock_ms, observer=self.metrics)
+            traces = tracing.active
+            etcd_observer = traces.observe_etcd(self.metrics) if traces is not None else self.metrics
+            store = EtcdStore(settings.etcd, wall_clock_ms, observer=etcd_observer)
         self.store: Store = store
         self.engine = Engine(self.store, settings.rules, wall_clock_ms)
         observer = RpcObserver(self.metrics, settings.request_timeout_s, access_log=settings.access_log)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aetcd import rpc
+
+from coordinator import tracing
 
 
 @dataclass
@@ -15,6 +18,7 @@ class _Pending:
     request: Any
     keys: frozenset[bytes]
     future: asyncio.Future[Any]
+    span: Any = None  # the transaction's span while tracing is on and its call is sampled
 
 
 class TxnBatcher:
@@ -40,11 +44,21 @@ class TxnBatcher:
 
     async def submit(self, request: Any, writes: frozenset[bytes]) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(request, writes, future))
+        traces = tracing.active
+        span = traces.transaction_started() if traces is not None else None
+        self._pending.append(_Pending(request, writes, future, span))
         if not self._launch_scheduled:
             self._launch_scheduled = True
             asyncio.get_running_loop().call_soon(self._launch)
-        return await future
+        if span is None or traces is None:
+            return await future
+        try:
+            answer = await future
+        except BaseException as error:
+            traces.transaction_ended(span, error)
+            raise
+        traces.transaction_ended(span, None)
+        return answer
 
     def _launch(self) -> None:
         self._launch_scheduled = False
@@ -77,12 +91,14 @@ class TxnBatcher:
             return
         self.requests += 1
         self.transactions += len(live)
+        traces = tracing.active
         try:
-            if len(live) == 1:
-                live[0].future.set_result(await self._send_one(live[0].request))
-                return
-            outer = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=item.request) for item in live])
-            response = await self._send_one(outer)
+            with traces.sending([item.span for item in live]) if traces is not None else contextlib.nullcontext():
+                if len(live) == 1:
+                    live[0].future.set_result(await self._send_one(live[0].request))
+                    return
+                outer = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=item.request) for item in live])
+                response = await self._send_one(outer)
         except BaseException as error:
             for item in live:
                 if not item.future.done():

@@ -1769,6 +1769,14 @@ class BatchCall(_message.Message):
     GET_STATUS_FIELD_NUMBER: _builtins.int
     MARK_REPLIED_FIELD_NUMBER: _builtins.int
     RECORD_OUTGOING_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
+    traceparent: _builtins.str
+    """The W3C trace context of this call (https://www.w3.org/TR/trace-context/): what the `traceparent` and
+    `tracestate` metadata would carry had the call been sent on its own. A Batch carries calls of different
+    traces; the coordinator's span of each call continues its own (docs/operations.md#traces). Empty: none.
+    """
+    tracestate: _builtins.str
     @_builtins.property
     def record_delivery(self) -> Global___RecordDeliveryRequest: ...
     @_builtins.property
@@ -1802,10 +1810,12 @@ class BatchCall(_message.Message):
         get_status: Global___GetStatusRequest | None = ...,
         mark_replied: Global___MarkRepliedRequest | None = ...,
         record_outgoing: Global___RecordOutgoingRequest | None = ...,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied", "record_outgoing"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
