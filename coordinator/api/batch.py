@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from coordinator import tracing
-from coordinator.api.interceptor import result_label
 from coordinator.api.status import (
     CALL_DEADLINE_REASON,
     INTERNAL_ERROR_MESSAGE,
@@ -24,6 +23,7 @@ from coordinator.api.status import (
 )
 from coordinator.core.domain import Caller
 from coordinator.core.errors import CoordinatorError, InvalidArgument
+from inbox_wire.spans import result_label
 from inbox_wire.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from coordinator.api.auth import current_principal
 from coordinator.api.encoded import writes_encoded
 from coordinator.api.status import INTERNAL_ERROR_MESSAGE, INTERNAL_REASON, abort
 from inbox_wire import PRINCIPAL_METADATA
+from inbox_wire.spans import result_label
 
 log = logging.getLogger("inbox_coordinator.rpc")
 
@@ -58,33 +58,6 @@ _CLIENT_CODES = frozenset(
 _ROUTINE_CODES = frozenset({grpc.StatusCode.OK, grpc.StatusCode.CANCELLED})
 _SERVER_TROUBLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
-
-
-_result_labels: dict[str, Callable[[Any], str]] = {}
-
-
-def result_label(response: Any) -> str:
-    """The response's ``result`` as a label value; ``ok`` when it has none."""
-    descriptor = getattr(response, "DESCRIPTOR", None)
-    if descriptor is None:
-        return "ok"
-    label = _result_labels.get(descriptor.full_name)
-    if label is None:
-        label = _result_labels[descriptor.full_name] = _result_reader(descriptor)
-    return label(response)
-
-
-def _result_reader(descriptor: Any) -> Callable[[Any], str]:
-    field = descriptor.fields_by_name.get("result")
-    if field is None or field.enum_type is None:
-        return lambda _response: "ok"
-    prefix = _snake(field.enum_type.name) + "_"
-    names = {value.number: value.name.removeprefix(prefix).lower() for value in field.enum_type.values}
-    return lambda response: names.get(response.result, str(response.result))
 
 
 _field_readers: dict[str, Callable[[Any], dict[str, str]]] = {}

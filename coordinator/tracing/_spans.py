@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextvars import Token
 from typing import Any, Protocol
 
@@ -36,13 +36,14 @@ from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from coordinator.tracing import TraceSettings
+from inbox_wire.spans import TRACEPARENT, TRACESTATE, enum_label, request_attributes
 
 log = logging.getLogger("coordinator.tracing")
 
 __all__ = ["CallSpan", "Tracing", "start"]
 
 SERVICE_NAME = "inbox-coordinator"
-_TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+_TRACE_HEADERS = frozenset({TRACEPARENT, TRACESTATE})
 _PROPAGATOR = TraceContextTextMapPropagator()
 _EMPTY = otel_context.Context()
 # The gRPC codes that are the server's failure (OpenTelemetry's rule for a gRPC server span): a refusal of the
@@ -277,9 +278,9 @@ def _carried_context(call: Any) -> trace.SpanContext | None:
     traceparent = getattr(call, "traceparent", "")
     if not traceparent:
         return None
-    carrier = {"traceparent": traceparent}
+    carrier = {TRACEPARENT: traceparent}
     if call.tracestate:
-        carrier["tracestate"] = call.tracestate
+        carrier[TRACESTATE] = call.tracestate
     context = trace.get_current_span(_PROPAGATOR.extract(carrier, context=_EMPTY)).get_span_context()
     return context if context.is_valid else None
 
@@ -309,62 +310,15 @@ class _TracedObserver:
 
 # -- what a request and a response say about a call ------------------------------------------------------------
 
-_describers: dict[str, Callable[[Span, Any], None]] = {}
-
 
 def _describe(span: Span, request: Any, code: int, result: str, response: Any) -> None:
     span.set_attribute("rpc.grpc.status_code", code)
     span.set_attribute("inbox.result", result)
     if code in _SERVER_FAULTS:
         span.set_status(Status(StatusCode.ERROR, result))
-    descriptor = getattr(request, "DESCRIPTOR", None)
-    if descriptor is not None:
-        describe = _describers.get(descriptor.full_name)
-        if describe is None:
-            describe = _describers[descriptor.full_name] = _request_describer(descriptor)
-        describe(span, request)
+    span.set_attributes(request_attributes(request))
     if result in _HOLDER_RESULTS and response is not None:
         status = getattr(response, "status", None)
         if status is not None and status.DESCRIPTOR.fields_by_name.get("holder") is not None and status.holder:
             span.set_attribute("inbox.holder", status.holder)
-            span.set_attribute("inbox.holder.kind", _enum_name(status, "holder_kind", "HOLDER_KIND_"))
-
-
-def _enum_name(message: Any, field: str, prefix: str) -> str:
-    descriptor = message.DESCRIPTOR.fields_by_name[field].enum_type
-    value = descriptor.values_by_number.get(getattr(message, field))
-    return value.name.removeprefix(prefix).lower() if value is not None else str(getattr(message, field))
-
-
-def _request_describer(descriptor: Any) -> Callable[[Span, Any], None]:
-    """The attributes a request message gives, by its fields: its request id, mailbox, subject (kind and id) and
-    notification id. Only these named fields are read: nothing else of a request reaches a span."""
-    names = descriptor.fields_by_name
-    subject = names.get("subject")
-    has_subject = (
-        subject is not None and subject.message_type is not None and "mailbox" in subject.message_type.fields_by_name
-    )
-    plain = [
-        (field, attribute)
-        for field, attribute in (
-            ("request_id", "inbox.request_id"),
-            ("mailbox", "inbox.mailbox"),
-            ("notification_id", "inbox.notification_id"),
-            ("thread_id", "inbox.thread_id"),
-            ("message_id", "inbox.message_id"),
-        )
-        if field in names
-    ]
-
-    def describe(span: Span, request: Any) -> None:
-        for field, attribute in plain:
-            value = getattr(request, field)
-            if value:
-                span.set_attribute(attribute, value)
-        if has_subject and request.HasField("subject"):
-            subject = request.subject
-            span.set_attribute("inbox.mailbox", subject.mailbox)
-            span.set_attribute("inbox.subject.kind", _enum_name(subject, "kind", "SUBJECT_KIND_"))
-            span.set_attribute("inbox.subject.id", subject.id)
-
-    return describe
+            span.set_attribute("inbox.holder.kind", enum_label(status, "holder_kind"))

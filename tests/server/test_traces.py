@@ -6,35 +6,34 @@ any attribute, and a receiver that stops or hangs never slowing or failing a cla
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
 
-from coordinator.store.etcd.process import EtcdServer, free_ports
+from coordinator.store.etcd.process import EtcdServer
 from coordinator.testing.otlp import OtlpReceiver, ReceivedSpan, black_hole
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.helpers import message, new_request_id, serve_process
+from tests.helpers import message, new_request_id
+from tests.tracing import (
+    COORDINATOR_SERVICE,
+    SERVICE,
+    assert_store_beneath,
+    calls_traced,
+    new_ids,
+    serve_traced,
+    traceparent,
+    under,
+)
 
-SERVICE = "inbox.coordinator.v1.Coordinator"
 SUMMARY = pb.MessageSummary(subject_line="Refund for order 4411", sender="Ana Lima <ana@shop.example>")
 BEARER = "secret-token-never-in-a-span"
-
-
-def traceparent(trace_id: str, span_id: str, sampled: bool = True) -> str:
-    return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}"
-
-
-def new_ids() -> tuple[str, str]:
-    return os.urandom(16).hex(), os.urandom(8).hex()
 
 
 @dataclass(frozen=True)
@@ -42,21 +41,6 @@ class Traced:
     grpc_address: str
     http_address: str
     receiver: OtlpReceiver
-
-
-@contextlib.contextmanager
-def _serve(etcd: EtcdServer, prefix: str, env: dict[str, str]) -> Iterator[tuple[str, str]]:
-    port, http_port = free_ports(2)
-    with serve_process(
-        f"--listen=127.0.0.1:{port}",
-        f"--http-listen=127.0.0.1:{http_port}",
-        f"--etcd-endpoints={etcd.endpoint}",
-        f"--etcd-prefix={prefix}",
-        "--rate-limit=0",
-        "--log-level=warning",
-        env={"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": "coordinator-under-test", **env},
-    ):
-        yield f"127.0.0.1:{port}", f"127.0.0.1:{http_port}"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +53,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 def traced(shared_etcd: EtcdServer, receiver: OtlpReceiver) -> Iterator[Traced]:
     """A coordinator exporting every span (sampler parentbased_always_on, the default) over OTLP/HTTP."""
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
-    with _serve(shared_etcd, f"test/traces-{new_request_id()}/", env) as (grpc_address, http_address):
+    with serve_traced(shared_etcd, f"test/traces-{new_request_id()}/", env) as (grpc_address, http_address):
         yield Traced(grpc_address, http_address, receiver)
 
 
@@ -81,26 +65,6 @@ def _by_id(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:
     return {span.span_id: span for span in spans}
 
 
-def _under(spans: list[ReceivedSpan], parent: ReceivedSpan) -> list[ReceivedSpan]:
-    """Every span below ``parent`` (children, their children, ...)."""
-    found, frontier = [], [parent.span_id]
-    while frontier:
-        children = [span for span in spans if span.parent_span_id in frontier]
-        found += children
-        frontier = [span.span_id for span in children]
-    return found
-
-
-def _cycle_done(trace_id: str, calls: int) -> Callable[[list[ReceivedSpan]], bool]:
-    def enough(spans: list[ReceivedSpan]) -> bool:
-        mine = [span for span in spans if span.trace_id == trace_id]
-        servers = [span for span in mine if span.kind == "SERVER"]
-        # Each call has its server span and at least one etcd request under it.
-        return len(servers) >= calls and sum(span.name.startswith("etcd ") for span in mine) >= calls
-
-    return enough
-
-
 def assert_cycle_trace(spans: list[ReceivedSpan], trace_id: str, parent_id: str, face: str) -> list[ReceivedSpan]:
     """ClaimReply, BeginSend, ConfirmSent: each a SERVER span, child of the caller's span, with its store spans
     beneath it (an etcd transaction, and the etcd request that carried it)."""
@@ -108,7 +72,7 @@ def assert_cycle_trace(spans: list[ReceivedSpan], trace_id: str, parent_id: str,
     servers = {span.name.rpartition("/")[2]: span for span in mine if span.kind == "SERVER"}
     assert set(servers) == {"ClaimReply", "BeginSend", "ConfirmSent"}, sorted(servers)
     for method, span in servers.items():
-        assert span.service == "coordinator-under-test"
+        assert span.service == COORDINATOR_SERVICE
         assert span.parent_span_id == parent_id, f"{method} is not the caller's child"
         assert span.trace_state == "vendor=opaque"
         assert span.attributes["rpc.system"] == face
@@ -116,14 +80,7 @@ def assert_cycle_trace(spans: list[ReceivedSpan], trace_id: str, parent_id: str,
         assert span.attributes["inbox.mailbox"] == "traces@shop.example"
         assert span.attributes["inbox.subject.kind"] == "message"
         assert span.attributes["inbox.principal"] == "agent-1"
-        below = _under(mine, span)
-        requests = [child for child in below if child.name == "etcd Txn"]
-        assert requests, f"{method} has no etcd Txn beneath it: {[child.name for child in below]}"
-        for child in below:
-            assert child.start_ns >= span.start_ns, f"{child.name} starts before {method}"
-            assert child.end_ns <= span.end_ns, f"{child.name} outlives {method}"
-        assert {request.kind for request in requests} == {"CLIENT"}
-        assert {request.attributes["db.system.name"] for request in requests} == {"etcd"}
+        assert_store_beneath(spans, span)
     assert servers["ClaimReply"].attributes["inbox.result"] == "granted"
     assert servers["BeginSend"].attributes["inbox.result"] == "ok"
     assert servers["ConfirmSent"].attributes["inbox.result"] == "ok"
@@ -156,7 +113,7 @@ async def test_a_reply_cycle_over_grpc_continues_the_callers_trace_down_to_etcd(
             metadata=metadata,
         )
         assert confirmed.result == pb.FENCE_RESULT_OK
-    spans = await asyncio.to_thread(traced.receiver.wait_for, _cycle_done(trace_id, 3))
+    spans = await asyncio.to_thread(traced.receiver.wait_for, calls_traced(trace_id, 3))
     mine = assert_cycle_trace(spans, trace_id, parent_id, "grpc")
     claim = next(span for span in mine if span.name.endswith("/ClaimReply"))
     assert claim.attributes["inbox.subject.id"] == subject.id
@@ -203,7 +160,7 @@ async def test_a_reply_cycle_over_http_json_continues_the_callers_trace_down_to_
             assert answer["result"] == "FENCE_RESULT_OK", answer
 
     await asyncio.to_thread(cycle)
-    spans = await asyncio.to_thread(traced.receiver.wait_for, _cycle_done(trace_id, 3))
+    spans = await asyncio.to_thread(traced.receiver.wait_for, calls_traced(trace_id, 3))
     assert_cycle_trace(spans, trace_id, parent_id, "connect_rpc")
 
 
@@ -261,7 +218,7 @@ async def test_a_group_commit_span_is_linked_to_every_call_it_carried(traced: Tr
         assert size == len(span.links)
         assert size > 1
         assert span.parent_span_id in transactions  # the child of the first transaction it carried
-        assert any(child.name == "etcd Txn" for child in _under(spans, span))
+        assert any(child.name == "etcd Txn" for child in under(spans, span))
         for _, span_id in span.links:
             transaction = transactions[span_id]
             assert transaction.events[0][1]["inbox.group_commit.transactions"] == size
@@ -300,7 +257,7 @@ async def test_no_summary_token_or_secret_reaches_any_attribute(traced: Traced) 
         await stub.RenewClaim(
             pb.RenewClaimRequest(request_id=new_request_id(), subject=subject, fencing_token=token), metadata=metadata
         )
-    spans = await asyncio.to_thread(traced.receiver.wait_for, _cycle_done(trace_id, 3))
+    spans = await asyncio.to_thread(traced.receiver.wait_for, calls_traced(trace_id, 3))
     (held_span,) = [
         span for span in spans if span.trace_id == trace_id and span.attributes.get("inbox.result") == "held"
     ]
@@ -331,7 +288,7 @@ async def test_a_receiver_that_stops_or_hangs_never_slows_or_fails_a_claim(share
         "OTEL_BSP_MAX_QUEUE_SIZE": "64",
         "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "64",
     }
-    with _serve(shared_etcd, f"test/traces-{new_request_id()}/", env) as (address, _http):
+    with serve_traced(shared_etcd, f"test/traces-{new_request_id()}/", env) as (address, _http):
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             await _claims(stub, 5)

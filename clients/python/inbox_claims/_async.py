@@ -107,7 +107,8 @@ class AsyncCoordinator(ClientBase):
     async def _unary(self, effect: Rpc) -> Any:
         method = getattr(self._get_stub(), effect.method)
         try:
-            return await method(effect.request, timeout=effect.timeout, metadata=self._core.options.metadata)
+            metadata = self._core.options.metadata + effect.metadata
+            return await method(effect.request, timeout=effect.timeout, metadata=metadata)
         except grpc.RpcError as error:
             raise RpcFailure.from_grpc(error) from None
 

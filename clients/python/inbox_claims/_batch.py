@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.message import Message
 
 from inbox_wire import BATCH_MAX_CALLS
+from inbox_wire.spans import TRACEPARENT, TRACESTATE
 from inbox_wire.v1 import coordinator_pb2 as pb
 
 from ._effects import Rpc, RpcFailure
@@ -34,6 +35,7 @@ MAX_BATCHES_IN_FLIGHT = 2
 """Two: while one batch is out, the next fills; a third would only split the callers into smaller batches."""
 
 _SMALLEST_SPLIT = 8
+_TRACE_FIELDS = frozenset({TRACEPARENT, TRACESTATE})
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -44,7 +46,11 @@ def send(calls: Sequence[Rpc]) -> Rpc:
         return calls[0]
     request = pb.BatchRequest()
     for call in calls:
-        getattr(request.calls.add(), BATCHABLE[call.method]).CopyFrom(call.request)
+        carried = request.calls.add()
+        getattr(carried, BATCHABLE[call.method]).CopyFrom(call.request)
+        for key, value in call.metadata:  # the call's trace context, which its own metadata would have carried
+            if key in _TRACE_FIELDS:
+                setattr(carried, key, value)
     return Rpc("Batch", request, min(call.timeout for call in calls))
 
 

@@ -21,6 +21,7 @@ import grpc
 
 from inbox_wire.v1 import coordinator_pb2 as pb
 
+from . import _tracing
 from ._convert import (
     caller_identity_from_pb,
     claim_result_from_pb,
@@ -97,29 +98,41 @@ class Core:
                 raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
             until = time.monotonic() + timeout
             deadline = until if deadline is None else min(deadline, until)
+        span = _tracing.call_started(op.method, op.request)
+        metadata = span.metadata if span is not None else ()
         attempt = 0
-        while True:
-            attempt += 1
-            timeout = self.options.timeout
-            if deadline is not None:
-                timeout = max(min(timeout, deadline - time.monotonic()), 0.001)
-            try:
-                response = yield Rpc(op.method, op.request, timeout)
-            except RpcFailure as failure:
-                delay = self.retry_delay(failure, attempt, deadline)
-                if delay is None:
-                    raise failure.error(op.method, attempt) from None
-                log.info(
-                    "%s: %s (attempt %d of %d); retrying in %.2f s",
-                    op.method,
-                    failure.code.name,
-                    attempt,
-                    self.options.retry.attempts,
-                    delay,
-                )
-                yield Sleep(delay)
-                continue
-            return op.decode(response)
+        try:
+            while True:
+                attempt += 1
+                timeout = self.options.timeout
+                if deadline is not None:
+                    timeout = max(min(timeout, deadline - time.monotonic()), 0.001)
+                try:
+                    response = yield Rpc(op.method, op.request, timeout, metadata)
+                except RpcFailure as failure:
+                    delay = self.retry_delay(failure, attempt, deadline)
+                    if delay is None:
+                        if span is not None:
+                            span.failed(failure.code, attempt)
+                        raise failure.error(op.method, attempt) from None
+                    log.info(
+                        "%s: %s (attempt %d of %d); retrying in %.2f s",
+                        op.method,
+                        failure.code.name,
+                        attempt,
+                        self.options.retry.attempts,
+                        delay,
+                    )
+                    if span is not None:
+                        span.retrying(failure.code, attempt, delay)
+                    yield Sleep(delay)
+                    continue
+                if span is not None:
+                    span.answered(response)
+                return op.decode(response)
+        finally:
+            if span is not None:
+                span.end()
 
     def retry_delay(self, failure: RpcFailure, attempt: int, deadline: float | None = None) -> float | None:
         """How long to wait before trying again after ``attempt`` failed attempts; ``None``: give up."""

@@ -50,6 +50,8 @@ class Rpc:
     method: str
     request: Message
     timeout: float
+    metadata: tuple[tuple[str, str], ...] = ()
+    """The call's own metadata besides the client's: its W3C trace context (:mod:`._tracing`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,7 +123,8 @@ class Coordinator(ClientBase):
     def _unary(self, effect: Rpc) -> Any:
         method = getattr(self._get_stub(), effect.method)
         try:
-            return method(effect.request, timeout=effect.timeout, metadata=self._core.options.metadata)
+            metadata = self._core.options.metadata + effect.metadata
+            return method(effect.request, timeout=effect.timeout, metadata=metadata)
         except grpc.RpcError as error:
             raise RpcFailure.from_grpc(error) from None
 
@@ -158,7 +159,8 @@ class Coordinator(ClientBase):
         rpc = _batch.send(calls)
         try:
             method = getattr(self._get_stub(), rpc.method)
-            future = method.future(rpc.request, timeout=rpc.timeout, metadata=self._core.options.metadata)
+            metadata = self._core.options.metadata + rpc.metadata
+            future = method.future(rpc.request, timeout=rpc.timeout, metadata=metadata)
         except Exception as error:  # the client was closed, say: every caller hears it, none is left waiting
             failed = error
 
