@@ -109,7 +109,7 @@ class OtlpReceiver:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = self._body()
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
                 if self.path != "/v1/traces" or self.headers.get("Content-Type") != "application/x-protobuf":
@@ -123,6 +123,17 @@ class OtlpReceiver:
                 self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
                 self.wfile.write(answer)
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() != "chunked":
+                    return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                chunks = []
+                while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()
+                while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # the trailers, if any
+                    pass
+                return b"".join(chunks)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -226,3 +237,33 @@ def black_hole(port: int = 0) -> Iterator[int]:
         for connection in accepted:
             connection.close()
         server.close()
+
+
+def main() -> None:
+    """``python -m coordinator.testing.otlp``: a receiver for tests in other languages (the Node client's). Prints
+    ``otlp <http endpoint> <grpc endpoint>``, then every span received as one JSON line, until stdin closes."""
+    import dataclasses
+    import json
+    import sys
+
+    printed = 0
+    with OtlpReceiver() as receiver:
+        print(f"otlp {receiver.http_endpoint} {receiver.grpc_endpoint}", flush=True)
+        closed = threading.Event()
+
+        def read_stdin() -> None:
+            if sys.stdin is not None:
+                sys.stdin.read()
+            closed.set()
+
+        threading.Thread(target=read_stdin, daemon=True).start()
+        while not closed.is_set():
+            seen = printed
+            spans = receiver.wait_for(lambda spans: len(spans) > seen or closed.is_set(), timeout=3600)
+            for span in spans[printed:]:
+                print(json.dumps(dataclasses.asdict(span)), flush=True)
+            printed = len(spans)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,13 +24,22 @@ export interface Rpc {
   readonly method: string;
   readonly request: Message;
   readonly timeoutMs: number;
+  /** The call's own metadata besides the client's: its W3C trace context (tracing.ts). */
+  readonly headers?: Readonly<Record<string, string>>;
 }
 
 /** The one RPC that carries `calls`: the call itself when alone, else a Batch whose deadline is the earliest of theirs. */
 export function batchOf(calls: readonly Rpc[]): Rpc {
   if (calls.length === 1) return calls[0]!;
   const request = create(pb.BatchRequestSchema, {
-    calls: calls.map((call) => create(pb.BatchCallSchema, { call: { case: BATCHABLE.get(call.method), value: call.request } as pb.BatchCall["call"] })),
+    calls: calls.map((call) =>
+      create(pb.BatchCallSchema, {
+        call: { case: BATCHABLE.get(call.method), value: call.request } as pb.BatchCall["call"],
+        // The call's trace context, which its own metadata would have carried.
+        traceparent: call.headers?.["traceparent"] ?? "",
+        tracestate: call.headers?.["tracestate"] ?? "",
+      }),
+    ),
   });
   return { method: "Batch", request, timeoutMs: Math.min(...calls.map((call) => call.timeoutMs)) };
 }

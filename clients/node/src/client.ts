@@ -10,6 +10,7 @@ import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-no
 import * as pb from "./gen/inbox/coordinator/v1/coordinator_pb.js";
 import { BATCH_MAX_CALLS, BATCHABLE, batchOf, answers, Coalescer, RESEND, type Rpc } from "./batch.js";
 import { RpcFailure } from "./rpc.js";
+import { callStarted } from "./tracing.js";
 import {
   callerFromPb,
   claimResultFromPb,
@@ -306,21 +307,31 @@ export class Coordinator {
    * bounds every attempt and the waits.
    */
   async call<R>(op: Op<R>, deadline?: number): Promise<R> {
-    for (let attempt = 1; ; attempt++) {
-      let timeoutMs = this.timeoutMs;
-      // grpc-timeout takes whole units: a fractional millisecond count is refused by the server (INTERNAL).
-      if (deadline !== undefined) timeoutMs = Math.max(Math.floor(Math.min(timeoutMs, deadline - performance.now())), 1);
-      let response: Message;
-      try {
-        response = await this.perform({ method: op.method, request: op.request, timeoutMs });
-      } catch (error) {
-        if (!(error instanceof RpcFailure)) throw error;
-        const delay = this.retryDelay(error, attempt, deadline);
-        if (delay === undefined) throw error.error(op.method, attempt);
-        await sleep(delay);
-        continue;
+    const span = callStarted(op.method, op.request);
+    try {
+      for (let attempt = 1; ; attempt++) {
+        let timeoutMs = this.timeoutMs;
+        // grpc-timeout takes whole units: a fractional millisecond count is refused by the server (INTERNAL).
+        if (deadline !== undefined) timeoutMs = Math.max(Math.floor(Math.min(timeoutMs, deadline - performance.now())), 1);
+        let response: Message;
+        try {
+          response = await this.perform({ method: op.method, request: op.request, timeoutMs, headers: span?.headers });
+        } catch (error) {
+          if (!(error instanceof RpcFailure)) throw error;
+          const delay = this.retryDelay(error, attempt, deadline);
+          if (delay === undefined) {
+            span?.failed(error.code, attempt);
+            throw error.error(op.method, attempt);
+          }
+          span?.retrying(error.code, attempt, delay);
+          await sleep(delay);
+          continue;
+        }
+        span?.answered(response);
+        return op.decode(response);
       }
-      return op.decode(response);
+    } finally {
+      span?.end();
     }
   }
 
@@ -347,7 +358,8 @@ export class Coordinator {
     const method = (this.client as unknown as Record<string, (request: Message, options: object) => Promise<Message>>)[lowerFirst(rpc.method)];
     if (method === undefined) throw new TypeError(`no RPC ${rpc.method}`);
     try {
-      return await method(rpc.request, { timeoutMs: rpc.timeoutMs, headers: this.headers });
+      const headers = rpc.headers === undefined ? this.headers : { ...this.headers, ...rpc.headers };
+      return await method(rpc.request, { timeoutMs: rpc.timeoutMs, headers });
     } catch (error) {
       throw RpcFailure.from(error);
     }

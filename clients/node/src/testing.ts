@@ -120,6 +120,8 @@ export interface ClusterOptions {
   replicas?: number;
   minTtl?: number;
   sendTimeout?: string;
+  /** Added to the coordinators' environment (OTEL_* variables, say). */
+  env?: Record<string, string>;
 }
 
 /** One etcd and `replicas` coordinators on it (one key prefix), each on its own port. */
@@ -141,10 +143,10 @@ export class Cluster {
     return cluster;
   }
 
-  private spawnLogged(name: string, command: string, args: string[]): { child: ChildProcess; log: string } {
+  private spawnLogged(name: string, command: string, args: string[], env?: Record<string, string>): { child: ChildProcess; log: string } {
     const log = join(this.dir, `${name}.log`);
     const out = openSync(log, "w");
-    const child = spawn(command, args, { stdio: ["ignore", out, out] });
+    const child = spawn(command, args, { stdio: ["ignore", out, out], env: env === undefined ? process.env : { ...process.env, ...env } });
     this.processes.push(child);
     return { child, log };
   }
@@ -187,7 +189,7 @@ export class Cluster {
       "serve", "--listen", where, "--etcd-endpoints", this.endpoint, "--etcd-prefix", this.prefix,
       "--min-ttl", String(this.options.minTtl ?? 2), "--send-timeout", this.options.sendTimeout ?? "2m",
       "--metrics-listen", "", "--log-level", "warning", "--log-format", "text", "--rate-limit", "0", ...replica.extra,
-    ]);
+    ], this.options.env);
     replica.child = coordinator.child;
     if (replica.extra.some((flag) => flag.startsWith("--tls") || flag === "--token-file")) return; // the caller probes with its credentials
     const probe = new Coordinator({ target: where, principal: "probe", retry: { attempts: 1 } });

@@ -1,0 +1,169 @@
+// Traces (docs/node.md#traces): with OpenTelemetry set up in the agent, every call is a CLIENT span under the
+// agent's active span, and carries its trace context to a real coordinator (exporting its own spans over OTLP),
+// whose spans and the store's beneath them join the same trace. Every span is received by a real OTLP receiver
+// (coordinator/testing/otlp.py, run as `python -m coordinator.testing.otlp`), the agent's over OTLP/HTTP.
+import { after, before, test } from "node:test";
+import assert from "node:assert/strict";
+import { spawn, type ChildProcessWithoutNullStreams } from "node:child_process";
+import { createInterface } from "node:readline";
+import { context, trace } from "@opentelemetry/api";
+import { AsyncLocalStorageContextManager } from "@opentelemetry/context-async-hooks";
+import { OTLPTraceExporter } from "@opentelemetry/exporter-trace-otlp-proto";
+import { resourceFromAttributes } from "@opentelemetry/resources";
+import { BasicTracerProvider, SimpleSpanProcessor } from "@opentelemetry/sdk-trace-base";
+import { Cluster, PYTHON, REPO } from "../src/testing.js";
+import { messageSubject, type Coordinator } from "../src/index.js";
+
+interface Span {
+  service: string;
+  trace_id: string;
+  span_id: string;
+  parent_span_id: string;
+  name: string;
+  kind: string;
+  attributes: Record<string, unknown>;
+  links: [string, string][];
+}
+
+let receiver: ChildProcessWithoutNullStreams;
+const spans: Span[] = [];
+let arrived: () => void = () => {};
+let cluster: Cluster;
+let provider: BasicTracerProvider;
+let coord: Coordinator;
+
+before(async () => {
+  receiver = spawn(PYTHON, ["-m", "coordinator.testing.otlp"], { cwd: REPO });
+  const lines = createInterface({ input: receiver.stdout });
+  const endpoints = await new Promise<[string, string]>((resolve, reject) => {
+    receiver.once("exit", (code) => reject(new Error(`the OTLP receiver exited (${code})`)));
+    lines.on("line", (line) => {
+      if (line.startsWith("otlp ")) {
+        const [, http, grpc] = line.split(" ");
+        resolve([http!, grpc!]);
+        return;
+      }
+      spans.push(JSON.parse(line) as Span);
+      arrived();
+    });
+  });
+  const [http, grpc] = endpoints;
+  cluster = await Cluster.start({
+    replicas: 1,
+    env: { OTEL_EXPORTER_OTLP_ENDPOINT: grpc, OTEL_EXPORTER_OTLP_PROTOCOL: "grpc", OTEL_BSP_SCHEDULE_DELAY: "50", OTEL_SERVICE_NAME: "coordinator-under-test" },
+  });
+  context.setGlobalContextManager(new AsyncLocalStorageContextManager().enable());
+  provider = new BasicTracerProvider({
+    resource: resourceFromAttributes({ "service.name": "node-agent" }),
+    spanProcessors: [new SimpleSpanProcessor(new OTLPTraceExporter({ url: `${http}/v1/traces` }))],
+  });
+  trace.setGlobalTracerProvider(provider);
+  coord = cluster.client("agent-1");
+});
+
+after(async () => {
+  await provider?.shutdown();
+  trace.disable();
+  context.disable();
+  await cluster?.stop();
+  receiver?.stdin.end();
+  receiver?.kill();
+});
+
+/** Every span received, once `enough` says they are. */
+async function waitFor(enough: (received: Span[]) => boolean, withinMs = 30_000): Promise<Span[]> {
+  const deadline = Date.now() + withinMs;
+  while (!enough(spans)) {
+    if (Date.now() > deadline) throw new Error(`the spans awaited never came: ${[...new Set(spans.map((s) => `${s.service}: ${s.name}`))].join(", ")}`);
+    await new Promise<void>((resolve) => {
+      arrived = resolve;
+      setTimeout(resolve, 200);
+    });
+  }
+  return [...spans];
+}
+
+function under(all: Span[], parent: Span): Span[] {
+  const found: Span[] = [];
+  let frontier = [parent.span_id];
+  while (frontier.length > 0) {
+    const children = all.filter((span) => frontier.includes(span.parent_span_id));
+    found.push(...children);
+    frontier = children.map((span) => span.span_id);
+  }
+  return found;
+}
+
+/** Each call: the agent's CLIENT span under its root, the coordinator's SERVER span beneath, the store's beneath that. */
+function assertCallTrace(all: Span[], traceId: string, methods: string[]): void {
+  const mine = all.filter((span) => span.trace_id === traceId);
+  const roots = mine.filter((span) => !span.parent_span_id);
+  assert.equal(roots.length, 1);
+  assert.equal(roots[0]!.service, "node-agent");
+  const clients = mine.filter((span) => span.kind === "CLIENT" && span.service === "node-agent");
+  assert.deepEqual(clients.map((span) => span.name.split("/")[1]).sort(), [...methods].sort());
+  for (const client of clients) {
+    assert.equal(client.parent_span_id, roots[0]!.span_id);
+    assert.equal(client.attributes["inbox.mailbox"], "traces@shop.example");
+    const servers = mine.filter((span) => span.kind === "SERVER" && span.parent_span_id === client.span_id);
+    assert.equal(servers.length, 1, `${client.name} has no coordinator span beneath it`);
+    const server = servers[0]!;
+    assert.equal(server.service, "coordinator-under-test");
+    assert.equal(server.name, client.name);
+    assert.equal(server.attributes["inbox.request_id"], client.attributes["inbox.request_id"]);
+    assert.equal(server.attributes["inbox.result"], client.attributes["inbox.result"]);
+    const transactions = under(all, server).filter((span) => span.name === "etcd transaction");
+    assert.ok(transactions.length > 0, `${server.name} has no etcd transaction beneath it`);
+    for (const transaction of transactions) {
+      const carriers = [transaction, ...all.filter((span) => transaction.links.some(([, id]) => id === span.span_id))];
+      assert.ok(carriers.some((carrier) => under(all, carrier).some((span) => span.name === "etcd Txn")), "no etcd Txn carried the transaction");
+    }
+  }
+}
+
+const tracer = () => trace.getTracer("node-agent");
+const traceIdOf = (): string => trace.getActiveSpan()!.spanContext().traceId;
+const callsArrived = (traceId: string, calls: number) => (received: Span[]) => {
+  const mine = received.filter((span) => span.trace_id === traceId);
+  const ids = new Set(received.map((span) => span.span_id));
+  const linked = mine.flatMap((span) => span.links.map(([, id]) => id));
+  return (
+    mine.some((span) => !span.parent_span_id) &&
+    mine.filter((span) => span.kind === "CLIENT" && span.service === "node-agent").length >= calls &&
+    mine.filter((span) => span.kind === "SERVER").length >= calls &&
+    mine.filter((span) => span.name === "etcd transaction").length >= calls &&
+    linked.every((id) => ids.has(id))
+  );
+};
+
+test("a claim, BeginSend and ConfirmSent from the Node client join the agent's trace down to etcd", async () => {
+  const traceId = await tracer().startActiveSpan("answer notification", async (root) => {
+    const subject = messageSubject("traces@shop.example", `node-${Date.now()}`);
+    const claimed = await coord.claim(subject, { ttl: 30 });
+    assert.equal(claimed.outcome, "GRANTED");
+    assert.ok((await coord.beginSend(subject, claimed.status!.fencingToken)).ok);
+    assert.ok((await coord.confirmSent(subject, claimed.status!.fencingToken, "sent-1")).ok);
+    const id = traceIdOf();
+    root.end();
+    return id;
+  });
+  assertCallTrace(await waitFor(callsArrived(traceId, 3)), traceId, ["ClaimReply", "BeginSend", "ConfirmSent"]);
+});
+
+test("concurrent claims share Batch RPCs and each keeps its own trace", async () => {
+  const ids = await Promise.all(
+    Array.from({ length: 8 }, (_, index) =>
+      tracer().startActiveSpan(`answer notification ${index}`, async (root) => {
+        const claimed = await coord.claim(messageSubject("traces@shop.example", `node-batched-${index}-${Date.now()}`), { ttl: 30 });
+        assert.equal(claimed.outcome, "GRANTED");
+        const id = traceIdOf();
+        root.end();
+        return id;
+      }),
+    ),
+  );
+  let received: Span[] = [];
+  for (const traceId of ids) received = await waitFor(callsArrived(traceId, 1));
+  for (const traceId of ids) assertCallTrace(received, traceId, ["ClaimReply"]);
+  assert.ok(received.some((span) => ids.includes(span.trace_id) && span.attributes["inbox.batched"] === true), "the concurrent claims were never batched");
+});
