@@ -259,7 +259,7 @@ def main() -> None:
         threading.Thread(target=read_stdin, daemon=True).start()
         while not closed.is_set():
             seen = printed
-            spans = receiver.wait_for(lambda spans: len(spans) > seen or closed.is_set(), timeout=3600)
+            spans = receiver.wait_for(lambda spans, seen=seen: len(spans) > seen or closed.is_set(), timeout=3600)
             for span in spans[printed:]:
                 print(json.dumps(dataclasses.asdict(span)), flush=True)
             printed = len(spans)
