@@ -15,6 +15,7 @@ Needs the ``opentelemetry-proto`` package (the development extra brings it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import socket
 import threading
@@ -239,6 +240,10 @@ def black_hole(port: int = 0) -> Iterator[int]:
         server.close()
 
 
+def _more_than(count: int, closed: threading.Event, spans: list[ReceivedSpan]) -> bool:
+    return len(spans) > count or closed.is_set()
+
+
 def main() -> None:
     """``python -m coordinator.testing.otlp``: a receiver for tests in other languages (the Node client's). Prints
     ``otlp <http endpoint> <grpc endpoint>``, then every span received as one JSON line, until stdin closes."""
@@ -258,8 +263,7 @@ def main() -> None:
 
         threading.Thread(target=read_stdin, daemon=True).start()
         while not closed.is_set():
-            seen = printed
-            spans = receiver.wait_for(lambda spans, seen=seen: len(spans) > seen or closed.is_set(), timeout=3600)
+            spans = receiver.wait_for(functools.partial(_more_than, printed, closed), timeout=3600)
             for span in spans[printed:]:
                 print(json.dumps(dataclasses.asdict(span)), flush=True)
             printed = len(spans)
