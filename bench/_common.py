@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -338,7 +338,9 @@ class CoordinatorProcess:
         rate_limit: float | None = None,
         http: bool = False,
         serve_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
+        """``extra_env``: added to the process's environment (the OTEL_* variables of a traced coordinator)."""
         name = f"serve-{uuid.uuid4().hex[:8]}"
         self.status_path = workdir / f"{name}.status"
         self.log_path = workdir / f"{name}.log"
@@ -360,7 +362,13 @@ class CoordinatorProcess:
             command += ["--http-listen", f"127.0.0.1:{free_port()}"]
         command += serve_args
         with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **extra_env} if extra_env else None,
+            )
         serving = self._next_status(0, timeout=30.0)
         if serving is None or serving.get("event") != "serving":
             self.stop()

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from coordinator import tracing
 from coordinator.api.quotas import QuotaSettings
 from coordinator.ops import logs
 from coordinator.ops.server import CoordinatorServer, ServerSettings
@@ -68,6 +69,7 @@ async def _serve_coordinator(options: argparse.Namespace, status: _StatusFile) -
         max_batches_in_flight=options.in_flight,
     )
     quotas = QuotaSettings(calls_per_second=options.rate_limit, max_watches=options.max_watches)
+    tracing.start_from_environment()  # as inbox-coordinator serve: traced when OTEL_* say so
     server = CoordinatorServer(
         ServerSettings(
             etcd, listen=options.listen, quotas=quotas, http_listen=options.http_listen, access_log=options.access_log
@@ -90,6 +92,7 @@ async def _serve_coordinator(options: argparse.Namespace, status: _StatusFile) -
 
     await _until_stopped(status, stats)
     await server.stop(grace=1.0)
+    tracing.close()
 
 
 async def _serve_empty(options: argparse.Namespace, status: _StatusFile) -> None:

@@ -97,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "variant's settings, one key prefix, as replicas behind a load balancer); 0: none (default)",
     )
     parser.add_argument(
+        "--tracing",
+        default="",
+        help="also rows of the first variant's coordinator with traces off, and on (OTLP/HTTP to a receiver in this "
+        "process) with these sampling ratios: comma-separated, e.g. off,0,1; with their ratios against 'off' "
+        "(docs/performance.md#traces); default none",
+    )
+    parser.add_argument(
         "--node",
         choices=("auto", "yes", "no"),
         default="auto",
@@ -275,6 +282,9 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
             name = f"coordinator via inbox_claims, {shims} client object(s), {label}"
             workloads.append(coordinator_workload(env, process, name, clients, operation))
 
+        tracing_rows = await _tracing_workloads(options, env, stack, variants[0], clients, run)
+        workloads += tracing_rows
+
         if options.replicas > 1:
             workloads.append(
                 await replicas_workload(env, stack, variants[0], options.replicas, clients, run, options.rate_limit)
@@ -330,4 +340,63 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
                 f"{workload.name}: {workload.rate() / base.rate():.2f}x the raw etcd loop's throughput "
                 f"(target >= 1.0x), p99 {workload.p99() / base.p99():.2f}x (target <= 1.5x)"
             )
+        if tracing_rows:
+            off = next((w for w in tracing_rows if w.name.endswith(TRACES_OFF)), tracing_rows[0])
+            for workload in tracing_rows:
+                spent, spent_off = workload.cpu_per_10k("cpu_seconds"), off.cpu_per_10k("cpu_seconds")
+                cpu = f", coordinator CPU per claim {spent / spent_off:.2f}x" if spent and spent_off else ""
+                print(
+                    f"{workload.name}: {workload.rate() / off.rate():.2f}x the throughput with traces off, "
+                    f"p99 {workload.p99() / off.p99():.2f}x{cpu}"
+                )
     return 0
+
+
+TRACES_OFF = "traces off"
+
+
+async def _tracing_workloads(
+    options: argparse.Namespace,
+    env: Environment,
+    stack: contextlib.AsyncExitStack,
+    variant: Variant,
+    clients: int,
+    run: str,
+) -> list[Workload]:
+    """``--tracing off,0,1``: the coordinator with traces off, and on with each sampling ratio, each in its own
+    process exporting OTLP/HTTP to a receiver in this process; every ClaimReply comes without a caller's trace,
+    so the sampler alone decides (parentbased_traceidratio)."""
+    settings = [part.strip() for part in options.tracing.split(",") if part.strip()]
+    if not settings:
+        return []
+    from coordinator.testing.otlp import OtlpReceiver
+
+    receiver = stack.enter_context(OtlpReceiver())
+    workloads = []
+    for index, setting in enumerate(settings):
+        environment = {"OTEL_SDK_DISABLED": "true"}
+        name = TRACES_OFF
+        if setting != "off":
+            ratio = float(setting)
+            environment = {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                "OTEL_TRACES_SAMPLER_ARG": f"{ratio:g}",
+            }
+            name = f"traces on, sampled {ratio:g}"
+        process = CoordinatorProcess(
+            env.tmp,
+            env.etcd.endpoint,
+            f"bench/{run}/tracing-{index}/",
+            max_batch=variant.max_batch,
+            in_flight=variant.in_flight,
+            uvloop=variant.uvloop,
+            rate_limit=options.rate_limit,
+            extra_env=environment,
+        )
+        stack.callback(process.stop)
+        stub = coordinator_stub(await stack.enter_async_context(channel(process.address)))
+        operation = claim_operation(stub, f"bench-{run}-tracing-{index}")
+        workloads.append(coordinator_workload(env, process, f"coordinator ClaimReply, {name}", clients, operation))
+    return workloads
