@@ -21,6 +21,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator import tracing
 from coordinator.api.addresses import parse_host_port
 from coordinator.ops.cli import EXIT_CONFIG, build_parser, version_warning
 from coordinator.ops.config import BY_NAME, ENV_PREFIX, Config, load, settings_table
@@ -82,8 +83,9 @@ def test_the_image_installs_the_server_and_runs_serve_as_a_non_root_user() -> No
         by_name.setdefault(name, []).append(args)
     assert by_name["FROM"] == ["python:3.11-slim"]
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "server" in pyproject["project"]["optional-dependencies"]
-    assert any('pip install ".[server]"' in run for run in by_name["RUN"])
+    assert {"server", "otel"} <= set(pyproject["project"]["optional-dependencies"])
+    # The server, and OpenTelemetry's SDK and exporters: traces need only OTEL_* variables (docs/operations.md#traces).
+    assert any('pip install ".[server,otel]"' in run for run in by_name["RUN"])
 
     # Everything copied exists and is let through the build context's ignore file.
     allowed = [
@@ -379,3 +381,28 @@ def test_the_runbook_has_the_current_configuration_reference() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Running it for real", 1)[1].split("\n## ", 1)[0]
     assert "docs/operations.md" in section
+
+
+def test_the_traces_compose_file_sends_the_coordinators_spans_to_jaeger(tmp_path: Path) -> None:
+    """deploy/compose/traces.yaml (docs/operations.md#traces): one etcd, one coordinator configured for Jaeger
+    by OTEL_* variables alone, and Jaeger's all-in-one image receiving OTLP on the port the coordinator names."""
+    compose = _yaml(DEPLOY / "compose" / "traces.yaml")
+    services = compose["services"]
+    assert services["jaeger"]["image"].startswith("jaegertracing/all-in-one:")
+    coordinator = services["coordinator"]
+    assert (DEPLOY / "compose" / coordinator["build"]["context"] / coordinator["build"]["dockerfile"]).resolve() == (
+        DEPLOY / "Dockerfile"
+    )
+    environ = {key: str(value) for key, value in coordinator["environment"].items()}
+    otel = {key: value for key, value in environ.items() if key.startswith("OTEL_")}
+    settings = tracing.settings_from(otel)
+    assert settings is not None
+    assert settings.protocol == "http/protobuf"
+    assert settings.problems == ()
+    host, _, port = otel["OTEL_EXPORTER_OTLP_ENDPOINT"].removeprefix("http://").partition(":")
+    assert host == "jaeger"
+    assert f"{port}:{port}" in services["jaeger"]["ports"]
+    config = _config_text("", tmp_path, {key: value for key, value in environ.items() if key not in otel})
+    assert list(config.etcd_endpoints) == ["etcd:2379"]
+    assert config.http_listen == "0.0.0.0:8080"
+    assert "8080:8080" in coordinator["ports"]
