@@ -25,11 +25,12 @@ def new_ids() -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def serve_traced(etcd: EtcdServer, prefix: str, env: dict[str, str]) -> Iterator[tuple[str, str]]:
+def serve_traced(etcd: EtcdServer, prefix: str, env: dict[str, str], *flags: str) -> Iterator[tuple[str, str]]:
     """``inbox-coordinator serve`` with ``env`` (its OTEL_* variables), spans sent every 50 ms: its gRPC and
     HTTP addresses."""
     port, http_port = free_ports(2)
     with serve_process(
+        *flags,
         f"--listen=127.0.0.1:{port}",
         f"--http-listen=127.0.0.1:{http_port}",
         f"--etcd-endpoints={etcd.endpoint}",

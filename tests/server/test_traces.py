@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.store.etcd.process import EtcdServer
+from coordinator.store.etcd.process import EtcdServer, free_ports
 from coordinator.testing.otlp import OtlpReceiver, ReceivedSpan, black_hole
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
@@ -41,6 +41,7 @@ class Traced:
     grpc_address: str
     http_address: str
     receiver: OtlpReceiver
+    metrics_url: str
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,11 @@ def receiver() -> Iterator[OtlpReceiver]:
 def traced(shared_etcd: EtcdServer, receiver: OtlpReceiver) -> Iterator[Traced]:
     """A coordinator exporting every span (sampler parentbased_always_on, the default) over OTLP/HTTP."""
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
-    with serve_traced(shared_etcd, f"test/traces-{new_request_id()}/", env) as (grpc_address, http_address):
-        yield Traced(grpc_address, http_address, receiver)
+    (metrics_port,) = free_ports(1)
+    with serve_traced(
+        shared_etcd, f"test/traces-{new_request_id()}/", env, f"--metrics-listen=127.0.0.1:{metrics_port}"
+    ) as (grpc_address, http_address):
+        yield Traced(grpc_address, http_address, receiver, f"http://127.0.0.1:{metrics_port}/metrics")
 
 
 def _metadata(parent: str) -> tuple[tuple[str, str], ...]:
@@ -119,6 +123,14 @@ async def test_a_reply_cycle_over_grpc_continues_the_callers_trace_down_to_etcd(
     assert claim.attributes["inbox.subject.id"] == subject.id
     assert claim.attributes["inbox.notification_id"] == "n-1"
     assert traced.receiver.requests["http"] > 0
+    # The call metrics carry exemplars naming a sampled call's trace, in the OpenMetrics exposition; the metric
+    # names are the Prometheus ones.
+    request = urllib.request.Request(traced.metrics_url, headers={"Accept": "application/openmetrics-text"})
+    exposition = (await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=10).read())).decode()
+    lines = [line for line in exposition.splitlines() if f'trace_id="{trace_id}"' in line]
+    names = {line.partition("{")[0] for line in lines}
+    assert "inbox_coordinator_rpc_duration_seconds_bucket" in names
+    assert "inbox_coordinator_rpcs_total" in names
 
 
 def _post(address: str, method: str, body: dict[str, object], headers: dict[str, str]) -> dict[str, object]:
