@@ -30,13 +30,13 @@ def serve_traced(etcd: EtcdServer, prefix: str, env: dict[str, str], *flags: str
     HTTP addresses."""
     port, http_port = free_ports(2)
     with serve_process(
-        *flags,
         f"--listen=127.0.0.1:{port}",
         f"--http-listen=127.0.0.1:{http_port}",
         f"--etcd-endpoints={etcd.endpoint}",
         f"--etcd-prefix={prefix}",
         "--rate-limit=0",
         "--log-level=warning",
+        *flags,  # after the defaults: the last of a flag wins
         env={"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": COORDINATOR_SERVICE, **env},
     ):
         yield f"127.0.0.1:{port}", f"127.0.0.1:{http_port}"

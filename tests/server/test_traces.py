@@ -330,3 +330,39 @@ async def _claims(stub: Any, count: int) -> float:
         assert answer.result == pb.ClaimReplyResponse.GRANTED
         slowest = max(slowest, time.monotonic() - started)
     return slowest
+
+
+async def test_the_rate_limiters_refusal_and_the_wait_it_asks_for_are_on_the_calls_span(
+    shared_etcd: EtcdServer, receiver: OtlpReceiver
+) -> None:
+    """A principal over its rate is refused RATE_LIMITED with a retry delay: the span says both, so a slow claim
+    shows it waited for the rate limiter (the clients' spans show the wait itself, as a retry event)."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint}
+    with serve_traced(shared_etcd, f"test/traces-{new_request_id()}/", env, "--rate-limit=1", "--rate-burst=1") as (
+        address,
+        _http,
+    ):
+        trace_id, parent_id = new_ids()
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            codes = []
+            for _ in range(2):
+                try:
+                    await stub.GetStatus(
+                        pb.GetStatusRequest(subject=message("traces@shop.example", "limited")),
+                        metadata=_metadata(traceparent(trace_id, parent_id)),
+                    )
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as error:
+                    codes.append(error.code())
+        assert codes == [grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+        def refused(spans: list[ReceivedSpan]) -> bool:
+            return any(span.trace_id == trace_id and "inbox.reason" in span.attributes for span in spans)
+
+        spans = await asyncio.to_thread(receiver.wait_for, refused)
+        (span,) = [span for span in spans if span.trace_id == trace_id and "inbox.reason" in span.attributes]
+        assert span.attributes["inbox.reason"] == "RATE_LIMITED"
+        assert span.attributes["inbox.result"] == "resource_exhausted"
+        assert 0 < span.attributes["inbox.retry_after_ms"] <= 1000
+        assert span.status == 0  # the caller's refusal, not the server's fault
