@@ -128,20 +128,65 @@ def subject_in(message: pb.Subject, field: str = "subject") -> Subject:
     return Subject(message.mailbox, kind, message.id)
 
 
-def time_in(container: Any, name: str, field: str) -> int | None:
-    """A Timestamp field in milliseconds; None when unset."""
+# protobuf's Timestamp range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999999Z.
+_TIMESTAMP_MIN_SECONDS = -62_135_596_800
+_TIMESTAMP_MAX_SECONDS = 253_402_300_799
+_TIMESTAMP = "google.protobuf.Timestamp"
+# Every Timestamp field of a request message, as paths of field names, by message type (made once per type).
+_TIME_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {}
+
+
+def _time_paths(descriptor: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The paths to every singular Timestamp field of ``descriptor``, inside singular messages too. Repeated
+    messages are not entered: the only request with any is Batch, whose calls are checked one by one."""
+    found: list[tuple[str, ...]] = []
+    for field in descriptor.fields:
+        if field.message_type is None or field.is_repeated:
+            continue
+        if field.message_type.full_name == _TIMESTAMP:
+            found.append((*path, field.name))
+        elif len(path) < 8:  # no request message is recursive; the bound only stops one that would be
+            found += _time_paths(field.message_type, (*path, field.name))
+    return found
+
+
+def check_times(request: Any) -> None:
+    """Every Timestamp of ``request`` within protobuf's range, else INVALID_ARGUMENT naming its field: a stamp
+    outside it (year 10000, nanos over a second) cannot be converted, and would otherwise fail deep in a call as
+    INTERNAL. What each time may be beyond that (not before 1970, not far ahead) the engine checks."""
+    name = request.DESCRIPTOR.full_name
+    paths = _TIME_FIELDS.get(name)
+    if paths is None:
+        paths = _TIME_FIELDS[name] = tuple(_time_paths(request.DESCRIPTOR))
+    for path in paths:
+        container = request
+        for part in path:
+            if not container.HasField(part):
+                break
+            container = getattr(container, part)
+        else:
+            _check_stamp(container, ".".join(path))
+
+
+def _check_stamp(stamp: Timestamp, field: str) -> None:
+    if not 0 <= stamp.nanos <= 999_999_999:
+        raise InvalidArgument(f"{field}.nanos", f"is {stamp.nanos}; it must be 0..999999999")
+    if not _TIMESTAMP_MIN_SECONDS <= stamp.seconds <= _TIMESTAMP_MAX_SECONDS:
+        raise InvalidArgument(
+            field, f"is {stamp.seconds} s from 1970, outside a Timestamp's range (years 0001 to 9999)"
+        )
+
+
+def time_in(container: Any, name: str) -> int | None:
+    """A Timestamp field (checked by ``check_times``) in milliseconds; None when unset."""
     if not container.HasField(name):
         return None
     stamp: Timestamp = getattr(container, name)
-    if stamp.nanos < 0 or stamp.nanos > 999_999_999:
-        raise InvalidArgument(f"{field}.nanos", "must be 0..999999999")
     return int(stamp.ToMilliseconds())
 
 
 def summary_in(message: pb.MessageSummary) -> Summary:
     received = message.received_at
-    if received.nanos < 0 or received.nanos > 999_999_999:
-        raise InvalidArgument("summary.received_at.nanos", "must be 0..999999999")
     return Summary(message.subject_line, message.sender, received.ToMilliseconds() if received.seconds else None)
 
 
@@ -319,6 +364,12 @@ class _DrainWatch:
                 return
 
 
+async def _checked(handler: Handler[Req, Resp], servicer: CoordinatorServicer, caller: Caller, request: Req) -> Resp:
+    """A unary RPC's handler, alone or in a Batch, after what every request is checked for."""
+    check_times(request)
+    return await handler(servicer, caller, request)
+
+
 def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generated base's loosely typed method
     """A unary RPC: authenticates, bounds the call's time, and turns coordinator errors into their status
     codes; anything else is a bug, answered INTERNAL by the interceptor (coordinator.api.interceptor)."""
@@ -329,7 +380,7 @@ def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generat
         try:
             caller = self._authenticate(context)
             async with asyncio.timeout(deadline):
-                return await handler(self, caller, request)
+                return await _checked(handler, self, caller, request)
         except TimeoutError:
             await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, deadline_message(deadline), CALL_DEADLINE_REASON)
         except CoordinatorError as error:
@@ -353,7 +404,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._rates = RateLimiter(self.quotas.calls_per_second, self.quotas.burst)
         self._watches = WatchSlots(self.quotas.max_watches)
         self._pacer = WritePacer(self.quotas.watch_events_per_second)
-        handlers = {field: functools.partial(handler, self) for field, handler in _BATCH_CALLS.items()}
+        handlers = {field: functools.partial(_checked, handler, self) for field, handler in _BATCH_CALLS.items()}
         self._batch = BatchRunner(handlers, SERVICE_NAME, self.quotas.call_deadline_s, batch_observer)
         # The engine hands every watcher of a mailbox the same event: it is serialized once, for all of them.
         self._encoded_events: LastConverted[Event, Encoded] = LastConverted(
@@ -394,7 +445,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 note=request.note,
                 summary=summary_in(request.summary),
                 thread_id=request.thread_id,
-                received_ms=time_in(request, "received_at", "received_at"),
+                received_ms=time_in(request, "received_at"),
             ),
         )
         return pb.ClaimReplyResponse(
@@ -412,7 +463,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 notification_id=request.notification_id,
                 message_id=request.message_id,
                 thread_id=request.thread_id,
-                sent_ms=time_in(request, "sent_at", "sent_at"),
+                sent_ms=time_in(request, "sent_at"),
                 sender=request.sender,
             ),
         )

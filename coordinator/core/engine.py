@@ -107,7 +107,7 @@ def _check_request_id(request_id: str) -> None:
     limits.check_text("request_id", request_id, limits.REQUEST_ID_MAX_BYTES, required=True)
 
 
-def _checked_summary(summary: Summary | None) -> Summary | None:
+def _checked_summary(summary: Summary | None, now_ms: int) -> Summary | None:
     """The summary as it is stored: within its limits, and without invisible formatting (see limits); None when
     it says nothing, as a request without one does."""
     if not summary:
@@ -116,8 +116,7 @@ def _checked_summary(summary: Summary | None) -> Summary | None:
         "summary.subject_line", summary.subject_line, limits.SUMMARY_SUBJECT_LINE_MAX_BYTES, required=False
     )
     limits.check_text("summary.sender", summary.sender, limits.SUMMARY_SENDER_MAX_BYTES, required=False)
-    if summary.received_ms is not None and summary.received_ms < 0:
-        raise InvalidArgument("summary.received_at", "is before 1970; leave it unset when unknown")
+    limits.check_time_ms("summary.received_at", summary.received_ms, required=False, now_ms=now_ms)
     subject_line = limits.without_invisible_formatting(summary.subject_line)
     sender = limits.without_invisible_formatting(summary.sender)
     if (subject_line, sender) == (summary.subject_line, summary.sender):
@@ -125,10 +124,10 @@ def _checked_summary(summary: Summary | None) -> Summary | None:
     return dataclasses.replace(summary, subject_line=subject_line, sender=sender)
 
 
-def _thread_link(subject: Subject, thread_id: str, received_ms: int | None) -> ThreadLink | None:
+def _thread_link(subject: Subject, thread_id: str, received_ms: int | None, now_ms: int) -> ThreadLink | None:
     """ClaimReply's thread and received time, both or neither; a thread subject is its own thread."""
     limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=False)
-    limits.check_time_ms("received_at", received_ms, required=False)
+    limits.check_time_ms("received_at", received_ms, required=False, now_ms=now_ms)
     if subject.kind is SubjectKind.THREAD:
         if thread_id and thread_id != subject.id:
             raise InvalidArgument("thread_id", "names another thread than the thread subject; leave it empty")
@@ -220,11 +219,11 @@ class Engine:
         _check_subject(caller, subject)
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("note", command.note, limits.NOTE_MAX_BYTES, required=False)
-        summary = _checked_summary(command.summary)
-        link = _thread_link(subject, command.thread_id, command.received_ms)
+        now = self._clock()
+        summary = _checked_summary(command.summary, now)
+        link = _thread_link(subject, command.thread_id, command.received_ms, now)
         # Normalised before it is fingerprinted (by the claim record), as every retry of it will be.
         command = dataclasses.replace(command, ttl_seconds=self.rules.limits.ttl(command.ttl_seconds), summary=summary)
-        now = self._clock()
         record = domain.new_claim(
             self.rules,
             caller,
@@ -297,10 +296,10 @@ class Engine:
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("message_id", message_id, limits.MESSAGE_ID_MAX_BYTES, required=True)
         limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=True)
-        sent = limits.check_time_ms("sent_at", command.sent_ms, required=True)
+        now = self._clock()
+        sent = limits.check_time_ms("sent_at", command.sent_ms, required=True, now_ms=now)
         assert sent is not None
         limits.check_text("sender", command.sender, limits.SENDER_MAX_BYTES, required=False)
-        now = self._clock()
         reply = OutsideReply(command.sender, sent, message_id, caller.principal)
         first_result: OutgoingResult | None = None
         for _ in range(_OUTGOING_ROUNDS):
@@ -500,7 +499,9 @@ class Engine:
         limits.check_text("from_person", from_person, limits.PRINCIPAL_MAX_BYTES, required=False)
         # Normalised before it is fingerprinted, as every retry of it will be.
         command = dataclasses.replace(
-            command, ttl_seconds=self.rules.limits.ttl(command.ttl_seconds), summary=_checked_summary(command.summary)
+            command,
+            ttl_seconds=self.rules.limits.ttl(command.ttl_seconds),
+            summary=_checked_summary(command.summary, self._clock()),
         )
         summary = command.summary
         if not summary:

@@ -25,6 +25,11 @@ Conventions used throughout:
   principal, written 2,000 messages/s in all. All are server settings; README.md "Limits" lists them with
   the field limits.
 * Subject.kind must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD: UNSPECIFIED is INVALID_ARGUMENT.
+* Times in requests: every google.protobuf.Timestamp a request carries (alone or inside a Batch) must lie in
+  protobuf's range (years 0001 to 9999, nanos 0 to 999,999,999), else INVALID_ARGUMENT naming the field. The
+  ones that are a message's date as the provider gives it (`received_at`, `summary.received_at`, `sent_at`)
+  must also be no earlier than 1970 and no later than the coordinator's clock plus 10 minutes (the clock
+  tolerance, TIME_AHEAD_TOLERANCE_MS: provider and replica clocks may each be minutes off).
 
 Request ids and retries:
 * Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
@@ -501,7 +506,9 @@ class MessageSummary(_message.Message):
     """
     @_builtins.property
     def received_at(self) -> _timestamp_pb2.Timestamp:
-        """When the message was received; unset when unknown. Not before 1970."""
+        """When the message was received; unset when unknown. Not before 1970, nor more than 10 minutes ahead of the
+        coordinator's clock (TIME_AHEAD_TOLERANCE_MS; see "Times in requests" at the top).
+        """
 
     def __init__(
         self,
@@ -669,7 +676,8 @@ class ClaimReplyRequest(_message.Message):
     @_builtins.property
     def received_at(self) -> _timestamp_pb2.Timestamp:
         """When the message was received, as the provider gives it (Nylas: `data.object.date`); required with
-        `thread_id` (INVALID_ARGUMENT otherwise), not before 1970. A message of the thread received at or before a
+        `thread_id` (INVALID_ARGUMENT otherwise), not before 1970 nor more than 10 minutes ahead of the coordinator's
+        clock. A message of the thread received at or before a
         reply written outside answers ALREADY_REPLIED; one received after it is a new question.
         """
 
@@ -1674,7 +1682,9 @@ class RecordOutgoingRequest(_message.Message):
     """
     @_builtins.property
     def sent_at(self) -> _timestamp_pb2.Timestamp:
-        """Its date, as the provider gives it (Nylas: `data.object.date`). Required, not before 1970."""
+        """Its date, as the provider gives it (Nylas: `data.object.date`). Required, not before 1970 nor more than 10
+        minutes ahead of the coordinator's clock: a reply dated later would answer the thread's messages until then.
+        """
 
     def __init__(
         self,

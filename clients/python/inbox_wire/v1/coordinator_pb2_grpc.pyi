@@ -25,6 +25,11 @@ Conventions used throughout:
   principal, written 2,000 messages/s in all. All are server settings; README.md "Limits" lists them with
   the field limits.
 * Subject.kind must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD: UNSPECIFIED is INVALID_ARGUMENT.
+* Times in requests: every google.protobuf.Timestamp a request carries (alone or inside a Batch) must lie in
+  protobuf's range (years 0001 to 9999, nanos 0 to 999,999,999), else INVALID_ARGUMENT naming the field. The
+  ones that are a message's date as the provider gives it (`received_at`, `summary.received_at`, `sent_at`)
+  must also be no earlier than 1970 and no later than the coordinator's clock plus 10 minutes (the clock
+  tolerance, TIME_AHEAD_TOLERANCE_MS: provider and replica clocks may each be minutes off).
 
 Request ids and retries:
 * Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
