@@ -101,6 +101,7 @@ _EVENT_TYPES = {
     EventType.RETENTION_ENDED: pb.EVENT_TYPE_RETENTION_ENDED,
     EventType.MARKED_REPLIED: pb.EVENT_TYPE_MARKED_REPLIED,
     EventType.ANSWERED_OUTSIDE: pb.EVENT_TYPE_ANSWERED_OUTSIDE,
+    EventType.OUTSIDE_REPLY_UNDONE: pb.EVENT_TYPE_OUTSIDE_REPLY_UNDONE,
 }
 _OUTGOING_RESULTS = {
     OutgoingResult.OWN_REPLY: pb.RecordOutgoingResponse.OWN_REPLY,
@@ -258,6 +259,7 @@ def event_out(event: Event) -> pb.WatchEvent:
     ended = change.now is None or (
         event.type is EventType.ANSWERED_OUTSIDE and previous is not None and previous.record.state is State.CLAIMED
     )
+    end = change.end
     return pb.WatchEvent(
         type=_EVENT_TYPES[event.type],
         status=status_out(change.subject, change.now),
@@ -266,7 +268,10 @@ def event_out(event: Event) -> pb.WatchEvent:
         else "",
         previous_token=previous.token if previous is not None and ended else 0,
         revision=change.revision,
-        reason=change.end.detail if change.end is not None else "",
+        reason=end.detail if end is not None else "",
+        by=end.by if end is not None else "",
+        at=_timestamp(end.at_ms) if end is not None else None,
+        undone=outside_reply_out(end.undone) if end is not None else None,
     )
 
 
@@ -547,6 +552,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return pb.MarkRepliedResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
 
+    async def _undo_outside_reply(
+        self, caller: Caller, request: pb.UndoOutsideReplyRequest
+    ) -> pb.UndoOutsideReplyResponse:
+        subject = subject_in(request.subject)
+        outcome = await self._engine.undo_outside_reply(
+            caller, commands.UndoOutsideReply(request_id=request.request_id, subject=subject, note=request.note)
+        )
+        end = outcome.end
+        return pb.UndoOutsideReplyResponse(
+            status=status_out(subject, outcome.stored),
+            undone=outside_reply_out(end.undone) if end is not None else None,
+            undone_by=end.by if end is not None else "",
+            undone_at=_timestamp(end.at_ms) if end is not None else None,
+        )
+
     async def _get_status(self, caller: Caller, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
         subject = subject_in(request.subject)
         return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(caller, subject)))
@@ -648,6 +668,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ListRecentMessages = _unary(_list_recent_messages)
     Takeover = _unary(_takeover)
     ResolveInDoubt = _unary(_resolve_in_doubt)
+    UndoOutsideReply = _unary(_undo_outside_reply)
     MarkReplied = _unary(_mark_replied)
     RecordOutgoing = _unary(_record_outgoing)
     GetCaller = _unary(_get_caller)

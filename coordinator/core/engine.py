@@ -24,6 +24,7 @@ from coordinator.core.commands import (
     RenewClaim,
     ResolveInDoubt,
     Takeover,
+    UndoOutsideReply,
 )
 from coordinator.core.domain import (
     Caller,
@@ -71,6 +72,14 @@ class TakeoverOutcome:
     stored: Stored | None
     previous_holder: str = ""
     previous_token: int = 0
+
+
+@dataclass(frozen=True)
+class UndoOutcome:
+    """The subject after an undo (FREE, or as a later call left it) and the end mark that records the undo."""
+
+    stored: Stored | None
+    end: EndMark | None
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,9 @@ def _checked_summary(summary: Summary | None, now_ms: int) -> Summary | None:
     return dataclasses.replace(summary, subject_line=subject_line, sender=sender)
 
 
-def _thread_link(subject: Subject, thread_id: str, received_ms: int | None, now_ms: int) -> ThreadLink | None:
+def _thread_link(
+    caller: Caller, subject: Subject, thread_id: str, received_ms: int | None, now_ms: int
+) -> ThreadLink | None:
     """ClaimReply's thread and received time, both or neither; a thread subject is its own thread."""
     limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=False)
     limits.check_time_ms("received_at", received_ms, required=False, now_ms=now_ms)
@@ -144,7 +155,7 @@ def _thread_link(subject: Subject, thread_id: str, received_ms: int | None, now_
         )
     if not thread_id:
         raise InvalidArgument("thread_id", "is required with received_at (the message's thread)")
-    return ThreadLink(thread_id, received_ms)
+    return ThreadLink(thread_id, received_ms, caller.principal, domain.reports_mail(caller))
 
 
 def _check_fenced_call(
@@ -221,7 +232,7 @@ class Engine:
         limits.check_text("note", command.note, limits.NOTE_MAX_BYTES, required=False)
         now = self._clock()
         summary = _checked_summary(command.summary, now)
-        link = _thread_link(subject, command.thread_id, command.received_ms, now)
+        link = _thread_link(caller, subject, command.thread_id, command.received_ms, now)
         # Normalised before it is fingerprinted (by the claim record), as every retry of it will be.
         command = dataclasses.replace(command, ttl_seconds=self.rules.limits.ttl(command.ttl_seconds), summary=summary)
         record = domain.new_claim(
@@ -275,6 +286,12 @@ class Engine:
                 outside_revision = attempt.outside_revision
                 mark = attempt.outside
                 answered_by = mark if mark is not None and domain.answered_before(mark, link) else None
+                if answered_by is not None and not link.vouched:
+                    # The thread is this caller's word alone (it does not report the mailbox's mail): it is told
+                    # the message was answered, by the reply it points at, and nothing is recorded for others.
+                    told = domain.answered_outside(self.rules, None, answered_by, now, summary)
+                    assert told is not None
+                    return ClaimOutcome(ClaimResult.ALREADY_REPLIED, Stored(told, token=0, revision=outside_revision))
                 candidate = (
                     record
                     if answered_by is None
@@ -293,6 +310,12 @@ class Engine:
         notification_id, message_id = command.notification_id, command.message_id
         _check_request_id(request_id)
         _check_mailbox(caller, mailbox)
+        domain.require_role(
+            caller,
+            domain.REPORT_ROLE,
+            "RecordOutgoing",
+            "the operator grants it to the principals that report a mailbox's mail (its webhook workers)",
+        )
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("message_id", message_id, limits.MESSAGE_ID_MAX_BYTES, required=True)
         limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=True)
@@ -300,7 +323,7 @@ class Engine:
         sent = limits.check_time_ms("sent_at", command.sent_ms, required=True, now_ms=now)
         assert sent is not None
         limits.check_text("sender", command.sender, limits.SENDER_MAX_BYTES, required=False)
-        reply = OutsideReply(command.sender, sent, message_id, caller.principal)
+        reply = OutsideReply(command.sender, sent, message_id, caller.principal, thread_id=thread_id)
         first_result: OutgoingResult | None = None
         for _ in range(_OUTGOING_ROUNDS):
             view = await self.store.read_thread(mailbox, thread_id, notification_id or None)
@@ -563,6 +586,35 @@ class Engine:
             self._end_mark_expiry(),
         )
         return after
+
+    async def undo_outside_reply(self, caller: Caller, command: UndoOutsideReply) -> UndoOutcome:
+        """A person undoes a reply recorded as written outside that did not answer the message (domain.
+        undo_outside_reply): the subject becomes FREE, and the thread's record of that reply is withdrawn."""
+        domain.require_human(caller, "UndoOutsideReply")
+        domain.require_role(caller, "resolve", "UndoOutsideReply")
+        _check_request_id(command.request_id)
+        _check_subject(caller, command.subject)
+        limits.check_text("note", command.note, limits.NOTE_MAX_BYTES, required=False)
+        last_end: EndMark | None = None
+
+        def decide(current: Stored | None, end: EndMark | None) -> Transition:
+            nonlocal last_end
+            last_end = end  # a retry answers from the end mark its first attempt left
+            return domain.undo_outside_reply(current, end, caller, command, now_ms=self._clock())
+
+        transition, after = await self.store.apply(command.subject, decide, self._end_mark_expiry())
+        end = transition.end or last_end
+        if transition.end is not None:
+            undone = transition.end.undone
+            log.warning(
+                "outside reply undone on %r in mailbox %r by %r; it had been recorded by %r (its sender field: %r)",
+                command.subject.id,
+                command.subject.mailbox,
+                caller.principal,
+                undone.recorded_by if undone is not None else "",
+                transition.end.previous_holder,
+            )
+        return UndoOutcome(after, end)
 
     # --- watch and upkeep ----------------------------------------------------------------------------------
 

@@ -64,7 +64,7 @@ class _Thread:
     """One thread's keys: its claimed subjects (their messages' received times) and its latest outside reply.
     ``changed``: the revision of its last write, as the range compare of etcd's RecordOutgoing sees it."""
 
-    entries: dict[Subject, _Leased[int]] = field(default_factory=dict)
+    entries: dict[Subject, _Leased[ThreadLink]] = field(default_factory=dict)
     mark: _Leased[OutsideReply] | None = None
     changed: int = 0
 
@@ -167,7 +167,7 @@ class MemoryStore:
                     delivery, revision, delivery_expires_ms
                 )
             if thread is not None and linked is not None:
-                linked.entries[subject] = _Leased(thread.received_ms, revision, thread_expires_ms)
+                linked.entries[subject] = _Leased(thread, revision, thread_expires_ms)
                 linked.changed = revision
             self._publish(Change(subject, None, created, None, revision))
             return ClaimAttempt(created, None, None)
@@ -186,7 +186,13 @@ class MemoryStore:
         self._expire()
         thread = self._threads.get((mailbox, thread_id), _Thread())
         entries = tuple(
-            ThreadEntry(subject, leased.value, self._subjects.get(subject))
+            ThreadEntry(
+                subject,
+                leased.value.received_ms,
+                self._subjects.get(subject),
+                leased.value.entered_by,
+                leased.value.vouched,
+            )
             for subject, leased in sorted(thread.entries.items(), key=lambda item: subject_order(item[0]))
         )
         seen = self._deliveries.get((mailbox, notification_id)) if notification_id else None
@@ -273,6 +279,16 @@ class MemoryStore:
             del self._subjects[subject]
             self._subject_expiry.pop(subject, None)
             self._ends[subject] = _Leased(transition.end, revision, end_mark_expires_ms)
+        withdraw = transition.withdraw
+        thread = self._threads.get((subject.mailbox, withdraw.thread_id)) if withdraw is not None else None
+        mark = thread.mark if thread is not None else None
+        if (
+            withdraw is not None
+            and thread is not None
+            and mark is not None
+            and mark.value.message_id == withdraw.message_id
+        ):
+            thread.mark, thread.changed = None, revision
         self._publish(Change(subject, current, after, transition.end, revision))
         return transition, after
 

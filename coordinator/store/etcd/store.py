@@ -246,7 +246,7 @@ class EtcdStore:
                 compare.append(
                     _absent(mark_key) if outside_revision == 0 else _unchanged_since(mark_key, outside_revision)
                 )
-                entry = _codec.encode_thread_entry(thread.received_ms)
+                entry = _codec.encode_thread_entry(thread)
                 success.append(_op_put(entry_key, entry, await self._lease(thread_expires_ms)))
             return await self._txn(compare, success, [_op_get(key) for key in reads], frozenset(writes))
 
@@ -326,7 +326,7 @@ class EtcdStore:
         if notification_id:
             ops.append(_op_get(self.keys.delivery(mailbox, notification_id)))
         response = await self._txn([], ops, [], frozenset())
-        linked: list[tuple[Subject, int]] = []
+        linked: list[tuple[Subject, ThreadLink]] = []
         mark: OutsideReply | None = None
         mark_revision = 0
         for kv in response.responses[0].response_range.kvs:
@@ -334,7 +334,7 @@ class EtcdStore:
             if subject is None:
                 mark, mark_revision = _codec.decode_outside_reply(kv.value), int(kv.mod_revision)
             else:
-                linked.append((subject, _codec.decode_thread_entry(kv.value)))
+                linked.append((subject, _codec.decode_thread_entry(kv.value, thread_id)))
         delivery = None
         if notification_id:
             delivery_kv = _first_kv(response.responses[1])
@@ -346,9 +346,10 @@ class EtcdStore:
         for start in range(0, len(linked), _THREAD_READS):
             chunk = linked[start : start + _THREAD_READS]
             subjects = await self._txn([], [_op_get(self.keys.subject(s)) for s, _ in chunk], [], frozenset())
-            for (subject, received_ms), answer in zip(chunk, subjects.responses, strict=True):
+            for (subject, link), answer in zip(chunk, subjects.responses, strict=True):
                 kv = _first_kv(answer)
-                entries.append(ThreadEntry(subject, received_ms, _stored(kv) if kv is not None else None))
+                stored = _stored(kv) if kv is not None else None
+                entries.append(ThreadEntry(subject, link.received_ms, stored, link.entered_by, link.vouched))
         return ThreadView(tuple(entries), mark, int(response.header.revision), mark_revision, delivery)
 
     async def commit_outgoing(
@@ -533,6 +534,14 @@ class EtcdStore:
         compare = [_unchanged_since(subject_key, current.revision)]
         if marker_gone:
             compare.append(_absent(self.keys.send_marker(subject)))
+        withdraw = transition.withdraw
+        if withdraw is not None and withdraw.thread_id:
+            # The thread's latest outside reply is deleted only while it is still this one, as read here.
+            mark_key = self.keys.thread_mark(subject.mailbox, withdraw.thread_id)
+            mark = (await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=mark_key))).kvs
+            if mark and _codec.decode_outside_reply(mark[0].value).message_id == withdraw.message_id:
+                compare.append(_unchanged_since(mark_key, mark[0].mod_revision))
+                delete(mark_key)
         return await self._txn(compare, ops, [], frozenset(writes))
 
     async def status(self, subject: Subject) -> Stored | None:
