@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -56,6 +57,7 @@ from coordinator.store.etcd.client import (
 from coordinator.store.etcd.feeds import FeedHub
 from coordinator.store.etcd.group_commit import TxnBatcher
 from coordinator.store.etcd.keys import Keys, prefix_end
+from coordinator.store.etcd.lapses import LapseKeeper
 from coordinator.store.etcd.lease_buckets import LeaseBuckets
 from coordinator.store.etcd.settings import EtcdSettings
 
@@ -105,7 +107,13 @@ def _first_kv(response: Any) -> Any | None:
 
 
 class EtcdStore:
-    def __init__(self, settings: EtcdSettings, clock: Callable[[], int], observer: EtcdObserver | None = None) -> None:
+    def __init__(
+        self,
+        settings: EtcdSettings,
+        clock: Callable[[], int],
+        observer: EtcdObserver | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.observer: EtcdObserver = observer or _NoObserver()
         self.keys = Keys(settings.prefix)
@@ -115,6 +123,8 @@ class EtcdStore:
         self.feeds = FeedHub(self.current_revision, self.watch_stream)
         self._batcher = TxnBatcher(self._send_txn, settings.max_batch, settings.max_batches_in_flight)
         self._recent: OrderedDict[bytes, Stored] = OrderedDict()
+        # The claims this replica wrote, ended when their time has passed should etcd restart their lease.
+        self.lapses = LapseKeeper(monotonic)
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(
@@ -482,7 +492,15 @@ class EtcdStore:
         return after
 
     def _remember(self, subject_key: bytes, stored: Stored | None) -> None:
-        """What this replica last wrote to a subject (None: it deleted it), for ``apply(from_recent_write=True)``."""
+        """What this replica last wrote to a subject (None: it deleted it), for ``apply(from_recent_write=True)``
+        and for ending its claims on time across a lease restart (``end_lapsed_claims``)."""
+        self.lapses.wrote(
+            subject_key,
+            stored.record if stored is not None else None,
+            stored.revision if stored is not None else 0,
+            self.etcd.raft_term,
+            self._clock(),
+        )
         if stored is None:
             self._recent.pop(subject_key, None)
             return
@@ -653,6 +671,55 @@ class EtcdStore:
         sending = [self.keys.parse_sending(index, kv.key) for kv in response.responses[0].response_range.kvs]
         marked = {self.keys.parse_sending(markers, kv.key) for kv in response.responses[1].response_range.kvs}
         return [subject for subject in sending if subject not in marked][:limit], int(response.header.revision)
+
+    # --- claims whose lease etcd restarted (coordinator/store/etcd/lapses.py) ----------------------------
+
+    async def end_lapsed_claims(self) -> int:
+        """Deletes the claims this replica wrote whose time has passed by its monotonic clock and whose lease etcd
+        may have restarted since (a new raft term), each only while its key is still as written; returns how
+        many. Asks etcd nothing while no remembered claim's time has passed. StoreUnavailable: try again."""
+        if not self.lapses.overdue():
+            return 0
+        await self.current_revision()  # a read through the leader: the raft term as of now
+        ended = 0
+        for lapsed in self.lapses.due(self.etcd.raft_term):
+            key = lapsed.key
+            response = await self._txn(
+                [_unchanged_since(key, lapsed.revision)], [_op_delete(key)], [], frozenset((key,))
+            )
+            self.lapses.forget(key)
+            if response.succeeded:
+                self._recent.pop(key, None)
+                ended += 1
+                log.warning(
+                    "ended a claim whose TTL had passed while etcd restarted its lease (%s)",
+                    key.decode(errors="replace"),
+                    extra={"fields": {"event": "claim_lapsed", "key": key.decode(errors="replace")}},
+                )
+        return ended
+
+    async def adopt_claims(self, left_s: Callable[[SubjectRecord, int], float | None], revision: int) -> int:
+        """Remembers every claim etcd held at ``revision`` (of any replica), to be ended ``left_s(record, its mod
+        revision)`` seconds from now (None: not this one): after etcd restarted, which started all their leases
+        again. Returns how many."""
+        start, end = self.keys.mailboxes(), prefix_end(self.keys.mailboxes())
+        adopted, after = 0, start
+        while True:
+            response = await self.etcd.call(
+                self.etcd.kv.Range, rpc.RangeRequest(key=after, range_end=end, limit=_RANGE_PAGE, revision=revision)
+            )
+            for kv in response.kvs:
+                if not self.keys.is_subject(kv.key):
+                    continue
+                record = _codec.decode_record(kv.value)
+                claimed = record.state is State.CLAIMED and record.expires_ms is not None
+                left = left_s(record, int(kv.mod_revision)) if claimed else None
+                if left is not None:
+                    self.lapses.adopt(kv.key, int(kv.mod_revision), left)
+                    adopted += 1
+            if not response.more or not response.kvs:
+                return adopted
+            after = response.kvs[-1].key + b"\0"
 
     # --- watches -------------------------------------------------------------------------------------------
 

@@ -56,8 +56,12 @@ Request ids and retries:
 Expiry, sends and IN_DOUBT:
 * A claim frees between its TTL and its TTL plus about 1.5 s after its last grant or renewal (claims share
   one etcd lease per 1 s expiry bucket, and etcd checks leases about every 0.5 s), never earlier, as long as
-  etcd keeps its leader. An etcd leader election restarts lease TTLs, so after one a claim can free up to one
-  more TTL later. Renew well before `expires_at` (the Python client renews at a third of the TTL).
+  etcd keeps its leader. An etcd leader election (and etcd stopped and started again) restarts lease TTLs;
+  the coordinator replica that last wrote a claim then ends it itself when its TTL has passed by that replica's
+  monotonic clock, within about a second of etcd answering again (docs/design.md#leases-and-expiry), and
+  `serve` does the same for its embedded etcd's claims when started again. Only a claim whose last writer is
+  gone can free up to one more TTL later. Renew well before `expires_at` (the Python client renews at a third
+  of the TTL).
 * BeginSend gives the holder a send deadline (`SubjectStatus.send_deadline`; 2 minutes by default, the
   server's --send-timeout) to call ConfirmSent or AbortSend. Past it the subject becomes IN_DOUBT (within
   about a second): it never frees by itself, the holder may still ConfirmSent or AbortSend, a retried
@@ -367,7 +371,8 @@ class SubjectStatus(_message.Message):
     replied_outside: _builtins.bool
     """REPLIED: recorded because someone answered in the subject's thread without the coordinator
     (RecordOutgoing, ANSWERED_OUTSIDE), not by this subject's own send. `holder` is then who answered as the
-    message's `from` says (unchecked: `outside_reply.recorded_by` is the principal that vouched for it), `holder_kind` HUMAN, `sent_at` the reply's date as the provider gives it and
+    message's `from` says (unchecked: `outside_reply.recorded_by` is the principal that vouched for it),
+    `holder_kind` HUMAN, `sent_at` the reply's date as the provider gives it and
     `sent_message_id` its message id; `outside_reply.stopped_holder` names the claim it ended, if one was held.
     """
     settled_by: _builtins.str
