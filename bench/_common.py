@@ -338,7 +338,10 @@ class CoordinatorProcess:
         rate_limit: float | None = None,
         http: bool = False,
         serve_args: Sequence[str] = (),
+        code: Path | None = None,
     ) -> None:
+        """``code``: another checkout of this project (a git archive of an earlier commit) to run the coordinator
+        from, to compare with the code as it was."""
         name = f"serve-{uuid.uuid4().hex[:8]}"
         self.status_path = workdir / f"{name}.status"
         self.log_path = workdir / f"{name}.log"
@@ -359,8 +362,13 @@ class CoordinatorProcess:
         if http:
             command += ["--http-listen", f"127.0.0.1:{free_port()}"]
         command += serve_args
+        env = None
+        if code is not None:  # python -m looks in its working directory first: the other checkout's
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(code), str(code / "clients" / "python")))}
         with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=code
+            )
         serving = self._next_status(0, timeout=30.0)
         if serving is None or serving.get("event") != "serving":
             self.stop()

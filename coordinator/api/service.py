@@ -17,7 +17,14 @@ from coordinator.api.auth import Authenticator, CallCredentials, DevelopmentAuth
 from coordinator.api.batch import BatchObserver, BatchRunner
 from coordinator.api.encoded import Encoded
 from coordinator.api.pacing import WritePacer
-from coordinator.api.quotas import QuotaSettings, RateLimiter, WatchSlots
+from coordinator.api.quotas import (
+    OWED_MAX_S,
+    TURNS_WAITING_MAX,
+    QuotaSettings,
+    RateLimiter,
+    WatchSlots,
+    WorkBudget,
+)
 from coordinator.api.status import (
     CALL_DEADLINE_REASON,
     abort,
@@ -26,7 +33,7 @@ from coordinator.api.status import (
     retry_after_ms,
     status_code,
 )
-from coordinator.core import commands
+from coordinator.core import commands, work
 from coordinator.core.domain import (
     Caller,
     ClaimResult,
@@ -384,8 +391,9 @@ def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generat
         deadline = self.quotas.call_deadline_s
         try:
             caller = self._authenticate(context)
-            async with asyncio.timeout(deadline):
-                return await _checked(handler, self, caller, request)
+            with work.metered(self._work.of(caller.principal)):
+                async with asyncio.timeout(deadline):
+                    return await _checked(handler, self, caller, request)
         except TimeoutError:
             await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, deadline_message(deadline), CALL_DEADLINE_REASON)
         except CoordinatorError as error:
@@ -407,6 +415,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.quotas = quotas or QuotaSettings()
         self.batch_observer = batch_observer
         self._rates = RateLimiter(self.quotas.calls_per_second, self.quotas.burst)
+        self._work = WorkBudget(self.quotas.work_per_second, self.quotas.work_burst)
         self._watches = WatchSlots(self.quotas.max_watches)
         self._pacer = WritePacer(self.quotas.watch_events_per_second)
         handlers = {field: functools.partial(_checked, handler, self) for field, handler in _BATCH_CALLS.items()}
@@ -425,6 +434,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 f"principal {caller.principal!r} is over its limit of {self.quotas.calls_per_second:g} calls/s; "
                 f"retry in {math.ceil(wait * 1000)} ms",
                 wait,
+            )
+        owed = self._work.owed(caller.principal)
+        if owed > OWED_MAX_S or self._work.waiting(caller.principal) >= TURNS_WAITING_MAX:
+            wait = max(owed - OWED_MAX_S, 1.0)
+            raise ResourceExhausted(
+                f"principal {caller.principal!r} is over its budget of {self.quotas.work_per_second:g} records read "
+                f"per second: its calls in flight read much (listings filtered by state, searches of recent "
+                f"messages, watch snapshots) and wait their turn; retry in {math.ceil(wait * 1000)} ms, or read "
+                "less at a time",
+                wait,
+                reason="WORK_LIMITED",
             )
         return caller
 
@@ -695,31 +715,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             watch = self._engine.watch(
                 caller, request.mailbox, request.after_revision, max_lag_s=self.quotas.watch_drain_timeout_s
             )
-            async with contextlib.aclosing(watch) as items:
-                drain = _DrainWatch(
-                    self.quotas.watch_drain_timeout_s,
-                    items,
-                    f"Watch of mailbox {request.mailbox!r} by {caller.principal!r}",
-                    self._pacer,
-                    caller.principal,
-                )
-                guard = asyncio.create_task(drain.guard(), name="watch drain guard")
-                try:
-                    async for item in items:
-                        message: pb.WatchResponse | Encoded
-                        if isinstance(item, Snapshot):
-                            message = pb.WatchResponse(
-                                snapshot=pb.WatchSnapshot(
-                                    subjects=[status_out(subject, stored) for subject, stored in item.subjects],
-                                    revision=item.revision,
-                                )
-                            )
-                        else:
-                            message = self._encoded_events(item)
-                        await drain.write(context, message)
-                finally:
-                    guard.cancel()
-                drain.raise_if_slow()
+            # The snapshot (or the history since a revision) is the watch's work, paced as it is read.
+            with work.metered(self._work.of(caller.principal)):
+                await self._watch(caller, request, context, watch)
         except SlowConsumer as error:
             # Not context.abort(): it awaits sending the status, which waits behind the messages the client is
             # not reading, and an awaited gRPC batch must never be left to be cancelled (see _DrainWatch). Set
@@ -729,6 +727,39 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except CoordinatorError as error:
             await _abort(context, error)
 
+    async def _watch(
+        self,
+        caller: Caller,
+        request: pb.WatchRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+        watch: AsyncGenerator[Snapshot | Event, None],
+    ) -> None:
+        async with contextlib.aclosing(watch) as items:
+            drain = _DrainWatch(
+                self.quotas.watch_drain_timeout_s,
+                items,
+                f"Watch of mailbox {request.mailbox!r} by {caller.principal!r}",
+                self._pacer,
+                caller.principal,
+            )
+            guard = asyncio.create_task(drain.guard(), name="watch drain guard")
+            try:
+                async for item in items:
+                    message: pb.WatchResponse | Encoded
+                    if isinstance(item, Snapshot):
+                        message = pb.WatchResponse(
+                            snapshot=pb.WatchSnapshot(
+                                subjects=[status_out(subject, stored) for subject, stored in item.subjects],
+                                revision=item.revision,
+                            )
+                        )
+                    else:
+                        message = self._encoded_events(item)
+                    await drain.write(context, message)
+            finally:
+                guard.cancel()
+            drain.raise_if_slow()
+
     async def Batch(self, request: pb.BatchRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.BatchResponse:
         calls = request.calls
         try:
@@ -737,7 +768,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             caller = self._authenticate(context, max(len(calls), 1))
         except CoordinatorError as error:
             await _abort(context, error)
-        return await self._batch.run(caller, calls, context)
+        with work.metered(self._work.of(caller.principal)):  # every call of the batch adds to it
+            return await self._batch.run(caller, calls, context)
 
 
 # The calls a Batch may carry: its oneof field -> the handler of the unary RPC of the same name.

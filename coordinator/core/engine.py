@@ -11,7 +11,7 @@ import logging
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from coordinator.core import domain, limits
+from coordinator.core import domain, limits, work
 from coordinator.core.commands import (
     AbortSend,
     BeginSend,
@@ -183,6 +183,8 @@ def _events(changes: Iterable[Change]) -> Iterator[Event]:
             yield Event(event_type, change)
 
 
+# Records searched between two turns of other calls (ListRecentMessages with a query).
+_SEARCHED_PER_TURN = 256
 # How often a takeover takes over again when an agent claimed between its two steps.
 _TAKEOVER_ROUNDS = 3
 # How often a ClaimReply decides again when the thread's latest outside reply changed under it.
@@ -470,7 +472,7 @@ class Engine:
         revision = 0
         for _ in range(limits.LIST_RANGES_PER_PAGE):
             items, last, revision = await self.store.list_subjects(
-                mailbox, cursor=cursor, limit=limit, revision=revision
+                mailbox, cursor=cursor, limit=limit, revision=revision, states=states
             )
             for index, item in enumerate(items):
                 if item[1].record.state in wanted:
@@ -495,7 +497,15 @@ class Engine:
         wanted = query.casefold()
         seen: set[Subject] = set()
         found: list[DeliveryRecord] = []
-        for delivery in await self.store.recent_deliveries(mailbox, limits.RECENT_DELIVERIES_READ_MAX):
+        searched = 0
+        newest = await self.store.recent_deliveries(mailbox, limits.RECENT_DELIVERIES_READ_MAX, containing=wanted)
+        for delivery in newest:
+            if wanted:
+                # Each record searched is work too (coordinator/core/work.py); a long search gives others turns.
+                searched += 1
+                work.spend(1)
+                if searched % _SEARCHED_PER_TURN == 0:
+                    await asyncio.sleep(0)
             subject = delivery.subject
             if subject is None or subject in seen:
                 continue

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from coordinator.core import work
 from coordinator.core.domain import (
     DeliveryRecord,
     EndMark,
@@ -292,17 +293,26 @@ class MemoryStore:
         self._publish(Change(subject, current, after, transition.end, revision))
         return transition, after
 
-    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+    async def recent_deliveries(self, mailbox: str, limit: int, *, containing: str = "") -> list[DeliveryRecord]:
         self._expire()
         mine = [leased for (box, _), leased in self._deliveries.items() if box == mailbox]
-        return [leased.value for leased in sorted(mine, key=lambda leased: -leased.revision)[:limit]]
+        found = [leased.value for leased in sorted(mine, key=lambda leased: -leased.revision)[:limit]]
+        work.spend(len(found))
+        return found
 
     async def status(self, subject: Subject) -> Stored | None:
         self._expire()
+        work.spend(1)
         return self._subjects.get(subject)
 
     async def list_subjects(
-        self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0
+        self,
+        mailbox: str,
+        *,
+        cursor: str | None,
+        limit: int,
+        revision: int = 0,
+        states: frozenset[State] = frozenset(),
     ) -> tuple[Listing, str | None, int]:
         self._expire()
         after = subject_order(decode_cursor(cursor, mailbox)) if cursor is not None else None
@@ -312,8 +322,10 @@ class MemoryStore:
         )
         following = [(s, stored) for key, s, stored in ordered if after is None or key > after]
         page = following[:limit]
+        work.spend(len(page))
         more = len(following) > limit
-        return page, encode_cursor(page[-1][0]) if more and page else None, self._revision
+        listed = [item for item in page if not states or item[1].record.state in states]
+        return listed, encode_cursor(page[-1][0]) if more and page else None, self._revision
 
     async def snapshot(self, mailbox: str, revision: int = 0) -> tuple[Listing, int]:
         self._expire()

@@ -94,6 +94,20 @@ def encode_record(record: SubjectRecord) -> bytes:
     return _dump(data)
 
 
+# How every record this codec writes begins: its state first, one letter ("s" is the first key of the dict).
+_STATE_AT = len(b'{"s":"')
+
+
+def state_of(value: bytes) -> State:
+    """A subject record's state, read without decoding the rest (a listing filtered by state skips most records
+    it reads); a value of another shape is decoded whole."""
+    if value.startswith(b'{"s":"') and value[_STATE_AT + 1 : _STATE_AT + 2] == b'"':
+        state = _STATES_IN.get(value[_STATE_AT : _STATE_AT + 1].decode("ascii", "replace"))
+        if state is not None:
+            return state
+    return decode_record(value).state
+
+
 def decode_record(value: bytes) -> SubjectRecord:
     data = json.loads(value)
     return SubjectRecord(
@@ -202,6 +216,16 @@ def encode_delivery(delivery: DeliveryRecord) -> bytes:
             "v": _summary(delivery.summary),
         }
     )
+
+
+def may_contain(value: bytes, folded: str) -> bool:
+    """Whether a record's text fields may contain ``folded`` (casefolded), read without decoding it: JSON writes
+    every text as it is (``ensure_ascii=False``), but for the characters it escapes (``"``, ``\\``, controls), and
+    casefolding goes character by character, so a text that contains ``folded`` leaves it in the casefolded value.
+    True for a ``folded`` with an escaped character (the caller decodes and checks)."""
+    if not folded.isprintable() or '"' in folded or "\\" in folded:
+        return True
+    return folded in value.decode("utf-8", "replace").casefold()
 
 
 def decode_delivery(value: bytes, mailbox: str, notification_id: str) -> DeliveryRecord:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
+from coordinator.core import work
 from coordinator.core.domain import (
     DeliveryRecord,
     EndMark,
@@ -70,6 +71,8 @@ _RECENT_WRITES = 4096  # subjects whose last write by this replica is remembered
 _CAS_ATTEMPTS = 32
 _RANGE_PAGE = 1000
 _THREAD_READS = 100  # subjects read per transaction (etcd takes at most 128 operations in one)
+# Records decoded between two turns of other calls, when a read brings many (about 1 ms of work).
+_DECODED_PER_TURN = 128
 
 
 class _NoObserver:
@@ -353,6 +356,7 @@ class EtcdStore:
         # Read after the range, not at its revision: commit_outgoing compares each subject it writes with what is
         # read here, and the thread's range with the range's revision.
         entries = []
+        work.spend(len(response.responses[0].response_range.kvs))
         for start in range(0, len(linked), _THREAD_READS):
             chunk = linked[start : start + _THREAD_READS]
             subjects = await self._txn([], [_op_get(self.keys.subject(s)) for s, _ in chunk], [], frozenset())
@@ -563,48 +567,74 @@ class EtcdStore:
         return await self._txn(compare, ops, [], frozenset(writes))
 
     async def status(self, subject: Subject) -> Stored | None:
+        work.spend(1)
         response = await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))
         return _stored(response.kvs[0]) if response.kvs else None
 
-    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+    async def recent_deliveries(self, mailbox: str, limit: int, *, containing: str = "") -> list[DeliveryRecord]:
         # etcd sorts a range by create revision and cuts it at the limit itself: one read, bounded by the limit.
         base = self.keys.deliveries(mailbox)
-        response = await self.etcd.call(
-            self.etcd.kv.Range,
-            rpc.RangeRequest(
-                key=base,
-                range_end=prefix_end(base),
-                limit=limit,
-                sort_order=rpc.RangeRequest.DESCEND,
-                sort_target=rpc.RangeRequest.CREATE,
-            ),
-        )
-        return [
-            _codec.decode_delivery(kv.value, mailbox, self.keys.delivery_notification_id(mailbox, kv.key))
-            for kv in response.kvs
-        ]
+        async with work.turn() as read:
+            response = await self.etcd.call(
+                self.etcd.kv.Range,
+                rpc.RangeRequest(
+                    key=base,
+                    range_end=prefix_end(base),
+                    limit=limit,
+                    sort_order=rpc.RangeRequest.DESCEND,
+                    sort_target=rpc.RangeRequest.CREATE,
+                ),
+            )
+            # etcd reads and sorts every delivery of the mailbox to find the newest, at once: that is the work,
+            # not the limit, and one sort of it all costs the others more than reads of its size in slices (twice).
+            read(2 * max(int(response.count), len(response.kvs)))
+        deliveries = []
+        for index, kv in enumerate(response.kvs):
+            if index % _DECODED_PER_TURN == _DECODED_PER_TURN - 1:
+                await asyncio.sleep(0)  # other calls' turn: a long read is decoded in slices
+            if containing and not _codec.may_contain(kv.value, containing):
+                continue  # not decoded: the text is nowhere in the record
+            notification_id = self.keys.delivery_notification_id(mailbox, kv.key)
+            deliveries.append(_codec.decode_delivery(kv.value, mailbox, notification_id))
+        return deliveries
 
     async def list_subjects(
-        self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0
+        self,
+        mailbox: str,
+        *,
+        cursor: str | None,
+        limit: int,
+        revision: int = 0,
+        states: frozenset[State] = frozenset(),
     ) -> tuple[Listing, str | None, int]:
-        """Up to ``limit`` subjects of a mailbox in key order, after the subject ``cursor`` names; a cursor for
-        the next page if more follow."""
+        """Up to ``limit`` subjects of a mailbox in key order, after the subject ``cursor`` names (only those in
+        ``states``, when given: the others are read but not decoded); a cursor for the next page if more follow."""
         after = self.keys.subject(decode_cursor(cursor, mailbox)) if cursor is not None else None
-        items, more, revision = await self._range_subjects(mailbox, after=after, limit=limit, revision=revision)
-        return items, encode_cursor(items[-1][0]) if more and items else None, revision
+        items, last, revision = await self._range_subjects(
+            mailbox, after=after, limit=limit, revision=revision, states=states
+        )
+        parsed = self.keys.parse_mailbox_key(mailbox, last) if last is not None else None
+        return items, encode_cursor(parsed[1]) if parsed is not None else None, revision
 
     async def _range_subjects(
-        self, mailbox: str, *, after: bytes | None, limit: int, revision: int
+        self, mailbox: str, *, after: bytes | None, limit: int, revision: int, states: frozenset[State] = frozenset()
     ) -> tuple[Listing, bytes | None, int]:
-        """Up to ``limit`` subjects after key ``after``; the last key read if more follow."""
+        """Up to ``limit`` subjects after key ``after`` (only those in ``states``, when given); the last key read
+        if more follow."""
         base = self.keys.subjects(mailbox)
         start = after + b"\0" if after is not None else base
-        response = await self.etcd.call(
-            self.etcd.kv.Range,
-            rpc.RangeRequest(key=start, range_end=prefix_end(base), limit=limit, revision=revision),
-        )
+        async with work.turn() as read:
+            response = await self.etcd.call(
+                self.etcd.kv.Range,
+                rpc.RangeRequest(key=start, range_end=prefix_end(base), limit=limit, revision=revision),
+            )
+            read(len(response.kvs))
         items: Listing = []
-        for kv in response.kvs:
+        for index, kv in enumerate(response.kvs):
+            if index % _DECODED_PER_TURN == _DECODED_PER_TURN - 1:
+                await asyncio.sleep(0)  # other calls' turn: a long read is decoded in slices
+            if states and _codec.state_of(kv.value) not in states:
+                continue
             parsed = self.keys.parse_mailbox_key(mailbox, kv.key)
             if parsed is not None:
                 items.append((parsed[1], _stored(kv)))

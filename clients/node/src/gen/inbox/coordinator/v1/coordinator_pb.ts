@@ -20,9 +20,11 @@
 //   `admin` has every mailbox and every role.
 // * Limits: request message 1 MiB; a unary call's time on the server 30 s (a Batch's calls share one);
 //   a request message must arrive within 10 s of its call's start; 1000 concurrent calls per connection
-//   (further calls wait in the client); 500 calls/s per principal, burst 1000; 64 open watches per
-//   principal, written 2,000 messages/s in all. All are server settings; README.md "Limits" lists them with
-//   the field limits.
+//   (further calls wait in the client); 500 calls/s per principal, burst 1000; 5,000 records read (or
+//   searched) per second per principal, burst 10,000: a principal's costly reads take turns, each once what it
+//   owes is waited out (a filtered ListClaims page reads up to 5,000 subjects; ListRecentMessages has etcd read
+//   and sort every delivery of the mailbox, counted twice); 64 open watches per principal, written 2,000
+//   messages/s in all. All are server settings; README.md "Limits" lists them with the field limits.
 // * Subject.kind must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD: UNSPECIFIED is INVALID_ARGUMENT.
 // * Times in requests: every google.protobuf.Timestamp a request carries (alone or inside a Batch) must lie in
 //   protobuf's range (years 0001 to 9999, nanos 0 to 999,999,999), else INVALID_ARGUMENT naming the field. The
@@ -87,6 +89,8 @@
 //                       PRINCIPAL_MISMATCH   `x-inbox-principal` names another principal than the credentials
 //   UNAUTHENTICATED     UNAUTHENTICATED      no credentials, an unknown or revoked token, an unmapped certificate
 //   RESOURCE_EXHAUSTED  RATE_LIMITED         over the principal's call rate (RetryInfo: when to retry)
+//                       WORK_LIMITED         the principal owes more than a second of its work budget (records
+//                                            read per second), or has 8 reads waiting their turn (RetryInfo)
 //                       TOO_MANY_WATCHES     over the principal's open watches (close one; RetryInfo 1 s)
 //   UNAVAILABLE         STORE_UNAVAILABLE    etcd cannot be reached or refused the write; retry with the same
 //                                            request id (another replica may answer)
