@@ -359,6 +359,8 @@ class CoordinatorProcess:
             command.append("--uvloop")
         if rate_limit is not None:
             command += ["--rate-limit", str(rate_limit)]
+            if rate_limit == 0 and code is None:  # the per-principal limits lifted: the work budget too
+                command += ["--work-rate", "0"]
         if http:
             command += ["--http-listen", f"127.0.0.1:{free_port()}"]
         command += serve_args
