@@ -1,5 +1,5 @@
-"""python -m bench {claims,contended,dedup,cycle,outgoing,watch,slow-watchers,http,http-attacks,list-claims,memory,
-embedded-db,mcp,profile,all} [options]; each --help says more.
+"""python -m bench {claims,contended,dedup,cycle,outgoing,watch,slow-watchers,http,http-attacks,list-claims,
+fair-reads,memory,embedded-db,mcp,profile,all} [options]; each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
 temporary directory, measures a baseline in the same run, and prints ratios against it.
@@ -17,6 +17,7 @@ from . import (
     calls,
     claims,
     embedded_db,
+    fair_reads,
     http,
     http_attacks,
     listing,
@@ -77,6 +78,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         listing.add_arguments,
         listing.run,
     ),
+    "fair-reads": (
+        "a quiet principal's GetStatus p50/p99 alone and beside another's costly reads, work budget off vs on",
+        fair_reads.add_arguments,
+        fair_reads.run,
+    ),
     "slow-watchers": (
         "other callers' p99 and coordinator RSS while 200 Watch streams of one principal never read",
         slow_watchers.add_arguments,
@@ -122,6 +128,7 @@ QUICK: dict[str, list[str]] = {
         *("--hold", "1", "--held", "20"),
     ],
     "list-claims": ["--subjects", "300", "--sending", "3", "--rounds", "1"],
+    "fair-reads": ["--subjects", "500", "--seconds", "0.5", "--rounds", "1", "--quiet-rate", "20"],
     "mcp": ["--sends", "20", "--rounds", "1"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }

@@ -339,8 +339,11 @@ class CoordinatorProcess:
         http: bool = False,
         serve_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
+        code: Path | None = None,
     ) -> None:
-        """``extra_env``: added to the process's environment (the OTEL_* variables of a traced coordinator)."""
+        """``extra_env``: added to the process's environment (the OTEL_* variables of a traced coordinator).
+        ``code``: another checkout of this project (a git archive of an earlier commit) to run the coordinator
+        from, to compare with the code as it was."""
         name = f"serve-{uuid.uuid4().hex[:8]}"
         self.status_path = workdir / f"{name}.status"
         self.log_path = workdir / f"{name}.log"
@@ -358,16 +361,17 @@ class CoordinatorProcess:
             command.append("--uvloop")
         if rate_limit is not None:
             command += ["--rate-limit", str(rate_limit)]
+            if rate_limit == 0 and code is None:  # the per-principal limits lifted: the work budget too
+                command += ["--work-rate", "0"]
         if http:
             command += ["--http-listen", f"127.0.0.1:{free_port()}"]
         command += serve_args
+        env = {**os.environ, **extra_env} if extra_env else None
+        if code is not None:  # python -m looks in its working directory first: the other checkout's
+            env = {**(env or os.environ), "PYTHONPATH": os.pathsep.join((str(code), str(code / "clients" / "python")))}
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **extra_env} if extra_env else None,
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=code
             )
         serving = self._next_status(0, timeout=30.0)
         if serving is None or serving.get("event") != "serving":

@@ -68,7 +68,12 @@ async def _serve_coordinator(options: argparse.Namespace, status: _StatusFile) -
         max_batch=options.max_batch,
         max_batches_in_flight=options.in_flight,
     )
-    quotas = QuotaSettings(calls_per_second=options.rate_limit, max_watches=options.max_watches)
+    quotas = QuotaSettings(
+        calls_per_second=options.rate_limit,
+        max_watches=options.max_watches,
+        work_per_second=options.work_rate,
+        work_burst=options.work_burst,
+    )
     tracing.start_from_environment()  # as inbox-coordinator serve: traced when OTEL_* say so
     server = CoordinatorServer(
         ServerSettings(
@@ -165,6 +170,13 @@ def main() -> int:
         help="calls/s per principal, 0 = off (default %(default)s, as inbox-coordinator serve)",
     )
     parser.add_argument("--max-watches", type=int, default=QuotaSettings.max_watches, help="per principal")
+    parser.add_argument(
+        "--work-rate",
+        type=float,
+        default=QuotaSettings.work_per_second,
+        help="records read per second per principal, 0 = off (default %(default)s, as serve)",
+    )
+    parser.add_argument("--work-burst", type=int, default=QuotaSettings.work_burst, help="as serve's")
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's own loop")
     parser.add_argument("--http-listen", default="", help="HOST:PORT for the HTTP/JSON face (default: none)")
     parser.add_argument("--log-level", default="info", help="as serve's (default %(default)s, serve's default)")

@@ -57,6 +57,9 @@ class Coordinator(Protocol):
     async def resolve_in_doubt(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
+    async def undo_outside_reply(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+
     async def mark_replied(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
@@ -204,6 +207,16 @@ class CoordinatorASGIApplication(ConnectASGIApplication[Coordinator]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.resolve_in_doubt,
+                ),
+                "/inbox.coordinator.v1.Coordinator/UndoOutsideReply": Endpoint.unary(
+                    method=MethodInfo(
+                        name="UndoOutsideReply",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.undo_outside_reply,
                 ),
                 "/inbox.coordinator.v1.Coordinator/MarkReplied": Endpoint.unary(
                     method=MethodInfo(
@@ -518,6 +531,26 @@ class CoordinatorClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    async def undo_outside_reply(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="UndoOutsideReply",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     async def mark_replied(
         self,
         request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest,
@@ -625,6 +658,8 @@ class CoordinatorSync(Protocol):
     def takeover(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeoverRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeoverResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def resolve_in_doubt(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+    def undo_outside_reply(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def mark_replied(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
@@ -769,6 +804,16 @@ class CoordinatorWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.resolve_in_doubt,
+                ),
+                "/inbox.coordinator.v1.Coordinator/UndoOutsideReply": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="UndoOutsideReply",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.undo_outside_reply,
                 ),
                 "/inbox.coordinator.v1.Coordinator/MarkReplied": EndpointSync.unary(
                     method=MethodInfo(
@@ -1077,6 +1122,26 @@ class CoordinatorClientSync(ConnectClientSync):
                 service_name="inbox.coordinator.v1.Coordinator",
                 input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest,
                 output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    def undo_outside_reply(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="UndoOutsideReply",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
             headers=headers,

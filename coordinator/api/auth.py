@@ -7,7 +7,7 @@ hash is enough: there is nothing to brute-force). Example:
     id = "support-agent-1"
     kind = "agent"                       # or "human"
     mailboxes = ["grant-7f3a", "acme-*"] # exact names or globs (*, ?, [...])
-    roles = []                           # "takeover", "resolve", "admin"
+    roles = []                           # "report", "takeover", "resolve", "admin"
     token_sha256 = ["5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8"]
     certificate_names = ["agent-1.acme.internal"]   # mTLS: a client certificate's CN or DNS SAN
 """
@@ -31,7 +31,10 @@ from coordinator.core.errors import InvalidArgument, PermissionDenied, Unauthent
 from coordinator.core.limits import PRINCIPAL_MAX_BYTES, check_text
 from inbox_wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 
-ROLES = frozenset({"takeover", "resolve", "admin"})
+# report: may say a message was sent from its mailboxes (RecordOutgoing), and names threads as the provider does
+# (its webhook workers); takeover: a person may take a message from an agent or a colleague; resolve: may settle
+# an unconfirmed send, and undo a reply recorded as written outside; admin: every role and every mailbox.
+ROLES = frozenset({"report", "takeover", "resolve", "admin"})
 # The authenticated principal of the call running in this task, for the per-call log line.
 current_principal: ContextVar[str] = ContextVar("inbox_coordinator_principal", default="")
 AUTHORIZATION_METADATA = "authorization"

@@ -18,6 +18,7 @@ import contextvars
 import errno
 import json
 import logging
+import re
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -33,7 +34,7 @@ from connectrpc.request import RequestContext
 from google.protobuf import descriptor_pool, json_format, message_factory
 from google.protobuf import message as message_module
 from google.protobuf.any_pb2 import Any as AnyMessage
-from google.rpc import status_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from coordinator.api._connect import CoordinatorASGIApplication
 from coordinator.api.encoded import Encoded
@@ -49,6 +50,7 @@ from coordinator.api.http_guard import (
 from coordinator.api.interceptor import RpcObserver
 from coordinator.api.protojson import ProtoJson
 from coordinator.api.service import SERVICE_NAME, CoordinatorServicer
+from coordinator.api.status import DOMAIN
 from inbox_wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
 from inbox_wire.v1 import coordinator_pb2 as pb
 
@@ -58,6 +60,24 @@ log = logging.getLogger(__name__)
 BOARD_DIR = Path(__file__).resolve().parent / "board"
 
 ASGIApp = Callable[[dict[str, Any], Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]]
+
+
+# Where json_format says a refused value was: "... at ClaimReplyRequest.summary.receivedAt." (JSON names).
+_JSON_PATH = re.compile(r" at [A-Za-z0-9_]+\.([A-Za-z0-9_.\[\]]+?)\.*\Z")
+_CAMEL_HUMP = re.compile(r"(?<=[a-z0-9])([A-Z])")
+
+
+def _refused_body(name: str, problem: str) -> ConnectError:
+    """INVALID_ARGUMENT for a JSON body json_format refused; when it says which field, the field is named first
+    (by its proto name: ``summary.received_at``) and in an ErrorInfo, as the service names the fields it refuses
+    (a time outside a Timestamp's range, year 10000, can only be refused here: RFC 3339 has no such year)."""
+    located = _JSON_PATH.search(problem)
+    if located is None:
+        return ConnectError(Code.INVALID_ARGUMENT, f"the body is not a {name}: {problem}")
+    field = _CAMEL_HUMP.sub(r"_\1", located.group(1)).lower()
+    info = AnyMessage()
+    info.Pack(error_details_pb2.ErrorInfo(reason="INVALID_FIELD", domain=DOMAIN, metadata={"field": field}))
+    return ConnectError(Code.INVALID_ARGUMENT, f"{field}: the body is not a {name}: {problem}", (info,))
 
 
 class _StrictJsonCodec(connect_codecs.ProtoJSONCodec):  # type: ignore[type-arg]
@@ -76,7 +96,7 @@ class _StrictJsonCodec(connect_codecs.ProtoJSONCodec):  # type: ignore[type-arg]
         try:
             _PROTO_JSON.parse(document, message)
         except (json_format.ParseError, ValueError, TypeError, RecursionError) as error:
-            raise ConnectError(Code.INVALID_ARGUMENT, f"the body is not a {name}: {error}") from None
+            raise _refused_body(name, str(error)) from None
         return message
 
     def encode(self, message: Any) -> bytes:

@@ -17,7 +17,14 @@ from coordinator.api.auth import Authenticator, CallCredentials, DevelopmentAuth
 from coordinator.api.batch import BatchObserver, BatchRunner
 from coordinator.api.encoded import Encoded
 from coordinator.api.pacing import WritePacer
-from coordinator.api.quotas import QuotaSettings, RateLimiter, WatchSlots
+from coordinator.api.quotas import (
+    OWED_MAX_S,
+    TURNS_WAITING_MAX,
+    QuotaSettings,
+    RateLimiter,
+    WatchSlots,
+    WorkBudget,
+)
 from coordinator.api.status import (
     CALL_DEADLINE_REASON,
     abort,
@@ -26,7 +33,7 @@ from coordinator.api.status import (
     retry_after_ms,
     status_code,
 )
-from coordinator.core import commands
+from coordinator.core import commands, work
 from coordinator.core.domain import (
     Caller,
     ClaimResult,
@@ -101,6 +108,7 @@ _EVENT_TYPES = {
     EventType.RETENTION_ENDED: pb.EVENT_TYPE_RETENTION_ENDED,
     EventType.MARKED_REPLIED: pb.EVENT_TYPE_MARKED_REPLIED,
     EventType.ANSWERED_OUTSIDE: pb.EVENT_TYPE_ANSWERED_OUTSIDE,
+    EventType.OUTSIDE_REPLY_UNDONE: pb.EVENT_TYPE_OUTSIDE_REPLY_UNDONE,
 }
 _OUTGOING_RESULTS = {
     OutgoingResult.OWN_REPLY: pb.RecordOutgoingResponse.OWN_REPLY,
@@ -128,20 +136,65 @@ def subject_in(message: pb.Subject, field: str = "subject") -> Subject:
     return Subject(message.mailbox, kind, message.id)
 
 
-def time_in(container: Any, name: str, field: str) -> int | None:
-    """A Timestamp field in milliseconds; None when unset."""
+# protobuf's Timestamp range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999999Z.
+_TIMESTAMP_MIN_SECONDS = -62_135_596_800
+_TIMESTAMP_MAX_SECONDS = 253_402_300_799
+_TIMESTAMP = "google.protobuf.Timestamp"
+# Every Timestamp field of a request message, as paths of field names, by message type (made once per type).
+_TIME_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {}
+
+
+def _time_paths(descriptor: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The paths to every singular Timestamp field of ``descriptor``, inside singular messages too. Repeated
+    messages are not entered: the only request with any is Batch, whose calls are checked one by one."""
+    found: list[tuple[str, ...]] = []
+    for field in descriptor.fields:
+        if field.message_type is None or field.is_repeated:
+            continue
+        if field.message_type.full_name == _TIMESTAMP:
+            found.append((*path, field.name))
+        elif len(path) < 8:  # no request message is recursive; the bound only stops one that would be
+            found += _time_paths(field.message_type, (*path, field.name))
+    return found
+
+
+def check_times(request: Any) -> None:
+    """Every Timestamp of ``request`` within protobuf's range, else INVALID_ARGUMENT naming its field: a stamp
+    outside it (year 10000, nanos over a second) cannot be converted, and would otherwise fail deep in a call as
+    INTERNAL. What each time may be beyond that (not before 1970, not far ahead) the engine checks."""
+    name = request.DESCRIPTOR.full_name
+    paths = _TIME_FIELDS.get(name)
+    if paths is None:
+        paths = _TIME_FIELDS[name] = tuple(_time_paths(request.DESCRIPTOR))
+    for path in paths:
+        container = request
+        for part in path:
+            if not container.HasField(part):
+                break
+            container = getattr(container, part)
+        else:
+            _check_stamp(container, ".".join(path))
+
+
+def _check_stamp(stamp: Timestamp, field: str) -> None:
+    if not 0 <= stamp.nanos <= 999_999_999:
+        raise InvalidArgument(f"{field}.nanos", f"is {stamp.nanos}; it must be 0..999999999")
+    if not _TIMESTAMP_MIN_SECONDS <= stamp.seconds <= _TIMESTAMP_MAX_SECONDS:
+        raise InvalidArgument(
+            field, f"is {stamp.seconds} s from 1970, outside a Timestamp's range (years 0001 to 9999)"
+        )
+
+
+def time_in(container: Any, name: str) -> int | None:
+    """A Timestamp field (checked by ``check_times``) in milliseconds; None when unset."""
     if not container.HasField(name):
         return None
     stamp: Timestamp = getattr(container, name)
-    if stamp.nanos < 0 or stamp.nanos > 999_999_999:
-        raise InvalidArgument(f"{field}.nanos", "must be 0..999999999")
     return int(stamp.ToMilliseconds())
 
 
 def summary_in(message: pb.MessageSummary) -> Summary:
     received = message.received_at
-    if received.nanos < 0 or received.nanos > 999_999_999:
-        raise InvalidArgument("summary.received_at.nanos", "must be 0..999999999")
     return Summary(message.subject_line, message.sender, received.ToMilliseconds() if received.seconds else None)
 
 
@@ -213,6 +266,7 @@ def event_out(event: Event) -> pb.WatchEvent:
     ended = change.now is None or (
         event.type is EventType.ANSWERED_OUTSIDE and previous is not None and previous.record.state is State.CLAIMED
     )
+    end = change.end
     return pb.WatchEvent(
         type=_EVENT_TYPES[event.type],
         status=status_out(change.subject, change.now),
@@ -221,7 +275,10 @@ def event_out(event: Event) -> pb.WatchEvent:
         else "",
         previous_token=previous.token if previous is not None and ended else 0,
         revision=change.revision,
-        reason=change.end.detail if change.end is not None else "",
+        reason=end.detail if end is not None else "",
+        by=end.by if end is not None else "",
+        at=_timestamp(end.at_ms) if end is not None else None,
+        undone=outside_reply_out(end.undone) if end is not None else None,
     )
 
 
@@ -319,6 +376,12 @@ class _DrainWatch:
                 return
 
 
+async def _checked(handler: Handler[Req, Resp], servicer: CoordinatorServicer, caller: Caller, request: Req) -> Resp:
+    """A unary RPC's handler, alone or in a Batch, after what every request is checked for."""
+    check_times(request)
+    return await handler(servicer, caller, request)
+
+
 def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generated base's loosely typed method
     """A unary RPC: authenticates, bounds the call's time, and turns coordinator errors into their status
     codes; anything else is a bug, answered INTERNAL by the interceptor (coordinator.api.interceptor)."""
@@ -328,8 +391,9 @@ def _unary(handler: Handler[Req, Resp]) -> Any:  # Any: it overrides the generat
         deadline = self.quotas.call_deadline_s
         try:
             caller = self._authenticate(context)
-            async with asyncio.timeout(deadline):
-                return await handler(self, caller, request)
+            with work.metered(self._work.of(caller.principal)):
+                async with asyncio.timeout(deadline):
+                    return await _checked(handler, self, caller, request)
         except TimeoutError:
             await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, deadline_message(deadline), CALL_DEADLINE_REASON)
         except CoordinatorError as error:
@@ -351,9 +415,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.quotas = quotas or QuotaSettings()
         self.batch_observer = batch_observer
         self._rates = RateLimiter(self.quotas.calls_per_second, self.quotas.burst)
+        self._work = WorkBudget(self.quotas.work_per_second, self.quotas.work_burst)
         self._watches = WatchSlots(self.quotas.max_watches)
         self._pacer = WritePacer(self.quotas.watch_events_per_second)
-        handlers = {field: functools.partial(handler, self) for field, handler in _BATCH_CALLS.items()}
+        handlers = {field: functools.partial(_checked, handler, self) for field, handler in _BATCH_CALLS.items()}
         self._batch = BatchRunner(handlers, SERVICE_NAME, self.quotas.call_deadline_s, batch_observer)
         # The engine hands every watcher of a mailbox the same event: it is serialized once, for all of them.
         self._encoded_events: LastConverted[Event, Encoded] = LastConverted(
@@ -369,6 +434,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 f"principal {caller.principal!r} is over its limit of {self.quotas.calls_per_second:g} calls/s; "
                 f"retry in {math.ceil(wait * 1000)} ms",
                 wait,
+            )
+        owed = self._work.owed(caller.principal)
+        if owed > OWED_MAX_S or self._work.waiting(caller.principal) >= TURNS_WAITING_MAX:
+            wait = max(owed - OWED_MAX_S, 1.0)
+            raise ResourceExhausted(
+                f"principal {caller.principal!r} is over its budget of {self.quotas.work_per_second:g} records read "
+                f"per second: its calls in flight read much (listings filtered by state, searches of recent "
+                f"messages, watch snapshots) and wait their turn; retry in {math.ceil(wait * 1000)} ms, or read "
+                "less at a time",
+                wait,
+                reason="WORK_LIMITED",
             )
         return caller
 
@@ -394,7 +470,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 note=request.note,
                 summary=summary_in(request.summary),
                 thread_id=request.thread_id,
-                received_ms=time_in(request, "received_at", "received_at"),
+                received_ms=time_in(request, "received_at"),
             ),
         )
         return pb.ClaimReplyResponse(
@@ -412,7 +488,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 notification_id=request.notification_id,
                 message_id=request.message_id,
                 thread_id=request.thread_id,
-                sent_ms=time_in(request, "sent_at", "sent_at"),
+                sent_ms=time_in(request, "sent_at"),
                 sender=request.sender,
             ),
         )
@@ -495,6 +571,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             ),
         )
         return pb.MarkRepliedResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+
+    async def _undo_outside_reply(
+        self, caller: Caller, request: pb.UndoOutsideReplyRequest
+    ) -> pb.UndoOutsideReplyResponse:
+        subject = subject_in(request.subject)
+        outcome = await self._engine.undo_outside_reply(
+            caller, commands.UndoOutsideReply(request_id=request.request_id, subject=subject, note=request.note)
+        )
+        end = outcome.end
+        return pb.UndoOutsideReplyResponse(
+            status=status_out(subject, outcome.stored),
+            undone=outside_reply_out(end.undone) if end is not None else None,
+            undone_by=end.by if end is not None else "",
+            undone_at=_timestamp(end.at_ms) if end is not None else None,
+        )
 
     async def _get_status(self, caller: Caller, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
         subject = subject_in(request.subject)
@@ -597,6 +688,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ListRecentMessages = _unary(_list_recent_messages)
     Takeover = _unary(_takeover)
     ResolveInDoubt = _unary(_resolve_in_doubt)
+    UndoOutsideReply = _unary(_undo_outside_reply)
     MarkReplied = _unary(_mark_replied)
     RecordOutgoing = _unary(_record_outgoing)
     GetCaller = _unary(_get_caller)
@@ -623,31 +715,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             watch = self._engine.watch(
                 caller, request.mailbox, request.after_revision, max_lag_s=self.quotas.watch_drain_timeout_s
             )
-            async with contextlib.aclosing(watch) as items:
-                drain = _DrainWatch(
-                    self.quotas.watch_drain_timeout_s,
-                    items,
-                    f"Watch of mailbox {request.mailbox!r} by {caller.principal!r}",
-                    self._pacer,
-                    caller.principal,
-                )
-                guard = asyncio.create_task(drain.guard(), name="watch drain guard")
-                try:
-                    async for item in items:
-                        message: pb.WatchResponse | Encoded
-                        if isinstance(item, Snapshot):
-                            message = pb.WatchResponse(
-                                snapshot=pb.WatchSnapshot(
-                                    subjects=[status_out(subject, stored) for subject, stored in item.subjects],
-                                    revision=item.revision,
-                                )
-                            )
-                        else:
-                            message = self._encoded_events(item)
-                        await drain.write(context, message)
-                finally:
-                    guard.cancel()
-                drain.raise_if_slow()
+            # The snapshot (or the history since a revision) is the watch's work, paced as it is read.
+            with work.metered(self._work.of(caller.principal)):
+                await self._watch(caller, request, context, watch)
         except SlowConsumer as error:
             # Not context.abort(): it awaits sending the status, which waits behind the messages the client is
             # not reading, and an awaited gRPC batch must never be left to be cancelled (see _DrainWatch). Set
@@ -657,6 +727,39 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except CoordinatorError as error:
             await _abort(context, error)
 
+    async def _watch(
+        self,
+        caller: Caller,
+        request: pb.WatchRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+        watch: AsyncGenerator[Snapshot | Event, None],
+    ) -> None:
+        async with contextlib.aclosing(watch) as items:
+            drain = _DrainWatch(
+                self.quotas.watch_drain_timeout_s,
+                items,
+                f"Watch of mailbox {request.mailbox!r} by {caller.principal!r}",
+                self._pacer,
+                caller.principal,
+            )
+            guard = asyncio.create_task(drain.guard(), name="watch drain guard")
+            try:
+                async for item in items:
+                    message: pb.WatchResponse | Encoded
+                    if isinstance(item, Snapshot):
+                        message = pb.WatchResponse(
+                            snapshot=pb.WatchSnapshot(
+                                subjects=[status_out(subject, stored) for subject, stored in item.subjects],
+                                revision=item.revision,
+                            )
+                        )
+                    else:
+                        message = self._encoded_events(item)
+                    await drain.write(context, message)
+            finally:
+                guard.cancel()
+            drain.raise_if_slow()
+
     async def Batch(self, request: pb.BatchRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.BatchResponse:
         calls = request.calls
         try:
@@ -665,7 +768,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             caller = self._authenticate(context, max(len(calls), 1))
         except CoordinatorError as error:
             await _abort(context, error)
-        return await self._batch.run(caller, calls, context)
+        with work.metered(self._work.of(caller.principal)):  # every call of the batch adds to it
+            return await self._batch.run(caller, calls, context)
 
 
 # The calls a Batch may carry: its oneof field -> the handler of the unary RPC of the same name.

@@ -304,6 +304,15 @@ class ResolveInDoubt(Command):
         return _legacy_digest("ResolveInDoubt", self.subject, self.outcome, self.sent_message_id, self.note)
 
 
+@dataclass(frozen=True, kw_only=True)
+class UndoOutsideReply(Command):
+    """Added after version 1 was defined: it has no legacy fingerprint."""
+
+    rpc: ClassVar[str] = "UndoOutsideReply"
+    subject: Subject
+    note: str = ""
+
+
 COMMANDS: tuple[type[Command], ...] = (
     RecordDelivery,
     ClaimReply,
@@ -316,4 +325,5 @@ COMMANDS: tuple[type[Command], ...] = (
     MarkReplied,
     Takeover,
     ResolveInDoubt,
+    UndoOutsideReply,
 )

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the rules read the commands' fields; the commands are made 
         RenewClaim,
         ResolveInDoubt,
         Takeover,
+        UndoOutsideReply,
     )
 
 
@@ -54,6 +55,8 @@ class EndReason(enum.Enum):
     ABORTED = "aborted"
     TAKEN_OVER = "taken_over"
     RESOLVED_NOT_SENT = "resolved_not_sent"
+    # A person found a reply recorded as written outside to be wrong: the message is answerable again.
+    OUTSIDE_REPLY_UNDONE = "outside_reply_undone"
 
 
 class EventType(enum.Enum):
@@ -70,6 +73,7 @@ class EventType(enum.Enum):
     RETENTION_ENDED = "retention_ended"
     MARKED_REPLIED = "marked_replied"
     ANSWERED_OUTSIDE = "answered_outside"
+    OUTSIDE_REPLY_UNDONE = "outside_reply_undone"
 
 
 class ClaimResult(enum.Enum):
@@ -130,22 +134,38 @@ def authorize_mailbox(caller: Caller, mailbox: str) -> None:
         )
 
 
-def require_role(caller: Caller, role: str, call: str) -> None:
+# The role of the principals that report a mailbox's mail to the coordinator (its webhook workers): they may say
+# a message was sent from the mailbox (RecordOutgoing), and the thread they name for a message they claim is taken
+# as the provider's word (docs/design.md#replies-written-outside, "What a reporter vouches for").
+REPORT_ROLE = "report"
+
+
+def require_role(caller: Caller, role: str, call: str, who_has_it: str = "") -> None:
     if not caller.grants.has_role(role):
         raise PermissionDenied(
-            f"{call} needs the role {role!r}, which principal {caller.principal!r} does not have",
+            f"{call} needs the role {role!r}, which principal {caller.principal!r} does not have"
+            + (f": {who_has_it}" if who_has_it else ""),
             reason="ROLE_MISSING",
         )
+
+
+def reports_mail(caller: Caller) -> bool:
+    """Whether the caller reports its mailboxes' mail (the role ``report``): its word on a message's thread is the
+    provider's. Checked with the mailbox grant, which every call checks first."""
+    return caller.grants.has_role(REPORT_ROLE)
 
 
 @dataclass(frozen=True)
 class ThreadLink:
     """Which thread a claimed message belongs to and when it was received, both as the provider says: a reply
     written outside the coordinator in that thread after ``received_ms`` answered it (ClaimReply's
-    ``thread_id`` and ``received_at``)."""
+    ``thread_id`` and ``received_at``). ``entered_by``: the principal that said so; ``vouched``: whether it
+    reports the mailbox's mail (``reports_mail``), so that its word on the thread is the provider's."""
 
     thread_id: str
     received_ms: int
+    entered_by: str = ""
+    vouched: bool = True
 
 
 @dataclass(frozen=True)
@@ -160,6 +180,8 @@ class OutsideReply:
     recorded_by: str
     # The principal whose claim this reply ended (the subject was CLAIMED); empty when nobody held one.
     stopped_holder: str = ""
+    # Its thread: what an undo withdraws it from (empty on records written before undoing existed).
+    thread_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -231,6 +253,8 @@ class EndMark:
     # `redeliverable`): the notification that led to it may then claim again.
     settles_delivery: bool = True
     fingerprint: str = ""  # of the ending call's arguments, as SubjectRecord.fingerprint
+    # OUTSIDE_REPLY_UNDONE: the reply written outside that the person undid (for watchers and the retry's answer).
+    undone: OutsideReply | None = None
 
 
 @dataclass(frozen=True)
@@ -252,11 +276,13 @@ class DeliveryRecord:
 
 @dataclass(frozen=True)
 class Transition:
-    """What a call decided. At most one of ``write`` and ``end`` is set; neither means no change."""
+    """What a call decided. At most one of ``write`` and ``end`` is set; neither means no change. ``withdraw``:
+    in the same write, the thread's latest reply written outside is deleted if it is still this reply (an undo)."""
 
     result: FenceResult
     write: SubjectRecord | None = None
     end: EndMark | None = None
+    withdraw: OutsideReply | None = None
 
 
 @dataclass(frozen=True)
@@ -669,11 +695,10 @@ def _repeats(last_end: EndMark | None, caller: Caller, token: int, command: Comm
 # --- Humans' calls --------------------------------------------------------------------------------------
 
 
-def require_human(caller: Caller) -> None:
+def require_human(caller: Caller, call: str = "Takeover") -> None:
     if caller.kind is not HolderKind.HUMAN:
-        raise PermissionDenied(
-            "Takeover is for principals of kind human; an agent must wait or use ClaimReply", reason="NOT_HUMAN"
-        )
+        instead = "an agent must wait or use ClaimReply" if call == "Takeover" else "a person must judge it"
+        raise PermissionDenied(f"{call} is for principals of kind human; {instead}", reason="NOT_HUMAN")
 
 
 def takeover_refusal(current: Stored | None, caller: Caller, from_person: str = "") -> TakeoverResult | None:
@@ -772,6 +797,44 @@ def resolve_in_doubt(
     )
 
 
+def undo_outside_reply(
+    current: Stored | None, last_end: EndMark | None, caller: Caller, command: UndoOutsideReply, *, now_ms: int
+) -> Transition:
+    """A person (the ``resolve`` role) finds that a reply recorded as written outside did not answer this message
+    (recorded by mistake, or by a reporter that should not have): the subject becomes FREE, answerable again, and
+    the thread's record of that reply is withdrawn (if it is still the thread's latest), so that the message's
+    next ClaimReply is not answered by it again. The end mark says who undid what, when; the notification that
+    led to the message may claim again (the undo is no decision about the message)."""
+    require_human(caller, "UndoOutsideReply")
+    if _repeats(last_end, caller, 0, command, EndReason.OUTSIDE_REPLY_UNDONE):
+        return Transition(FenceResult.OK)
+    if current is None or not current.record.replied_outside:
+        state = state_of(current)
+        raise FailedPrecondition(
+            f"UndoOutsideReply: the subject is {state.name}"
+            + (" by its own send" if state is State.REPLIED else "")
+            + "; only a message recorded as answered outside the coordinator can be undone"
+        )
+    record = current.record
+    undone = record.outside_reply
+    return Transition(
+        FenceResult.OK,
+        end=EndMark(
+            EndReason.OUTSIDE_REPLY_UNDONE,
+            caller.principal,
+            current.token,
+            record.holder,
+            command.request_id,
+            now_ms,
+            command.note,
+            settles_delivery=False,
+            fingerprint=command.fingerprint,
+            undone=undone,
+        ),
+        withdraw=undone if undone is not None and undone.thread_id else None,
+    )
+
+
 # --- Replies written outside the coordinator ------------------------------------------------------------
 # docs/design.md#replies-written-outside: a reply in thread T dated d answers every message of T received at or
 # before d. The store keeps, per thread, the subjects claimed for its messages (with their received times) and
@@ -783,11 +846,26 @@ UNKNOWN_SENDER = "the mailbox"
 
 @dataclass(frozen=True)
 class ThreadEntry:
-    """A subject claimed for a message of a thread, when that message was received, and the subject now."""
+    """A subject claimed for a message of a thread, when that message was received, and the subject now; who
+    entered it in the thread, and whether that principal reports the mailbox's mail (``ThreadLink``). Entries
+    written before this was kept have neither: vouched, as every entry was then."""
 
     subject: Subject
     received_ms: int
     stored: Stored | None
+    entered_by: str = ""
+    vouched: bool = True
+
+
+def _counts_for(entry: ThreadEntry, record: SubjectRecord | None) -> bool:
+    """Whether a reply written outside in the entry's thread may end or mark the entry's subject: the thread was
+    named by a principal that reports the mailbox's mail (its word is the provider's), or by the subject's own
+    holder about its own claim (naming a wrong thread can then cost only itself). A thread named by anyone
+    else (an agent without ``report``, a person) for a message is that principal's word alone, and never makes
+    the message answered for others (docs/design.md#replies-written-outside, "What a reporter vouches for")."""
+    if entry.vouched:
+        return True
+    return record is not None and not record.replied_outside and record.holder == entry.entered_by
 
 
 @dataclass(frozen=True)
@@ -901,11 +979,14 @@ def plan_outgoing(rules: Rules, view: ThreadView, reply: OutsideReply, now_ms: i
         if entry.received_ms > reply.sent_ms:
             continue  # a question asked after this reply: still to be answered
         current = entry.stored.record if entry.stored is not None else None
+        if current is not None and _knows_outside(current, reply.message_id):
+            answered.append(entry.subject)  # recorded before (a retry, another notification of it)
+            continue
+        if not _counts_for(entry, current):
+            continue  # in this thread only by the word of a principal that does not report the mailbox's mail
         after = answered_outside(rules, current, reply, now_ms)
         if after is not None:
             writes.append((entry, after))
-            answered.append(entry.subject)
-        elif current is not None and _knows_outside(current, reply.message_id):
             answered.append(entry.subject)
     latest = view.mark is None or view.mark.sent_ms < reply.sent_ms
     return OutgoingPlan(OutgoingResult.ANSWERED_OUTSIDE, tuple(writes), reply if latest else None, tuple(answered))
@@ -925,6 +1006,7 @@ _END_EVENTS = {
     EndReason.ABORTED: EventType.ABORTED,
     EndReason.TAKEN_OVER: EventType.TAKEN_OVER,
     EndReason.RESOLVED_NOT_SENT: EventType.RESOLVED_NOT_SENT,
+    EndReason.OUTSIDE_REPLY_UNDONE: EventType.OUTSIDE_REPLY_UNDONE,
 }
 
 _STATE_EVENTS = {

@@ -11,7 +11,7 @@ import logging
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from coordinator.core import domain, limits
+from coordinator.core import domain, limits, work
 from coordinator.core.commands import (
     AbortSend,
     BeginSend,
@@ -24,6 +24,7 @@ from coordinator.core.commands import (
     RenewClaim,
     ResolveInDoubt,
     Takeover,
+    UndoOutsideReply,
 )
 from coordinator.core.domain import (
     Caller,
@@ -74,6 +75,14 @@ class TakeoverOutcome:
 
 
 @dataclass(frozen=True)
+class UndoOutcome:
+    """The subject after an undo (FREE, or as a later call left it) and the end mark that records the undo."""
+
+    stored: Stored | None
+    end: EndMark | None
+
+
+@dataclass(frozen=True)
 class Snapshot:
     subjects: list[tuple[Subject, Stored]]
     revision: int
@@ -107,7 +116,7 @@ def _check_request_id(request_id: str) -> None:
     limits.check_text("request_id", request_id, limits.REQUEST_ID_MAX_BYTES, required=True)
 
 
-def _checked_summary(summary: Summary | None) -> Summary | None:
+def _checked_summary(summary: Summary | None, now_ms: int) -> Summary | None:
     """The summary as it is stored: within its limits, and without invisible formatting (see limits); None when
     it says nothing, as a request without one does."""
     if not summary:
@@ -116,8 +125,7 @@ def _checked_summary(summary: Summary | None) -> Summary | None:
         "summary.subject_line", summary.subject_line, limits.SUMMARY_SUBJECT_LINE_MAX_BYTES, required=False
     )
     limits.check_text("summary.sender", summary.sender, limits.SUMMARY_SENDER_MAX_BYTES, required=False)
-    if summary.received_ms is not None and summary.received_ms < 0:
-        raise InvalidArgument("summary.received_at", "is before 1970; leave it unset when unknown")
+    limits.check_time_ms("summary.received_at", summary.received_ms, required=False, now_ms=now_ms)
     subject_line = limits.without_invisible_formatting(summary.subject_line)
     sender = limits.without_invisible_formatting(summary.sender)
     if (subject_line, sender) == (summary.subject_line, summary.sender):
@@ -125,10 +133,12 @@ def _checked_summary(summary: Summary | None) -> Summary | None:
     return dataclasses.replace(summary, subject_line=subject_line, sender=sender)
 
 
-def _thread_link(subject: Subject, thread_id: str, received_ms: int | None) -> ThreadLink | None:
+def _thread_link(
+    caller: Caller, subject: Subject, thread_id: str, received_ms: int | None, now_ms: int
+) -> ThreadLink | None:
     """ClaimReply's thread and received time, both or neither; a thread subject is its own thread."""
     limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=False)
-    limits.check_time_ms("received_at", received_ms, required=False)
+    limits.check_time_ms("received_at", received_ms, required=False, now_ms=now_ms)
     if subject.kind is SubjectKind.THREAD:
         if thread_id and thread_id != subject.id:
             raise InvalidArgument("thread_id", "names another thread than the thread subject; leave it empty")
@@ -145,7 +155,7 @@ def _thread_link(subject: Subject, thread_id: str, received_ms: int | None) -> T
         )
     if not thread_id:
         raise InvalidArgument("thread_id", "is required with received_at (the message's thread)")
-    return ThreadLink(thread_id, received_ms)
+    return ThreadLink(thread_id, received_ms, caller.principal, domain.reports_mail(caller))
 
 
 def _check_fenced_call(
@@ -173,6 +183,8 @@ def _events(changes: Iterable[Change]) -> Iterator[Event]:
             yield Event(event_type, change)
 
 
+# Records searched between two turns of other calls (ListRecentMessages with a query).
+_SEARCHED_PER_TURN = 256
 # How often a takeover takes over again when an agent claimed between its two steps.
 _TAKEOVER_ROUNDS = 3
 # How often a ClaimReply decides again when the thread's latest outside reply changed under it.
@@ -220,11 +232,11 @@ class Engine:
         _check_subject(caller, subject)
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("note", command.note, limits.NOTE_MAX_BYTES, required=False)
-        summary = _checked_summary(command.summary)
-        link = _thread_link(subject, command.thread_id, command.received_ms)
+        now = self._clock()
+        summary = _checked_summary(command.summary, now)
+        link = _thread_link(caller, subject, command.thread_id, command.received_ms, now)
         # Normalised before it is fingerprinted (by the claim record), as every retry of it will be.
         command = dataclasses.replace(command, ttl_seconds=self.rules.limits.ttl(command.ttl_seconds), summary=summary)
-        now = self._clock()
         record = domain.new_claim(
             self.rules,
             caller,
@@ -276,6 +288,12 @@ class Engine:
                 outside_revision = attempt.outside_revision
                 mark = attempt.outside
                 answered_by = mark if mark is not None and domain.answered_before(mark, link) else None
+                if answered_by is not None and not link.vouched:
+                    # The thread is this caller's word alone (it does not report the mailbox's mail): it is told
+                    # the message was answered, by the reply it points at, and nothing is recorded for others.
+                    told = domain.answered_outside(self.rules, None, answered_by, now, summary)
+                    assert told is not None
+                    return ClaimOutcome(ClaimResult.ALREADY_REPLIED, Stored(told, token=0, revision=outside_revision))
                 candidate = (
                     record
                     if answered_by is None
@@ -294,14 +312,20 @@ class Engine:
         notification_id, message_id = command.notification_id, command.message_id
         _check_request_id(request_id)
         _check_mailbox(caller, mailbox)
+        domain.require_role(
+            caller,
+            domain.REPORT_ROLE,
+            "RecordOutgoing",
+            "the operator grants it to the principals that report a mailbox's mail (its webhook workers)",
+        )
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("message_id", message_id, limits.MESSAGE_ID_MAX_BYTES, required=True)
         limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=True)
-        sent = limits.check_time_ms("sent_at", command.sent_ms, required=True)
+        now = self._clock()
+        sent = limits.check_time_ms("sent_at", command.sent_ms, required=True, now_ms=now)
         assert sent is not None
         limits.check_text("sender", command.sender, limits.SENDER_MAX_BYTES, required=False)
-        now = self._clock()
-        reply = OutsideReply(command.sender, sent, message_id, caller.principal)
+        reply = OutsideReply(command.sender, sent, message_id, caller.principal, thread_id=thread_id)
         first_result: OutgoingResult | None = None
         for _ in range(_OUTGOING_ROUNDS):
             view = await self.store.read_thread(mailbox, thread_id, notification_id or None)
@@ -448,7 +472,7 @@ class Engine:
         revision = 0
         for _ in range(limits.LIST_RANGES_PER_PAGE):
             items, last, revision = await self.store.list_subjects(
-                mailbox, cursor=cursor, limit=limit, revision=revision
+                mailbox, cursor=cursor, limit=limit, revision=revision, states=states
             )
             for index, item in enumerate(items):
                 if item[1].record.state in wanted:
@@ -473,7 +497,15 @@ class Engine:
         wanted = query.casefold()
         seen: set[Subject] = set()
         found: list[DeliveryRecord] = []
-        for delivery in await self.store.recent_deliveries(mailbox, limits.RECENT_DELIVERIES_READ_MAX):
+        searched = 0
+        newest = await self.store.recent_deliveries(mailbox, limits.RECENT_DELIVERIES_READ_MAX, containing=wanted)
+        for delivery in newest:
+            if wanted:
+                # Each record searched is work too (coordinator/core/work.py); a long search gives others turns.
+                searched += 1
+                work.spend(1)
+                if searched % _SEARCHED_PER_TURN == 0:
+                    await asyncio.sleep(0)
             subject = delivery.subject
             if subject is None or subject in seen:
                 continue
@@ -500,7 +532,9 @@ class Engine:
         limits.check_text("from_person", from_person, limits.PRINCIPAL_MAX_BYTES, required=False)
         # Normalised before it is fingerprinted, as every retry of it will be.
         command = dataclasses.replace(
-            command, ttl_seconds=self.rules.limits.ttl(command.ttl_seconds), summary=_checked_summary(command.summary)
+            command,
+            ttl_seconds=self.rules.limits.ttl(command.ttl_seconds),
+            summary=_checked_summary(command.summary, self._clock()),
         )
         summary = command.summary
         if not summary:
@@ -562,6 +596,35 @@ class Engine:
             self._end_mark_expiry(),
         )
         return after
+
+    async def undo_outside_reply(self, caller: Caller, command: UndoOutsideReply) -> UndoOutcome:
+        """A person undoes a reply recorded as written outside that did not answer the message (domain.
+        undo_outside_reply): the subject becomes FREE, and the thread's record of that reply is withdrawn."""
+        domain.require_human(caller, "UndoOutsideReply")
+        domain.require_role(caller, "resolve", "UndoOutsideReply")
+        _check_request_id(command.request_id)
+        _check_subject(caller, command.subject)
+        limits.check_text("note", command.note, limits.NOTE_MAX_BYTES, required=False)
+        last_end: EndMark | None = None
+
+        def decide(current: Stored | None, end: EndMark | None) -> Transition:
+            nonlocal last_end
+            last_end = end  # a retry answers from the end mark its first attempt left
+            return domain.undo_outside_reply(current, end, caller, command, now_ms=self._clock())
+
+        transition, after = await self.store.apply(command.subject, decide, self._end_mark_expiry())
+        end = transition.end or last_end
+        if transition.end is not None:
+            undone = transition.end.undone
+            log.warning(
+                "outside reply undone on %r in mailbox %r by %r; it had been recorded by %r (its sender field: %r)",
+                command.subject.id,
+                command.subject.mailbox,
+                caller.principal,
+                undone.recorded_by if undone is not None else "",
+                transition.end.previous_holder,
+            )
+        return UndoOutcome(after, end)
 
     # --- watch and upkeep ----------------------------------------------------------------------------------
 

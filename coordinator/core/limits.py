@@ -100,15 +100,41 @@ def check_text(field: str, value: str, max_bytes: int, *, required: bool) -> str
     return value
 
 
-def check_time_ms(field: str, value_ms: int | None, *, required: bool) -> int | None:
-    """A provider's timestamp (a message's date): not before 1970; ``None`` only if optional."""
+# A provider's date (a message's `received_at`, `sent_at`) may lie this far ahead of the coordinator's clock: the
+# provider's clock and the replica's may each be minutes off (the clock-skew tests run replicas 5 minutes fast
+# and slow). Further ahead it is refused: a reply dated a year ahead would answer every message of its thread for
+# its whole retention (docs/design.md#replies-written-outside).
+TIME_AHEAD_TOLERANCE_MS = 10 * 60 * 1000
+
+
+def check_time_ms(field: str, value_ms: int | None, *, required: bool, now_ms: int) -> int | None:
+    """A provider's timestamp (a message's date): not before 1970, not later than ``now_ms`` (this replica's clock)
+    plus TIME_AHEAD_TOLERANCE_MS; ``None`` only if optional."""
     if value_ms is None:
         if required:
             raise InvalidArgument(field, "is required and was unset")
         return None
     if value_ms < 0:
         raise InvalidArgument(field, "is before 1970; send the message's date as the provider gives it")
+    ahead_ms = value_ms - now_ms
+    if ahead_ms > TIME_AHEAD_TOLERANCE_MS:
+        raise InvalidArgument(
+            field,
+            f"is {_duration(ahead_ms)} ahead of this coordinator's clock; a message's date may be at most "
+            f"{_duration(TIME_AHEAD_TOLERANCE_MS)} ahead (the clock tolerance): send the date the provider gives, "
+            "and check the clocks if it is",
+        )
     return value_ms
+
+
+def _duration(ms: int) -> str:
+    minutes = ms / 60_000
+    if minutes < 120:
+        return f"{minutes:.0f} minutes"
+    hours = minutes / 60
+    if hours < 48:
+        return f"{hours:.0f} hours"
+    return f"{hours / 24:.0f} days"
 
 
 def check_page_size(requested: int, default: int = PAGE_SIZE_DEFAULT, maximum: int = PAGE_SIZE_MAX) -> int:

@@ -24,6 +24,7 @@ from coordinator.core.domain import (
     DeliveryRecord,
     EndMark,
     OutsideReply,
+    State,
     Stored,
     Subject,
     SubjectKind,
@@ -187,14 +188,25 @@ class Store(Protocol):
 
     async def status(self, subject: Subject) -> Stored | None: ...
 
-    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
-        """The mailbox's ``limit`` newest delivery records (by the revision that wrote them), newest first."""
+    async def recent_deliveries(self, mailbox: str, limit: int, *, containing: str = "") -> list[DeliveryRecord]:
+        """Of the mailbox's ``limit`` newest delivery records (by the revision that wrote them), newest first, those
+        that may contain ``containing`` (casefolded) in their summary or subject id: a cheap test a store may make
+        on what it reads before decoding it, which lets through every record that does (the caller checks each
+        it gets). Empty: all of them."""
 
     async def list_subjects(
-        self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0
+        self,
+        mailbox: str,
+        *,
+        cursor: str | None,
+        limit: int,
+        revision: int = 0,
+        states: frozenset[State] = frozenset(),
     ) -> tuple[Listing, str | None, int]:
-        """Up to ``limit`` subjects of a mailbox in a stable order, after ``cursor``; a cursor for the next page
-        if more follow; the revision read (pass it back to read the next page at the same revision)."""
+        """Of the next ``limit`` subjects of a mailbox in a stable order after ``cursor``, those in ``states``
+        (all when empty); a cursor after the last one read if more follow (a filtered read may list none and
+        still have one); the revision read (pass it back to read the next page at the same revision). Reads
+        count as work (coordinator/core/work.py), as every read of the store does."""
 
     async def snapshot(self, mailbox: str, revision: int = 0) -> tuple[Listing, int]:
         """Every subject of a mailbox, all read at one revision."""

@@ -40,6 +40,7 @@ from coordinator.ops.config import (
     load,
 )
 from coordinator.ops.server import SERVICE_NAME, CoordinatorServer, ServerSettings, wall_clock_ms
+from coordinator.store.etcd.clock_frames import ClockFrames
 from coordinator.store.etcd.embedded import (
     EmbeddedEtcd,
     EmbeddedEtcdError,
@@ -252,9 +253,10 @@ def board_line(server: CoordinatorServer) -> str:
     return ""
 
 
-async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
-    """Serve until SIGINT or SIGTERM; ``supervise`` (the embedded etcd's keeper) ending with an error stops
-    the server too, and that error is raised after the drain."""
+async def _serve(settings: ServerSettings, embedded: EmbeddedEtcd | None = None) -> None:
+    """Serve until SIGINT or SIGTERM; the embedded etcd's keeper (``embedded.supervise``) ending with an error
+    stops the server too, and that error is raised after the drain."""
+    supervise: Callable[[], Coroutine[Any, Any, None]] | None = embedded.supervise if embedded is not None else None
     # Handlers first: a SIGTERM that comes the moment the banner is out must still drain and stop etcd.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -264,6 +266,9 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
     assert etcd is not None, "serve runs on etcd"
     traces = tracing.start_from_environment()  # the OTEL_* variables (docs/operations.md#traces)
     server = CoordinatorServer(settings)
+    if embedded is not None and embedded.clocks is not None and isinstance(server.store, EtcdStore):
+        # Before serving: a claim this run makes is its own clock's (the store remembers it as it writes it).
+        await _adopt_claims(server.store, embedded.clocks)
     await server.start()
     print(f"inbox-coordinator: serving gRPC on {server.address}; stop with Ctrl-C or SIGTERM", flush=True)
     if server.metrics_server is not None:
@@ -316,6 +321,35 @@ async def _serve(settings: ServerSettings, supervise: Callable[[], Coroutine[Any
         raise failure
 
 
+ADOPT_TRIES = 10
+
+
+async def _adopt_claims(store: EtcdStore, clocks: ClockFrames) -> None:
+    """The claims the embedded etcd held when it stopped: it started their leases again, a whole TTL from its
+    start; each is ended when its time has passed on the clock of the serve that wrote it instead
+    (docs/design.md#leases-and-expiry, "Across an outage or a restart"). When etcd does not answer within
+    ADOPT_TRIES s, they are left to their leases (later than their time, never earlier)."""
+    for attempt in range(ADOPT_TRIES):
+        try:
+            revision = await store.current_revision()
+            clocks.begin(revision + 1)
+            adopted = await store.adopt_claims(
+                lambda record, mod_revision: clocks.seconds_left(record.expires_ms or 0, mod_revision), revision
+            )
+            break
+        except StoreUnavailable as error:
+            if attempt == ADOPT_TRIES - 1:
+                log.warning("the claims held before this start are left to etcd's leases: %s", error)
+                return
+            await asyncio.sleep(1.0)
+    if adopted:
+        log.info(
+            "%d claim(s) held when the embedded etcd stopped end when their time has passed, not a TTL from now",
+            adopted,
+            extra={"fields": {"event": "claims_adopted", "claims": adopted}},
+        )
+
+
 def _reload_tokens(authenticator: TokenAuthenticator) -> None:
     """SIGHUP: read the token file again; a broken file keeps the principals in force and says why."""
     try:
@@ -355,7 +389,7 @@ def serve(options: argparse.Namespace) -> int:
                 f"quota {format_size(config.embedded_etcd_quota)})",
                 flush=True,
             )
-            asyncio.run(_serve(server_settings(config, [etcd.endpoint]), embedded.supervise))
+            asyncio.run(_serve(server_settings(config, [etcd.endpoint]), embedded))
         finally:
             embedded.stop()
         return EXIT_OK

@@ -396,6 +396,15 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("rate_limit", _number, 500.0, "calls per second per principal (0: no limit)", "PER_SECOND"),
     Setting("rate_burst", _integer, 1000, "calls a principal may make at once above its rate", "CALLS"),
+    Setting(
+        "work_rate",
+        _number,
+        5_000.0,
+        "records read (and searched) per second per principal: a principal reading more is slowed, then refused "
+        "(0: no limit)",
+        "PER_SECOND",
+    ),
+    Setting("work_burst", _integer, 10_000, "records a principal may read at once above its work rate", "RECORDS"),
     Setting("max_watches", _integer, 64, "concurrent Watch streams per principal", "STREAMS"),
     Setting(
         "watch_drain_timeout",
@@ -474,6 +483,8 @@ class Config:
     etcd_password_file: Path | None
     rate_limit: float
     rate_burst: int
+    work_rate: float
+    work_burst: int
     max_watches: int
     call_deadline: float
     watch_drain_timeout: float
@@ -525,6 +536,8 @@ class Config:
         return QuotaSettings(
             calls_per_second=self.rate_limit,
             burst=self.rate_burst,
+            work_per_second=self.work_rate,
+            work_burst=self.work_burst,
             max_watches=self.max_watches,
             call_deadline_s=self.call_deadline,
             watch_drain_timeout_s=self.watch_drain_timeout,
@@ -724,6 +737,10 @@ def _check(config: Config) -> None:
         fail("must be at least 1", "max_watches")
     if config.rate_burst < 1:
         fail("must be at least 1", "rate_burst")
+    if config.work_rate < 0:
+        fail("must be 0 (no limit) or more", "work_rate")
+    if config.work_burst < 1:
+        fail("must be at least 1", "work_burst")
     if config.call_deadline <= 0:
         fail("must be more than 0", "call_deadline")
     if config.watch_events_per_second < 0:

@@ -188,6 +188,25 @@ def _check_free(listen: str, setting: str) -> None:
                     ) from None
 
 
+async def end_lapsed_claims(store: EtcdStore, interval_s: float) -> None:
+    """Ends the claims etcd would keep past their time because it restarted their lease (a new leader, a cluster
+    started again): docs/design.md#leases-and-expiry, "Across an outage or a restart". Every ``interval_s``; while
+    etcd cannot be reached, it tries again at the next one."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            ended = await store.end_lapsed_claims()
+        except StoreUnavailable as error:
+            log.debug("lapsed claims not ended yet: %s", error)
+            continue
+        if ended:
+            log.warning(
+                "ended %d claim(s) whose time had passed while etcd restarted their lease (a leader change, or etcd "
+                "stopped and started again)",
+                ended,
+            )
+
+
 def _count(metrics: Metrics, reason: str) -> None:
     metrics.http_refusals.labels(reason).inc()
 
@@ -283,6 +302,10 @@ class CoordinatorServer:
                 name="metrics gauges",
             ),
         ]
+        if isinstance(self.store, EtcdStore):
+            self._tasks.append(
+                asyncio.create_task(end_lapsed_claims(self.store, settings.sweep_interval_s), name="lapsed claims")
+            )
 
     async def _start_http(self) -> None:
         if self.http is None:

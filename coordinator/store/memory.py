@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from coordinator.core import work
 from coordinator.core.domain import (
     DeliveryRecord,
     EndMark,
@@ -64,7 +65,7 @@ class _Thread:
     """One thread's keys: its claimed subjects (their messages' received times) and its latest outside reply.
     ``changed``: the revision of its last write, as the range compare of etcd's RecordOutgoing sees it."""
 
-    entries: dict[Subject, _Leased[int]] = field(default_factory=dict)
+    entries: dict[Subject, _Leased[ThreadLink]] = field(default_factory=dict)
     mark: _Leased[OutsideReply] | None = None
     changed: int = 0
 
@@ -167,7 +168,7 @@ class MemoryStore:
                     delivery, revision, delivery_expires_ms
                 )
             if thread is not None and linked is not None:
-                linked.entries[subject] = _Leased(thread.received_ms, revision, thread_expires_ms)
+                linked.entries[subject] = _Leased(thread, revision, thread_expires_ms)
                 linked.changed = revision
             self._publish(Change(subject, None, created, None, revision))
             return ClaimAttempt(created, None, None)
@@ -186,7 +187,13 @@ class MemoryStore:
         self._expire()
         thread = self._threads.get((mailbox, thread_id), _Thread())
         entries = tuple(
-            ThreadEntry(subject, leased.value, self._subjects.get(subject))
+            ThreadEntry(
+                subject,
+                leased.value.received_ms,
+                self._subjects.get(subject),
+                leased.value.entered_by,
+                leased.value.vouched,
+            )
             for subject, leased in sorted(thread.entries.items(), key=lambda item: subject_order(item[0]))
         )
         seen = self._deliveries.get((mailbox, notification_id)) if notification_id else None
@@ -273,20 +280,39 @@ class MemoryStore:
             del self._subjects[subject]
             self._subject_expiry.pop(subject, None)
             self._ends[subject] = _Leased(transition.end, revision, end_mark_expires_ms)
+        withdraw = transition.withdraw
+        thread = self._threads.get((subject.mailbox, withdraw.thread_id)) if withdraw is not None else None
+        mark = thread.mark if thread is not None else None
+        if (
+            withdraw is not None
+            and thread is not None
+            and mark is not None
+            and mark.value.message_id == withdraw.message_id
+        ):
+            thread.mark, thread.changed = None, revision
         self._publish(Change(subject, current, after, transition.end, revision))
         return transition, after
 
-    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+    async def recent_deliveries(self, mailbox: str, limit: int, *, containing: str = "") -> list[DeliveryRecord]:
         self._expire()
         mine = [leased for (box, _), leased in self._deliveries.items() if box == mailbox]
-        return [leased.value for leased in sorted(mine, key=lambda leased: -leased.revision)[:limit]]
+        found = [leased.value for leased in sorted(mine, key=lambda leased: -leased.revision)[:limit]]
+        work.spend(len(found))
+        return found
 
     async def status(self, subject: Subject) -> Stored | None:
         self._expire()
+        work.spend(1)
         return self._subjects.get(subject)
 
     async def list_subjects(
-        self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0
+        self,
+        mailbox: str,
+        *,
+        cursor: str | None,
+        limit: int,
+        revision: int = 0,
+        states: frozenset[State] = frozenset(),
     ) -> tuple[Listing, str | None, int]:
         self._expire()
         after = subject_order(decode_cursor(cursor, mailbox)) if cursor is not None else None
@@ -296,8 +322,10 @@ class MemoryStore:
         )
         following = [(s, stored) for key, s, stored in ordered if after is None or key > after]
         page = following[:limit]
+        work.spend(len(page))
         more = len(following) > limit
-        return page, encode_cursor(page[-1][0]) if more and page else None, self._revision
+        listed = [item for item in page if not states or item[1].record.state in states]
+        return listed, encode_cursor(page[-1][0]) if more and page else None, self._revision
 
     async def snapshot(self, mailbox: str, revision: int = 0) -> tuple[Listing, int]:
         self._expire()

@@ -174,6 +174,9 @@ async def test_a_person_answering_from_the_mailbox_while_the_model_drafts_stops_
     assert answer(refused)["message"].endswith("do not reply.")
     assert answer(then)["outcome"] == "already_replied"
     assert answer(then)["message"].startswith("Already answered from the mailbox by ana@shop.example at ")
+    # The sender is only what the message says: the principal that reported it is named beside it.
+    assert "its From line says, recorded by helpdesk-relay" in answer(refused)["message"]
+    assert "its From line says, recorded by helpdesk-relay" in answer(then)["message"]
     assert fake.sends == []
 
 

@@ -4,9 +4,13 @@ kernel's ephemeral range, never handed out twice, reserved against other process
 from __future__ import annotations
 
 import json
+import logging
+import os
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -14,6 +18,7 @@ import pytest
 
 from coordinator.store.etcd import ports
 from coordinator.store.etcd.ports import free_port, free_ports
+from tests.helpers import missing_on_this_machine
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
@@ -81,3 +86,72 @@ def test_without_a_known_ephemeral_range_the_kernel_picks(monkeypatch: pytest.Mo
 def test_an_address_this_machine_lacks_is_an_error_not_an_endless_search() -> None:
     with pytest.raises(OSError, match="assign requested address"):
         ports._Picker().pick(1, "192.0.2.1")  # TEST-NET-1: never assigned to a local interface
+
+
+@pytest.fixture
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temporary directory as /tmp is (world-writable, sticky), which ``tempfile.gettempdir()`` answers."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return tmp
+
+
+def _lock_file(tmp: Path) -> Path:
+    return tmp / f"inbox-coordinator-{os.getuid()}" / "ports.lock"
+
+
+def _picks_still_work(picker: ports._Picker) -> None:
+    picked = picker.pick(3, "127.0.0.1")
+    assert len(set(picked)) == 3
+
+
+def test_the_lock_file_lives_in_a_directory_only_this_user_can_write(private_tmp: Path) -> None:
+    _picks_still_work(ports._Picker())
+    path = _lock_file(private_tmp)
+    assert ports.lock_file_path() == path
+    directory, lock_file = path.parent.lstat(), path.lstat()
+    assert stat.S_ISDIR(directory.st_mode)
+    assert directory.st_uid == os.getuid()
+    assert stat.S_IMODE(directory.st_mode) == 0o700
+    assert stat.S_ISREG(lock_file.st_mode)
+    assert stat.S_IMODE(lock_file.st_mode) == 0o600
+
+
+def test_a_link_planted_where_the_lock_file_goes_is_not_followed(private_tmp: Path, tmp_path: Path) -> None:
+    """With fs.protected_symlinks=0 an open that follows a link another user planted in /tmp creates (or opens) a
+    file wherever it points. Links are planted at every name a release used: the file of the release before,
+    and the per-user directory."""
+    victims = [tmp_path / "victim-file", tmp_path / "victim-dir"]
+    victims[1].mkdir()
+    (private_tmp / f"inbox-coordinator-ports-{os.getuid()}.lock").symlink_to(victims[0])
+    _lock_file(private_tmp).parent.symlink_to(victims[1], target_is_directory=True)
+    _picks_still_work(ports._Picker())
+    assert not victims[0].exists()
+    assert list(victims[1].iterdir()) == []
+
+
+def test_a_link_planted_inside_the_directory_is_not_followed(private_tmp: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "victim-file"
+    path = _lock_file(private_tmp)
+    path.parent.mkdir(0o777)  # as an older release or a loose umask left it: a window for a planted link
+    path.parent.chmod(0o777)
+    path.symlink_to(victim)
+    _picks_still_work(ports._Picker())
+    assert not victim.exists()
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700  # ours, so it was closed
+
+
+def test_a_directory_another_user_owns_is_not_used(private_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    if os.geteuid() != 0:
+        missing_on_this_machine("root, to give a directory to another user")
+    path = _lock_file(private_tmp)
+    path.parent.mkdir(0o777)
+    path.parent.chmod(0o777)
+    os.chown(path.parent, 65534, 65534)  # nobody: a directory another user made before us, open to all
+    with caplog.at_level(logging.WARNING, logger=ports.__name__):
+        _picks_still_work(ports._Picker())
+    assert not path.exists()
+    assert "not shared with other processes" in caplog.text
+    assert "uid 65534" in caplog.text

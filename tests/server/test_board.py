@@ -187,6 +187,7 @@ async def test_a_reply_from_the_mailbox_shows_who_answered_and_that_the_agent_st
     server: CoordinatorServer, browser: Browser, mailbox: str, screen: tuple[int, int]
 ) -> None:
     page = await open_board(browser, board_url(server, mailbox), name="bo", size=screen)
+    colleague = await open_board(browser, board_url(server, mailbox), name="ana", size=screen)
     await expect(page.locator("#empty")).to_be_visible()
     asked = Timestamp(seconds=int(time.time()) - 600)
     async with grpc.aio.insecure_channel(server.address) as channel:
@@ -216,9 +217,11 @@ async def test_a_reply_from_the_mailbox_shows_who_answered_and_that_the_agent_st
         assert (await from_gmail("t-1", "gmail-1")).result == pb.RecordOutgoingResponse.ANSWERED_OUTSIDE
         assert (await from_gmail("t-2", "gmail-2")).result == pb.RecordOutgoingResponse.ANSWERED_OUTSIDE
         ended = row(page, "msg-drafting")
+        # Who the message's From line names, and beside it who reported it (what vouches for it).
         await expect(ended).to_contain_text(
             re.compile(
-                r"Answered from the mailbox by ana@shop\.example at .+\. agent-a stopped because a person answered\."
+                r"Answered from the mailbox by ana@shop\.example \(as its From line says; recorded by agent-a\) "
+                r"at .+\. agent-a stopped because a person answered\."
             ),
             timeout=LIVE,
         )
@@ -228,6 +231,27 @@ async def test_a_reply_from_the_mailbox_shows_who_answered_and_that_the_agent_st
         )
         await expect(row(page, "msg-sending")).to_contain_text(": both replies go out.")
         await page.screenshot(path=ARTIFACTS / "board-answered-from-the-mailbox.png")
+        # That reply did not answer the refund question: bo (development mode: every role) undoes it.
+        await ended.get_by_role("button", name="It was not answered").click()
+        dialog = page.locator("#ask")
+        await expect(dialog).to_contain_text("recorded by agent-a")
+        await page.fill("#ask-note", "Ana answered the parcel question only")
+        await dialog.get_by_role("button", name="Yes, it was not answered").click()
+        await expect(ended).to_have_count(0, timeout=LIVE)  # FREE: off the board
+        await expect(page.locator("#status-line")).to_contain_text(
+            re.compile(r"Undone, with your name, at .+: that reply no longer counts as the answer to “Refund for order")
+        )
+        # Everyone else watching is told who undid what, and when.
+        await expect(row(colleague, "msg-drafting")).to_have_count(0, timeout=LIVE)
+        await expect(colleague.locator("#status-line")).to_contain_text(
+            re.compile(
+                r"bo undid “answered from the mailbox by ana@shop\.example \(as its From line says; recorded by "
+                r"agent-a\) at .+” for “Refund for order 1182\?” at .+ \(Ana answered the parcel question only\)"
+            )
+        )
+        await expect(colleague.locator("#status-line")).to_contain_text("the email can be answered again")
+        status = await agent.status(drafting)
+        assert status.state == pb.SUBJECT_STATE_FREE
 
 
 async def test_a_person_settles_unconfirmed_sends_from_the_keyboard_credited_and_asked_nothing_unknowable(

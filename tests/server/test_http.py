@@ -188,7 +188,7 @@ async def test_every_rpc_answers_over_json_as_over_grpc(
     assert http_answers[15] == {
         "principal": "ana",
         "kind": "HOLDER_KIND_HUMAN",
-        "roles": ["admin", "resolve", "takeover"],
+        "roles": ["admin", "report", "resolve", "takeover"],
         "mailboxes": ["*"],
         "developmentMode": True,
     }
@@ -306,7 +306,7 @@ async def test_tokens_reach_the_same_principals_and_grants_over_http(
         ("agent-a", "HOLDER_KIND_AGENT", [], ["acme-*"]),
         ("ana", "HOLDER_KIND_HUMAN", ["resolve", "takeover"], ["acme-*"]),
         ("bo", "HOLDER_KIND_HUMAN", [], ["acme-*"]),
-        ("root", "HOLDER_KIND_HUMAN", ["admin", "resolve", "takeover"], ["*"]),
+        ("root", "HOLDER_KIND_HUMAN", ["admin", "report", "resolve", "takeover"], ["*"]),
     ],
 )
 async def test_get_caller_tells_a_token_principal_who_it_is_over_grpc_and_http(

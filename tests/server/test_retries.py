@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from coordinator.core import commands, domain
 from coordinator.ops.server import wall_clock_ms
@@ -54,6 +55,28 @@ async def _in_doubt(caller: Caller, subject: pb.Subject) -> int:
     return token
 
 
+async def _answered_outside(caller: Caller, subject: pb.Subject) -> int:
+    """Claimed in a thread, then answered there from the mailbox (RecordOutgoing): REPLIED, answered outside."""
+    asked = Timestamp(seconds=1_700_000_000)
+    claimed = await caller.agent.stub.ClaimReply(
+        pb.ClaimReplyRequest(
+            request_id=new_request_id(), subject=subject, thread_id="t-" + subject.id, received_at=asked, ttl_seconds=60
+        ),
+        metadata=caller.agent.metadata,
+    )
+    outgoing = pb.RecordOutgoingRequest(
+        request_id=new_request_id(),
+        mailbox=subject.mailbox,
+        message_id="gmail-" + subject.id,
+        thread_id="t-" + subject.id,
+        sent_at=Timestamp(seconds=1_700_000_300),
+        sender="Ana Lima <ana@shop.example>",
+    )
+    answered = await caller.agent.stub.RecordOutgoing(outgoing, metadata=caller.agent.metadata)
+    assert answered.result == pb.RecordOutgoingResponse.ANSWERED_OUTSIDE
+    return claimed.status.fencing_token
+
+
 def _request(rpc: str, subject: pb.Subject, token: int, request_id: str, variant: bool) -> Any:
     """The request message of a mutation; ``variant`` changes one argument."""
     fence: dict[str, Any] = {"request_id": request_id, "subject": subject, "fencing_token": token}
@@ -82,6 +105,8 @@ def _request(rpc: str, subject: pb.Subject, token: int, request_id: str, variant
             outcome=pb.ResolveInDoubtRequest.OUTCOME_SENT,
             sent_message_id="other" if variant else "found-in-sent-folder",
         )
+    if rpc == "UndoOutsideReply":
+        return pb.UndoOutsideReplyRequest(request_id=request_id, subject=subject, note="other" if variant else "")
     raise AssertionError(rpc)
 
 
@@ -96,8 +121,9 @@ _PREPARE: dict[str, Callable[[Caller, pb.Subject], Awaitable[int]]] = {
     "AbortSend": _sending,
     "Takeover": _claimed,
     "ResolveInDoubt": _in_doubt,
+    "UndoOutsideReply": _answered_outside,
 }
-_HUMAN_CALLS = frozenset({"Takeover", "ResolveInDoubt"})
+_HUMAN_CALLS = frozenset({"Takeover", "ResolveInDoubt", "UndoOutsideReply"})
 _BATCHED = {
     "RecordDelivery": "record_delivery",
     "ClaimReply": "claim_reply",

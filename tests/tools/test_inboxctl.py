@@ -94,7 +94,18 @@ def test_help_shows_every_command_with_examples_and_exit_codes(capsys: pytest.Ca
     installed = Path(sys.executable).with_name("inboxctl")
     top = subprocess.run([str(installed), "--help"], capture_output=True, text=True, timeout=30)
     assert top.returncode == 0, top.stderr
-    for command in ("status", "ls", "watch", "claim", "release", "takeover", "replied", "in-doubt", "resolve"):
+    for command in (
+        "status",
+        "ls",
+        "watch",
+        "claim",
+        "release",
+        "takeover",
+        "replied",
+        "in-doubt",
+        "resolve",
+        "undo-outside",
+    ):
         assert f"inboxctl {command} grant-7f3a" in top.stdout
         with pytest.raises(SystemExit) as done:
             main([command, "--help"])
@@ -504,15 +515,22 @@ def test_a_reply_from_the_mailbox_is_said_in_peoples_words(
             "msg-drafting",
             "in",
             f"{mailbox}:",
-            *(f"answered from the mailbox by ana@shop.example at {local}; agent-a stopped, a person answered".split()),
+            *(
+                f"answered from the mailbox by ana@shop.example (its From line; recorded by agent-a) at {local}; "
+                "agent-a stopped, a person answered"
+            ).split(),
         ]
         assert lines[1].endswith(
-            f"answered from the mailbox by ana@shop.example at {local}; agent-a is sending a reply too: both go out"
+            f"answered from the mailbox by ana@shop.example (its From line; recorded by agent-a) at {local}; "
+            "agent-a is sending a reply too: both go out"
         )
         status = ctl("status", mailbox, "msg-drafting")
         assert status.returncode == 0, status.stderr
         assert f"{mailbox}: REPLIED" in status.stdout
-        assert f"replied   answered from the mailbox by ana@shop.example at {local}; agent-a stopped" in status.stdout
+        assert (
+            "replied   answered from the mailbox by ana@shop.example (its From line; recorded by agent-a) "
+            f"at {local}; agent-a stopped"
+        ) in status.stdout
         both = ctl("status", mailbox, "msg-sending")
         assert f"message msg-sending in {mailbox}: SENDING" in both.stdout
         assert "also      answered from the mailbox by ana@shop.example" in both.stdout
@@ -520,7 +538,7 @@ def test_a_reply_from_the_mailbox_is_said_in_peoples_words(
         row = next(line for line in listing.stdout.splitlines() if "msg-drafting" in line)
         assert "REPLIED" in row
         assert "ana@shop.example (human)" in row
-        assert f"answered from the mailbox at {local}; agent-a stopped, a person answered" in row
+        assert f"answered from the mailbox (recorded by agent-a) at {local}; agent-a stopped, a person answered" in row
 
     def test_text_that_would_show_as_something_else_is_written_out(ctl: Ctl, agent: Coordinator, mailbox: str) -> None:
         # Summaries are cleaned by the coordinator; an id or a note may still carry a right-to-left override.
@@ -555,7 +573,60 @@ def test_a_table_row_says_a_reply_from_the_mailbox_whole_on_another_day_and_with
     )
     row = table([status], now)[1]
     day = yesterday.astimezone().strftime("%Y-%m-%d")
-    assert f"answered from the mailbox at {day} " in row
+    assert f"answered from the mailbox (recorded by agent-a) at {day} " in row
     assert row.endswith("… stopped, a person answered")
     assert holder[:35] + "…" in row
     assert holder not in row
+
+
+def test_claiming_a_message_you_already_hold_says_so_with_its_expiry(
+    ctl: Ctl, shared_etcd: EtcdServer, home: Path, mailbox: str
+) -> None:
+    """The finding: the holder herself was told "held by someone else"."""
+    first = ctl("claim", mailbox, "msg-1", "--ttl", "600")
+    assert first.returncode == 0, first.stderr
+    again = ctl("claim", mailbox, "msg-1")
+    assert again.returncode == 0, again.stdout
+    assert again.stdout.startswith(f"you already hold message msg-1 in {mailbox} (token ")
+    assert "it frees in 9m5" in again.stdout or "it frees in 10m00s" in again.stdout
+    assert "held by someone else" not in again.stdout
+    assert "held by someone else" in ctl("claim", mailbox, "msg-1", env={"INBOX_PRINCIPAL": "bo@example.com"}).stdout
+    # With a token, inboxctl asks the coordinator who it is.
+    with token_coordinator(shared_etcd, _token_file(home / "tokens.toml")) as target:
+        as_ana = {"INBOX_COORDINATOR_TARGET": target, "INBOX_PRINCIPAL": "", "INBOX_TOKEN": TOKENS["ana"]}
+        assert ctl("claim", "acme-1", "m-1", env=as_ana).returncode == 0
+        held = ctl("claim", "acme-1", "m-1", env=as_ana)
+        assert (held.returncode, held.stdout.startswith("you already hold message m-1 in acme-1")) == (0, True)
+
+
+def test_undo_outside_makes_a_message_answerable_again_and_watch_says_who_undid_it(
+    ctl: Ctl, agent: Coordinator, home: Path, running: RunningCoordinator, mailbox: str
+) -> None:
+    at = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=2)
+    subject = Subject.message(mailbox, "msg-1")
+    agent.claim(subject, ttl=60, thread_id="t-1", received_at=at - timedelta(minutes=5))
+    agent.record_outgoing(mailbox, "gmail-1", "t-1", at, sender="Ana Lima <ana@shop.example>")
+    env = clean_env(home, INBOX_COORDINATOR_TARGET=running.target, INBOX_PRINCIPAL=ANA)
+    command = [sys.executable, "-m", "inbox_claims.cli", "watch", mailbox, "--count", "1"]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as watch:
+        assert watch.stdout is not None
+        assert "watching" in watch.stdout.readline()
+        watch.stdout.readline()  # the subject of the snapshot
+        undone = ctl("undo-outside", mailbox, "msg-1", "--note", "Ana answered another customer")
+        out, err = watch.communicate(timeout=20)
+    assert undone.returncode == 0, undone.stderr
+    said = undone.stdout.splitlines()
+    assert said[0] == (
+        'undone: "answered from the mailbox by Ana Lima <ana@shop.example> (its From line; recorded by agent-a) '
+        f'at {clock(at)}" no longer counts as the answer to message msg-1 in {mailbox}'
+    )
+    assert said[1].startswith(f"recorded as undone by {ANA} at ")
+    assert said[1].endswith("; it can be answered again")
+    assert f"message msg-1 in {mailbox}: FREE" in said[2]
+    assert watch.returncode == 0, err
+    event = out.splitlines()[-1]
+    assert f"OUTSIDE_REPLY_UNDONE message msg-1 in {mailbox}: {ANA} undid " in event
+    assert "(Ana answered another customer): it can be answered again" in event
+    assert agent.claim(subject, ttl=30, thread_id="t-1", received_at=at - timedelta(minutes=5)).granted
+    again = ctl("undo-outside", mailbox, "msg-1")
+    assert (again.returncode, "only a message recorded as answered outside" in again.stderr) == (1, True)

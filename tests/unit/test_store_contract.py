@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.core import domain
+from coordinator.core import domain, work
 from coordinator.core.commands import (
     AbortSend,
     BeginSend,
@@ -217,7 +217,7 @@ async def test_recent_messages_are_the_deliveries_claimed_newest_first_with_thei
     mailbox = f"recent-{uuid.uuid4().hex}"
     lines = ["Refund for order 1182?", "Where is my parcel?", "Refund for order 1182?"]
     for n, line in enumerate(lines):
-        summary = Summary(line, f"Bea {n} <bea@example.org>", 1_800_000_000_000 + n)
+        summary = Summary(line, f"Bea {n} <bea@example.org>", 1_700_000_000_000 + n)
         result, token = await _claim(engine, AGENT, _subject(f"m-{n}", mailbox), f"n-{n}", summary)
         assert result is ClaimResult.GRANTED
         if n == 0:  # released since: still a recent message, what a person may want to answer themselves
@@ -277,6 +277,38 @@ async def test_listing_pages_with_opaque_cursors_and_filters_by_state(engine: En
         )
     with pytest.raises(InvalidArgument, match="start without one"):
         await engine.list_claims(AGENT, mailbox=mailbox, states=frozenset(), page_size=1, page_token="garbage")
+
+
+async def test_a_listing_filtered_by_state_reads_without_listing_and_its_cursor_goes_on_from_the_last_read(
+    engine: Engine,
+) -> None:
+    """The store lists only the states asked for (the others are read, not decoded), and a range of which it
+    lists none still hands on a cursor past what it read; every subject read is work of the call."""
+    mailbox = f"filtered-{uuid.uuid4().hex}"
+    tokens = {n: (await _claim(engine, AGENT, _subject(f"m-{n}", mailbox)))[1] for n in range(6)}
+    await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=_subject("m-5", mailbox), token=tokens[5]))
+    store, sending = engine.store, frozenset({State.SENDING})
+    with work.metered() as meter:
+        listed, cursor, _ = await store.list_subjects(mailbox, cursor=None, limit=3, states=sending)
+    assert (listed, meter.units) == ([], 3)
+    assert cursor is not None
+    listed, cursor, _ = await store.list_subjects(mailbox, cursor=cursor, limit=3, states=sending)
+    assert [subject.id for subject, _ in listed] == ["m-5"]
+    assert cursor is None
+    everything, _, _ = await store.list_subjects(mailbox, cursor=None, limit=10)
+    assert len(everything) == 6
+
+
+async def test_recent_deliveries_containing_a_text_keep_every_record_that_holds_it(engine: Engine) -> None:
+    mailbox = f"contains-{uuid.uuid4().hex}"
+    for n, (line, sender) in enumerate([("Rückerstattung", "Zoë <z@example.org>"), ("Parcel", "Bo <b@example.org>")]):
+        await _claim(engine, AGENT, _subject(f"m-{n}", mailbox), f"n-{n}", Summary(line, sender))
+    for text, found in (("rück", ["m-0"]), ("zoë <", ["m-0"]), ("PARCEL".casefold(), ["m-1"]), ("m-1", ["m-1"])):
+        records = await engine.store.recent_deliveries(mailbox, 10, containing=text)
+        assert {d.subject.id for d in records if d.subject} >= set(found), text
+    with work.metered() as meter:
+        await engine.recent_messages(AGENT, mailbox=mailbox, query="nothing like it", page_size=0)
+    assert meter.units >= 2  # the deliveries read (etcd sorts them all: counted twice there) and searched
 
 
 async def _next_events(stream: AsyncIterator[Snapshot | Event], count: int) -> list[Event]:

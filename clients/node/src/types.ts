@@ -220,7 +220,7 @@ export function watchItemFromPb(response: pb.WatchResponse): WatchItem {
 export interface CallerIdentity {
   readonly principal: string;
   readonly kind: HolderKind;
-  /** Sorted: "admin", "resolve", "takeover" (admin implies the other two, which are listed too). */
+  /** Sorted: "admin", "report", "resolve", "takeover" (admin implies the others, which are listed too). */
   readonly roles: readonly string[];
   /** The granted mailboxes: exact names or globs; ["*"] for every mailbox. */
   readonly mailboxes: readonly string[];

@@ -94,11 +94,11 @@ test("caller(): a token's principal, kind, roles and mailboxes; in development m
     developmentMode: false,
   });
   const ops = cluster.client(undefined, { target: listen, token: secrets["ops"]!, retry: PATIENT });
-  assert.deepEqual(await ops.caller(), { principal: "ops", kind: "agent", roles: ["admin", "resolve", "takeover"], mailboxes: ["*"], developmentMode: false });
+  assert.deepEqual(await ops.caller(), { principal: "ops", kind: "agent", roles: ["admin", "report", "resolve", "takeover"], mailboxes: ["*"], developmentMode: false });
   const stranger = cluster.client(undefined, { target: listen, token: "ict_not-a-real-token" });
   await assert.rejects(stranger.caller(), Unauthenticated);
   const dev = cluster.client("bo", { kind: "human", target: await cluster.addReplica() });
-  assert.deepEqual(await dev.caller(), { principal: "bo", kind: "human", roles: ["admin", "resolve", "takeover"], mailboxes: ["*"], developmentMode: true });
+  assert.deepEqual(await dev.caller(), { principal: "bo", kind: "human", roles: ["admin", "report", "resolve", "takeover"], mailboxes: ["*"], developmentMode: true });
 });
 
 test("watch resumes after a coordinator restart with the events it missed, and no new snapshot", async () => {

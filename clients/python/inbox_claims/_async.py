@@ -44,6 +44,7 @@ from ._types import (
     FenceResult,
     MessageSummary,
     OutgoingResult,
+    OutsideReplyUndone,
     RecentMessage,
     Subject,
     SubjectState,
@@ -399,6 +400,13 @@ class AsyncCoordinator(ClientBase):
         return await self._drive(
             self._core.resolve_in_doubt(subject, sent=sent, sent_message_id=sent_message_id, note=note, timeout=timeout)
         )
+
+    async def undo_outside_reply(
+        self, subject: Subject, *, note: str = "", timeout: float | None = None
+    ) -> OutsideReplyUndone:
+        """UndoOutsideReply (a person with the role ``resolve``): a reply recorded as written outside did not
+        answer this message; it becomes FREE, answerable again, and the undo is recorded (who, when)."""
+        return await self._drive(self._core.undo_outside_reply(subject, note=note, timeout=timeout))
 
     # -- the guard -------------------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from ._types import (
     OutgoingOutcome,
     OutgoingResult,
     OutsideReply,
+    OutsideReplyUndone,
     RecentMessage,
     Subject,
     SubjectKind,
@@ -62,6 +63,7 @@ __all__ = [
     "timestamp_to_pb",
     "token_to_pb",
     "ttl_to_pb",
+    "undone_from_pb",
     "watch_item_from_pb",
 ]
 
@@ -102,12 +104,22 @@ def timestamp_to_pb(when: datetime, name: str) -> Timestamp:
     return stamp
 
 
-def outside_reply_from_pb(message: pb.SubjectStatus) -> OutsideReply | None:
-    if not message.HasField("outside_reply"):
+def outside_reply_from_pb(message: Any, field: str = "outside_reply") -> OutsideReply | None:
+    """The OutsideReply in ``message``'s ``field`` (a status's ``outside_reply``, an event's ``undone``)."""
+    if not message.HasField(field):
         return None
-    reply = message.outside_reply
+    reply = getattr(message, field)
     return OutsideReply(
         reply.sender, _time(reply, "sent_at"), reply.message_id, reply.recorded_by, reply.stopped_holder
+    )
+
+
+def undone_from_pb(response: pb.UndoOutsideReplyResponse) -> OutsideReplyUndone:
+    return OutsideReplyUndone(
+        status_from_pb(response.status),
+        outside_reply_from_pb(response, "undone"),
+        response.undone_by,
+        _time(response, "undone_at"),
     )
 
 
@@ -245,6 +257,9 @@ def watch_item_from_pb(response: pb.WatchResponse) -> WatchItem:
         previous_token=event.previous_token,
         revision=event.revision,
         reason=event.reason,
+        by=event.by,
+        at=_time(event, "at"),
+        undone=outside_reply_from_pb(event, "undone"),
     )
 
 

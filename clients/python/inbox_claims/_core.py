@@ -38,6 +38,7 @@ from ._convert import (
     timestamp_to_pb,
     token_to_pb,
     ttl_to_pb,
+    undone_from_pb,
     watch_item_from_pb,
 )
 from ._effects import Emit, Flow, Op, OpenStream, ReadStream, Rpc, RpcFailure, Sleep, Stream
@@ -50,6 +51,7 @@ from ._types import (
     FenceResult,
     MessageSummary,
     OutgoingResult,
+    OutsideReplyUndone,
     RecentMessage,
     Subject,
     SubjectState,
@@ -433,3 +435,9 @@ class Core:
         return self.call(
             Op("ResolveInDoubt", request, lambda response: status_from_pb(response.status)), timeout=timeout
         )
+
+    def undo_outside_reply(
+        self, subject: Subject, *, note: str = "", timeout: float | None = None
+    ) -> Flow[OutsideReplyUndone]:
+        request = pb.UndoOutsideReplyRequest(request_id=new_request_id(), subject=subject_to_pb(subject), note=note)
+        return self.call(Op("UndoOutsideReply", request, undone_from_pb), timeout=timeout)

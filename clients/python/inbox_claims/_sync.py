@@ -40,6 +40,7 @@ from ._types import (
     FenceResult,
     MessageSummary,
     OutgoingResult,
+    OutsideReplyUndone,
     RecentMessage,
     Subject,
     SubjectState,
@@ -409,6 +410,13 @@ class Coordinator(ClientBase):
         return self._drive(
             self._core.resolve_in_doubt(subject, sent=sent, sent_message_id=sent_message_id, note=note, timeout=timeout)
         )
+
+    def undo_outside_reply(
+        self, subject: Subject, *, note: str = "", timeout: float | None = None
+    ) -> OutsideReplyUndone:
+        """UndoOutsideReply (a person with the role ``resolve``): a reply recorded as written outside did not
+        answer this message; it becomes FREE, answerable again, and the undo is recorded (who, when)."""
+        return self._drive(self._core.undo_outside_reply(subject, note=note, timeout=timeout))
 
     # -- the guard -------------------------------------------------------------------------------------------
 

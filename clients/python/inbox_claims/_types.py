@@ -28,6 +28,7 @@ __all__ = [
     "OutgoingOutcome",
     "OutgoingResult",
     "OutsideReply",
+    "OutsideReplyUndone",
     "RecentMessage",
     "RetryPolicy",
     "Subject",
@@ -117,6 +118,9 @@ class EventType(enum.Enum):
     ANSWERED_OUTSIDE = "answered_outside"
     """Someone answered in the subject's thread outside the coordinator (``status.outside_reply``): a CLAIMED
     subject became REPLIED (``previous_holder`` stopped), a SENDING or IN_DOUBT one kept its state (both went out)."""
+    OUTSIDE_REPLY_UNDONE = "outside_reply_undone"
+    """A person undid a reply recorded as written outside (``undone``, by ``by`` at ``at``): the subject is FREE,
+    answerable again."""
 
 
 class LossReason(enum.Enum):
@@ -196,7 +200,8 @@ class OutsideReply:
     """The message's date, as the provider gives it."""
     message_id: str
     recorded_by: str
-    """The principal whose client reported it."""
+    """The principal whose client reported it (it has the role ``report``): the one who vouches for it. ``sender``
+    is what the message says, which the coordinator cannot check: show both."""
     stopped_holder: str = ""
     """The principal whose claim it ended; empty when none was held."""
 
@@ -333,7 +338,7 @@ class CallerIdentity:
     principal: str
     kind: HolderKind
     roles: tuple[str, ...] = ()
-    """Sorted: ``admin``, ``resolve``, ``takeover`` (``admin`` implies the other two, which are listed too)."""
+    """Sorted: ``admin``, ``report``, ``resolve``, ``takeover`` (``admin`` implies the others, which are listed too)."""
     mailboxes: tuple[str, ...] = ()
     """The granted mailboxes: exact names or globs; ``("*",)`` for every mailbox."""
     development_mode: bool = False
@@ -373,6 +378,24 @@ class WatchEvent:
     previous_token: int
     revision: int
     reason: str
+    by: str = ""
+    """For a subject a call ended: the principal whose call ended it (the person who took it over, settled it or
+    undid an outside reply, or the holder)."""
+    at: datetime | None = None
+    """When that call was made (its coordinator's clock)."""
+    undone: OutsideReply | None = None
+    """``OUTSIDE_REPLY_UNDONE``: the reply that had been recorded as written outside."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutsideReplyUndone:
+    """The answer to ``undo_outside_reply``: the subject now (FREE, answerable again), the reply that had been
+    recorded as written outside, and who undid it, when."""
+
+    status: SubjectStatus
+    undone: OutsideReply | None
+    undone_by: str
+    undone_at: datetime | None
 
 
 WatchItem = WatchSnapshot | WatchEvent

@@ -1,8 +1,9 @@
 """``inboxctl``: see and steer who is answering which email, from a terminal.
 
 For support staff and operators: who holds a message (since when, expiring in how long), a live view of a
-mailbox, claiming a message for yourself, releasing it, taking it over from an agent, and settling the sends
-whose outcome is unknown (IN_DOUBT). ``inboxctl --help`` and ``inboxctl COMMAND --help`` show examples.
+mailbox, claiming a message for yourself, releasing it, taking it over from an agent, settling the sends
+whose outcome is unknown (IN_DOUBT), and undoing a reply recorded as written outside that did not answer one.
+``inboxctl --help`` and ``inboxctl COMMAND --help`` show examples.
 
 Settings come from flags, then the environment, then a TOML file (``--config``, ``$INBOXCTL_CONFIG``, or
 ``~/.config/inboxctl.toml``)::
@@ -50,6 +51,7 @@ from ._types import (
     ClaimOutcome,
     EventType,
     HolderKind,
+    OutsideReply,
     RetryPolicy,
     Subject,
     SubjectState,
@@ -206,12 +208,25 @@ def holder_text(status: SubjectStatus) -> str:
     return f"{status.holder}{kind}"
 
 
+def outside_reply_words(reply: OutsideReply, *, who: bool = True, name: Callable[[str], str] = str) -> str:
+    """``answered from the mailbox by Ana Lima <ana@shop.example> (its From line; recorded by worker-1) at 14:05``:
+    the sender is only what the message says, so the principal that vouched for it is named beside it."""
+    words = "answered from the mailbox"
+    recorder = f"recorded by {name(reply.recorded_by)}" if reply.recorded_by else ""
+    if who:
+        words += f" by {name(reply.sender or 'someone')}" + (f" (its From line; {recorder})" if recorder else "")
+    elif recorder:
+        words += f" ({recorder})"
+    if reply.sent_at is not None:
+        words += f" at {clock(reply.sent_at)}"
+    return words
+
+
 def answered_outside(status: SubjectStatus, *, who: bool = True, name_width: int | None = None) -> str:
-    """A reply written outside the coordinator, in people's words: ``answered from the mailbox by Ana Lima
-    <ana@shop.example> at 14:05``, and what it meant for the subject (an agent stopped; both replies went out).
-    ``who=False`` leaves out the sender where the holder already names them (a table's HOLDER column);
-    ``name_width`` cuts the names in it, never the words around them (a table cell stays readable whatever the
-    length of the time, which carries its date on another day)."""
+    """A reply written outside the coordinator, in people's words (``outside_reply_words``), and what it meant for
+    the subject (an agent stopped; both replies went out). ``who=False`` leaves out the sender where the holder
+    already names them (a table's HOLDER column); ``name_width`` cuts the names in it, never the words around them
+    (a table cell stays readable whatever the length of the time, which carries its date on another day)."""
     reply = status.outside_reply
     if reply is None:
         return ""
@@ -219,11 +234,7 @@ def answered_outside(status: SubjectStatus, *, who: bool = True, name_width: int
     def name(text: str) -> str:
         return text if name_width is None else _cut(text, name_width)
 
-    words = "answered from the mailbox"
-    if who or not status.replied_outside:
-        words += f" by {name(reply.sender or 'someone')}"
-    if reply.sent_at is not None:
-        words += f" at {clock(reply.sent_at)}"
+    words = outside_reply_words(reply, who=who or not status.replied_outside, name=name)
     if status.replied_outside:
         return words + (f"; {name(reply.stopped_holder)} stopped, a person answered" if reply.stopped_holder else "")
     also = {
@@ -354,7 +365,17 @@ def event_line(event: WatchEvent, now: datetime) -> str:
         parts.append(f"reason: {event.reason}")
     if event.type is EventType.ANSWERED_OUTSIDE:
         parts = [clock(now), event.type.name, describe_subject(status.subject) + ":", answered_outside(status)]
+    if event.type is EventType.OUTSIDE_REPLY_UNDONE:
+        parts = [clock(now), event.type.name, describe_subject(status.subject) + ":", undone_words(event)]
     return " ".join(parts)
+
+
+def undone_words(event: WatchEvent) -> str:
+    """``bo undid "answered from the mailbox by ... (recorded by worker-1) at 14:05" at 14:09: answerable again``."""
+    undone = f'"{outside_reply_words(event.undone)}"' if event.undone is not None else "a reply recorded as outside"
+    when = f" at {clock(event.at)}" if event.at is not None else ""
+    note = f" ({event.reason})" if event.reason else ""
+    return f"{event.by or 'someone'} undid {undone}{when}{note}: it can be answered again"
 
 
 def jsonable(value: Any) -> Any:
@@ -429,7 +450,8 @@ async def _show_list(ctx: Context, states: Sequence[SubjectState], nothing: str)
 # What each role lets a person do, in the words inboxctl's commands use.
 ROLE_MEANINGS = {
     "takeover": "take a message over from an agent (inboxctl takeover)",
-    "resolve": "settle a send nobody confirmed (inboxctl resolve)",
+    "resolve": "settle a send nobody confirmed (inboxctl resolve), undo a wrong outside reply (inboxctl undo-outside)",
+    "report": "report the mailbox's mail: say a message was sent from it (what its webhook workers do)",
     "admin": "every mailbox and every role",
 }
 
@@ -489,10 +511,26 @@ async def cmd_claim(ctx: Context) -> int:
                 + (" --thread" if ctx.options.thread else ""),
             )
         return EXIT_OK
+    if result.outcome is ClaimOutcome.HELD and status.holder == await _me(ctx):
+        # Yours already, through an earlier claim: say so, and until when (claiming again does not extend it).
+        if not ctx.json:
+            ctx.say(
+                f"you already hold {describe_subject(subject)} (token {status.fencing_token}); "
+                f"it frees {within(status.expires_at, now)} ({clock(status.expires_at)}) unless renewed",
+                *status_lines(status, now),
+            )
+        return EXIT_OK
     if not ctx.json:
         why = "held by someone else" if result.outcome is ClaimOutcome.HELD else "already replied to"
         ctx.say(f"not claimed: {why}", *status_lines(status, now))
     return EXIT_REFUSED
+
+
+async def _me(ctx: Context) -> str:
+    """The principal this inboxctl acts as: the one it names (development mode), else the token's, asked of the
+    coordinator."""
+    named: str | None = ctx.settings["principal"]
+    return named if named is not None else (await ctx.client.caller()).principal
 
 
 def _is_mine(ctx: Context, status: SubjectStatus) -> bool:
@@ -602,6 +640,21 @@ async def cmd_resolve(ctx: Context) -> int:
         ctx.emit(status)
     else:
         ctx.say(f"resolved as {'sent' if options.sent else 'not sent'}", *status_lines(status, now_utc()))
+    return EXIT_OK
+
+
+async def cmd_undo_outside(ctx: Context) -> int:
+    subject = ctx.subject()
+    result = await ctx.client.undo_outside_reply(subject, note=ctx.options.note)
+    if ctx.json:
+        ctx.emit(result)
+        return EXIT_OK
+    reply = f'"{outside_reply_words(result.undone)}"' if result.undone is not None else "the reply recorded outside"
+    ctx.say(
+        f"undone: {reply} no longer counts as the answer to {describe_subject(subject)}",
+        f"recorded as undone by {result.undone_by} at {clock(result.undone_at)}; it can be answered again",
+        *status_lines(result.status, now_utc()),
+    )
     return EXIT_OK
 
 
@@ -806,11 +859,18 @@ COMMANDS: dict[str, tuple[Command, str, str]] = {
         "  inboxctl resolve grant-7f3a msg-123 --sent --sent-message-id 18c2f0a9e\n"
         "  inboxctl resolve grant-7f3a msg-123 --not-sent --note 'not in Sent; the agent may answer again'",
     ),
+    "undo-outside": (
+        cmd_undo_outside,
+        "a message shown as answered from the mailbox was not (recorded by mistake): make it answerable again "
+        "(people with the resolve role)",
+        "  inboxctl undo-outside grant-7f3a msg-123 --note 'Ana answered another customer in that thread'",
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    overview = "\n".join(f"  {name:<9} {summary}" for name, (_, summary, _) in COMMANDS.items())
+    width = max(len(name) for name in COMMANDS)
+    overview = "\n".join(f"  {name:<{width}} {summary}" for name, (_, summary, _) in COMMANDS.items())
     examples = "\n".join(f"{examples.splitlines()[0]}" for _, _, examples in COMMANDS.values())
     parser = argparse.ArgumentParser(
         prog="inboxctl",
@@ -863,6 +923,8 @@ def build_parser() -> argparse.ArgumentParser:
             outcome.add_argument("--not-sent", dest="sent", action="store_false", help="it is not: free the message")
             sub.add_argument("--sent-message-id", default=None, help="with --sent: the sent message's id")
             sub.add_argument("--note", default="", help="who checked what")
+        if name == "undo-outside":
+            sub.add_argument("--note", default="", help="what you checked (shown to everyone)")
         _common(sub, top=False)
     return parser
 

@@ -19,6 +19,7 @@ const seen = new Map(); // mailbox -> the revision of the last snapshot or event
 const shown = new Set([IN_DOUBT, CLAIMED, SENDING, REPLIED]);
 const alike = new Map(); // subject line + sender -> the keys of the rows that share them
 const warned = new Set(); // keys of the person's own claims they were told are ending
+const undone = new Map(); // key -> { by, at }: emails whose reply from the mailbox a person undid (while this page is open)
 let recent = []; // the last answer to "Answer an email yourself"
 let search = "";
 let reorderPending = false;
@@ -130,6 +131,7 @@ function take(mailbox, message) {
     const existing = rows.get(key);
     if (status.state === FREE) {
       if (existing) tellTheHolder(existing.status, type, previousHolder);
+      if (type === "EVENT_TYPE_OUTSIDE_REPLY_UNDONE") tellTheUndo(existing ? existing.status : status, message.event);
       remove(key);
     } else {
       place(upsert(status, true));
@@ -152,6 +154,16 @@ function tellTheHolder(status, type, previousHolder) {
   if (type === "EVENT_TYPE_TAKEN_OVER" && previousHolder === session.me) {
     say(`${what} was taken over from you: it is someone else's now, and what you send for it is refused.`, true);
   }
+}
+
+// Everyone watching hears that a reply recorded as written outside was undone, by whom: the email is free again.
+function tellTheUndo(status, event) {
+  undone.set(keyOf(status.subject), { by: event.by, at: event.at });
+  if (event.by === session.me) return; // the person who undid it was answered already (undoOutside)
+  const reply = event.undone ? `“${outsideWords(event.undone)}”` : "the reply recorded from the mailbox";
+  const note = event.reason ? ` (${event.reason})` : "";
+  say(`${event.by || "Someone"} undid ${reply} for ${nameOf(status)} at ${clock(when(event.at))}${note}: ` +
+    "it was not the answer, and the email can be answered again.");
 }
 
 const before = (a, b) =>
@@ -284,10 +296,16 @@ function nameOf(status) {
 }
 
 // A reply written outside the coordinator (a person in Gmail, a helpdesk): who, when, and what it meant here.
+// The sender is only what the message's From line says; the principal that reported it vouches for it.
+function outsideWords(reply) {
+  const recorded = reply.recordedBy ? ` (as its From line says; recorded by ${reply.recordedBy})` : "";
+  return `answered from the mailbox by ${reply.sender || "someone"}${recorded} at ${clock(when(reply.sentAt))}`;
+}
+
 function answeredOutside(status) {
   const reply = status.outsideReply;
   if (!reply) return "";
-  const words = `answered from the mailbox by ${reply.sender || "someone"} at ${clock(when(reply.sentAt))}`;
+  const words = outsideWords(reply);
   if (status.repliedOutside) {
     const stopped = reply.stoppedHolder ? ` ${reply.stoppedHolder} stopped because a person answered.` : "";
     return `${words[0].toUpperCase()}${words.slice(1)}.${stopped}`;
@@ -524,6 +542,10 @@ function actionsFor(status) {
   } else if (status.state === CLAIMED) {
     if (mayTakeOver()) offered.push([`Take it from ${plain(status.holder)}`, () => takeFromColleague(status)]);
     else why = `Only ${status.holder} can say it is answered or give it back.`;
+  }
+  if (status.state === REPLIED && status.repliedOutside) {
+    if (session.kind === "human" && may("resolve")) offered.push(["It was not answered", () => undoOutside(status)]);
+    else why = "If that reply did not answer this email, someone allowed to settle sends can make it answerable again.";
   }
   if (status.state === IN_DOUBT) {
     if (may("resolve")) {
@@ -763,6 +785,20 @@ async function resolve(subject, outcome) {
     : { text: "Recorded as not sent: it can be answered again.", focus: { key, want: "gone" } };
 }
 
+async function undoOutside(status) {
+  const reply = status.outsideReply || {};
+  const note = await ask(`The coordinator shows ${nameOf(status)} as ${outsideWords(reply)}. That reply did not answer it? ` +
+    "The email will be free to answer again, and your name recorded with this.",
+  { ok: "Yes, it was not answered", note: "What you checked, for the others (optional)" });
+  if (note === null) return "";
+  const answer = await call("UndoOutsideReply", { requestId: requestId(), subject: toSubjectJson(status.subject), note });
+  return {
+    text: `Undone, with your name, at ${clock(when(answer.undoneAt))}: that reply no longer counts as the answer to ` +
+      `${nameOf(status)}, and it can be answered again.`,
+    focus: { key: keyOf(status.subject), want: "gone" },
+  };
+}
+
 // --- answering an email yourself: the mailbox's recent emails, as the coordinator saw them -----------------------
 
 async function findRecent(event) {
@@ -805,7 +841,10 @@ function showRecent() {
     found.append(subject, line("sender", summary.sender, received ? "came in " + clock(when(received)) : ""));
     const state = document.createElement("div");
     state.className = "state";
-    state.textContent = status.state === FREE ? "Nobody is answering it." : plain(whatIsHappening(status)) + ".";
+    const reopened = undone.get(key);
+    state.textContent = status.state !== FREE ? plain(whatIsHappening(status)) + "." : reopened
+      ? `Nobody is answering it: ${plain(reopened.by)} undid the reply from the mailbox recorded for it at ${clock(when(reopened.at))}.`
+      : "Nobody is answering it.";
     found.append(state);
     item.append(found);
     let offered = [];
@@ -891,7 +930,8 @@ function start() {
   $("#board").hidden = false;
   const who = $("#who");
   who.hidden = false;
-  const rights = [mayTakeOver() ? "may take over from agents and colleagues" : "", may("resolve") ? "may settle unconfirmed sends" : ""].filter(Boolean);
+  const rights = [mayTakeOver() ? "may take over from agents and colleagues" : "",
+    may("resolve") ? "may settle unconfirmed sends and undo a wrong reply from the mailbox" : ""].filter(Boolean);
   who.textContent = `Signed in as ${session.me}` + (rights.length ? ` (${rights.join(", ")})` : "") +
     ` · ${session.mailboxes.join(", ")}`;
   const select = $("#answer-mailbox");

@@ -10,14 +10,17 @@ fields are left out, and a REPLIED record keeps only what a reply record is for 
                  "y": 1 when replied by hand (MarkReplied), "v": [subject line, sender, received ms],
                  "j": 1 when replied outside, "o": the outside reply, "w": the message's received ms,
                  "e": the outgoing message taken for this send's copy (an outside reply's shape),
-                 "z": who settled it (ResolveInDoubt SENT)}
+                 "z": who settled it (ResolveInDoubt SENT), "i": the thread of the outside reply "o"}
     delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id],
                 "o": RecordOutgoing's answer ("own" or "out"), "g": its arguments' fingerprint,
                 "v": [subject line, sender, received ms]}
     outside reply (a subject's "o", a thread's latest): [sender, sent ms, message id, recorded by, stopped holder]
-    thread entry: {"w": the message's received ms}
+                (five items, as every release before wrote and reads them: its thread id goes beside it, "i")
+    thread entry: {"w": the message's received ms, "b": the principal that named the thread, "u": 0 when that
+                principal does not report the mailbox's mail (entries without "b" predate both: vouched)}
     end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "g": its fingerprint,
-                "t": at ms, "n": detail, "u": 0 when it leaves its notification redeliverable}
+                "t": at ms, "n": detail, "u": 0 when it leaves its notification redeliverable,
+                "x": the outside reply an undo withdrew, "i": its thread}
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from coordinator.core.domain import (
     SubjectKind,
     SubjectRecord,
     Summary,
+    ThreadLink,
 )
 
 _STATES = {State.CLAIMED: "c", State.SENDING: "s", State.REPLIED: "r", State.IN_DOUBT: "d"}
@@ -82,11 +86,26 @@ def encode_record(record: SubjectRecord) -> bytes:
         "w": record.received_ms,
         "e": _outside(record.echo),
         "z": record.settled_by,
+        "i": record.outside_reply.thread_id if record.outside_reply is not None else None,
     }
     if record.state is State.REPLIED:
         for key in _CLAIM_ONLY:
             del data[key]
     return _dump(data)
+
+
+# How every record this codec writes begins: its state first, one letter ("s" is the first key of the dict).
+_STATE_AT = len(b'{"s":"')
+
+
+def state_of(value: bytes) -> State:
+    """A subject record's state, read without decoding the rest (a listing filtered by state skips most records
+    it reads); a value of another shape is decoded whole."""
+    if value.startswith(b'{"s":"') and value[_STATE_AT + 1 : _STATE_AT + 2] == b'"':
+        state = _STATES_IN.get(value[_STATE_AT : _STATE_AT + 1].decode("ascii", "replace"))
+        if state is not None:
+            return state
+    return decode_record(value).state
 
 
 def decode_record(value: bytes) -> SubjectRecord:
@@ -110,9 +129,9 @@ def decode_record(value: bytes) -> SubjectRecord:
         replied_by_hand=bool(data.get("y")),
         summary=Summary(*data["v"]) if "v" in data else None,
         replied_outside=bool(data.get("j")),
-        outside_reply=OutsideReply(*data["o"]) if "o" in data else None,
+        outside_reply=_outside_in(data["o"], data.get("i", "")) if "o" in data else None,
         received_ms=data.get("w"),
-        echo=OutsideReply(*data["e"]) if "e" in data else None,
+        echo=_outside_in(data["e"]) if "e" in data else None,
         settled_by=data.get("z", ""),
     )
 
@@ -127,20 +146,26 @@ def _outside(reply: OutsideReply | None) -> list[Any] | None:
     return [reply.sender, reply.sent_ms, reply.message_id, reply.recorded_by, reply.stopped_holder]
 
 
+def _outside_in(fields: list[Any], thread_id: str = "") -> OutsideReply:
+    sender, sent_ms, message_id, recorded_by, stopped_holder = fields[:5]
+    return OutsideReply(sender, sent_ms, message_id, recorded_by, stopped_holder, thread_id)
+
+
 def encode_outside_reply(reply: OutsideReply) -> bytes:
     return _ENCODER.encode(_outside(reply)).encode()
 
 
 def decode_outside_reply(value: bytes) -> OutsideReply:
-    return OutsideReply(*json.loads(value))
+    return _outside_in(json.loads(value))
 
 
-def encode_thread_entry(received_ms: int) -> bytes:
-    return _dump({"w": received_ms})
+def encode_thread_entry(link: ThreadLink) -> bytes:
+    return _dump({"w": link.received_ms, "b": link.entered_by, "u": None if link.vouched else 0})
 
 
-def decode_thread_entry(value: bytes) -> int:
-    return int(json.loads(value)["w"])
+def decode_thread_entry(value: bytes, thread_id: str) -> ThreadLink:
+    data = json.loads(value)
+    return ThreadLink(thread_id, int(data["w"]), data.get("b", ""), "u" not in data)
 
 
 def encode_end_mark(mark: EndMark) -> bytes:
@@ -155,6 +180,8 @@ def encode_end_mark(mark: EndMark) -> bytes:
             "t": mark.at_ms,
             "n": mark.detail,
             "u": None if mark.settles_delivery else 0,
+            "x": _outside(mark.undone),
+            "i": mark.undone.thread_id if mark.undone is not None else None,
         }
     )
 
@@ -171,6 +198,7 @@ def decode_end_mark(value: bytes) -> EndMark:
         detail=data.get("n", ""),
         settles_delivery="u" not in data,
         fingerprint=data.get("g", ""),
+        undone=_outside_in(data["x"], data.get("i", "")) if "x" in data else None,
     )
 
 
@@ -188,6 +216,16 @@ def encode_delivery(delivery: DeliveryRecord) -> bytes:
             "v": _summary(delivery.summary),
         }
     )
+
+
+def may_contain(value: bytes, folded: str) -> bool:
+    """Whether a record's text fields may contain ``folded`` (casefolded), read without decoding it: JSON writes
+    every text as it is (``ensure_ascii=False``), but for the characters it escapes (``"``, ``\\``, controls), and
+    casefolding goes character by character, so a text that contains ``folded`` leaves it in the casefolded value.
+    True for a ``folded`` with an escaped character (the caller decodes and checks)."""
+    if not folded.isprintable() or '"' in folded or "\\" in folded:
+        return True
+    return folded in value.decode("utf-8", "replace").casefold()
 
 
 def decode_delivery(value: bytes, mailbox: str, notification_id: str) -> DeliveryRecord:

@@ -14,6 +14,10 @@ What it guards against, each seen on a developer's machine:
   pid to stop.
 - **A dead etcd.** It is restarted with backoff; after :data:`RESTART_ATTEMPTS` failed attempts in a row
   ``serve`` exits non-zero instead of answering NOT_SERVING forever.
+- **Claims held past their time after a restart.** etcd starts every lease's TTL again when it starts, so the
+  claims of a ``serve`` stopped mid-claim would be held a whole TTL after the next start. Each run records which
+  clock wrote its claims (:mod:`coordinator.store.etcd.clock_frames`), and the next run ends each claim when its
+  time has passed on that clock (``serve`` does, through ``EtcdStore.adopt_claims``).
 - **A second etcd version.** The version that first wrote the data dir is recorded, and the etcd chosen for a
   data dir is the one of that version wherever this machine has it (:func:`etcd_for_data_dir`): the default data
   dir, shared by every checkout of a user, may have been written by another checkout's bundled etcd while this
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from coordinator.store.etcd.clock_frames import ClockFrames
 from coordinator.store.etcd.process import (
     ENV_ETCD_BIN,
     EtcdMemberSpec,
@@ -56,6 +61,9 @@ STABLE_AFTER_S = 60.0
 _POLL_S = 0.25
 # How long a starting serve waits for the etcd of a serve that was just killed to finish its SIGTERM.
 _ORPHAN_GRACE_S = 10.0
+# How often a running serve renews its clock frame's moment (clock_frames.py): a stop costs at most this much
+# of a claim's time being counted twice, never a claim freed early.
+CLOCK_TOUCH_S = 2.0
 
 LOCK_FILE = "serve.lock"
 OWNER_FILE = "owner.json"
@@ -131,6 +139,7 @@ class EmbeddedEtcd:
         self.data_dir = settings.data_dir.expanduser().resolve()
         self._lock: IO[bytes] | None = None
         self._etcd: EtcdServer | None = None
+        self.clocks: ClockFrames | None = None
 
     @property
     def server(self) -> EtcdServer:
@@ -143,6 +152,7 @@ class EmbeddedEtcd:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
         try:
+            self.clocks = ClockFrames(self.data_dir)  # the runs' before this one, read under the lock
             self._write_owner()
             binary = etcd_for_data_dir(self.data_dir)
             version = etcd_version(binary)
@@ -261,8 +271,12 @@ class EmbeddedEtcd:
         etcd = self.server
         failures = 0
         up_since = time.monotonic()
+        touched = time.monotonic()
         while True:
             await asyncio.sleep(_POLL_S)
+            if self.clocks is not None and time.monotonic() - touched >= CLOCK_TOUCH_S:
+                self.clocks.touch()
+                touched = time.monotonic()
             if etcd.is_running:
                 if failures and time.monotonic() - up_since >= STABLE_AFTER_S:
                     failures = 0
@@ -305,6 +319,8 @@ class EmbeddedEtcd:
                 break
 
     def stop(self) -> None:
+        if self.clocks is not None:
+            self.clocks.touch()  # the moment this run's claims stop counting down on its clock
         if self._etcd is not None:
             self._etcd.stop()
         if self._lock is not None:

@@ -69,6 +69,15 @@ class Keys:
     def mailbox(self, mailbox: str) -> bytes:
         return self._root + _MAILBOXES + f"{_enc(mailbox)}/".encode()
 
+    def mailboxes(self) -> bytes:
+        """The prefix of every mailbox's subjects and end marks."""
+        return self._root + _MAILBOXES
+
+    def is_subject(self, key: bytes) -> bool:
+        """Whether a key under ``mailboxes()`` is a subject (not an end mark)."""
+        parts = key[len(self.mailboxes()) :].split(b"/")
+        return len(parts) == 4 and parts[1] == b"s"
+
     def subjects(self, mailbox: str) -> bytes:
         return self.mailbox(mailbox) + b"s/"
 

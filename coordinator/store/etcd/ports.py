@@ -6,6 +6,12 @@ or while that server is down between a kill and its restart: a CI run of the fau
 (`address already in use` on a port picked a few seconds earlier). So ports are picked outside that range, where
 the kernel never hands any out, and reserved against every other process that picks them here: a one-byte
 ``lockf`` lock per port on one shared file, held until this process ends or has picked many more.
+
+The shared file lives in a directory only this user can write (``<tmp>/inbox-coordinator-<uid>``, mode 0700, owned
+by the user, checked on the open directory), and is opened without following a symbolic link: in a world-writable
+``/tmp`` another user could otherwise plant a link there (with ``fs.protected_symlinks=0`` opening it would create
+a file wherever it points) or a file of their own, whose every byte they could lock. A directory that is not ours
+is not used: the picks are then unshared (still outside the ephemeral range), with one warning.
 """
 
 from __future__ import annotations
@@ -14,14 +20,18 @@ import collections
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import random
 import socket
+import stat
 import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["free_port", "free_ports"]
+__all__ = ["free_port", "free_ports", "lock_file_path"]
+
+log = logging.getLogger(__name__)
 
 PICK_FLOOR = 20000
 """The lowest port picked: below it live the ports people configure by hand (2379, 8080, 9090, 50051...)."""
@@ -45,6 +55,45 @@ def free_port(host: str = "127.0.0.1") -> int:
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` different ports as :func:`free_port` picks them."""
     return _PICKER.pick(count, host)
+
+
+LOCK_FILE_NAME = "ports.lock"
+
+
+def lock_file_path() -> Path:
+    """Where the shared reservations live: in a per-user directory of the temporary directory."""
+    return Path(tempfile.gettempdir()) / f"inbox-coordinator-{os.getuid()}" / LOCK_FILE_NAME
+
+
+class _NotOurs(OSError):
+    """The lock file's directory, or the file, is not this user's alone."""
+
+
+def _open_lock_file(path: Path) -> int:
+    """``path`` opened for locking: its directory made (0700) or checked to be a directory of this user's that
+    nobody else can write, the file opened relative to that open directory without following a link, and
+    checked to be a regular file of this user's. Raises OSError otherwise."""
+    uid = os.getuid()
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path.parent, 0o700)
+    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    # O_NOFOLLOW | O_DIRECTORY: a link planted in place of the directory is refused (ELOOP or ENOTDIR).
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | nofollow)
+    try:
+        info = os.fstat(directory)
+        if info.st_uid != uid:
+            raise _NotOurs(f"{path.parent} belongs to uid {info.st_uid}, not to this user (uid {uid})")
+        if info.st_mode & 0o022:
+            # Ours, so we may close it: made by an older release or by hand with a looser umask.
+            os.fchmod(directory, 0o700)
+        descriptor = os.open(path.name, os.O_RDWR | os.O_CREAT | nofollow, 0o600, dir_fd=directory)
+    finally:
+        os.close(directory)
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+        os.close(descriptor)
+        raise _NotOurs(f"{path} is not a regular file of this user's")
+    return descriptor
 
 
 def _pool() -> list[int]:
@@ -117,11 +166,13 @@ class _Picker:
             return self._lock_file
         self._reserved.clear()
         self._handed_out.clear()
-        path = Path(tempfile.gettempdir()) / f"inbox-coordinator-ports-{os.getuid()}.lock"
+        path = lock_file_path()
         try:
-            self._lock_file = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
-            self._lock_file = None  # unshared: still outside the ephemeral range, only not reserved
+            self._lock_file = _open_lock_file(path)
+        except OSError as error:
+            # Unshared: still outside the ephemeral range, only not reserved against other processes.
+            log.warning("port reservations not shared with other processes: cannot use %s: %s", path, error)
+            self._lock_file = None
         self._lock_file_pid = os.getpid()
         return self._lock_file
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
+from coordinator.core import work
 from coordinator.core.domain import (
     DeliveryRecord,
     EndMark,
@@ -56,6 +58,7 @@ from coordinator.store.etcd.client import (
 from coordinator.store.etcd.feeds import FeedHub
 from coordinator.store.etcd.group_commit import TxnBatcher
 from coordinator.store.etcd.keys import Keys, prefix_end
+from coordinator.store.etcd.lapses import LapseKeeper
 from coordinator.store.etcd.lease_buckets import LeaseBuckets
 from coordinator.store.etcd.settings import EtcdSettings
 
@@ -68,6 +71,8 @@ _RECENT_WRITES = 4096  # subjects whose last write by this replica is remembered
 _CAS_ATTEMPTS = 32
 _RANGE_PAGE = 1000
 _THREAD_READS = 100  # subjects read per transaction (etcd takes at most 128 operations in one)
+# Records decoded between two turns of other calls, when a read brings many (about 1 ms of work).
+_DECODED_PER_TURN = 128
 
 
 class _NoObserver:
@@ -105,7 +110,13 @@ def _first_kv(response: Any) -> Any | None:
 
 
 class EtcdStore:
-    def __init__(self, settings: EtcdSettings, clock: Callable[[], int], observer: EtcdObserver | None = None) -> None:
+    def __init__(
+        self,
+        settings: EtcdSettings,
+        clock: Callable[[], int],
+        observer: EtcdObserver | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.observer: EtcdObserver = observer or _NoObserver()
         self.keys = Keys(settings.prefix)
@@ -115,6 +126,8 @@ class EtcdStore:
         self.feeds = FeedHub(self.current_revision, self.watch_stream)
         self._batcher = TxnBatcher(self._send_txn, settings.max_batch, settings.max_batches_in_flight)
         self._recent: OrderedDict[bytes, Stored] = OrderedDict()
+        # The claims this replica wrote, ended when their time has passed should etcd restart their lease.
+        self.lapses = LapseKeeper(monotonic)
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(
@@ -246,7 +259,7 @@ class EtcdStore:
                 compare.append(
                     _absent(mark_key) if outside_revision == 0 else _unchanged_since(mark_key, outside_revision)
                 )
-                entry = _codec.encode_thread_entry(thread.received_ms)
+                entry = _codec.encode_thread_entry(thread)
                 success.append(_op_put(entry_key, entry, await self._lease(thread_expires_ms)))
             return await self._txn(compare, success, [_op_get(key) for key in reads], frozenset(writes))
 
@@ -326,7 +339,7 @@ class EtcdStore:
         if notification_id:
             ops.append(_op_get(self.keys.delivery(mailbox, notification_id)))
         response = await self._txn([], ops, [], frozenset())
-        linked: list[tuple[Subject, int]] = []
+        linked: list[tuple[Subject, ThreadLink]] = []
         mark: OutsideReply | None = None
         mark_revision = 0
         for kv in response.responses[0].response_range.kvs:
@@ -334,7 +347,7 @@ class EtcdStore:
             if subject is None:
                 mark, mark_revision = _codec.decode_outside_reply(kv.value), int(kv.mod_revision)
             else:
-                linked.append((subject, _codec.decode_thread_entry(kv.value)))
+                linked.append((subject, _codec.decode_thread_entry(kv.value, thread_id)))
         delivery = None
         if notification_id:
             delivery_kv = _first_kv(response.responses[1])
@@ -343,12 +356,14 @@ class EtcdStore:
         # Read after the range, not at its revision: commit_outgoing compares each subject it writes with what is
         # read here, and the thread's range with the range's revision.
         entries = []
+        work.spend(len(response.responses[0].response_range.kvs))
         for start in range(0, len(linked), _THREAD_READS):
             chunk = linked[start : start + _THREAD_READS]
             subjects = await self._txn([], [_op_get(self.keys.subject(s)) for s, _ in chunk], [], frozenset())
-            for (subject, received_ms), answer in zip(chunk, subjects.responses, strict=True):
+            for (subject, link), answer in zip(chunk, subjects.responses, strict=True):
                 kv = _first_kv(answer)
-                entries.append(ThreadEntry(subject, received_ms, _stored(kv) if kv is not None else None))
+                stored = _stored(kv) if kv is not None else None
+                entries.append(ThreadEntry(subject, link.received_ms, stored, link.entered_by, link.vouched))
         return ThreadView(tuple(entries), mark, int(response.header.revision), mark_revision, delivery)
 
     async def commit_outgoing(
@@ -481,7 +496,15 @@ class EtcdStore:
         return after
 
     def _remember(self, subject_key: bytes, stored: Stored | None) -> None:
-        """What this replica last wrote to a subject (None: it deleted it), for ``apply(from_recent_write=True)``."""
+        """What this replica last wrote to a subject (None: it deleted it), for ``apply(from_recent_write=True)``
+        and for ending its claims on time across a lease restart (``end_lapsed_claims``)."""
+        self.lapses.wrote(
+            subject_key,
+            stored.record if stored is not None else None,
+            stored.revision if stored is not None else 0,
+            self.etcd.raft_term,
+            self._clock(),
+        )
         if stored is None:
             self._recent.pop(subject_key, None)
             return
@@ -533,51 +556,85 @@ class EtcdStore:
         compare = [_unchanged_since(subject_key, current.revision)]
         if marker_gone:
             compare.append(_absent(self.keys.send_marker(subject)))
+        withdraw = transition.withdraw
+        if withdraw is not None and withdraw.thread_id:
+            # The thread's latest outside reply is deleted only while it is still this one, as read here.
+            mark_key = self.keys.thread_mark(subject.mailbox, withdraw.thread_id)
+            mark = (await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=mark_key))).kvs
+            if mark and _codec.decode_outside_reply(mark[0].value).message_id == withdraw.message_id:
+                compare.append(_unchanged_since(mark_key, mark[0].mod_revision))
+                delete(mark_key)
         return await self._txn(compare, ops, [], frozenset(writes))
 
     async def status(self, subject: Subject) -> Stored | None:
+        work.spend(1)
         response = await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))
         return _stored(response.kvs[0]) if response.kvs else None
 
-    async def recent_deliveries(self, mailbox: str, limit: int) -> list[DeliveryRecord]:
+    async def recent_deliveries(self, mailbox: str, limit: int, *, containing: str = "") -> list[DeliveryRecord]:
         # etcd sorts a range by create revision and cuts it at the limit itself: one read, bounded by the limit.
         base = self.keys.deliveries(mailbox)
-        response = await self.etcd.call(
-            self.etcd.kv.Range,
-            rpc.RangeRequest(
-                key=base,
-                range_end=prefix_end(base),
-                limit=limit,
-                sort_order=rpc.RangeRequest.DESCEND,
-                sort_target=rpc.RangeRequest.CREATE,
-            ),
-        )
-        return [
-            _codec.decode_delivery(kv.value, mailbox, self.keys.delivery_notification_id(mailbox, kv.key))
-            for kv in response.kvs
-        ]
+        async with work.turn() as read:
+            response = await self.etcd.call(
+                self.etcd.kv.Range,
+                rpc.RangeRequest(
+                    key=base,
+                    range_end=prefix_end(base),
+                    limit=limit,
+                    sort_order=rpc.RangeRequest.DESCEND,
+                    sort_target=rpc.RangeRequest.CREATE,
+                ),
+            )
+            # etcd reads and sorts every delivery of the mailbox to find the newest, at once: that is the work,
+            # not the limit, and one sort of it all costs the others more than reads of its size in slices (twice).
+            read(2 * max(int(response.count), len(response.kvs)))
+        deliveries = []
+        for index, kv in enumerate(response.kvs):
+            if index % _DECODED_PER_TURN == _DECODED_PER_TURN - 1:
+                await asyncio.sleep(0)  # other calls' turn: a long read is decoded in slices
+            if containing and not _codec.may_contain(kv.value, containing):
+                continue  # not decoded: the text is nowhere in the record
+            notification_id = self.keys.delivery_notification_id(mailbox, kv.key)
+            deliveries.append(_codec.decode_delivery(kv.value, mailbox, notification_id))
+        return deliveries
 
     async def list_subjects(
-        self, mailbox: str, *, cursor: str | None, limit: int, revision: int = 0
+        self,
+        mailbox: str,
+        *,
+        cursor: str | None,
+        limit: int,
+        revision: int = 0,
+        states: frozenset[State] = frozenset(),
     ) -> tuple[Listing, str | None, int]:
-        """Up to ``limit`` subjects of a mailbox in key order, after the subject ``cursor`` names; a cursor for
-        the next page if more follow."""
+        """Up to ``limit`` subjects of a mailbox in key order, after the subject ``cursor`` names (only those in
+        ``states``, when given: the others are read but not decoded); a cursor for the next page if more follow."""
         after = self.keys.subject(decode_cursor(cursor, mailbox)) if cursor is not None else None
-        items, more, revision = await self._range_subjects(mailbox, after=after, limit=limit, revision=revision)
-        return items, encode_cursor(items[-1][0]) if more and items else None, revision
+        items, last, revision = await self._range_subjects(
+            mailbox, after=after, limit=limit, revision=revision, states=states
+        )
+        parsed = self.keys.parse_mailbox_key(mailbox, last) if last is not None else None
+        return items, encode_cursor(parsed[1]) if parsed is not None else None, revision
 
     async def _range_subjects(
-        self, mailbox: str, *, after: bytes | None, limit: int, revision: int
+        self, mailbox: str, *, after: bytes | None, limit: int, revision: int, states: frozenset[State] = frozenset()
     ) -> tuple[Listing, bytes | None, int]:
-        """Up to ``limit`` subjects after key ``after``; the last key read if more follow."""
+        """Up to ``limit`` subjects after key ``after`` (only those in ``states``, when given); the last key read
+        if more follow."""
         base = self.keys.subjects(mailbox)
         start = after + b"\0" if after is not None else base
-        response = await self.etcd.call(
-            self.etcd.kv.Range,
-            rpc.RangeRequest(key=start, range_end=prefix_end(base), limit=limit, revision=revision),
-        )
+        async with work.turn() as read:
+            response = await self.etcd.call(
+                self.etcd.kv.Range,
+                rpc.RangeRequest(key=start, range_end=prefix_end(base), limit=limit, revision=revision),
+            )
+            read(len(response.kvs))
         items: Listing = []
-        for kv in response.kvs:
+        for index, kv in enumerate(response.kvs):
+            if index % _DECODED_PER_TURN == _DECODED_PER_TURN - 1:
+                await asyncio.sleep(0)  # other calls' turn: a long read is decoded in slices
+            if states and _codec.state_of(kv.value) not in states:
+                continue
             parsed = self.keys.parse_mailbox_key(mailbox, kv.key)
             if parsed is not None:
                 items.append((parsed[1], _stored(kv)))
@@ -644,6 +701,55 @@ class EtcdStore:
         sending = [self.keys.parse_sending(index, kv.key) for kv in response.responses[0].response_range.kvs]
         marked = {self.keys.parse_sending(markers, kv.key) for kv in response.responses[1].response_range.kvs}
         return [subject for subject in sending if subject not in marked][:limit], int(response.header.revision)
+
+    # --- claims whose lease etcd restarted (coordinator/store/etcd/lapses.py) ----------------------------
+
+    async def end_lapsed_claims(self) -> int:
+        """Deletes the claims this replica wrote whose time has passed by its monotonic clock and whose lease etcd
+        may have restarted since (a new raft term), each only while its key is still as written; returns how
+        many. Asks etcd nothing while no remembered claim's time has passed. StoreUnavailable: try again."""
+        if not self.lapses.overdue():
+            return 0
+        await self.current_revision()  # a read through the leader: the raft term as of now
+        ended = 0
+        for lapsed in self.lapses.due(self.etcd.raft_term):
+            key = lapsed.key
+            response = await self._txn(
+                [_unchanged_since(key, lapsed.revision)], [_op_delete(key)], [], frozenset((key,))
+            )
+            self.lapses.forget(key)
+            if response.succeeded:
+                self._recent.pop(key, None)
+                ended += 1
+                log.warning(
+                    "ended a claim whose TTL had passed while etcd restarted its lease (%s)",
+                    key.decode(errors="replace"),
+                    extra={"fields": {"event": "claim_lapsed", "key": key.decode(errors="replace")}},
+                )
+        return ended
+
+    async def adopt_claims(self, left_s: Callable[[SubjectRecord, int], float | None], revision: int) -> int:
+        """Remembers every claim etcd held at ``revision`` (of any replica), to be ended ``left_s(record, its mod
+        revision)`` seconds from now (None: not this one): after etcd restarted, which started all their leases
+        again. Returns how many."""
+        start, end = self.keys.mailboxes(), prefix_end(self.keys.mailboxes())
+        adopted, after = 0, start
+        while True:
+            response = await self.etcd.call(
+                self.etcd.kv.Range, rpc.RangeRequest(key=after, range_end=end, limit=_RANGE_PAGE, revision=revision)
+            )
+            for kv in response.kvs:
+                if not self.keys.is_subject(kv.key):
+                    continue
+                record = _codec.decode_record(kv.value)
+                claimed = record.state is State.CLAIMED and record.expires_ms is not None
+                left = left_s(record, int(kv.mod_revision)) if claimed else None
+                if left is not None:
+                    self.lapses.adopt(kv.key, int(kv.mod_revision), left)
+                    adopted += 1
+            if not response.more or not response.kvs:
+                return adopted
+            after = response.kvs[-1].key + b"\0"
 
     # --- watches -------------------------------------------------------------------------------------------
 

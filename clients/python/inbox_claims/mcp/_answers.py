@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .._errors import ClaimLost
-from .._types import HolderKind, LossReason, Subject, SubjectState, SubjectStatus
+from .._types import HolderKind, LossReason, OutsideReply, Subject, SubjectState, SubjectStatus
 
 
 class Outcome(enum.Enum):
@@ -157,7 +157,7 @@ def refusal(status: SubjectStatus, me: str) -> Answer:
         reply = status.outside_reply
         message = (
             f"Already answered from the mailbox by {reply.sender or 'someone'} at {when(reply.sent_at)} "
-            "(outside these tools): do not reply."
+            f"({_outside_these_tools(reply)}): do not reply."
         )
         at = reply.sent_at
     else:
@@ -222,9 +222,10 @@ def lost(loss: ClaimLost, me: str) -> Answer:
         reply = status.outside_reply if status is not None else None
         by = f"{reply.sender} " if reply is not None and reply.sender else "someone "
         at = f" at {when(reply.sent_at)}" if reply is not None and reply.sent_at is not None else ""
+        outside = _outside_these_tools(reply) if reply is not None else "outside these tools"
         return Answer(
             Outcome.LOST,
-            f"Not sent: {by}already answered this email from the mailbox{at} (outside these tools): do not reply.",
+            f"Not sent: {by}already answered this email from the mailbox{at} ({outside}): do not reply.",
             subject,
             at=now,
             **(_holder_fields(status, me) if status is not None else {}),
@@ -270,6 +271,14 @@ def not_held(subject: Subject) -> Answer:
     return Answer(Outcome.NOT_HELD, "You do not hold this message: nothing to release.", subject)
 
 
+def _outside_these_tools(reply: OutsideReply) -> str:
+    """Where an outside reply's record comes from: the sender is what its From line says (anyone can write it),
+    and the principal that reported it to the coordinator vouches for it."""
+    if not reply.recorded_by:
+        return "outside these tools"
+    return f"outside these tools; the sender as its From line says, recorded by {reply.recorded_by}"
+
+
 def described(status: SubjectStatus, me: str) -> dict[str, Any]:
     """One live claim, for who_is_answering."""
     document: dict[str, Any] = {
@@ -291,4 +300,12 @@ def described(status: SubjectStatus, me: str) -> dict[str, Any]:
             document["sender"] = status.summary.sender
     if status.note:
         document["note"] = status.note
+    reply = status.outside_reply
+    if reply is not None:
+        # Who answered from the mailbox as its From line says, and who reported it: never one without the other.
+        document["answered_from_mailbox"] = {
+            "sender": reply.sender,
+            "recorded_by": reply.recorded_by,
+            **({"at": _iso(reply.sent_at)} if reply.sent_at is not None else {}),
+        }
     return document

@@ -18,13 +18,22 @@ Conventions used throughout:
 * Tenancy and roles. A principal acts only in the mailboxes it is granted (exact names or globs) and only as
   itself; every RPC naming a mailbox it is not granted is refused PERMISSION_DENIED (MAILBOX_NOT_GRANTED),
   and the refusal says nothing about that mailbox. Takeover needs a principal of kind human with the role
-  `takeover`, ResolveInDoubt the role `resolve`; `admin` has every mailbox and every role.
+  `takeover`, ResolveInDoubt the role `resolve`, UndoOutsideReply a principal of kind human with `resolve`,
+  RecordOutgoing the role `report` (the principals that report a mailbox's mail: its webhook workers);
+  `admin` has every mailbox and every role.
 * Limits: request message 1 MiB; a unary call's time on the server 30 s (a Batch's calls share one);
   a request message must arrive within 10 s of its call's start; 1000 concurrent calls per connection
-  (further calls wait in the client); 500 calls/s per principal, burst 1000; 64 open watches per
-  principal, written 2,000 messages/s in all. All are server settings; README.md "Limits" lists them with
-  the field limits.
+  (further calls wait in the client); 500 calls/s per principal, burst 1000; 5,000 records read (or
+  searched) per second per principal, burst 10,000: a principal's costly reads take turns, each once what it
+  owes is waited out (a filtered ListClaims page reads up to 5,000 subjects; ListRecentMessages has etcd read
+  and sort every delivery of the mailbox, counted twice); 64 open watches per principal, written 2,000
+  messages/s in all. All are server settings; README.md "Limits" lists them with the field limits.
 * Subject.kind must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD: UNSPECIFIED is INVALID_ARGUMENT.
+* Times in requests: every google.protobuf.Timestamp a request carries (alone or inside a Batch) must lie in
+  protobuf's range (years 0001 to 9999, nanos 0 to 999,999,999), else INVALID_ARGUMENT naming the field. The
+  ones that are a message's date as the provider gives it (`received_at`, `summary.received_at`, `sent_at`)
+  must also be no earlier than 1970 and no later than the coordinator's clock plus 10 minutes (the clock
+  tolerance, TIME_AHEAD_TOLERANCE_MS: provider and replica clocks may each be minutes off).
 
 Request ids and retries:
 * Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
@@ -49,8 +58,12 @@ Request ids and retries:
 Expiry, sends and IN_DOUBT:
 * A claim frees between its TTL and its TTL plus about 1.5 s after its last grant or renewal (claims share
   one etcd lease per 1 s expiry bucket, and etcd checks leases about every 0.5 s), never earlier, as long as
-  etcd keeps its leader. An etcd leader election restarts lease TTLs, so after one a claim can free up to one
-  more TTL later. Renew well before `expires_at` (the Python client renews at a third of the TTL).
+  etcd keeps its leader. An etcd leader election (and etcd stopped and started again) restarts lease TTLs;
+  the coordinator replica that last wrote a claim then ends it itself when its TTL has passed by that replica's
+  monotonic clock, within about a second of etcd answering again (docs/design.md#leases-and-expiry), and
+  `serve` does the same for its embedded etcd's claims when started again. Only a claim whose last writer is
+  gone can free up to one more TTL later. Renew well before `expires_at` (the Python client renews at a third
+  of the TTL).
 * BeginSend gives the holder a send deadline (`SubjectStatus.send_deadline`; 2 minutes by default, the
   server's --send-timeout) to call ConfirmSent or AbortSend. Past it the subject becomes IN_DOUBT (within
   about a second): it never frees by itself, the holder may still ConfirmSent or AbortSend, a retried
@@ -72,12 +85,15 @@ CANCELLED) carry no details.
                                            BeginSend, ReleaseClaim while SENDING, ResolveInDoubt when not
                                            IN_DOUBT): a client bug, not a race; do not retry as is
   PERMISSION_DENIED   MAILBOX_NOT_GRANTED  the mailbox is not granted to the principal
-                      ROLE_MISSING         Takeover without `takeover`, ResolveInDoubt without `resolve`
-                      NOT_HUMAN            Takeover by a principal of kind agent
+                      ROLE_MISSING         Takeover without `takeover`, ResolveInDoubt and UndoOutsideReply
+                                           without `resolve`, RecordOutgoing without `report`
+                      NOT_HUMAN            Takeover or UndoOutsideReply by a principal of kind agent
                       NOT_HOLDER           a fencing token presented by another principal than its holder
                       PRINCIPAL_MISMATCH   `x-inbox-principal` names another principal than the credentials
   UNAUTHENTICATED     UNAUTHENTICATED      no credentials, an unknown or revoked token, an unmapped certificate
   RESOURCE_EXHAUSTED  RATE_LIMITED         over the principal's call rate (RetryInfo: when to retry)
+                      WORK_LIMITED         the principal owes more than a second of its work budget (records
+                                           read per second), or has 8 reads waiting their turn (RetryInfo)
                       TOO_MANY_WATCHES     over the principal's open watches (close one; RetryInfo 1 s)
   UNAVAILABLE         STORE_UNAVAILABLE    etcd cannot be reached or refused the write; retry with the same
                                            request id (another replica may answer)
@@ -242,6 +258,10 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     `previous_token`: the claim it ended), a FREE one REPLIED; a SENDING, IN_DOUBT or REPLIED one kept its state
     (both replies went out).
     """
+    EVENT_TYPE_OUTSIDE_REPLY_UNDONE: _EventType.ValueType  # 14
+    """A person undid a reply recorded as written outside (UndoOutsideReply): the subject is FREE, answerable again.
+    `by` undid it at `at`, `undone` is the reply that had been recorded, `reason` the person's note.
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper): ...
 
@@ -268,6 +288,10 @@ EVENT_TYPE_ANSWERED_OUTSIDE: EventType.ValueType  # 13
 `status.outside_reply` says who and when. A CLAIMED subject became REPLIED (`previous_holder`,
 `previous_token`: the claim it ended), a FREE one REPLIED; a SENDING, IN_DOUBT or REPLIED one kept its state
 (both replies went out).
+"""
+EVENT_TYPE_OUTSIDE_REPLY_UNDONE: EventType.ValueType  # 14
+"""A person undid a reply recorded as written outside (UndoOutsideReply): the subject is FREE, answerable again.
+`by` undid it at `at`, `undone` is the reply that had been recorded, `reason` the person's note.
 """
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
@@ -350,8 +374,9 @@ class SubjectStatus(_message.Message):
     """REPLIED: recorded by MarkReplied (a person answered outside the coordinator), not by a confirmed send."""
     replied_outside: _builtins.bool
     """REPLIED: recorded because someone answered in the subject's thread without the coordinator
-    (RecordOutgoing, ANSWERED_OUTSIDE), not by this subject's own send. `holder` is then who answered (the
-    message's sender), `holder_kind` HUMAN, `sent_at` the reply's date as the provider gives it and
+    (RecordOutgoing, ANSWERED_OUTSIDE), not by this subject's own send. `holder` is then who answered as the
+    message's `from` says (unchecked: `outside_reply.recorded_by` is the principal that vouched for it),
+    `holder_kind` HUMAN, `sent_at` the reply's date as the provider gives it and
     `sent_message_id` its message id; `outside_reply.stopped_holder` names the claim it ended, if one was held.
     """
     settled_by: _builtins.str
@@ -449,7 +474,9 @@ class OutsideReply(_message.Message):
     message_id: _builtins.str
     """The provider's id of the message."""
     recorded_by: _builtins.str
-    """The principal whose client reported it (RecordOutgoing's caller)."""
+    """The principal whose client reported it (RecordOutgoing's caller, a principal with the role `report`): the one
+    who vouches for it. `sender` is what the message says, not checked by the coordinator; show both.
+    """
     stopped_holder: _builtins.str
     """The principal whose claim it ended (the subject was CLAIMED); empty when none was held."""
     @_builtins.property
@@ -501,7 +528,9 @@ class MessageSummary(_message.Message):
     """
     @_builtins.property
     def received_at(self) -> _timestamp_pb2.Timestamp:
-        """When the message was received; unset when unknown. Not before 1970."""
+        """When the message was received; unset when unknown. Not before 1970, nor more than 10 minutes ahead of the
+        coordinator's clock (TIME_AHEAD_TOLERANCE_MS; see "Times in requests" at the top).
+        """
 
     def __init__(
         self,
@@ -669,7 +698,8 @@ class ClaimReplyRequest(_message.Message):
     @_builtins.property
     def received_at(self) -> _timestamp_pb2.Timestamp:
         """When the message was received, as the provider gives it (Nylas: `data.object.date`); required with
-        `thread_id` (INVALID_ARGUMENT otherwise), not before 1970. A message of the thread received at or before a
+        `thread_id` (INVALID_ARGUMENT otherwise), not before 1970 nor more than 10 minutes ahead of the coordinator's
+        clock. A message of the thread received at or before a
         reply written outside answers ALREADY_REPLIED; one received after it is a new question.
         """
 
@@ -1104,7 +1134,7 @@ class GetCallerResponse(_message.Message):
     """True when the server runs without a token file: anyone may name themselves, with every right."""
     @_builtins.property
     def roles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Its roles, sorted: "admin", "resolve", "takeover" (admin implies the other two, which are listed too)."""
+        """Its roles, sorted: "admin", "report", "resolve", "takeover" (admin implies the others, which are listed too)."""
 
     @_builtins.property
     def mailboxes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -1346,6 +1376,9 @@ class WatchEvent(_message.Message):
     PREVIOUS_TOKEN_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    BY_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    UNDONE_FIELD_NUMBER: _builtins.int
     type: Global___EventType.ValueType
     previous_holder: _builtins.str
     """For transitions that end a claim: who held it, with which token."""
@@ -1355,10 +1388,22 @@ class WatchEvent(_message.Message):
     shared by the transitions of subjects committed together (see Watch).
     """
     reason: _builtins.str
-    """Why it ended, when the caller said (AbortSend's reason, ResolveInDoubt's note), or who took it over."""
+    """Why it ended, when the caller said (AbortSend's reason, ResolveInDoubt's note, UndoOutsideReply's note), or
+    who took it over.
+    """
+    by: _builtins.str
+    """For a subject a call ended (RELEASED, ABORTED, TAKEN_OVER, RESOLVED_NOT_SENT, OUTSIDE_REPLY_UNDONE): the
+    principal whose call ended it, and when (that replica's clock).
+    """
     @_builtins.property
     def status(self) -> Global___SubjectStatus:
         """The subject's state after the transition (state FREE, with the subject set, when it ended)."""
+
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def undone(self) -> Global___OutsideReply:
+        """OUTSIDE_REPLY_UNDONE: the reply written outside that had been recorded (its sender and who recorded it)."""
 
     def __init__(
         self,
@@ -1369,10 +1414,13 @@ class WatchEvent(_message.Message):
         previous_token: _builtins.int = ...,
         revision: _builtins.int = ...,
         reason: _builtins.str = ...,
+        by: _builtins.str = ...,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        undone: Global___OutsideReply | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "status", b"status", "undone", b"undone"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["previous_holder", b"previous_holder", "previous_token", b"previous_token", "reason", b"reason", "revision", b"revision", "status", b"status", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "by", b"by", "previous_holder", b"previous_holder", "previous_token", b"previous_token", "reason", b"reason", "revision", b"revision", "status", b"status", "type", b"type", "undone", b"undone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1584,6 +1632,71 @@ class ResolveInDoubtResponse(_message.Message):
 Global___ResolveInDoubtResponse: _TypeAlias = ResolveInDoubtResponse  # noqa: Y015
 
 @_typing.final
+class UndoOutsideReplyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    note: _builtins.str
+    """What the person checked ("Ana did not answer this one; the reply was to another customer"). Up to 1024 bytes."""
+    @_builtins.property
+    def subject(self) -> Global___Subject:
+        """The message (or thread subject) recorded as answered outside the coordinator."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        subject: Global___Subject | None = ...,
+        note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["subject", b"subject"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "request_id", b"request_id", "subject", b"subject"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndoOutsideReplyRequest: _TypeAlias = UndoOutsideReplyRequest  # noqa: Y015
+
+@_typing.final
+class UndoOutsideReplyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    UNDONE_FIELD_NUMBER: _builtins.int
+    UNDONE_BY_FIELD_NUMBER: _builtins.int
+    UNDONE_AT_FIELD_NUMBER: _builtins.int
+    undone_by: _builtins.str
+    """Who undid it, and when (the replica's clock)."""
+    @_builtins.property
+    def status(self) -> Global___SubjectStatus:
+        """FREE (or as a later call left it, when this answers a retry)."""
+
+    @_builtins.property
+    def undone(self) -> Global___OutsideReply:
+        """The reply that had been recorded: its sender (as the message said) and who recorded it."""
+
+    @_builtins.property
+    def undone_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        status: Global___SubjectStatus | None = ...,
+        undone: Global___OutsideReply | None = ...,
+        undone_by: _builtins.str = ...,
+        undone_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status", "undone", b"undone", "undone_at", b"undone_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status", "undone", b"undone", "undone_at", b"undone_at", "undone_by", b"undone_by"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndoOutsideReplyResponse: _TypeAlias = UndoOutsideReplyResponse  # noqa: Y015
+
+@_typing.final
 class MarkRepliedRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1674,7 +1787,9 @@ class RecordOutgoingRequest(_message.Message):
     """
     @_builtins.property
     def sent_at(self) -> _timestamp_pb2.Timestamp:
-        """Its date, as the provider gives it (Nylas: `data.object.date`). Required, not before 1970."""
+        """Its date, as the provider gives it (Nylas: `data.object.date`). Required, not before 1970 nor more than 10
+        minutes ahead of the coordinator's clock: a reply dated later would answer the thread's messages until then.
+        """
 
     def __init__(
         self,

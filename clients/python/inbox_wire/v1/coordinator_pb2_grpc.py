@@ -100,6 +100,11 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse.FromString,
                 _registered_method=True)
+        self.UndoOutsideReply = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/UndoOutsideReply',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse.FromString,
+                _registered_method=True)
         self.MarkReplied = channel.unary_unary(
                 '/inbox.coordinator.v1.Coordinator/MarkReplied',
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.MarkRepliedRequest.SerializeToString,
@@ -143,7 +148,11 @@ class CoordinatorServicer:
         subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
         With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
         coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
-        `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+        `replied_outside`. The thread is taken as the provider's word when the caller has the role `report` (it
+        reports the mailbox's mail); from any other caller it is that caller's word alone: it is answered
+        ALREADY_REPLIED with the reply it points at (`status.fencing_token` 0) and nothing is recorded, and a reply
+        written outside in that thread ends only the caller's own claim (docs/design.md#replies-written-outside).
+        Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
         (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -289,6 +298,22 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UndoOutsideReply(self, request, context):
+        """Undoes a reply recorded as written outside the coordinator (RecordOutgoing, ANSWERED_OUTSIDE) on a message it
+        did not answer: recorded by mistake, or by a reporter that should not have. For a person with the role
+        `resolve` who checked the mailbox. The subject becomes FREE, answerable again (the notification that led to
+        it may claim again), and the thread's record of that reply is withdrawn if it is still the thread's latest,
+        so that the message's next ClaimReply is not answered by it again; the other messages that reply answered
+        stay answered until each is undone. Who undid it and when are kept beside the subject (24 h) and sent to
+        watchers (EVENT_TYPE_OUTSIDE_REPLY_UNDONE, with `by`, `at` and `undone`), and the coordinator logs it. A
+        retry answers the first answer. Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not REPLIED
+        with `replied_outside` (and this is not a retry); PERMISSION_DENIED (NOT_HUMAN for a principal of kind
+        agent, ROLE_MISSING without `resolve`); REQUEST_ID_REUSED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def MarkReplied(self, request, context):
         """Records a reply the holder made without the coordinator ("I answered this one myself", in a mail client
         or by phone): CLAIMED becomes REPLIED, kept for the reply retention like a confirmed send, so every later
@@ -337,7 +362,11 @@ class CoordinatorServicer:
         * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
         Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
         id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
-        thread id or sent time; REQUEST_ID_REUSED.
+        thread id or sent time; PERMISSION_DENIED (ROLE_MISSING) without the role `report`: only the principals
+        the operator lets report the mailbox's mail may say that a message was sent from it; REQUEST_ID_REUSED.
+        What a reporter vouches for: the message (its id, thread, date and sender as the provider gave them),
+        not which messages are in its thread; a claim is ended by it only when its thread was named by a principal
+        with `report`, or by its own holder (docs/design.md#replies-written-outside).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -425,6 +454,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ResolveInDoubt,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse.SerializeToString,
+            ),
+            'UndoOutsideReply': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndoOutsideReply,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse.SerializeToString,
             ),
             'MarkReplied': grpc.unary_unary_rpc_method_handler(
                     servicer.MarkReplied,
@@ -798,6 +832,33 @@ class Coordinator:
             '/inbox.coordinator.v1.Coordinator/ResolveInDoubt',
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtRequest.SerializeToString,
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.ResolveInDoubtResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndoOutsideReply(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/UndoOutsideReply',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.UndoOutsideReplyResponse.FromString,
             options,
             channel_credentials,
             insecure,

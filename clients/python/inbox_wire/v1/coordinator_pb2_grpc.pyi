@@ -18,13 +18,22 @@ Conventions used throughout:
 * Tenancy and roles. A principal acts only in the mailboxes it is granted (exact names or globs) and only as
   itself; every RPC naming a mailbox it is not granted is refused PERMISSION_DENIED (MAILBOX_NOT_GRANTED),
   and the refusal says nothing about that mailbox. Takeover needs a principal of kind human with the role
-  `takeover`, ResolveInDoubt the role `resolve`; `admin` has every mailbox and every role.
+  `takeover`, ResolveInDoubt the role `resolve`, UndoOutsideReply a principal of kind human with `resolve`,
+  RecordOutgoing the role `report` (the principals that report a mailbox's mail: its webhook workers);
+  `admin` has every mailbox and every role.
 * Limits: request message 1 MiB; a unary call's time on the server 30 s (a Batch's calls share one);
   a request message must arrive within 10 s of its call's start; 1000 concurrent calls per connection
-  (further calls wait in the client); 500 calls/s per principal, burst 1000; 64 open watches per
-  principal, written 2,000 messages/s in all. All are server settings; README.md "Limits" lists them with
-  the field limits.
+  (further calls wait in the client); 500 calls/s per principal, burst 1000; 5,000 records read (or
+  searched) per second per principal, burst 10,000: a principal's costly reads take turns, each once what it
+  owes is waited out (a filtered ListClaims page reads up to 5,000 subjects; ListRecentMessages has etcd read
+  and sort every delivery of the mailbox, counted twice); 64 open watches per principal, written 2,000
+  messages/s in all. All are server settings; README.md "Limits" lists them with the field limits.
 * Subject.kind must be SUBJECT_KIND_MESSAGE or SUBJECT_KIND_THREAD: UNSPECIFIED is INVALID_ARGUMENT.
+* Times in requests: every google.protobuf.Timestamp a request carries (alone or inside a Batch) must lie in
+  protobuf's range (years 0001 to 9999, nanos 0 to 999,999,999), else INVALID_ARGUMENT naming the field. The
+  ones that are a message's date as the provider gives it (`received_at`, `summary.received_at`, `sent_at`)
+  must also be no earlier than 1970 and no later than the coordinator's clock plus 10 minutes (the clock
+  tolerance, TIME_AHEAD_TOLERANCE_MS: provider and replica clocks may each be minutes off).
 
 Request ids and retries:
 * Every mutation (RecordDelivery, ClaimReply, RenewClaim, ReleaseClaim, BeginSend, ConfirmSent, AbortSend,
@@ -49,8 +58,12 @@ Request ids and retries:
 Expiry, sends and IN_DOUBT:
 * A claim frees between its TTL and its TTL plus about 1.5 s after its last grant or renewal (claims share
   one etcd lease per 1 s expiry bucket, and etcd checks leases about every 0.5 s), never earlier, as long as
-  etcd keeps its leader. An etcd leader election restarts lease TTLs, so after one a claim can free up to one
-  more TTL later. Renew well before `expires_at` (the Python client renews at a third of the TTL).
+  etcd keeps its leader. An etcd leader election (and etcd stopped and started again) restarts lease TTLs;
+  the coordinator replica that last wrote a claim then ends it itself when its TTL has passed by that replica's
+  monotonic clock, within about a second of etcd answering again (docs/design.md#leases-and-expiry), and
+  `serve` does the same for its embedded etcd's claims when started again. Only a claim whose last writer is
+  gone can free up to one more TTL later. Renew well before `expires_at` (the Python client renews at a third
+  of the TTL).
 * BeginSend gives the holder a send deadline (`SubjectStatus.send_deadline`; 2 minutes by default, the
   server's --send-timeout) to call ConfirmSent or AbortSend. Past it the subject becomes IN_DOUBT (within
   about a second): it never frees by itself, the holder may still ConfirmSent or AbortSend, a retried
@@ -72,12 +85,15 @@ CANCELLED) carry no details.
                                            BeginSend, ReleaseClaim while SENDING, ResolveInDoubt when not
                                            IN_DOUBT): a client bug, not a race; do not retry as is
   PERMISSION_DENIED   MAILBOX_NOT_GRANTED  the mailbox is not granted to the principal
-                      ROLE_MISSING         Takeover without `takeover`, ResolveInDoubt without `resolve`
-                      NOT_HUMAN            Takeover by a principal of kind agent
+                      ROLE_MISSING         Takeover without `takeover`, ResolveInDoubt and UndoOutsideReply
+                                           without `resolve`, RecordOutgoing without `report`
+                      NOT_HUMAN            Takeover or UndoOutsideReply by a principal of kind agent
                       NOT_HOLDER           a fencing token presented by another principal than its holder
                       PRINCIPAL_MISMATCH   `x-inbox-principal` names another principal than the credentials
   UNAUTHENTICATED     UNAUTHENTICATED      no credentials, an unknown or revoked token, an unmapped certificate
   RESOURCE_EXHAUSTED  RATE_LIMITED         over the principal's call rate (RetryInfo: when to retry)
+                      WORK_LIMITED         the principal owes more than a second of its work budget (records
+                                           read per second), or has 8 reads waiting their turn (RetryInfo)
                       TOO_MANY_WATCHES     over the principal's open watches (close one; RetryInfo 1 s)
   UNAVAILABLE         STORE_UNAVAILABLE    etcd cannot be reached or refused the write; retry with the same
                                            request id (another replica may answer)
@@ -133,7 +149,11 @@ class CoordinatorStub:
     subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
     With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
     coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
-    `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+    `replied_outside`. The thread is taken as the provider's word when the caller has the role `report` (it
+    reports the mailbox's mail); from any other caller it is that caller's word alone: it is answered
+    ALREADY_REPLIED with the reply it points at (`status.fencing_token` 0) and nothing is recorded, and a reply
+    written outside in that thread ends only the caller's own claim (docs/design.md#replies-written-outside).
+    Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
     (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
     """
     RenewClaim: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RenewClaimRequest, _coordinator_pb2.RenewClaimResponse]
@@ -230,6 +250,18 @@ class CoordinatorStub:
     INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
     REQUEST_ID_REUSED.
     """
+    UndoOutsideReply: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.UndoOutsideReplyRequest, _coordinator_pb2.UndoOutsideReplyResponse]
+    """Undoes a reply recorded as written outside the coordinator (RecordOutgoing, ANSWERED_OUTSIDE) on a message it
+    did not answer: recorded by mistake, or by a reporter that should not have. For a person with the role
+    `resolve` who checked the mailbox. The subject becomes FREE, answerable again (the notification that led to
+    it may claim again), and the thread's record of that reply is withdrawn if it is still the thread's latest,
+    so that the message's next ClaimReply is not answered by it again; the other messages that reply answered
+    stay answered until each is undone. Who undid it and when are kept beside the subject (24 h) and sent to
+    watchers (EVENT_TYPE_OUTSIDE_REPLY_UNDONE, with `by`, `at` and `undone`), and the coordinator logs it. A
+    retry answers the first answer. Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not REPLIED
+    with `replied_outside` (and this is not a retry); PERMISSION_DENIED (NOT_HUMAN for a principal of kind
+    agent, ROLE_MISSING without `resolve`); REQUEST_ID_REUSED.
+    """
     MarkReplied: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.MarkRepliedRequest, _coordinator_pb2.MarkRepliedResponse]
     """Records a reply the holder made without the coordinator ("I answered this one myself", in a mail client
     or by phone): CLAIMED becomes REPLIED, kept for the reply retention like a confirmed send, so every later
@@ -270,7 +302,11 @@ class CoordinatorStub:
     * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
     Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
     id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
-    thread id or sent time; REQUEST_ID_REUSED.
+    thread id or sent time; PERMISSION_DENIED (ROLE_MISSING) without the role `report`: only the principals
+    the operator lets report the mailbox's mail may say that a message was sent from it; REQUEST_ID_REUSED.
+    What a reporter vouches for: the message (its id, thread, date and sender as the provider gave them),
+    not which messages are in its thread; a claim is ended by it only when its thread was named by a principal
+    with `report`, or by its own holder (docs/design.md#replies-written-outside).
     """
     Batch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
@@ -301,7 +337,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
     With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
     coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
-    `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+    `replied_outside`. The thread is taken as the provider's word when the caller has the role `report` (it
+    reports the mailbox's mail); from any other caller it is that caller's word alone: it is answered
+    ALREADY_REPLIED with the reply it points at (`status.fencing_token` 0) and nothing is recorded, and a reply
+    written outside in that thread ends only the caller's own claim (docs/design.md#replies-written-outside).
+    Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
     (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
     """
     RenewClaim: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RenewClaimRequest, _coordinator_pb2.RenewClaimResponse]  # type: ignore[assignment]
@@ -398,6 +438,18 @@ class CoordinatorAsyncStub(CoordinatorStub):
     INVALID_ARGUMENT for OUTCOME_UNSPECIFIED; PERMISSION_DENIED (ROLE_MISSING without the role `resolve`);
     REQUEST_ID_REUSED.
     """
+    UndoOutsideReply: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.UndoOutsideReplyRequest, _coordinator_pb2.UndoOutsideReplyResponse]  # type: ignore[assignment]
+    """Undoes a reply recorded as written outside the coordinator (RecordOutgoing, ANSWERED_OUTSIDE) on a message it
+    did not answer: recorded by mistake, or by a reporter that should not have. For a person with the role
+    `resolve` who checked the mailbox. The subject becomes FREE, answerable again (the notification that led to
+    it may claim again), and the thread's record of that reply is withdrawn if it is still the thread's latest,
+    so that the message's next ClaimReply is not answered by it again; the other messages that reply answered
+    stay answered until each is undone. Who undid it and when are kept beside the subject (24 h) and sent to
+    watchers (EVENT_TYPE_OUTSIDE_REPLY_UNDONE, with `by`, `at` and `undone`), and the coordinator logs it. A
+    retry answers the first answer. Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not REPLIED
+    with `replied_outside` (and this is not a retry); PERMISSION_DENIED (NOT_HUMAN for a principal of kind
+    agent, ROLE_MISSING without `resolve`); REQUEST_ID_REUSED.
+    """
     MarkReplied: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.MarkRepliedRequest, _coordinator_pb2.MarkRepliedResponse]  # type: ignore[assignment]
     """Records a reply the holder made without the coordinator ("I answered this one myself", in a mail client
     or by phone): CLAIMED becomes REPLIED, kept for the reply retention like a confirmed send, so every later
@@ -438,7 +490,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
     Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
     id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
-    thread id or sent time; REQUEST_ID_REUSED.
+    thread id or sent time; PERMISSION_DENIED (ROLE_MISSING) without the role `report`: only the principals
+    the operator lets report the mailbox's mail may say that a message was sent from it; REQUEST_ID_REUSED.
+    What a reporter vouches for: the message (its id, thread, date and sender as the provider gave them),
+    not which messages are in its thread; a claim is ended by it only when its thread was named by a principal
+    with `report`, or by its own holder (docs/design.md#replies-written-outside).
     """
     Batch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]  # type: ignore[assignment]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
@@ -478,7 +534,11 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         subject is SENDING, IN_DOUBT or REPLIED, or DUPLICATE_DELIVERY when `notification_id` was seen before.
         With `thread_id` and `received_at`, also ALREADY_REPLIED when someone answered in the thread without the
         coordinator after the message was received (RecordOutgoing): the subject is then recorded REPLIED with
-        `replied_outside`. Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
+        `replied_outside`. The thread is taken as the provider's word when the caller has the role `report` (it
+        reports the mailbox's mail); from any other caller it is that caller's word alone: it is answered
+        ALREADY_REPLIED with the reply it points at (`status.fencing_token` 0) and nothing is recorded, and a reply
+        written outside in that thread ends only the caller's own claim (docs/design.md#replies-written-outside).
+        Uncontended, it costs one etcd transaction. Errors: the common ones, INVALID_ARGUMENT
         (INVALID_FIELD) for `thread_id` without `received_at` or the other way round, and REQUEST_ID_REUSED.
         """
 
@@ -643,6 +703,24 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """
 
     @_abc_1.abstractmethod
+    def UndoOutsideReply(
+        self,
+        request: _coordinator_pb2.UndoOutsideReplyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.UndoOutsideReplyResponse, _abc.Awaitable[_coordinator_pb2.UndoOutsideReplyResponse]]:
+        """Undoes a reply recorded as written outside the coordinator (RecordOutgoing, ANSWERED_OUTSIDE) on a message it
+        did not answer: recorded by mistake, or by a reporter that should not have. For a person with the role
+        `resolve` who checked the mailbox. The subject becomes FREE, answerable again (the notification that led to
+        it may claim again), and the thread's record of that reply is withdrawn if it is still the thread's latest,
+        so that the message's next ClaimReply is not answered by it again; the other messages that reply answered
+        stay answered until each is undone. Who undid it and when are kept beside the subject (24 h) and sent to
+        watchers (EVENT_TYPE_OUTSIDE_REPLY_UNDONE, with `by`, `at` and `undone`), and the coordinator logs it. A
+        retry answers the first answer. Errors: FAILED_PRECONDITION (WRONG_STATE) when the subject is not REPLIED
+        with `replied_outside` (and this is not a retry); PERMISSION_DENIED (NOT_HUMAN for a principal of kind
+        agent, ROLE_MISSING without `resolve`); REQUEST_ID_REUSED.
+        """
+
+    @_abc_1.abstractmethod
     def MarkReplied(
         self,
         request: _coordinator_pb2.MarkRepliedRequest,
@@ -699,7 +777,11 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         * DUPLICATE_DELIVERY: `notification_id` was seen before (`delivery`); nothing changed.
         Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
         id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
-        thread id or sent time; REQUEST_ID_REUSED.
+        thread id or sent time; PERMISSION_DENIED (ROLE_MISSING) without the role `report`: only the principals
+        the operator lets report the mailbox's mail may say that a message was sent from it; REQUEST_ID_REUSED.
+        What a reporter vouches for: the message (its id, thread, date and sender as the provider gave them),
+        not which messages are in its thread; a claim is ended by it only when its thread was named by a principal
+        with `report`, or by its own holder (docs/design.md#replies-written-outside).
         """
 
     @_abc_1.abstractmethod
