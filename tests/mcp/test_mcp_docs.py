@@ -110,8 +110,10 @@ def test_the_presets_table_lists_every_preset_as_the_code_has_it() -> None:
         assert fenced == [tool.name for tool in preset.tools], row[0]
         for tool in preset.tools:
             assert f"message={tool.message}" in row[2], row[0]
-        unfenced = [] if row[3].startswith("none") else re.findall(r"`([\w-]+)`", row[3])
+        unfenced = [] if row[3].startswith("none") else re.findall(r"`([\w-]+)`", row[3].split(" (new mail")[0])
         assert unfenced == list(preset.unfenced), row[0]
+        checked = [] if row[5].startswith("none") else [" ".join(re.findall(r"`?([^`\s]+)`?", row[5]))]
+        assert checked == list(preset.versions), row[0]
     for name in UNPRESETTABLE:
         assert f"`--preset {name}` is refused" in DOC.read_text()
 

@@ -196,9 +196,34 @@ def not_sent(subject: Subject, reason: str) -> Answer:
     return Answer(
         Outcome.NOT_SENT,
         f"Not sent: the mail service refused it ({reason}). Nothing went out and the message is free again: "
-        "fix the reply and call send_reply again, or leave it.",
+        "fix the reply and send it again, or leave it.",
         subject,
         detail=reason,
+    )
+
+
+def not_reached(subject: Subject, reason: str, *, claimed: bool) -> Answer:
+    """The mail service could not be reached: the send never got there. ``claimed``: the message was claimed
+    (and passed the commit point) first, and is free again now."""
+    free = "the message is free again" if claimed else "the message was not claimed"
+    return Answer(
+        Outcome.NOT_SENT,
+        f"Not sent: the email server could not be reached ({reason}). Nothing went out and {free}: try the same "
+        "send again in a moment.",
+        subject,
+        detail=reason,
+    )
+
+
+def other_reply_running(subject: Subject, me: str) -> Answer:
+    """A send of a different reply to a message while this principal's first send of it is still running."""
+    return Answer(
+        Outcome.HELD,
+        f"A reply to this message by {me} (this agent: another conversation, or an earlier call) is being sent right "
+        "now; this different one was not sent: do not reply.",
+        subject,
+        holder=me,
+        holder_kind="agent",
     )
 
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mcp import Client, StdioServerParameters
+from mcp import StdioServerParameters
 from mcp.server import Server, ServerRequestContext
 from mcp.server.stdio import stdio_server
 from starlette import types as asgi
@@ -29,10 +29,11 @@ from inbox_wire import VERSION
 from .._async import AsyncCoordinator
 from .._settings import client_arguments
 from ..cli import ConfigFile, UsageError, connection_options, resolve_settings
-from ._guard import SendTool, Upstream, build_guard
+from ._guard import SendTool, build_guard, check_tools
 from ._presets import PRESETS, UNPRESETTABLE
 from ._session import DEFAULT_TTL, AgentSession, SentReplies
 from ._tools import NylasReplies, Scope, build_server
+from ._upstream import DEFAULT_CALL_TIMEOUT, DEFAULT_MAX_ANSWER_BYTES, Upstream, UpstreamFailed, UpstreamMismatch
 
 MCP_CONFIG = ConfigFile("INBOX_CLAIMS_MCP_CONFIG", "inbox-claims-mcp.toml")
 AGENT_DEFAULTS = {"kind": "agent"}
@@ -169,8 +170,38 @@ def build_parser() -> argparse.ArgumentParser:
         "allow: passed through, unclaimed",
     )
     guard.add_argument("--mailbox", default=None, help="the mailbox, when the send tools take none")
+    guard.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=DEFAULT_CALL_TIMEOUT,
+        metavar="SECONDS",
+        help="the longest an upstream call may take in all; a send with no answer by then is in doubt "
+        f"(default {DEFAULT_CALL_TIMEOUT:g})",
+    )
+    guard.add_argument(
+        "--upstream-max-bytes",
+        type=_byte_count,
+        default=DEFAULT_MAX_ANSWER_BYTES,
+        metavar="SIZE",
+        help="the largest upstream answer read, e.g. 16MiB (default 16MiB); a larger one is not read",
+    )
     guard.add_argument("upstream", nargs=argparse.REMAINDER, help="-- then the upstream command, or its URL")
     return parser
+
+
+def _byte_count(text: str) -> int:
+    """``16777216``, ``16MiB``, ``512KiB``, ``1GiB``."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "b": 1}
+    number = text.strip().lower()
+    for unit in units:
+        if number.endswith(unit):
+            number, factor = number[: -len(unit)].strip(), units[unit]
+            break
+    else:
+        factor = 1
+    if not number.isdigit() or int(number) * factor < 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size of at least 1KiB, e.g. 16MiB or 16777216")
+    return int(number) * factor
 
 
 def _coordinator(options: argparse.Namespace) -> AsyncCoordinator:
@@ -269,7 +300,8 @@ async def run(options: argparse.Namespace) -> None:
             server = build_server(session_for, replies=replies, scope=scope, version=VERSION)
         else:
             (tools, unfenced), target = _send_tools(options), _upstream_target(options.upstream)
-            upstream = await stack.enter_async_context(Upstream(lambda: Client(target)))
+            upstream = await _started(tools, options, target)
+            stack.push_async_exit(upstream)
             server = build_guard(
                 upstream,
                 tools,
@@ -281,6 +313,45 @@ async def run(options: argparse.Namespace) -> None:
                 instructions=upstream.instructions,
             )
         await _serve(server, options, sessions)
+
+
+async def _started(tools: list[SendTool], options: argparse.Namespace, target: StdioServerParameters | str) -> Upstream:
+    """The upstream, connected and checked: the guard does not start in front of one it cannot reach, or one that
+    does not list the send tools it was told to fence (it would fence nothing)."""
+    upstream = Upstream.to(
+        target,
+        call_timeout=options.upstream_timeout,
+        max_answer_bytes=options.upstream_max_bytes,
+        check=check_tools(tools, options.unfenced_tool, scope=options.scope),
+    )
+    try:
+        await upstream.__aenter__()
+    except UpstreamMismatch as mismatch:
+        await upstream.__aexit__(None, None, None)
+        raise UsageError(
+            f"{_describe(upstream)}: {mismatch.reason}. {_known(options)}The guard does not start: it would fence "
+            "nothing."
+        ) from None
+    except UpstreamFailed as failure:
+        await upstream.__aexit__(None, None, None)
+        raise UsageError(f"{_describe(upstream)} cannot be reached: {failure.reason}") from None
+    return upstream
+
+
+def _describe(upstream: Upstream) -> str:
+    info = upstream.server_info
+    return f"the email MCP server ({info.name} {info.version})" if info is not None else "the email MCP server"
+
+
+def _known(options: argparse.Namespace) -> str:
+    """What each preset named was checked against, for a refusal."""
+    said = []
+    for name in options.preset:
+        versions = PRESETS[name].versions
+        said.append(
+            f"--preset {name} was checked against {', '.join(versions) if versions else 'no published package'}"
+        )
+    return "; ".join(said) + ". " if said else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
