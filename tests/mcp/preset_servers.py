@@ -23,7 +23,9 @@ from typing import Any
 import anyio
 import mcp_types as types
 from mcp.server import Server, ServerRequestContext
+from mcp.server.caching import CacheHint
 from mcp.server.stdio import stdio_server
+from mcp_types.methods import CacheableMethod
 
 DATA = Path(__file__).resolve().parent / "data" / "tools"
 
@@ -135,7 +137,7 @@ class Recorder:
         listed = fake.listed()
 
         async def list_tools(ctx: ServerRequestContext[Any, Any], params: Any) -> dict[str, Any]:
-            return {"tools": listed}
+            return {"tools": listed, "resultType": "complete"}  # dropped again on a handshake-era connection
 
         async def call_tool(ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams) -> Any:
             tool = tools.get(params.name)
@@ -152,7 +154,11 @@ class Recorder:
                     file.write(json.dumps(self.sends[-1]) + "\n")
             return {**tool.sent(sent_id), "resultType": "complete"}  # dropped again on a handshake-era connection
 
-        server: Server[Any] = Server(f"fake-{fake.preset}")
+        # The 2026-07-28 protocol wants a list's freshness: none (as the guard says for servers of the 2025 era).
+        record = recorded(fake.preset)
+        info = record.get("server_info") or {"name": f"fake-{fake.preset}", "version": "0"}  # who it says it is
+        hints: dict[CacheableMethod, CacheHint] = {"tools/list": CacheHint(ttl_ms=0, scope="private")}
+        server: Server[Any] = Server(info["name"], version=info["version"], cache_hints=hints)
         server.add_request_handler("tools/list", types.PaginatedRequestParams, list_tools)
         server.add_request_handler("tools/call", types.CallToolRequestParams, call_tool)
         return server

@@ -101,7 +101,8 @@ async def test_tools_prompts_resources_and_completions_pass_through_byte_for_byt
         capabilities = client.server_capabilities
 
     assert through == expected
-    assert {tool["name"] for tool in through[0]["tools"]} == {"list_messages", "get_message", SEND_TOOL}
+    listed = {tool["name"] for tool in through[0]["tools"]}
+    assert listed == {"list_messages", "get_message", "export_mailbox", SEND_TOOL}
     assert through[3]["isError"] is True
     assert [prompt["name"] for prompt in through[5]["prompts"]] == ["draft_reply"]
     assert "Where is my order?" in str(through[6])

@@ -195,7 +195,7 @@ async def test_the_guard_over_http_in_front_of_an_http_upstream_sends_one_reply_
                 sessionless.call_tool(SEND_TOOL, {**reply, "body": "from the third"}),
             )
 
-    assert names == {"list_messages", "get_message", SEND_TOOL}
+    assert names == {"list_messages", "get_message", "export_mailbox", SEND_TOOL}
     assert not listed.is_error
     assert len(outbox.sends_for("msg-1")) == 1
     assert sorted(result.is_error for result in raced) == [False, True, True]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mcp import Client, StdioServerParameters
+from mcp import Client
 
 from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
@@ -19,39 +19,13 @@ from inbox_claims import Subject, SubjectState
 from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox
 from tests.mcp.support import (
     API_KEY,
-    REPO,
-    TTL,
-    config_file,
+    command,
+    pid_of,
     renewed_while_alive_then_freed_when_killed,
     reply_arguments,
     state_of,
     text,
 )
-
-
-def command(tmp_path: Path, name: str, address: str, *args: str) -> StdioServerParameters:
-    """``inbox-claims-mcp`` configured by its own config file (its path also tells its process apart)."""
-    config = config_file(tmp_path, name, address)
-    return StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "inbox_claims.mcp", args[0], "--config", str(config), "--ttl", str(TTL), *args[1:]],
-        cwd=REPO,
-        env={"PATH": os.environ.get("PATH", "")},
-    )
-
-
-def pid_of(marker: str, *, program: str) -> int:
-    """The process of ``program`` (a module run with -m) whose command line holds ``marker`` (a path only it
-    was given; the guard's command line names its upstream's too)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                words = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            if words[1:3] == ["-m", program] and marker in words:
-                return int(entry.name)
-    raise AssertionError(f"no process with {marker!r}")
 
 
 def answer(result: Any) -> dict[str, Any]:
@@ -114,7 +88,7 @@ async def test_the_guard_over_stdio_passes_tools_through_fences_sends_and_says_i
         )  # the upstream dies after sending, before answering
         in_doubt = await asyncio.wait_for(call, 20)
 
-    assert names == {"list_messages", "get_message", SEND_TOOL}
+    assert names == {"list_messages", "get_message", "export_mailbox", SEND_TOOL}
     assert not listed.is_error
     assert first.structured_content == again.structured_content == {"id": "sent-1", "thread_id": "thread-sent-1"}
     assert len(outbox.sends_for("msg-1")) == 1

@@ -203,12 +203,13 @@ def not_sent(subject: Subject, reason: str) -> Answer:
 
 
 def not_reached(subject: Subject, reason: str, *, claimed: bool) -> Answer:
-    """The mail service could not be reached: the send never got there. ``claimed``: the message was claimed
+    """The mail service could not take the send (unreachable, or not the server the guard was started for): the
+    send never got there. ``claimed``: the message was claimed
     (and passed the commit point) first, and is free again now."""
     free = "the message is free again" if claimed else "the message was not claimed"
     return Answer(
         Outcome.NOT_SENT,
-        f"Not sent: the email server could not be reached ({reason}). Nothing went out and {free}: try the same "
+        f"Not sent: the email server could not take it ({reason}). Nothing went out and {free}: try the same "
         "send again in a moment.",
         subject,
         detail=reason,

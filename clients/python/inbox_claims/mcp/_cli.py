@@ -334,13 +334,17 @@ async def _started(tools: list[SendTool], options: argparse.Namespace, target: S
         ) from None
     except UpstreamFailed as failure:
         await upstream.__aexit__(None, None, None)
-        raise UsageError(f"{_describe(upstream)} cannot be reached: {failure.reason}") from None
+        raise UsageError(f"{_describe(upstream)}: {failure.reason}") from None
     return upstream
 
 
 def _describe(upstream: Upstream) -> str:
     info = upstream.server_info
-    return f"the email MCP server ({info.name} {info.version})" if info is not None else "the email MCP server"
+    if info is None:
+        return "the email MCP server"
+    return (
+        f"the email MCP server ({info.name} {info.version})" if info.version else f"the email MCP server ({info.name})"
+    )
 
 
 def _known(options: argparse.Namespace) -> str:

@@ -53,6 +53,9 @@ DEFAULT_MAX_ANSWER_BYTES = 16 << 20
 """The largest upstream answer read (``--upstream-max-bytes``): an email with its attachments, base64."""
 PROBE_TIMEOUT = 5.0
 """Seconds the upstream has to answer the probe before a send."""
+CONNECT_TIMEOUT = 60.0
+"""Seconds a new connection may take (a process started, its handshake answered: ``npx -y`` may fetch a package
+first)."""
 _STOP_GRACE_S = 2.0
 _SERVER_INFO = "io.modelcontextprotocol/serverInfo"
 
@@ -190,7 +193,7 @@ class StdioTransport:
     async def _watch_exit(self) -> None:
         assert self._process is not None
         code = await self._process.wait()
-        self.ended.end(f"the process exited (status {code})")
+        self.ended.end(f"it exited (status {code})")
 
     async def _read(self, sender: MemoryObjectSendStream[SessionMessage | Exception]) -> None:
         """Each line of stdout, parsed; a line over the limit ends the connection, unread."""
@@ -216,7 +219,10 @@ class StdioTransport:
                         line.clear()
             except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
                 pass
-            self.ended.end("its output ended")
+            with anyio.move_on_after(1.0):  # its output ends as it exits: say how it exited, when it did
+                await self._process.wait()
+            code = self._process.returncode
+            self.ended.end(f"it exited (status {code})" if code is not None else "its output ended")
 
     async def __aexit__(self, *exc: object) -> None:
         process = self._process
@@ -324,8 +330,16 @@ class _Connection:
     ended: _Ended = dataclasses.field(default_factory=_Ended)
     client: Client | None = None
     owner: asyncio.Task[None] | None = None
+    stdio: StdioTransport | None = None
     mismatch: str | None = None
     checked: bool = False
+
+    def why(self, otherwise: str = "its connection ended") -> str:
+        """Why it ended, as whoever saw it first said (the process's transport knows best)."""
+        said = self.stdio.ended.why if self.stdio is not None else None
+        if said not in (None, "closed"):
+            return str(said)
+        return self.ended.why if self.ended.why not in (None, "closed") else otherwise
 
 
 Check = Callable[[list[dict[str, Any]]], str | None]
@@ -352,12 +366,16 @@ class Upstream:
     ) -> None:
         self._connect = connect
         self.call_timeout = call_timeout
-        self.probe_timeout = probe_timeout
-        self.connect_timeout = connect_timeout if connect_timeout is not None else call_timeout
+        self.probe_timeout = min(probe_timeout, call_timeout)
+        self.connect_timeout = connect_timeout if connect_timeout is not None else CONNECT_TIMEOUT
         self.check = check
         self._tracks_handover = tracks_handover
         self._connection: _Connection | None = None
-        self._last: Client | None = None
+        self._said: tuple[types.Implementation | None, types.ServerCapabilities, str | None] = (
+            None,
+            types.ServerCapabilities(),
+            None,
+        )
         self._stop = asyncio.Event()
         self._opening = asyncio.Lock()
         self.connections = 0
@@ -392,16 +410,18 @@ class Upstream:
 
     @property
     def instructions(self) -> str | None:
-        return self._last.instructions if self._last is not None else None
+        """What the upstream said, when it was last connected."""
+        return self._said[2]
 
     @property
     def capabilities(self) -> types.ServerCapabilities:
         """What the upstream offered when it was last connected."""
-        return self._last.server_capabilities if self._last is not None else types.ServerCapabilities()
+        return self._said[1]
 
     @property
     def server_info(self) -> types.Implementation | None:
-        return self._last.server_info if self._last is not None else None
+        """Who the upstream said it is (name, version), when it was last connected."""
+        return self._said[0]
 
     async def __aenter__(self) -> Upstream:
         await self._live()
@@ -425,7 +445,8 @@ class Upstream:
                 connection.owner = asyncio.create_task(self._own(connection, ready), name="inbox-claims upstream")
                 await ready.wait()
                 if connection.client is None:
-                    raise UpstreamFailed(f"it cannot be reached: {connection.ended.why}", handed_over=False)
+                    why = connection.why("no reason given")
+                    raise UpstreamFailed(f"it cannot be reached: {why}", handed_over=False)
                 self.connections += 1
             if not connection.checked or connection.mismatch is not None:
                 await self._check(connection)
@@ -436,12 +457,13 @@ class Upstream:
     async def _own(self, connection: _Connection, ready: asyncio.Event) -> None:
         unopened = self._connect()
         transport = unopened.server
-        stdio = transport if isinstance(transport, StdioTransport) else None
+        stdio = connection.stdio = transport if isinstance(transport, StdioTransport) else None
         try:
             async with contextlib.AsyncExitStack() as stack:
                 async with asyncio.timeout(self.connect_timeout):
                     client = await stack.enter_async_context(unopened)
-                connection.client = self._last = client
+                connection.client = client
+                self._said = (client.server_info, client.server_capabilities, client.instructions)
                 ready.set()
                 waits = [asyncio.ensure_future(self._stop.wait()), asyncio.ensure_future(connection.ended.event.wait())]
                 if stdio is not None:
@@ -512,11 +534,11 @@ class Upstream:
             except MCPError as error:
                 if error.code != types.CONNECTION_CLOSED:
                     return  # it answered, if only to refuse the probe: it is there
-                why = connection.ended.why or "its connection ended"
+                why = connection.why()
             except TimeoutError:
                 why = f"it did not answer within {self.probe_timeout:g} s"
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError) as error:
-                why = connection.ended.why or str(error) or "its connection ended"
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                why = connection.why()
             self._broken(connection, why)
             if last:
                 raise UpstreamFailed(why, handed_over=False)
@@ -549,7 +571,7 @@ class Upstream:
     async def _send(self, connection: _Connection, request: types.Request[Any, Any]) -> dict[str, Any]:
         client = connection.client
         if client is None:
-            raise UpstreamFailed(connection.ended.why or "its connection ended", handed_over=False)
+            raise UpstreamFailed(connection.why(), handed_over=False)
         attempt = _Attempt(handed_over=not self._tracks_handover)
         token = _ATTEMPT.set(attempt)
         try:
@@ -563,9 +585,9 @@ class Upstream:
         except MCPError as error:
             if error.code != types.CONNECTION_CLOSED:
                 raise
-            why = connection.ended.why or "its connection ended"
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as error:
-            why = connection.ended.why or str(error) or "its connection ended"
+            why = connection.why()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            why = connection.why()
         finally:
             _ATTEMPT.reset(token)
         self._broken(connection, why)
