@@ -5,7 +5,8 @@ tests.mcp.fake_email --outbox FILE [--http PORT]``, every send one JSON line of 
 sends of processes it does not own). It also has a prompt, resources and completions, for the guard to pass
 through, and ``export_mailbox``, which answers as many MiB as asked. The outbox's ``mode`` says how
 ``send_message`` answers: ``send`` (sent), ``fail`` (a tool error: nothing went out), ``hang`` (the send is
-recorded, then no answer ever comes), ``huge`` (the send is recorded, and answered with 64 MiB). In a process, the
+recorded, then no answer ever comes), ``slow`` (the send is recorded, and answered 3 s later), ``huge`` (the send
+is recorded, and answered with 64 MiB). In a process, the
 mode is read from ``FILE.mode`` at each call, and a process started while ``FILE.tools`` says ``no-send`` lists
 no ``send_message`` (a server that changed under the guard).
 """
@@ -146,6 +147,8 @@ def fake_email_server(outbox: Outbox, *, send: bool = True) -> MCPServer:
         )
         if mode == "hang":
             await asyncio.Event().wait()
+        if mode == "slow":
+            await asyncio.sleep(3)
         if mode == "huge":
             return {"id": sent_id, "thread_id": "x" * (HUGE_MIB << 20)}
         return {"id": sent_id, "thread_id": thread_id or f"thread-{sent_id}"}
