@@ -25,7 +25,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.api import tls_log
 from coordinator.api.addresses import parse_host_port
 from coordinator.api.auth import ROLES, TokenAuthenticator, TokenFileError, new_token
-from coordinator.api.http_guard import DESCRIPTOR_RESERVE, raise_descriptor_limit
 from coordinator.core.errors import StoreUnavailable
 from coordinator.ops import logs
 from coordinator.ops.config import (
@@ -54,6 +53,7 @@ from coordinator.store.etcd.process import (
     version_tuple,
 )
 from coordinator.store.etcd.store import EtcdStore
+from inbox_wire.http_guard import DESCRIPTOR_RESERVE, raise_descriptor_limit
 
 log = logging.getLogger("inbox_coordinator")
 

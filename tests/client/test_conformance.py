@@ -31,6 +31,7 @@ from inbox_claims._guard import (
     clean_text,
     summary_of,
 )
+from inbox_claims._message_ids import WHITESPACE
 from inbox_claims._outgoing import (
     DEFAULT_SENT_FOLDERS,
     MAILBOX_ADDRESSES_ENV,
@@ -38,7 +39,6 @@ from inbox_claims._outgoing import (
     OutgoingMatch,
     OutgoingRules,
 )
-from inbox_claims._message_ids import WHITESPACE
 from inbox_claims._settings import SETTINGS
 from inbox_claims._types import IDEMPOTENCY_KEY_PREFIX
 from inbox_claims.errors import NotificationError, WebhookVerificationError

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from mcp import Client, StdioServerParameters
-from mcp.server import MCPServer, Server, ServerRequestContext
+from mcp.server import MCPServer, Server
 from mcp.types import CallToolRequest, CallToolRequestParams, ListToolsRequest, Request, TextContent
 from pydantic import BaseModel, ConfigDict
 
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.mcp import AgentSession, NylasReplies, SendTool, Upstream, build_guard, build_server
+from inbox_claims.mcp._sessions import OneSession
 
 API_KEY = "nyk_v0_mcp_test_key"
 REPO = Path(__file__).resolve().parents[2]
@@ -38,11 +39,8 @@ async def agent_session(
     session = AgentSession(coordinator, ttl=ttl)
     replies = NylasReplies(API_KEY, api_base=api_base) if api_base else None
 
-    async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
-        return session
-
     try:
-        async with Client(build_server(session_for, replies=replies)) as client:
+        async with Client(build_server(OneSession(session), replies=replies)) as client:
             yield client, session
     finally:
         await session.close()
@@ -72,12 +70,8 @@ async def guarded(
         Upstream(lambda: Client(upstream, mode=upstream_mode)) as connection,
     ):
         session = AgentSession(coordinator, ttl=ttl)
-
-        async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
-            return session
-
         try:
-            async with Client(build_guard(connection, send_tools, session_for, **options), mode=mode) as client:
+            async with Client(build_guard(connection, send_tools, OneSession(session), **options), mode=mode) as client:
                 yield client
         finally:
             await session.close()

@@ -109,7 +109,11 @@ async def test_a_send_reply_retried_after_its_client_gave_up_gets_the_first_call
     server: CoordinatorServer, fake: FakeNylas, mailbox: str, tmp_path: Path, era: str
 ) -> None:
     gate = threading.Event()
-    fake.on_send = lambda sent: gate.wait(30)  # Nylas takes the send, and answers when the test says
+
+    def held_back(sent: object) -> None:  # Nylas takes the send, and answers when the test says
+        gate.wait(30)
+
+    fake.on_send = held_back
     serve = ("serve", "--nylas-api-key", API_KEY, "--nylas-api-base", fake.api_base)
     arguments = reply_arguments(mailbox, "msg-1")
     async with Client(command(tmp_path, "agent-r", server.address, *serve), mode=era) as client:

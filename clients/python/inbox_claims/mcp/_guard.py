@@ -41,7 +41,8 @@ from .._errors import CoordinatorError, SendRejected
 from .._types import Subject
 from ._answers import Answer, Outcome
 from ._session import AgentSession, NotHandedOver, fingerprint
-from ._tools import Scope, SessionFor, coordinator_error, tool_error
+from ._sessions import SessionCapReached, SessionFor
+from ._tools import Scope, coordinator_error, tool_error
 from ._upstream import Check, Upstream, UpstreamFailed
 
 log = logging.getLogger("inbox_claims.mcp")
@@ -365,9 +366,11 @@ class Guard:
             subject = tool.subject(arguments, mailbox=self._mailbox, scope=self._scope)
         except PathError as wrong:
             return tool_error(f"Invalid arguments for {tool.name}: {wrong}")
-        session = await self._session_for(ctx)
         try:
-            return await self._send(session, tool, subject, params)
+            async with self._session_for(ctx, None, False) as session:
+                return await self._send(session, tool, subject, params)
+        except SessionCapReached as cap:
+            return tool_error(str(cap))
         except CoordinatorError as error:
             return coordinator_error(error)
 

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -113,34 +114,52 @@ class SentReplies:
             del self._running[subject]
 
 
-async def _shielded(operation: Coroutine[Any, Any, _T]) -> _T:
-    """Runs ``operation`` in a task of its own, so that the tool call awaiting it may be cancelled (its client
-    gave up) without cutting it in half: a claim taken is kept by the session, a send finishes and is recorded."""
-    task = asyncio.ensure_future(operation)
-    task.add_done_callback(_log_unobserved)
-    return await asyncio.shield(task)
-
-
-def _log_unobserved(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("a tool call's operation failed after its client left: %s", task.exception())
-
-
 class AgentSession:
-    """The claims one agent session holds, through one coordinator client."""
+    """The claims one agent session holds, through one coordinator client.
+
+    ``handle`` names the session for a client that has no session of its own (the 2026-07-28 protocol): the
+    answers of a claim give it (``claim_handle``), and a later call that passes it back acts in this session.
+    ``sessionless``: the session was made for such a client (its answers say to pass the handle back)."""
 
     def __init__(
-        self, coordinator: AsyncCoordinator, *, ttl: int = DEFAULT_TTL, sent: SentReplies | None = None
+        self,
+        coordinator: AsyncCoordinator,
+        *,
+        ttl: int = DEFAULT_TTL,
+        sent: SentReplies | None = None,
+        sessionless: bool = False,
     ) -> None:
         self.coordinator = coordinator
         self.ttl = ttl
         self.id = uuid.uuid4().hex
+        self.handle = "ch-" + secrets.token_urlsafe(18)
+        self.sessionless = sessionless
+        self.busy = 0
+        """Operations of this session running now (each in a task of its own, which outlives its tool call)."""
         self.last_used = time.monotonic()
         self._sent = sent if sent is not None else SentReplies()
         self._claims: dict[Subject, AsyncClaim] = {}
         self._locks: dict[Subject, asyncio.Lock] = {}
         self._principal: str | None = coordinator.principal
         self._closed = False
+
+    async def _shielded(self, operation: Coroutine[Any, Any, _T]) -> _T:
+        """Runs ``operation`` in a task of its own, so that the tool call awaiting it may be cancelled (its client
+        gave up) without cutting it in half: a claim taken is kept by the session, a send finishes and is
+        recorded."""
+        return await asyncio.shield(self._task(operation))
+
+    def _task(self, operation: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
+        self.busy += 1
+        task = asyncio.ensure_future(operation)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Future[Any]) -> None:
+        self.busy -= 1
+        self.last_used = time.monotonic()
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("a tool call's operation failed after its client left: %s", task.exception())
 
     @property
     def ended(self) -> bool:
@@ -210,7 +229,7 @@ class AgentSession:
         note: str = "",
         thread: Thread | None = None,
     ) -> Answer:
-        return await _shielded(self._claim(subject, summary, note, thread))
+        return await self._shielded(self._claim(subject, summary, note, thread))
 
     async def _claim(
         self, subject: Subject, summary: MessageSummary | None, note: str, thread: Thread | None
@@ -223,8 +242,11 @@ class AgentSession:
                 return answer
             got = held if held is not None else await self._acquire(subject, summary, note, thread)
             if isinstance(got, SubjectStatus):
-                return answers.refusal(got, await self.principal())
-            return answers.granted(subject, got.expires_at, again=held is not None)
+                return answers.refusal(got, await self.principal(), sessionless=self.sessionless)
+            again = held is not None
+            return answers.granted(
+                subject, got.expires_at, again=again, handle=self.handle, sessionless=self.sessionless
+            )
 
     async def send(
         self,
@@ -252,9 +274,8 @@ class AgentSession:
             return first.answer  # a repeat of a send this process made (this principal's)
         if first is not None and first.session == self.id:
             return answers.different_reply(first.answer)
-        task = asyncio.ensure_future(self._send(subject, reply_fingerprint, deliver, summary, note, thread, ready))
+        task = self._task(self._send(subject, reply_fingerprint, deliver, summary, note, thread, ready))
         self._sent.start(subject, self.id, reply_fingerprint, task)  # before any await: a repeat finds it
-        task.add_done_callback(_log_unobserved)
         return await asyncio.shield(task)
 
     async def _send(
@@ -308,17 +329,17 @@ class AgentSession:
         ours = status.state is SubjectState.REPLIED and status.holder == me and not status.replied_by_hand
         if ours and first is None:
             return answers.sent(status)
-        return answers.refusal(status, me)
+        return answers.refusal(status, me, sessionless=self.sessionless)
 
     async def mark_replied(self, subject: Subject, *, sent_message_id: str = "", note: str = "") -> Answer:
-        return await _shielded(self._mark_replied(subject, sent_message_id, note))
+        return await self._shielded(self._mark_replied(subject, sent_message_id, note))
 
     async def _mark_replied(self, subject: Subject, sent_message_id: str, note: str) -> Answer:
         async with self._one_call(subject):
             got = await self._held_or_acquired(subject, None, note)
             me = await self.principal()
             if isinstance(got, SubjectStatus):
-                return answers.refusal(got, me)
+                return answers.refusal(got, me, sessionless=self.sessionless)
             try:
                 await got.mark_replied(sent_message_id=sent_message_id, note=note)
             except ClaimLost as loss:
@@ -329,7 +350,7 @@ class AgentSession:
             return answers.marked(got.status)
 
     async def release(self, subject: Subject) -> Answer:
-        return await _shielded(self._release(subject))
+        return await self._shielded(self._release(subject))
 
     async def _release(self, subject: Subject) -> Answer:
         async with self._one_call(subject):
