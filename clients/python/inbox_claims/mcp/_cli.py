@@ -44,6 +44,12 @@ from ._upstream import DEFAULT_CALL_TIMEOUT, DEFAULT_MAX_ANSWER_BYTES, Upstream,
 
 MCP_CONFIG = ConfigFile("INBOX_CLAIMS_MCP_CONFIG", "inbox-claims-mcp.toml")
 AGENT_DEFAULTS = {"kind": "agent"}
+AGENT_HELPS = {
+    "principal": "who this agent is, in development mode: required, unless --token says it (no login-name default)"
+}
+NYLAS_API_BASE = "NYLAS_API_BASE"
+NYLAS_API_BASE_BEFORE = "NYLAS_API_URI"
+"""The name this setting had before (the Nylas quickstarts' name): still read, with a line saying to rename it."""
 
 log = logging.getLogger("inbox_claims.mcp")
 
@@ -71,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "send tools claim the message, pass the fenced commit point, call the upstream and record the reply.",
     )
     for sub in (serve, guard):
-        connection_options(sub, file=MCP_CONFIG, defaults=AGENT_DEFAULTS)
+        connection_options(sub, file=MCP_CONFIG, defaults=AGENT_DEFAULTS, helps=AGENT_HELPS)
         sub.add_argument("--transport", choices=("stdio", "http"), default="stdio", help="default stdio")
         sub.add_argument("--listen", default="127.0.0.1:8765", help="HTTP: HOST:PORT to serve /mcp on")
         sub.add_argument("--ttl", type=int, default=DEFAULT_TTL, help=f"claim TTL in seconds (default {DEFAULT_TTL})")
@@ -133,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
             f"(default {DEFAULT_MAX_HANDLES})",
         )
     serve.add_argument("--nylas-api-key", default=None, help="send_reply's Nylas API key [$NYLAS_API_KEY]")
-    serve.add_argument("--nylas-api-base", default=None, help="Nylas API base URL [$NYLAS_API_URI]")
+    serve.add_argument(
+        "--nylas-api-base",
+        default=None,
+        help="Nylas API base URL, e.g. https://api.eu.nylas.com (default https://api.us.nylas.com) "
+        f"[${NYLAS_API_BASE}]",
+    )
     guard.add_argument(
         "--preset",
         choices=sorted({*PRESETS, *UNPRESETTABLE}),
@@ -182,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     guard.add_argument("upstream", nargs=argparse.REMAINDER, help="-- then the upstream command, or its URL")
     return parser
+
+
+def _nylas_api_base() -> str | None:
+    """``$NYLAS_API_BASE``; ``$NYLAS_API_URI`` (its name before) too, with a line saying to rename it."""
+    if os.environ.get(NYLAS_API_BASE):
+        return os.environ[NYLAS_API_BASE]
+    before = os.environ.get(NYLAS_API_BASE_BEFORE)
+    if before:
+        log.warning("%s is deprecated: set %s instead (read this time)", NYLAS_API_BASE_BEFORE, NYLAS_API_BASE)
+    return before or None
 
 
 def _byte_count(text: str) -> int:
@@ -305,7 +326,7 @@ async def run(options: argparse.Namespace) -> None:
             key = options.nylas_api_key or os.environ.get("NYLAS_API_KEY")
             replies = None
             if key:
-                replies = NylasReplies(key, api_base=options.nylas_api_base or os.environ.get("NYLAS_API_URI"))
+                replies = NylasReplies(key, api_base=options.nylas_api_base or _nylas_api_base())
                 stack.push_async_callback(replies.close)
             server = build_server(session_for, replies=replies, scope=scope, version=VERSION)
         else:
