@@ -27,6 +27,17 @@ SEND_TOOL = "send_message"
 SEND_TOOL_SPEC = f"{SEND_TOOL},message=reply_to_message_id,mailbox=grant_id,thread=thread_id"
 
 
+def a_reply(grant_id: str, message_id: str, body: str = "It ships today.") -> dict[str, object]:
+    """The arguments of a ``send_message`` call that replies to ``message_id``."""
+    return {
+        "grant_id": grant_id,
+        "to": ["bea@example.org"],
+        "subject": "Re: Where is my order?",
+        "body": body,
+        "reply_to_message_id": message_id,
+    }
+
+
 class Sent(TypedDict):
     id: str
     thread_id: str

@@ -19,7 +19,7 @@ from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.mcp import SendTool
 from inbox_claims.mcp._presets import PRESETS
 from tests.mcp import support
-from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox, fake_email_server
+from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox, a_reply, fake_email_server
 from tests.mcp.preset_servers import FAKES, Recorder
 from tests.mcp.support import raw, raw_call, text
 
@@ -27,16 +27,6 @@ from tests.mcp.support import raw, raw_call, text
 def guarded(address: str, principal: str, outbox: Outbox) -> contextlib.AbstractAsyncContextManager[Client]:
     """One agent session behind the guard in front of the fake email server."""
     return support.guarded(address, principal, fake_email_server(outbox), [SendTool.parse(SEND_TOOL_SPEC)])
-
-
-def a_reply(mailbox: str, message_id: str, body: str = "It ships today.") -> dict[str, Any]:
-    return {
-        "grant_id": mailbox,
-        "to": ["bea@example.org"],
-        "subject": "Re: Where is my order?",
-        "body": body,
-        "reply_to_message_id": message_id,
-    }
 
 
 def _requests(mailbox: str) -> list[types.Request[Any, Any]]:

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from mcp import Client, StdioServerParameters
@@ -27,7 +26,7 @@ from coordinator.ops.server import CoordinatorServer
 from coordinator.store.etcd.process import free_port
 from inbox_claims import Subject, SubjectState
 from tests.helpers import eventually
-from tests.mcp.fake_email import HUGE_MIB, SEND_TOOL, SEND_TOOL_SPEC, Outbox
+from tests.mcp.fake_email import HUGE_MIB, SEND_TOOL, SEND_TOOL_SPEC, Outbox, a_reply
 from tests.mcp.support import REPO, command, pid_of, state_of, text
 
 UPSTREAM_TIMEOUT = 2.0
@@ -53,16 +52,6 @@ def guard(tmp_path: Path, address: str, upstream: list[str], *options: str) -> S
         "--",
         *upstream,
     )
-
-
-def reply(mailbox: str, message_id: str) -> dict[str, Any]:
-    return {
-        "grant_id": mailbox,
-        "to": ["bea@example.org"],
-        "subject": "Re",
-        "body": "Shipped.",
-        "reply_to_message_id": message_id,
-    }
 
 
 def upstream_pid(outbox: Outbox) -> int:
@@ -97,10 +86,10 @@ async def test_a_killed_upstream_is_started_again_and_every_later_send_reaches_i
     outbox = Outbox(tmp_path / "outbox.jsonl")
     later = [f"msg-{n}" for n in range(1, 5)]
     async with Client(guard(tmp_path, server.address, fake_upstream(outbox)), mode=era) as client:
-        first = await client.call_tool(SEND_TOOL, reply(mailbox, "msg-0"))
+        first = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-0"))
         killed = upstream_pid(outbox)
         os.kill(killed, signal.SIGKILL)  # between calls: the guard learns it at the next one
-        results = [await client.call_tool(SEND_TOOL, reply(mailbox, message)) for message in later]
+        results = [await client.call_tool(SEND_TOOL, a_reply(mailbox, message)) for message in later]
         again = upstream_pid(outbox)
 
     assert not first.is_error
@@ -116,12 +105,12 @@ async def test_a_send_lost_mid_call_is_in_doubt_and_the_next_reaches_a_new_upstr
     outbox = Outbox(tmp_path / "outbox.jsonl")
     async with Client(guard(tmp_path, server.address, fake_upstream(outbox), "--upstream-timeout", "60")) as client:
         set_mode(outbox, "hang")  # the send is made, then no answer comes
-        call = asyncio.create_task(client.call_tool(SEND_TOOL, reply(mailbox, "msg-lost")))
+        call = asyncio.create_task(client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-lost")))
         await eventually(lambda: _sent(outbox, "msg-lost"))
         os.kill(upstream_pid(outbox), signal.SIGKILL)  # the upstream dies after sending, before answering
         lost = await asyncio.wait_for(call, 30)
         set_mode(outbox, "send")
-        after = await client.call_tool(SEND_TOOL, reply(mailbox, "msg-next"))
+        after = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-next"))
 
     assert lost.is_error
     assert "outcome of the send is unknown" in text(lost)
@@ -143,12 +132,12 @@ async def test_a_hung_call_ends_at_the_deadline_in_doubt_and_a_stopped_upstream_
     outbox = Outbox(tmp_path / "outbox.jsonl")
     async with Client(guard(tmp_path, server.address, fake_upstream(outbox))) as client:
         set_mode(outbox, "hang")
-        hung = await asyncio.wait_for(client.call_tool(SEND_TOOL, reply(mailbox, "msg-hung")), 60)
+        hung = await asyncio.wait_for(client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-hung")), 60)
         set_mode(outbox, "send")
         stopped = upstream_pid(outbox)
         os.kill(stopped, signal.SIGSTOP)  # alive, answering nothing: the probe before the next send finds it out
         try:
-            replaced = await asyncio.wait_for(client.call_tool(SEND_TOOL, reply(mailbox, "msg-after")), 60)
+            replaced = await asyncio.wait_for(client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-after")), 60)
         finally:
             os.kill(stopped, signal.SIGCONT)  # (killed by the guard meanwhile, or now free to be)
 
@@ -184,9 +173,9 @@ async def test_a_64_mib_answer_is_not_read_and_the_guards_memory_does_not_grow_w
             await client.call_tool("export_mailbox", {"grant_id": mailbox, "megabytes": HUGE_MIB})
         grown = peak_rss_mib(guard_pid(tmp_path)) - before
         set_mode(outbox, "huge")  # a send answered with 64 MiB: it went out, its answer is not read
-        huge_send = await client.call_tool(SEND_TOOL, reply(mailbox, "msg-huge"))
+        huge_send = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-huge"))
         set_mode(outbox, "send")
-        after = await client.call_tool(SEND_TOOL, reply(mailbox, "msg-after"))
+        after = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-after"))
 
     assert not small.is_error
     assert "more than 16 MiB (--upstream-max-bytes)" in refused.value.error.message
@@ -232,12 +221,12 @@ async def test_a_url_upstream_that_went_away_gets_no_send_past_the_commit_point_
     upstream = await start_http_upstream(outbox, port)
     try:
         async with Client(guard(tmp_path, server.address, [f"http://127.0.0.1:{port}/mcp"]), mode=era) as client:
-            first = await client.call_tool(SEND_TOOL, reply(mailbox, "msg-1"))
+            first = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-1"))
             stop(upstream)
-            refused = await client.call_tool(SEND_TOOL, reply(mailbox, "msg-2"))
+            refused = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-2"))
             while_away = await state_of(server.address, Subject.message(mailbox, "msg-2"))
             upstream = await start_http_upstream(outbox, port)  # the same URL, a new server
-            again = await client.call_tool(SEND_TOOL, reply(mailbox, "msg-2"))
+            again = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-2"))
     finally:
         stop(upstream)
 
@@ -325,7 +314,7 @@ async def test_a_send_tool_gone_from_a_new_upstream_stops_everything_the_guard_w
         assert outbox.path is not None
         outbox.path.with_suffix(".tools").write_text("no-send")  # the next process lists no send_message
         os.kill(upstream_pid(outbox), signal.SIGKILL)
-        refused = await client.call_tool(SEND_TOOL, reply(mailbox, "msg-1"))
+        refused = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-1"))
         with pytest.raises(MCPError) as listing:
             await client.list_tools()
         with pytest.raises(MCPError) as reading:
