@@ -251,3 +251,34 @@ async def test_a_send_tool_that_asks_for_input_first_sends_only_on_the_retry_tha
     assert confirmed["structuredContent"] == {"messageId": "sent-1", "threadId": "thread-sent-1"}
     assert (status.state, status.sent_message_id) == (SubjectState.REPLIED, "sent-1")
     assert len(recorder.sends) == 1
+
+
+@pytest.mark.parametrize("era", ["legacy", "auto"], ids=["2025-client", "2026-client"])
+async def test_a_spelling_of_an_answered_message_is_that_message_and_reaches_no_upstream(
+    server: CoordinatorServer, mailbox: str, era: str
+) -> None:
+    """The message-id rule of conformance/message_ids.json, through the guard: after <m1@x> was answered, its
+    spellings (spaces around, no brackets, brackets and spaces) are answered, and nothing more is sent; another
+    session of the same agent is told so too, and a different agent too."""
+    outbox = Outbox()
+    spellings = [" <m1@shop.example>", "m1@shop.example ", "\n m1@shop.example", "< m1@shop.example >"]
+    async with (
+        support.guarded(
+            server.address, "agent-a", fake_email_server(outbox), [SendTool.parse(SEND_TOOL_SPEC)], mode=era
+        ) as first,
+        support.guarded(
+            server.address, "agent-b", fake_email_server(outbox), [SendTool.parse(SEND_TOOL_SPEC)], mode=era
+        ) as other,
+    ):
+        sent = await first.call_tool(SEND_TOOL, a_reply(mailbox, "<m1@shop.example>"))
+        again = [await first.call_tool(SEND_TOOL, a_reply(mailbox, spelling)) for spelling in spellings]
+        theirs = [await other.call_tool(SEND_TOOL, a_reply(mailbox, spelling)) for spelling in spellings]
+    async with AsyncCoordinator(server.address, principal="observer") as coord:
+        status = await coord.status(Subject.message(mailbox, "m1@shop.example"))
+
+    assert not sent.is_error
+    assert len(outbox.sends) == 1  # one reply for the message, however its id was written
+    assert all(result.is_error for result in again + theirs)
+    assert all("this other reply was not sent" in text(result) for result in again)  # a different call: refused
+    assert all(text(result).startswith("Already answered by agent-a (an agent)") for result in theirs)
+    assert (status.state, status.holder) == (SubjectState.REPLIED, "agent-a")

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,17 +22,19 @@ import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 
 from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from tests.helpers import eventually, spawn, wait_for_line
-from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox
+from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox, a_reply
 from tests.mcp.support import (
     API_KEY,
     REPO,
     TTL,
     config_file,
+    pid_of,
     renewed_while_alive_then_freed_when_killed,
     reply_arguments,
     state_of,
@@ -309,3 +314,47 @@ async def test_sessions_and_handles_are_capped_with_a_clear_error(
     assert said.startswith("No new session: 2 sessions of this agent are open on this server, its most (--max-sessions")
     assert refused_too.is_error
     assert len(claimed) == 3 + 2
+
+
+@pytest.mark.parametrize("mode", ["legacy", "2026-07-28"], ids=["mcp-sessions", "2026-sessionless"])
+async def test_the_guard_over_http_starts_a_killed_stdio_upstream_again_and_every_later_send_reaches_it(
+    server: CoordinatorServer, mailbox: str, tmp_path: Path, mode: str
+) -> None:
+    outbox = Outbox(tmp_path / "outbox.jsonl")
+    upstream = [sys.executable, "-m", "tests.mcp.fake_email", "--outbox", str(outbox.path)]
+    guard = mcp_http(tmp_path, "agent-g", server.address, "guard", "--send-tool", SEND_TOOL_SPEC, "--", *upstream)
+    async with running(guard) as (_, url), Client(url, mode=mode) as client:
+        first = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-0"))
+        os.kill(pid_of(str(outbox.path), program="tests.mcp.fake_email"), signal.SIGKILL)
+        later = [await client.call_tool(SEND_TOOL, a_reply(mailbox, f"msg-{n}")) for n in (1, 2, 3)]
+
+    assert not first.is_error
+    assert [result.is_error for result in later] == [False, False, False]
+    assert [len(outbox.sends_for(f"msg-{n}")) for n in range(4)] == [1, 1, 1, 1]
+
+
+async def test_a_send_reply_retried_over_http_after_its_client_gave_up_gets_the_first_calls_outcome(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str, tmp_path: Path
+) -> None:
+    gate = threading.Event()
+
+    def held_back(sent: object) -> None:  # Nylas takes the send, and answers when the test says
+        gate.wait(30)
+
+    fake.on_send = held_back
+    arguments = reply_arguments(mailbox, "msg-1")
+    async with serving(tmp_path, server.address, fake) as (_, url), Client(url, mode="legacy") as client:
+        with pytest.raises(MCPError):
+            await client.call_tool("send_reply", arguments, read_timeout_seconds=1.0)
+        retried = asyncio.create_task(client.call_tool("send_reply", arguments))
+        await eventually(lambda: _sent_to(fake, "msg-1"))
+        gate.set()
+        result = await asyncio.wait_for(retried, 30)
+
+    assert outcome(result) == "sent"
+    assert "another session" not in text(result)
+    assert len(fake.sends_for("msg-1")) == 1
+
+
+async def _sent_to(fake: FakeNylas, message_id: str) -> bool:
+    return bool(fake.sends_for(message_id))

@@ -16,6 +16,7 @@ from mcp.server import Server, ServerRequestContext
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from .._errors import CoordinatorError, CoordinatorUnavailable, InvalidRequest, PermissionDenied, Unauthenticated
+from .._message_ids import canonical_message_id
 from .._types import MessageSummary, Subject
 from ..nylas import AsyncNylas, NylasReply
 from ._answers import Answer, Outcome
@@ -172,7 +173,7 @@ class NylasReplies:
             return [{"email": p.email, **({"name": p.name} if p.name else {})} for p in people]
 
         return NylasReply(
-            reply_to_message_id=arguments.message_id,
+            reply_to_message_id=canonical_message_id(arguments.message_id),  # the id as claimed, as Nylas writes it
             to=participants(arguments.to),
             subject=arguments.subject,
             body=arguments.body,
