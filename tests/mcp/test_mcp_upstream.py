@@ -12,21 +12,29 @@ start, or pass anything, in front of a server without the send tools it was told
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 from mcp import Client, StdioServerParameters
 from mcp.shared.exceptions import MCPError
+from mcp.shared.message import SessionMessage
+from mcp.types import CallToolRequestParams, JSONRPCRequest
 
 from coordinator.ops.server import CoordinatorServer
 from coordinator.store.etcd.process import free_port
-from inbox_claims import Subject, SubjectState
+from inbox_claims import AsyncCoordinator, Subject, SubjectState
+from inbox_claims.mcp import AgentSession, SendTool, Upstream, UpstreamFailed, build_guard
+from inbox_claims.mcp._sessions import OneSession
+from inbox_claims.mcp._upstream import _ATTEMPT, _Attempt, _Ended, _Writes
 from tests.helpers import eventually
-from tests.mcp.fake_email import HUGE_MIB, SEND_TOOL, SEND_TOOL_SPEC, Outbox, a_reply
+from tests.mcp.fake_email import HUGE_MIB, SEND_TOOL, SEND_TOOL_SPEC, Outbox, a_reply, fake_email_server
 from tests.mcp.support import REPO, command, pid_of, state_of, text
 
 UPSTREAM_TIMEOUT = 2.0
@@ -327,3 +335,56 @@ async def test_a_send_tool_gone_from_a_new_upstream_stops_everything_the_guard_w
     assert await state_of(server.address, Subject.message(mailbox, "msg-1")) is SubjectState.FREE
     for error in (listing.value, reading.value):
         assert "it lists no tool send_message" in error.error.message
+
+
+async def test_a_request_is_handed_over_when_written_to_the_live_process_and_not_when_it_is_gone() -> None:
+    request = SessionMessage(JSONRPCRequest(jsonrpc="2.0", id=1, method="tools/call", params={"name": SEND_TOOL}))
+    gone = await anyio.open_process([sys.executable, "-c", "pass"])
+    await gone.wait()
+    alive = await anyio.open_process([sys.executable, "-c", "import sys; sys.stdin.read()"])
+    attempts = []
+    try:
+        for process in (gone, alive):
+            attempt = _Attempt()
+            token = _ATTEMPT.set(attempt)
+            try:
+                with contextlib.suppress(anyio.BrokenResourceError):
+                    await _Writes(process, _Ended()).send(request)
+            finally:
+                _ATTEMPT.reset(token)
+            attempts.append(attempt.handed_over)
+    finally:
+        for process in (gone, alive):
+            await process.aclose()
+
+    assert attempts == [False, True]  # a send never written is aborted by the guard; one written may have run
+
+
+class _NeverReached(Upstream):
+    """An upstream that answers the probe and never gets a call (its process gone between the two)."""
+
+    async def call_tool(self, params: CallToolRequestParams) -> dict[str, Any]:
+        raise UpstreamFailed("it exited (status 0)", handed_over=False)
+
+
+async def test_a_send_that_never_reached_the_upstream_after_the_commit_point_is_aborted_and_the_message_free(
+    server: CoordinatorServer, mailbox: str
+) -> None:
+    outbox = Outbox()
+    upstream_server = fake_email_server(outbox)
+    async with (
+        AsyncCoordinator(server.address, principal="agent-a") as coordinator,
+        _NeverReached(lambda: Client(upstream_server)) as upstream,
+    ):
+        session = AgentSession(coordinator)
+        guard = build_guard(upstream, [SendTool.parse(SEND_TOOL_SPEC)], OneSession(session))
+        async with Client(guard) as client:
+            result = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-1"))
+        await session.close()
+    state = await state_of(server.address, Subject.message(mailbox, "msg-1"))
+
+    assert result.is_error
+    assert text(result).startswith("Not sent: the email server could not take it (it exited (status 0)).")
+    assert "the message is free again" in text(result)
+    assert state is SubjectState.FREE  # claimed, past BeginSend, aborted: nobody needs to check anything
+    assert outbox.sends == []
