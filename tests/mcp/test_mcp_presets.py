@@ -192,3 +192,14 @@ def test_a_preset_of_one_mailbox_needs_the_mailbox_named(capsys: pytest.CaptureF
         main(["guard", "--principal", "agent-a", "--preset", "gmail", "--", "npx", "gmail-mcp"])
     assert exited.value.code == 2
     assert "send_email take(s) no mailbox argument: say which mailbox this server sends from" in capsys.readouterr().err
+
+
+def test_the_guards_help_says_which_published_versions_each_preset_was_checked_against(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["guard", "--help"])
+    said = " ".join(re.sub(r"-\n\s+", "-", capsys.readouterr().out).split())
+
+    for name, preset in PRESETS.items():
+        assert f"{name}: {', '.join(preset.versions) or 'no recorded list'}" in said, name

@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted({*PRESETS, *UNPRESETTABLE}),
         action="append",
         default=[],
-        help="a known server's send tools (repeatable; docs/mcp.md lists them and where each was read)",
+        help="a known server's send tools (repeatable; docs/mcp.md lists them and where each was read), each "
+        "checked against the published server's tool list: "
+        + "; ".join(f"{name}: {', '.join(preset.versions) or 'no recorded list'}" for name, preset in PRESETS.items()),
     )
     guard.add_argument(
         "--send-tool",
@@ -383,9 +385,8 @@ def _known(options: argparse.Namespace) -> str:
     said = []
     for name in options.preset:
         versions = PRESETS[name].versions
-        said.append(
-            f"--preset {name} was checked against {', '.join(versions) if versions else 'no published package'}"
-        )
+        against = ", ".join(versions) if versions else "no recorded tool list (docs/mcp.md, Presets)"
+        said.append(f"--preset {name} was checked against {against}")
     return "; ".join(said) + ". " if said else ""
 
 
