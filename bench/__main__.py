@@ -1,5 +1,5 @@
 """python -m bench {claims,contended,dedup,cycle,outgoing,watch,slow-watchers,http,http-attacks,list-claims,
-fair-reads,memory,embedded-db,mcp,profile,all} [options]; each --help says more.
+fair-reads,memory,embedded-db,mcp,mcp-faults,profile,all} [options]; each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
 temporary directory, measures a baseline in the same run, and prints ratios against it.
@@ -22,6 +22,7 @@ from . import (
     http_attacks,
     listing,
     mcp,
+    mcp_faults,
     memory,
     outgoing,
     profile,
@@ -103,6 +104,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         mcp.add_arguments,
         mcp.run,
     ),
+    "mcp-faults": (
+        "the MCP guard and server under faults: a killed upstream, idle connections, a 64 MiB answer, made-up sessions",
+        mcp_faults.add_arguments,
+        mcp_faults.run,
+    ),
     "profile": (
         "py-spy profile of the coordinator under ClaimReply load: where its CPU goes",
         profile.add_arguments,
@@ -130,6 +136,20 @@ QUICK: dict[str, list[str]] = {
     "list-claims": ["--subjects", "300", "--sending", "3", "--rounds", "1"],
     "fair-reads": ["--subjects", "500", "--seconds", "0.5", "--rounds", "1", "--quiet-rate", "20"],
     "mcp": ["--sends", "20", "--rounds", "1"],
+    "mcp-faults": [
+        "--sends",
+        "2",
+        "--idle",
+        "5",
+        "--slowloris",
+        "5",
+        "--hold",
+        "1",
+        "--answer-mib",
+        "1",
+        "--sessions",
+        "3",
+    ],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
 
 from mcp import Client
-from mcp.server import MCPServer, ServerRequestContext
+from mcp.server import MCPServer
 
 from inbox_claims.mcp import AgentSession, SendTool, Upstream, build_guard
+from inbox_claims.mcp._sessions import OneSession
 from inbox_claims.testing import async_running_coordinator
 
 from ._common import Environment, percentile
@@ -51,12 +51,8 @@ async def run(options: argparse.Namespace, env: Environment) -> int:
         Upstream(lambda: Client(upstream_server)) as upstream,
     ):
         session = AgentSession(coordinator)
-
-        async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
-            return session
-
         spec = SendTool("send_message", message="reply_to_message_id", mailbox="grant_id")
-        async with Client(build_guard(upstream, [spec], session_for)) as guarded:
+        async with Client(build_guard(upstream, [spec], OneSession(session))) as guarded:
             for round_number in range(options.rounds + 1):  # round 0 warms up
                 for path, client, samples in (("direct", direct, direct_ms), ("guarded", guarded, guarded_ms)):
                     for n in range(options.sends):

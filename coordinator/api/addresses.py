@@ -3,7 +3,7 @@ literals. Below the configuration (coordinator.ops.config) so that the API layer
 
 from __future__ import annotations
 
-import ipaddress
+from inbox_wire.addresses import is_ip, is_loopback
 
 __all__ = ["is_ip", "is_loopback", "parse_host_port"]
 
@@ -16,21 +16,3 @@ def parse_host_port(value: str) -> tuple[str, int]:
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         raise ValueError("an IPv6 address needs brackets: [::1]:PORT")
     return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True

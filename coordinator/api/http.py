@@ -38,20 +38,19 @@ from google.rpc import error_details_pb2, status_pb2
 
 from coordinator.api._connect import CoordinatorASGIApplication
 from coordinator.api.encoded import Encoded
-from coordinator.api.http_guard import (
-    CERTIFICATE_NAMES,
-    GuardedHttpProtocol,
-    HostPolicy,
-    HttpGuardSettings,
-    Listener,
-    Reporter,
-    connection_cap,
-)
 from coordinator.api.interceptor import RpcObserver
 from coordinator.api.protojson import ProtoJson
 from coordinator.api.service import SERVICE_NAME, CoordinatorServicer
 from coordinator.api.status import DOMAIN
 from inbox_wire import PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA
+from inbox_wire.http_guard import (
+    CERTIFICATE_NAMES,
+    GuardedServer,
+    HostPolicy,
+    HttpGuardSettings,
+    Reporter,
+    connection_cap,
+)
 from inbox_wire.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -731,20 +730,6 @@ async def _send(send: Callable[..., Awaitable[Any]], status: int, content_type: 
     await send({"type": "http.response.body", "body": text.encode()})
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn inside the coordinator's loop: the coordinator owns the signals and the shutdown, and accepts the
-    connections itself (``Listener``), so uvicorn opens no listener of its own."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Any:
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await self.lifespan.startup()
-        self.servers = []
-        self.started = True
-
-
 # A development coordinator whose default HTTP port is taken (another coordinator, or any program, on this
 # machine) serves on the next free one of these, said plainly in its banner, rather than without a board.
 FALLBACK_PORTS = 9
@@ -752,7 +737,7 @@ FALLBACK_PORTS = 9
 
 class HttpFace:
     """Serves ``build_app`` on ``host:port`` with uvicorn's HTTP/1.1 protocol, on the running event loop, behind
-    the guard of coordinator/api/http_guard.py."""
+    the guard of inbox_wire/http_guard.py (which the MCP server's HTTP transport serves behind too)."""
 
     def __init__(
         self,
@@ -785,17 +770,15 @@ class HttpFace:
             ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_client_ca else ssl.CERT_NONE,
             timeout_graceful_shutdown=1,
         )
-        self._server = _EmbeddedServer(self._config)
         self._socket: socket.socket | None = None
         # The port asked for, when it was taken and start(fall_back=True) served on another one.
         self.taken_port: int | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._listener: Listener | None = None
+        self._server: GuardedServer | None = None
 
     @property
     def connection_cap(self) -> int:
-        assert self._listener is not None
-        return self._listener.cap
+        assert self._server is not None
+        return self._server.cap
 
     async def start(self, *, fall_back: bool = False) -> None:
         """Binds and serves. ``fall_back``: when the port is taken, the next :data:`FALLBACK_PORTS` ports are
@@ -813,33 +796,8 @@ class HttpFace:
         # head and body apart, so the body waited for the client's delayed ACK: 40 ms per call on a kept-alive
         # connection (docs/performance.md#the-httpjson-face-python--m-bench-http).
         self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._task = asyncio.create_task(self._server.serve(), name="http face")
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-                raise OSError("the HTTP face stopped before it started")
-            await asyncio.sleep(0.01)
-        server = self._server
-
-        def protocol(release: Callable[[], None]) -> asyncio.Protocol:
-            return GuardedHttpProtocol(
-                guard=self._guard,
-                reporter=self._reporter,
-                release=release,
-                config=self._config,
-                server_state=server.server_state,
-                app_state=server.lifespan.state,
-            )
-
-        self._listener = Listener(
-            self._socket,
-            protocol,
-            cap=cap,
-            ssl_context=self._config.ssl,
-            handshake_timeout_s=self._guard.header_timeout_s,
-            reporter=self._reporter,
-        )
-        self._listener.start()
+        self._server = GuardedServer(self._config, self._socket, guard=self._guard, reporter=self._reporter, cap=cap)
+        await self._server.start()
 
     def _bind(self, family: socket.AddressFamily, ports: list[int]) -> socket.socket:
         """A listening socket on the first of ``ports`` that is free; only a taken port moves on to the next."""
@@ -858,12 +816,8 @@ class HttpFace:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     async def stop(self) -> None:
-        if self._task is None:
+        if self._server is None:
             return
-        if self._listener is not None:
-            await self._listener.close()
-        self._server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await self._server.stop()
         if self._socket is not None:
             self._socket.close()

@@ -26,7 +26,6 @@ from coordinator import tracing
 from coordinator.api import tls_log
 from coordinator.api.addresses import parse_host_port
 from coordinator.api.auth import ROLES, TokenAuthenticator, TokenFileError, new_token
-from coordinator.api.http_guard import DESCRIPTOR_RESERVE, raise_descriptor_limit
 from coordinator.core.errors import StoreUnavailable
 from coordinator.ops import logs
 from coordinator.ops.config import (
@@ -56,6 +55,7 @@ from coordinator.store.etcd.process import (
     version_tuple,
 )
 from coordinator.store.etcd.store import EtcdStore
+from inbox_wire.http_guard import DESCRIPTOR_RESERVE, raise_descriptor_limit
 
 log = logging.getLogger("inbox_coordinator")
 

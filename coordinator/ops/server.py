@@ -18,7 +18,6 @@ from grpc_reflection.v1alpha import reflection
 from coordinator import tracing
 from coordinator.api.auth import Authenticator, TlsSettings, server_credentials
 from coordinator.api.http import BOARD_DIR, HttpFace, build_app
-from coordinator.api.http_guard import HostPolicy, HttpGuardSettings, Reporter
 from coordinator.api.interceptor import RpcObserver
 from coordinator.api.quotas import QuotaSettings
 from coordinator.api.service import SERVICE_NAME as SERVICE_NAME  # the health name readiness probes ask for
@@ -31,6 +30,7 @@ from coordinator.core.storage import Store
 from coordinator.ops.metrics import Metrics, MetricsServer, refresh_gauges
 from coordinator.store.etcd.settings import EtcdSettings
 from coordinator.store.etcd.store import EtcdStore
+from inbox_wire.http_guard import HostPolicy, HttpGuardSettings, Reporter
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)

@@ -31,6 +31,7 @@ from inbox_claims._guard import (
     clean_text,
     summary_of,
 )
+from inbox_claims._message_ids import WHITESPACE
 from inbox_claims._outgoing import (
     DEFAULT_SENT_FOLDERS,
     MAILBOX_ADDRESSES_ENV,
@@ -42,7 +43,7 @@ from inbox_claims._settings import SETTINGS
 from inbox_claims._types import IDEMPOTENCY_KEY_PREFIX
 from inbox_claims.errors import NotificationError, WebhookVerificationError
 from inbox_claims.testing import sign_nylas, sign_standard_webhook
-from inbox_claims.types import DEFAULT_TARGET, MessageSummary, SubjectKind, idempotency_key
+from inbox_claims.types import DEFAULT_TARGET, MessageSummary, SubjectKind, canonical_message_id, idempotency_key
 from inbox_claims.webhooks import (
     ANSWERED_EVENTS,
     NYLAS_SIGNATURE_HEADER,
@@ -387,11 +388,30 @@ def wire_constants(case: Case) -> None:
     assert case["meaning"]
 
 
+# -- message_ids.json -----------------------------------------------------------------------------------------
+
+
+def message_ids(case: Case) -> None:
+    if "whitespace" in case:
+        assert [f"U+{ord(character):04X}" for character in WHITESPACE] == case["whitespace"]
+        return
+    canonical = case["canonical"]
+    assert canonical_message_id(case["id"]) == canonical
+    # Where ids enter: a subject made for a message, and reply_to's (here without a call: its subject is made first).
+    assert Subject.message("grant-1", case["id"]).id == canonical
+    if canonical:
+        with Coordinator("127.0.0.1:1", principal="conformance") as coord:  # no call is made: the subject is made first
+            assert coord.reply_to(mailbox="grant-1", message_id=case["id"]).subject.id == canonical
+    # Never applied to an id as the coordinator answered it (a subject read back from the wire).
+    assert Subject("grant-1", SubjectKind.MESSAGE, case["id"]).id == case["id"]
+
+
 # -- the runner -----------------------------------------------------------------------------------------------
 
 RUNNERS: dict[str, Callable[[Case], None]] = {
     "backoff.json": backoff,
     "idempotency_keys.json": idempotency_keys,
+    "message_ids.json": message_ids,
     "notifications.json": notifications,
     "outgoing.json": outgoing,
     "status_codes.json": status_codes,

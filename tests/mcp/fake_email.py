@@ -3,9 +3,12 @@
 In memory (``fake_email_server(outbox)``) or as a process over stdio or streamable HTTP (``python -m
 tests.mcp.fake_email --outbox FILE [--http PORT]``, every send one JSON line of FILE, so that a test can count the
 sends of processes it does not own). It also has a prompt, resources and completions, for the guard to pass
-through. The outbox's ``mode`` says how ``send_message`` answers: ``send`` (sent), ``fail`` (a tool error:
-nothing went out), ``hang`` (the send is recorded, then no answer ever comes: the connection breaks mid-call).
-In a process, the mode is read from ``FILE.mode`` at each call.
+through, and ``export_mailbox``, which answers as many MiB as asked. The outbox's ``mode`` says how
+``send_message`` answers: ``send`` (sent), ``fail`` (a tool error: nothing went out), ``hang`` (the send is
+recorded, then no answer ever comes), ``slow`` (the send is recorded, and answered 3 s later), ``huge`` (the send
+is recorded, and answered with 64 MiB). In a process, the
+mode is read from ``FILE.mode`` at each call, and a process started while ``FILE.tools`` says ``no-send`` lists
+no ``send_message`` (a server that changed under the guard).
 """
 
 from __future__ import annotations
@@ -22,6 +25,17 @@ from mcp.types import Completion, CompletionArgument, ToolAnnotations
 
 SEND_TOOL = "send_message"
 SEND_TOOL_SPEC = f"{SEND_TOOL},message=reply_to_message_id,mailbox=grant_id,thread=thread_id"
+
+
+def a_reply(grant_id: str, message_id: str, body: str = "It ships today.") -> dict[str, object]:
+    """The arguments of a ``send_message`` call that replies to ``message_id``."""
+    return {
+        "grant_id": grant_id,
+        "to": ["bea@example.org"],
+        "subject": "Re: Where is my order?",
+        "body": body,
+        "reply_to_message_id": message_id,
+    }
 
 
 class Sent(TypedDict):
@@ -71,8 +85,12 @@ INBOX = {
 }
 
 
-def fake_email_server(outbox: Outbox) -> MCPServer:
-    """Tools (two that read, one that sends), a prompt, a resource, a resource template and completions."""
+HUGE_MIB = 64
+
+
+def fake_email_server(outbox: Outbox, *, send: bool = True) -> MCPServer:
+    """Tools (three that read, one that sends unless ``send`` is False), a prompt, a resource, a resource template
+    and completions."""
     server = MCPServer("fake-email", instructions="A fake mailbox for tests.")
 
     @server.prompt(description="Draft a reply to one message, in the mailbox's tone.")
@@ -108,6 +126,14 @@ def fake_email_server(outbox: Outbox) -> MCPServer:
             raise ValueError(f"no message {message_id!r} in {grant_id}")
         return f"From: {message['from']}\nSubject: {message['subject']}\n\n{message['body']}"
 
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True))
+    def export_mailbox(grant_id: str, megabytes: int) -> str:
+        """The whole mailbox as text (``megabytes`` of it)."""
+        return "x" * (megabytes << 20)
+
+    if not send:
+        return server
+
     @server.tool(annotations=ToolAnnotations(destructive_hint=False, open_world_hint=True))
     async def send_message(
         grant_id: str,
@@ -132,6 +158,10 @@ def fake_email_server(outbox: Outbox) -> MCPServer:
         )
         if mode == "hang":
             await asyncio.Event().wait()
+        if mode == "slow":
+            await asyncio.sleep(3)
+        if mode == "huge":
+            return {"id": sent_id, "thread_id": "x" * (HUGE_MIB << 20)}
         return {"id": sent_id, "thread_id": thread_id or f"thread-{sent_id}"}
 
     return server
@@ -142,7 +172,9 @@ def main() -> None:
     parser.add_argument("--outbox", required=True, type=Path, help="a file to append every send to")
     parser.add_argument("--http", type=int, default=None, metavar="PORT", help="serve /mcp on 127.0.0.1:PORT")
     options = parser.parse_args()
-    server = fake_email_server(Outbox(options.outbox))
+    tools = options.outbox.with_suffix(".tools")
+    send = not (tools.exists() and tools.read_text().strip() == "no-send")
+    server = fake_email_server(Outbox(options.outbox), send=send)
     if options.http is None:
         server.run("stdio")
     else:

@@ -1,21 +1,40 @@
-"""Fake upstreams for the guard's presets: each lists the send tools of a real email MCP server with the input
-schema that server declares (written from the source each preset names, in ``_presets.py``), and answers a send
+"""Fake upstreams for the guard's presets: each lists the tools of a real email MCP server, and answers a send
 the way that server does (structured or text; a failure as a tool error or, for GongRzhe's Gmail server, as
 plain text). Every send is recorded, so that a test counts what went out.
 
-The schemas keep every property of the real tool with its type and what it is required; long descriptions are
-shortened, and nested objects (attachments) keep their type only.
+The tools listed are the published package's own, as recorded by scripts/record_mcp_tools.py in
+tests/mcp/data/tools (every tool, its schema as the server declared it); for a server no package lists without
+the network (AgentMail's, Nylas's), the send tools written from the source each preset names (``_presets.py``),
+keeping every property of the real tool with its type and whether it is required.
+
+In memory (``Recorder().server(FAKES[name])``) or as a process over stdio (``python -m tests.mcp.preset_servers
+NAME --outbox FILE``, each send one JSON line of FILE), so that a guard process can be started in front of it.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import anyio
 import mcp_types as types
 from mcp.server import Server, ServerRequestContext
+from mcp.server.caching import CacheHint
+from mcp.server.stdio import stdio_server
+from mcp_types.methods import CacheableMethod
+
+DATA = Path(__file__).resolve().parent / "data" / "tools"
+
+
+def recorded(preset: str) -> dict[str, Any]:
+    """What scripts/record_mcp_tools.py recorded of the package the preset is for (``listed``: its tools)."""
+    document: dict[str, Any] = json.loads((DATA / f"{preset}.json").read_text(encoding="utf-8"))
+    return document
+
 
 Answer = Callable[[str], dict[str, Any]]
 """The server's result of a send, given the id of what it sent."""
@@ -23,6 +42,10 @@ Answer = Callable[[str], dict[str, Any]]
 
 def _text(text: str, *, error: bool = False) -> dict[str, Any]:
     return {"content": [{"type": "text", "text": text}], "isError": error}
+
+
+def _wrapped(text: str) -> dict[str, Any]:
+    return {**_text(text), "structuredContent": {"result": text}}
 
 
 def _structured(document: dict[str, Any]) -> dict[str, Any]:
@@ -41,6 +64,7 @@ def _object(required: tuple[str, ...] = (), **properties: dict[str, Any]) -> dic
 
 
 STRING: dict[str, Any] = {"type": "string"}
+OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": {"type": "string"}}
 STRINGS: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
 OBJECTS: dict[str, Any] = {"type": "array", "items": {"type": "object"}}
 BOOLEAN: dict[str, Any] = {"type": "boolean"}
@@ -77,6 +101,13 @@ class FakeServer:
     sent_ids: bool = True
     """The server says the sent message's id, so the reply record has it."""
 
+    def listed(self) -> list[dict[str, Any]]:
+        """The tools as the server lists them: the published package's, as recorded, or the fakes' own."""
+        record = recorded(self.preset)
+        if record["listed"]:
+            return list(record["tools"])
+        return [tool.listed() for tool in self.tools]
+
 
 CONFIRMATION = {
     "confirm": {
@@ -100,25 +131,34 @@ class Recorder:
         self.failing = False
         self.confirming = False
 
-    def server(self, fake: FakeServer) -> Server[Any]:
+    def server(self, fake: FakeServer, *, outbox: Path | None = None) -> Server[Any]:
+        """``outbox``: each send also one JSON line of this file (for a test that does not own the process)."""
         tools = {tool.name: tool for tool in fake.tools}
+        listed = fake.listed()
 
         async def list_tools(ctx: ServerRequestContext[Any, Any], params: Any) -> dict[str, Any]:
-            return {"tools": [tool.listed() for tool in fake.tools]}
+            return {"tools": listed, "resultType": "complete"}  # dropped again on a handshake-era connection
 
         async def call_tool(ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams) -> Any:
-            tool = tools[params.name]
-            if not tool.sends:
-                return _text(f"{tool.name}: nothing to send")
+            tool = tools.get(params.name)
+            if tool is None or not tool.sends:
+                return _text(f"{params.name}: nothing to send")
             if self.failing:
                 return tool.failed("the provider refused the recipient")
             if self.confirming and not params.input_responses:
                 return {"resultType": "input_required", "inputRequests": CONFIRMATION}
             sent_id = f"sent-{len(self.sends) + 1}"
             self.sends.append({"tool": tool.name, "arguments": params.arguments or {}, "id": sent_id})
+            if outbox is not None:
+                with outbox.open("a", encoding="utf-8") as file:
+                    file.write(json.dumps(self.sends[-1]) + "\n")
             return {**tool.sent(sent_id), "resultType": "complete"}  # dropped again on a handshake-era connection
 
-        server: Server[Any] = Server(f"fake-{fake.preset}")
+        # The 2026-07-28 protocol wants a list's freshness: none (as the guard says for servers of the 2025 era).
+        record = recorded(fake.preset)
+        info = record.get("server_info") or {"name": f"fake-{fake.preset}", "version": "0"}  # who it says it is
+        hints: dict[CacheableMethod, CacheHint] = {"tools/list": CacheHint(ttl_ms=0, scope="private")}
+        server: Server[Any] = Server(info["name"], version=info["version"], cache_hints=hints)
         server.add_request_handler("tools/list", types.PaginatedRequestParams, list_tools)
         server.add_request_handler("tools/call", types.CallToolRequestParams, call_tool)
         return server
@@ -280,7 +320,8 @@ GOOGLE_WORKSPACE = FakeServer(
                 in_reply_to=STRING,
                 references=STRING,
             ),
-            lambda sent_id: _text(f"Email sent! Message ID: {sent_id}"),
+            # FastMCP wraps the tool's str in structured content too, as its recorded output schema says.
+            lambda sent_id: _wrapped(f"Email sent! Message ID: {sent_id}"),
         ),
     ),
     lambda mailbox, message: (
@@ -299,69 +340,37 @@ GOOGLE_WORKSPACE = FakeServer(
     ),
 )
 
-# resend/resend-mcp: the inbox tools reply by emailId; send-email and friends name no message.
-_RESEND_SENT = _sent_by("resend")
+# resend-mcp 2.22.0: no inbox tools; a reply is send-email with the In-Reply-To header (its dist/tools/emails.js
+# answers 'Email sent successfully! {"id": ...}' and throws, a tool error, on a refusal).
+_RESEND_SENT: Answer = lambda sent_id: _text(f'Email sent successfully! {{"id":"{sent_id}"}}')  # noqa: E731
 RESEND = FakeServer(
     "resend",
     (
         FakeTool(
-            "reply-to-inbox-thread-email",
-            _object(
-                ("inboxId", "threadId", "emailId"),
-                inboxId=STRING,
-                threadId=STRING,
-                emailId=STRING,
-                html=STRING,
-                text=STRING,
-                subject=STRING,
-                idempotencyKey=STRING,
-            ),
-            _RESEND_SENT,
-        ),
-        FakeTool(
             "send-email",
-            _object(
-                ("to", "subject", "text"),
-                to=STRINGS,
-                subject=STRING,
-                text=STRING,
-                html=STRING,
-                cc=STRINGS,
-                bcc=STRINGS,
-                scheduledAt=STRING,
-                attachments=OBJECTS,
-                tags=OBJECTS,
-                topicId=STRING,
-                headers={"type": "object", "additionalProperties": {"type": "string"}},
-                idempotencyKey=STRING,
-                **{"from": STRING},
-                replyTo=STRINGS,
-            ),
+            _object(("to", "subject", "text", "from"), to=STRINGS, subject=STRING, text=STRING, headers=OBJECT),
             _RESEND_SENT,
+            lambda reason: _text(f"Email failed to send: {reason}", error=True),
         ),
-        FakeTool("send-batch-emails", _object(("emails",), emails=OBJECTS, idempotencyKey=STRING), _RESEND_SENT),
-        FakeTool("send-inbox-draft", _object(("inboxId", "draftId"), inboxId=STRING, draftId=STRING), _RESEND_SENT),
-        FakeTool(
-            "forward-inbox-thread-email",
-            _object(
-                ("inboxId", "threadId", "emailId", "to"), inboxId=STRING, threadId=STRING, emailId=STRING, to=STRINGS
-            ),
-            _RESEND_SENT,
-        ),
-        FakeTool("send-broadcast", _object(("broadcastId",), broadcastId=STRING, scheduledAt=STRING), _RESEND_SENT),
+        FakeTool("send-batch-emails", _object(("emails",), emails=OBJECTS), _RESEND_SENT),
+        FakeTool("send-broadcast", _object(("broadcastId",), broadcastId=STRING), _RESEND_SENT),
     ),
     lambda mailbox, message: (
-        "reply-to-inbox-thread-email",
-        {"inboxId": mailbox, "threadId": "thread-1", "emailId": message, "text": "It ships today."},
+        "send-email",
+        {
+            "from": "Support <support@shop.example>",
+            "to": ["bea@example.org"],
+            "subject": "Re: Where is my order?",
+            "text": "It ships today.",
+            "headers": {"In-Reply-To": message},
+        },
     ),
+    mailbox="support@shop.example",
+    new_mail=("send-email", {"from": "support@shop.example", "to": ["cy@example.org"], "subject": "Hi", "text": "Hi"}),
     unfenced=(
-        ("send-email", {"to": ["bea@example.org"], "subject": "Re: Order", "text": "It ships today."}),
         ("send-batch-emails", {"emails": [{"to": ["bea@example.org"], "subject": "Hi", "text": "Hi"}]}),
-        ("send-inbox-draft", {"inboxId": "inbox-1", "draftId": "draft-1"}),
-        ("forward-inbox-thread-email", {"inboxId": "i", "threadId": "t", "emailId": "e", "to": ["o@example.org"]}),
         ("send-broadcast", {"broadcastId": "b-1"}),
     ),
-    sent_ids=False,
 )
 
 # codefuturist/email-mcp: IMAP and SMTP; the account names the mailbox, emailId the message.
@@ -420,3 +429,21 @@ EMAIL_MCP = FakeServer(
 FAKES: dict[str, FakeServer] = {
     fake.preset: fake for fake in (AGENTMAIL, NYLAS, GMAIL, GOOGLE_WORKSPACE, RESEND, EMAIL_MCP)
 }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="A preset's fake email MCP server over stdio, recording its sends.")
+    parser.add_argument("preset", choices=sorted(FAKES))
+    parser.add_argument("--outbox", required=True, type=Path, help="a file to append every send to")
+    options = parser.parse_args()
+    server = Recorder().server(FAKES[options.preset], outbox=options.outbox)
+
+    async def serve() -> None:
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    anyio.run(serve)
+
+
+if __name__ == "__main__":
+    main()

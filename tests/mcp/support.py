@@ -6,18 +6,20 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mcp import Client
-from mcp.server import MCPServer, Server, ServerRequestContext
+from mcp import Client, StdioServerParameters
+from mcp.server import MCPServer, Server
 from mcp.types import CallToolRequest, CallToolRequestParams, ListToolsRequest, Request, TextContent
 from pydantic import BaseModel, ConfigDict
 
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.mcp import AgentSession, NylasReplies, SendTool, Upstream, build_guard, build_server
+from inbox_claims.mcp._sessions import OneSession
 
 API_KEY = "nyk_v0_mcp_test_key"
 REPO = Path(__file__).resolve().parents[2]
@@ -37,11 +39,8 @@ async def agent_session(
     session = AgentSession(coordinator, ttl=ttl)
     replies = NylasReplies(API_KEY, api_base=api_base) if api_base else None
 
-    async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
-        return session
-
     try:
-        async with Client(build_server(session_for, replies=replies)) as client:
+        async with Client(build_server(OneSession(session), replies=replies)) as client:
             yield client, session
     finally:
         await session.close()
@@ -71,12 +70,8 @@ async def guarded(
         Upstream(lambda: Client(upstream, mode=upstream_mode)) as connection,
     ):
         session = AgentSession(coordinator, ttl=ttl)
-
-        async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
-            return session
-
         try:
-            async with Client(build_guard(connection, send_tools, session_for, **options), mode=mode) as client:
+            async with Client(build_guard(connection, send_tools, OneSession(session), **options), mode=mode) as client:
                 yield client
         finally:
             await session.close()
@@ -144,3 +139,28 @@ async def renewed_while_alive_then_freed_when_killed(address: str, subject: Subj
     while await state_of(address, subject) is SubjectState.CLAIMED:
         assert time.monotonic() - killed < TTL + FREE_BOUND_S, "the killed process's claim outlived its TTL"
         await asyncio.sleep(0.1)
+
+
+def command(tmp_path: Path, name: str, address: str, *args: str) -> StdioServerParameters:
+    """``inbox-claims-mcp`` configured by its own config file (its path also tells its process apart)."""
+    config = config_file(tmp_path, name, address)
+    return StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "inbox_claims.mcp", args[0], "--config", str(config), "--ttl", str(TTL), *args[1:]],
+        cwd=REPO,
+        env={"PATH": os.environ.get("PATH", "")},
+    )
+
+
+def pid_of(marker: str, *, program: str) -> int:
+    """The process of ``program`` (a module run with -m) whose command line holds ``marker`` (a path only it
+    was given; the guard's command line names its upstream's too)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                words = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if words[1:3] == ["-m", program] and marker in words:
+                return int(entry.name)
+    raise AssertionError(f"no process with {marker!r}")

@@ -19,7 +19,7 @@ from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.mcp import SendTool
 from inbox_claims.mcp._presets import PRESETS
 from tests.mcp import support
-from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox, fake_email_server
+from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox, a_reply, fake_email_server
 from tests.mcp.preset_servers import FAKES, Recorder
 from tests.mcp.support import raw, raw_call, text
 
@@ -27,16 +27,6 @@ from tests.mcp.support import raw, raw_call, text
 def guarded(address: str, principal: str, outbox: Outbox) -> contextlib.AbstractAsyncContextManager[Client]:
     """One agent session behind the guard in front of the fake email server."""
     return support.guarded(address, principal, fake_email_server(outbox), [SendTool.parse(SEND_TOOL_SPEC)])
-
-
-def a_reply(mailbox: str, message_id: str, body: str = "It ships today.") -> dict[str, Any]:
-    return {
-        "grant_id": mailbox,
-        "to": ["bea@example.org"],
-        "subject": "Re: Where is my order?",
-        "body": body,
-        "reply_to_message_id": message_id,
-    }
 
 
 def _requests(mailbox: str) -> list[types.Request[Any, Any]]:
@@ -101,7 +91,8 @@ async def test_tools_prompts_resources_and_completions_pass_through_byte_for_byt
         capabilities = client.server_capabilities
 
     assert through == expected
-    assert {tool["name"] for tool in through[0]["tools"]} == {"list_messages", "get_message", SEND_TOOL}
+    listed = {tool["name"] for tool in through[0]["tools"]}
+    assert listed == {"list_messages", "get_message", "export_mailbox", SEND_TOOL}
     assert through[3]["isError"] is True
     assert [prompt["name"] for prompt in through[5]["prompts"]] == ["draft_reply"]
     assert "Where is my order?" in str(through[6])
@@ -260,3 +251,34 @@ async def test_a_send_tool_that_asks_for_input_first_sends_only_on_the_retry_tha
     assert confirmed["structuredContent"] == {"messageId": "sent-1", "threadId": "thread-sent-1"}
     assert (status.state, status.sent_message_id) == (SubjectState.REPLIED, "sent-1")
     assert len(recorder.sends) == 1
+
+
+@pytest.mark.parametrize("era", ["legacy", "auto"], ids=["2025-client", "2026-client"])
+async def test_a_spelling_of_an_answered_message_is_that_message_and_reaches_no_upstream(
+    server: CoordinatorServer, mailbox: str, era: str
+) -> None:
+    """The message-id rule of conformance/message_ids.json, through the guard: after <m1@x> was answered, its
+    spellings (spaces around, no brackets, brackets and spaces) are answered, and nothing more is sent; another
+    session of the same agent is told so too, and a different agent too."""
+    outbox = Outbox()
+    spellings = [" <m1@shop.example>", "m1@shop.example ", "\n m1@shop.example", "< m1@shop.example >"]
+    async with (
+        support.guarded(
+            server.address, "agent-a", fake_email_server(outbox), [SendTool.parse(SEND_TOOL_SPEC)], mode=era
+        ) as first,
+        support.guarded(
+            server.address, "agent-b", fake_email_server(outbox), [SendTool.parse(SEND_TOOL_SPEC)], mode=era
+        ) as other,
+    ):
+        sent = await first.call_tool(SEND_TOOL, a_reply(mailbox, "<m1@shop.example>"))
+        again = [await first.call_tool(SEND_TOOL, a_reply(mailbox, spelling)) for spelling in spellings]
+        theirs = [await other.call_tool(SEND_TOOL, a_reply(mailbox, spelling)) for spelling in spellings]
+    async with AsyncCoordinator(server.address, principal="observer") as coord:
+        status = await coord.status(Subject.message(mailbox, "m1@shop.example"))
+
+    assert not sent.is_error
+    assert len(outbox.sends) == 1  # one reply for the message, however its id was written
+    assert all(result.is_error for result in again + theirs)
+    assert all("this other reply was not sent" in text(result) for result in again)  # a different call: refused
+    assert all(text(result).startswith("Already answered by agent-a (an agent)") for result in theirs)
+    assert (status.state, status.holder) == (SubjectState.REPLIED, "agent-a")

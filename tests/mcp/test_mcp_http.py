@@ -7,27 +7,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 
 from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
-from inbox_claims import Subject, SubjectState
+from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from tests.helpers import eventually, spawn, wait_for_line
-from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox
+from tests.mcp.fake_email import SEND_TOOL, SEND_TOOL_SPEC, Outbox, a_reply
 from tests.mcp.support import (
     API_KEY,
     REPO,
     TTL,
     config_file,
+    pid_of,
     renewed_while_alive_then_freed_when_killed,
     reply_arguments,
     state_of,
@@ -195,9 +202,159 @@ async def test_the_guard_over_http_in_front_of_an_http_upstream_sends_one_reply_
                 sessionless.call_tool(SEND_TOOL, {**reply, "body": "from the third"}),
             )
 
-    assert names == {"list_messages", "get_message", SEND_TOOL}
+    assert names == {"list_messages", "get_message", "export_mailbox", SEND_TOOL}
     assert not listed.is_error
     assert len(outbox.sends_for("msg-1")) == 1
     assert sorted(result.is_error for result in raced) == [False, True, True]
     assert all("do not reply" in text(result) for result in raced if result.is_error)
     assert await state_of(server.address, Subject.message(mailbox, "msg-1")) is SubjectState.REPLIED
+
+
+@contextlib.asynccontextmanager
+async def with_header(url: str, **headers: str) -> AsyncIterator[Any]:
+    """The SDK's streamable HTTP transport to ``url``, sending ``headers`` with every request."""
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=30) as http,
+        streamable_http_client(url, http_client=http) as streams,
+    ):
+        yield streams
+
+
+@contextlib.asynccontextmanager
+async def telling_session_id(url: str, said: dict[str, str]) -> AsyncIterator[Any]:
+    """The SDK's streamable HTTP transport to ``url``; the MCP session id the server gives goes into ``said``."""
+
+    async def seen(response: httpx2.Response) -> None:
+        if "mcp-session-id" in response.headers:
+            said["id"] = response.headers["mcp-session-id"]
+
+    async with (
+        httpx2.AsyncClient(event_hooks={"response": [seen]}, timeout=30) as http,
+        streamable_http_client(url, http_client=http) as streams,
+    ):
+        yield streams
+
+
+def handle_of(result: Any) -> str:
+    assert result.structured_content is not None, result
+    return str(result.structured_content["claim_handle"])
+
+
+async def test_sessionless_clients_hold_claims_through_handles_and_never_share_one(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str, tmp_path: Path
+) -> None:
+    said: dict[str, str] = {}
+    async with (
+        serving(tmp_path, server.address, fake) as (_, url),
+        sessions(url, 2, "2026-07-28") as (ana, bo),
+        Client(telling_session_id(url, said), mode="legacy") as legacy,
+    ):
+        claimed = await ana.call_tool("claim_message", {"mailbox": mailbox, "message_id": "msg-1"})
+        handle = handle_of(claimed)
+        other = await bo.call_tool("claim_message", {"mailbox": mailbox, "message_id": "msg-1"})
+        bo_sends = await bo.call_tool("send_reply", reply_arguments(mailbox, "msg-1", body="from bo"))
+        without = await ana.call_tool("send_reply", reply_arguments(mailbox, "msg-1", body="from ana"))
+        sent = await ana.call_tool(
+            "send_reply", {**reply_arguments(mailbox, "msg-1", body="from ana"), "claim_handle": handle}
+        )
+        # A session id on a request of the 2026 protocol is not read: a stale one touches nobody's claims.
+        await legacy.call_tool("claim_message", {"mailbox": mailbox, "message_id": "msg-2"})
+        async with Client(with_header(url, **{"mcp-session-id": said["id"]}), mode="2026-07-28") as stale:
+            released = await stale.call_tool("release_message", {"mailbox": mailbox, "message_id": "msg-2"})
+        async with httpx2.AsyncClient() as http:  # and a DELETE of the 2026 protocol ends no session
+            headers = {"mcp-session-id": said["id"], "mcp-protocol-version": "2026-07-28"}
+            await http.request("DELETE", url, headers=headers)
+        still = await state_of(server.address, Subject.message(mailbox, "msg-2"))
+
+    assert outcome(claimed) == "granted"
+    assert handle.startswith("ch-")
+    assert f'pass claim_handle "{handle}"' in text(claimed)
+    assert outcome(other) == "held"  # another conversation of the same agent: its own, not a shared claim
+    assert "another session of agent-http (this agent)" in text(other)
+    assert "If you claimed it yourself, call again with the claim_handle" in text(other)
+    assert outcome(bo_sends) == "held"
+    assert outcome(without) == "held"  # without its handle, a call is not the claim's
+    assert outcome(sent) == "sent"
+    assert [send.payload["body"] for send in fake.sends_for("msg-1")] == ["from ana"]
+    assert outcome(released) == "not_held"
+    assert still is SubjectState.CLAIMED
+
+
+async def test_sessions_and_handles_are_capped_with_a_clear_error(
+    server: CoordinatorServer, mailbox: str, tmp_path: Path
+) -> None:
+    command = mcp_http(tmp_path, "agent-cap", server.address, "serve", "--max-sessions", "2", "--max-handles", "3")
+    async with running(command) as (_, url), sessions(url, 5, "2026-07-28") as sessionless:
+        held = [
+            await client.call_tool("claim_message", {"mailbox": mailbox, "message_id": f"msg-{n}"})
+            for n, client in enumerate(sessionless)
+        ]
+        async with Client(url, mode="legacy") as first, Client(url, mode="legacy") as second:
+            for n, client in enumerate((first, second)):
+                await client.call_tool("claim_message", {"mailbox": mailbox, "message_id": f"legacy-{n}"})
+            with pytest.raises(BaseExceptionGroup) as third:  # the third MCP session is refused at its opening
+                async with Client(url, mode="legacy"):
+                    pass
+            async with AsyncCoordinator(server.address, principal="observer") as observer:
+                claimed = [status async for status in observer.iter_claims(mailbox, states=[SubjectState.CLAIMED])]
+        # Made-up session ids on 2026 requests create nothing: each call is its own, and keeps no claim.
+        async with Client(with_header(url, **{"mcp-session-id": "made-up"}), mode="2026-07-28") as madeup:
+            for _ in range(3):
+                await madeup.call_tool("who_is_answering", {"mailbox": mailbox})
+            refused_too = await madeup.call_tool("claim_message", {"mailbox": mailbox, "message_id": "msg-x"})
+
+    granted = [result for result in held if not result.is_error]
+    refused = [result for result in held if result.is_error]
+    assert len(granted) == 3
+    assert len(refused) == 2
+    for result in refused:
+        assert text(result).startswith("Nothing was done: 3 claims of this agent are held by handle on this server")
+    assert "--max-handles 3" in text(refused[0])
+    said = str(third.value.exceptions[0].exceptions[0])
+    assert said.startswith("No new session: 2 sessions of this agent are open on this server, its most (--max-sessions")
+    assert refused_too.is_error
+    assert len(claimed) == 3 + 2
+
+
+@pytest.mark.parametrize("mode", ["legacy", "2026-07-28"], ids=["mcp-sessions", "2026-sessionless"])
+async def test_the_guard_over_http_starts_a_killed_stdio_upstream_again_and_every_later_send_reaches_it(
+    server: CoordinatorServer, mailbox: str, tmp_path: Path, mode: str
+) -> None:
+    outbox = Outbox(tmp_path / "outbox.jsonl")
+    upstream = [sys.executable, "-m", "tests.mcp.fake_email", "--outbox", str(outbox.path)]
+    guard = mcp_http(tmp_path, "agent-g", server.address, "guard", "--send-tool", SEND_TOOL_SPEC, "--", *upstream)
+    async with running(guard) as (_, url), Client(url, mode=mode) as client:
+        first = await client.call_tool(SEND_TOOL, a_reply(mailbox, "msg-0"))
+        os.kill(pid_of(str(outbox.path), program="tests.mcp.fake_email"), signal.SIGKILL)
+        later = [await client.call_tool(SEND_TOOL, a_reply(mailbox, f"msg-{n}")) for n in (1, 2, 3)]
+
+    assert not first.is_error
+    assert [result.is_error for result in later] == [False, False, False]
+    assert [len(outbox.sends_for(f"msg-{n}")) for n in range(4)] == [1, 1, 1, 1]
+
+
+async def test_a_send_reply_retried_over_http_after_its_client_gave_up_gets_the_first_calls_outcome(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str, tmp_path: Path
+) -> None:
+    gate = threading.Event()
+
+    def held_back(sent: object) -> None:  # Nylas takes the send, and answers when the test says
+        gate.wait(30)
+
+    fake.on_send = held_back
+    arguments = reply_arguments(mailbox, "msg-1")
+    async with serving(tmp_path, server.address, fake) as (_, url), Client(url, mode="legacy") as client:
+        with pytest.raises(MCPError):
+            await client.call_tool("send_reply", arguments, read_timeout_seconds=1.0)
+        retried = asyncio.create_task(client.call_tool("send_reply", arguments))
+        await eventually(lambda: _sent_to(fake, "msg-1"))
+        gate.set()
+        result = await asyncio.wait_for(retried, 30)
+
+    assert outcome(result) == "sent"
+    assert "another session" not in text(result)
+    assert len(fake.sends_for("msg-1")) == 1
+
+
+async def _sent_to(fake: FakeNylas, message_id: str) -> bool:
+    return bool(fake.sends_for(message_id))

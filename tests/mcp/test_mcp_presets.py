@@ -1,7 +1,9 @@
-"""Each guard preset in front of a fake of the server it was written for (tests/mcp/preset_servers.py: the real
-tools' input schemas, and their way of answering), against a real coordinator and etcd: two agent sessions
-racing the reply, and a retry, send one reply per message; the tools that send without naming the message they
-answer are refused, nothing sent, or passed through unclaimed when the guard allows them."""
+"""Each guard preset against the tool list of the published package it is for (recorded in tests/mcp/data/tools
+by scripts/record_mcp_tools.py), and in front of a fake of that server (tests/mcp/preset_servers.py: the
+recorded tools, and their way of answering), against a real coordinator and etcd: two agent sessions racing the
+reply, and a retry, send one reply per message; the tools that send without naming the message they answer are
+refused, nothing sent, or passed through unclaimed when the guard allows them. The guard refuses to start in
+front of a server that does not list the tools it was told to fence."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import pytest
 
 from coordinator.ops.server import CoordinatorServer
 from inbox_claims import AsyncCoordinator, Subject, SubjectState
+from inbox_claims.mcp import SendTool, check_tools
 from inbox_claims.mcp._cli import main
+from inbox_claims.mcp._guard import schema_has
 from inbox_claims.mcp._presets import PRESETS, UNPRESETTABLE, Preset
-from tests.mcp.preset_servers import FAKES, FakeServer, Recorder
+from tests.mcp.preset_servers import DATA, FAKES, FakeServer, Recorder, recorded
 from tests.mcp.support import guarded, text
 
 
@@ -34,30 +38,71 @@ def behind(
     )
 
 
-def _schema_has(schema: dict[str, Any], path: str) -> bool:
-    """The path's properties are declared, as deep as the schema declares them (a bare object takes any)."""
-    for part in path.split("."):
-        properties = schema.get("properties")
-        if properties is None:
-            return schema.get("type") == "object"
-        if part not in properties:
-            return False
-        schema = properties[part]
-    return True
+RECORDS = sorted(path.stem for path in DATA.glob("*.json"))
 
 
-def test_every_preset_is_faked_from_its_schema_and_says_where_it_was_read() -> None:
+def test_every_preset_has_the_record_of_its_package() -> None:
+    assert sorted(PRESETS) == RECORDS
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_checked_against_the_published_packages_tool_list(name: str) -> None:
+    preset, record = PRESETS[name], recorded(name)
+    assert record["preset"] == name
+    if not record["listed"]:
+        # Nothing published lists its tools here (AgentMail's bridge needs the hosted server; Nylas has no package):
+        # the preset says so, and where its schemas were read instead.
+        assert preset.versions == ()
+        assert record["why"]
+        assert re.search(r" at [0-9a-f]{7}\b", preset.source), name
+        return
+    assert preset.versions == (f"{record['package']} {record['version']}",)
+    listed = {tool["name"]: tool for tool in record["tools"]}
+    # The guard's own check at start, on the package's list: nothing missing.
+    assert check_tools(preset.tools, preset.unfenced)(record["tools"]) is None
+    for tool in preset.tools:
+        for path in (tool.message, tool.mailbox, tool.thread):
+            assert path is None or schema_has(listed[tool.name]["inputSchema"], path), (name, tool.name, path)
+        assert tool.mailbox is not None or FAKES[name].mailbox is not None, name
+    assert set(preset.unfenced) <= set(listed)
+
+
+def test_every_fake_sends_through_the_tools_its_preset_names() -> None:
     assert set(FAKES) == set(PRESETS)
     for name, preset in PRESETS.items():
-        listed = {tool.name: tool.input_schema for tool in FAKES[name].tools}
-        assert re.search(r" at [0-9a-f]{7}\b", preset.source), name  # the repository's commit read
-        for tool in preset.tools:
-            assert tool.name in listed, (name, tool.name)
-            for path in (tool.message, tool.mailbox, tool.thread):
-                assert path is None or _schema_has(listed[tool.name], path), (name, tool.name, path)
-            assert tool.mailbox is not None or FAKES[name].mailbox is not None, name
-        assert set(preset.unfenced) <= set(listed), name
-        assert {call for call, _ in FAKES[name].unfenced} == set(preset.unfenced), name
+        fake = FAKES[name]
+        listed = {tool["name"] for tool in fake.listed()}
+        assert {tool.name for tool in preset.tools} <= listed, name
+        assert {call for call, _ in fake.unfenced} == set(preset.unfenced), name
+
+
+@pytest.mark.parametrize("name", [name for name in RECORDS if recorded(name)["listed"]])
+def test_the_guards_answer_to_each_recorded_tool_list(name: str) -> None:
+    """Every preset against this package's list: its own preset passes; the others are refused, naming what is
+    missing, what is there, and the closest name."""
+    tools = recorded(name)["tools"]
+    for other, preset in PRESETS.items():
+        answer = check_tools(preset.tools, scope="message")(tools)
+        if other == name:
+            assert answer is None
+            continue
+        missing = [tool for tool in preset.tools if tool.name not in {listed["name"] for listed in tools}]
+        if not missing:  # another server's tool of the same name (send_email): its arguments are checked instead
+            assert answer is None or "takes no argument" in answer, (name, other, answer)
+            continue
+        assert answer is not None
+        assert f"it lists no tool {missing[0].name}, which --preset {other} names" in answer
+        assert "the closest is" in answer or "none is close" in answer
+        assert all(listed["name"] in answer for listed in tools)
+
+
+def test_the_resend_preset_of_before_is_refused_by_resend_mcp_2_22_0() -> None:
+    """reply-to-inbox-thread-email (what the preset named before) is not a tool of the published resend-mcp."""
+    before = SendTool("reply-to-inbox-thread-email", message="emailId", mailbox="inboxId", origin="--preset resend")
+    answer = check_tools([before])(recorded("resend")["tools"])
+    assert answer is not None
+    assert answer.startswith("it lists no tool reply-to-inbox-thread-email, which --preset resend names as the tool")
+    assert "send-email" in answer
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -147,3 +192,14 @@ def test_a_preset_of_one_mailbox_needs_the_mailbox_named(capsys: pytest.CaptureF
         main(["guard", "--principal", "agent-a", "--preset", "gmail", "--", "npx", "gmail-mcp"])
     assert exited.value.code == 2
     assert "send_email take(s) no mailbox argument: say which mailbox this server sends from" in capsys.readouterr().err
+
+
+def test_the_guards_help_says_which_published_versions_each_preset_was_checked_against(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["guard", "--help"])
+    said = " ".join(re.sub(r"-\n\s+", "-", capsys.readouterr().out).split())
+
+    for name, preset in PRESETS.items():
+        assert f"{name}: {', '.join(preset.versions) or 'no recorded list'}" in said, name

@@ -305,3 +305,23 @@ async def test_a_session_that_ends_releases_its_claims(server: CoordinatorServer
         assert await status_of(server.address, subject) is SubjectState.CLAIMED
 
     assert await status_of(server.address, subject) is SubjectState.FREE
+
+
+async def test_claim_message_and_send_reply_claim_a_message_id_however_it_is_written(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str
+) -> None:
+    async with (
+        agent_session(server.address, "agent-a", api_base=fake.api_base) as (client, _),
+        agent_session(server.address, "agent-b", api_base=fake.api_base) as (other, _),
+    ):
+        claimed = await client.call_tool("claim_message", {"mailbox": mailbox, "message_id": "<CAF=1@mail.gmail.com>"})
+        held = await other.call_tool("claim_message", {"mailbox": mailbox, "message_id": " CAF=1@mail.gmail.com"})
+        sent = await client.call_tool("send_reply", reply_arguments(mailbox, "CAF=1@mail.gmail.com\n"))
+        answered = await other.call_tool("send_reply", reply_arguments(mailbox, "<CAF=1@mail.gmail.com>"))
+
+    assert answer(claimed)["subject_id"] == "CAF=1@mail.gmail.com"
+    assert answer(held)["outcome"] == "held"
+    assert answer(sent)["outcome"] == "sent"
+    assert answer(answered)["outcome"] == "already_replied"
+    assert len(fake.sends) == 1
+    assert fake.sends[0].payload["reply_to_message_id"] == "CAF=1@mail.gmail.com"  # the id as claimed

@@ -25,8 +25,8 @@ import grpc
 import pytest
 from playwright.async_api import async_playwright
 
-from coordinator.api.http_guard import DESCRIPTOR_RESERVE, HeadLimits
 from coordinator.store.etcd.process import EtcdServer, free_port, free_ports
+from inbox_wire.http_guard import DESCRIPTOR_RESERVE, HeadLimits
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.helpers import Actor, eventually, message, spawn, stop_serving, wait_for_line
 from tests.server.test_board import CHROMIUM

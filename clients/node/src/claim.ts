@@ -26,6 +26,7 @@ import {
 import type { OutgoingMatch } from "./outgoing.js";
 import {
   idempotencyKey,
+  messageSubject,
   type ClaimResult,
   type LossReason,
   type MessageSummary,
@@ -98,7 +99,7 @@ export function resolveSubject(target: Notification | ReplyTarget, scope: Scope,
   if (!mailbox) throw new TypeError("replyTo needs a mailbox (the notification carries no grant_id): pass { mailbox }");
   if (scope === "message") {
     if (!messageId) throw new TypeError("replyTo with scope 'message' needs a message id");
-    return { subject: { mailbox, kind: "message", id: messageId }, notificationId: notificationId ?? "" };
+    return { subject: messageSubject(mailbox, messageId), notificationId: notificationId ?? "" };
   }
   if (scope === "thread") {
     if (!threadId) throw new TypeError("replyTo with scope 'thread' needs a thread id (none in the notification)");

@@ -3,6 +3,7 @@ export { DEFAULT_SENT_FOLDERS, OutgoingRules, type OutgoingMatch } from "./outgo
 export { Claim, cleanText, NO_IDEMPOTENCY_KEY_WARNING, summaryOf, type ReplyOptions, type ReplyTarget, type Scope } from "./claim.js";
 export * from "./errors.js";
 export * from "./types.js";
+export { canonicalMessageId, MESSAGE_ID_WHITESPACE } from "./messageIds.js";
 export { EnvelopeError, parseNotification, type Notification, type NotificationVariant } from "./envelope.js";
 export {
   NYLAS_SIGNATURE_HEADER,

@@ -3,6 +3,7 @@ import { createHash } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { timestampDate, timestampFromDate, type Timestamp } from "@bufbuild/protobuf/wkt";
 import * as pb from "./gen/inbox/coordinator/v1/coordinator_pb.js";
+import { canonicalMessageId } from "./messageIds.js";
 
 export type SubjectKind = "message" | "thread";
 export type HolderKind = "agent" | "human";
@@ -17,8 +18,9 @@ export interface Subject {
   readonly id: string;
 }
 
+/** A message's subject, its id written the one way every client does (canonicalMessageId: " <m1@x> " is "m1@x"). */
 export function messageSubject(mailbox: string, messageId: string): Subject {
-  return { mailbox, kind: "message", id: messageId };
+  return { mailbox, kind: "message", id: canonicalMessageId(messageId) };
 }
 
 export function threadSubject(mailbox: string, threadId: string): Subject {

@@ -10,7 +10,7 @@ import { create } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { REPO } from "../src/testing.js";
 import { answers, BATCH_MAX_CALLS, MAX_BATCHES_IN_FLIGHT, type Rpc } from "../src/batch.js";
-import { REASON_MAX_BYTES, SUMMARY_TEXT_MAX_BYTES } from "../src/claim.js";
+import { REASON_MAX_BYTES, resolveSubject, SUMMARY_TEXT_MAX_BYTES } from "../src/claim.js";
 import { PRINCIPAL_KIND_METADATA, PRINCIPAL_METADATA } from "../src/client.js";
 import { DEFAULT_ADMISSION_TIMEOUT_MS, DEFAULT_EVENTS, DEFAULT_MAX_BODY_BYTES } from "../src/middleware.js";
 import { DEFAULT_API_BASE, MAX_IDEMPOTENCY_KEY_LENGTH, Nylas, SENT_ATTRIBUTE } from "../src/nylas.js";
@@ -18,6 +18,7 @@ import { MAILBOX_ADDRESSES_ENV, SENT_FOLDERS_ENV } from "../src/outgoing.js";
 import { RETRY_AFTER_METADATA, RpcFailure } from "../src/rpc.js";
 import * as pb from "../src/gen/inbox/coordinator/v1/coordinator_pb.js";
 import {
+  canonicalMessageId,
   cleanText,
   Coordinator,
   DEFAULT_RETRY,
@@ -27,6 +28,8 @@ import {
   EnvelopeError,
   IDEMPOTENCY_KEY_PREFIX,
   idempotencyKey,
+  MESSAGE_ID_WHITESPACE,
+  messageSubject,
   NYLAS_SIGNATURE_HEADER,
   nylasChallengeResponse,
   optionsFromEnv,
@@ -358,11 +361,27 @@ function wireConstants(c: { name: string; value: unknown; meaning: string }): vo
   assert.ok(c.meaning.length > 0);
 }
 
+// -- message_ids.json -------------------------------------------------------------------------------------
+
+function messageIds(c: { whitespace?: string[]; id?: string; canonical?: string }): void {
+  if (c.whitespace !== undefined) {
+    assert.deepEqual([...MESSAGE_ID_WHITESPACE].map((ch) => `U+${ch.codePointAt(0)!.toString(16).toUpperCase().padStart(4, "0")}`), c.whitespace);
+    return;
+  }
+  const id = c.id!;
+  const canonical = c.canonical!;
+  assert.equal(canonicalMessageId(id), canonical);
+  // Where ids enter: a message's subject, and replyTo's.
+  assert.equal(messageSubject("grant-1", id).id, canonical);
+  if (canonical !== "") assert.equal(resolveSubject({ mailbox: "grant-1", messageId: id }, "message").subject.id, canonical);
+}
+
 // -- the runner -------------------------------------------------------------------------------------------
 
 const RUNNERS: Record<string, (c: never) => void> = {
   "backoff.json": backoff,
   "idempotency_keys.json": idempotencyKeys,
+  "message_ids.json": messageIds,
   "notifications.json": notifications,
   "outgoing.json": outgoing,
   "status_codes.json": statusCodes,

@@ -13,6 +13,8 @@ import random
 from dataclasses import dataclass
 from datetime import datetime
 
+from ._message_ids import canonical_message_id
+
 __all__ = [
     "CallerIdentity",
     "ClaimOutcome",
@@ -40,6 +42,7 @@ __all__ = [
     "WatchEvent",
     "WatchItem",
     "WatchSnapshot",
+    "canonical_message_id",
     "idempotency_key",
 ]
 
@@ -155,7 +158,9 @@ class Subject:
     """What is claimed: a message or a thread inside one mailbox.
 
     ``mailbox`` is the scope of coordination (a Nylas grant id, or the mailbox address when several grants see
-    one inbox); ``id`` is the provider's message id or thread id.
+    one inbox); ``id`` is the provider's message id or thread id. ``Subject.message`` writes a message id the
+    one way every client does (``canonical_message_id``: `` <m1@x> `` is ``m1@x``), so that a spelling of an
+    answered message is that message; the constructor takes an id as it is (as the coordinator answered it).
     """
 
     mailbox: str
@@ -164,7 +169,7 @@ class Subject:
 
     @classmethod
     def message(cls, mailbox: str, message_id: str) -> Subject:
-        return cls(mailbox, SubjectKind.MESSAGE, message_id)
+        return cls(mailbox, SubjectKind.MESSAGE, canonical_message_id(message_id))
 
     @classmethod
     def thread(cls, mailbox: str, thread_id: str) -> Subject:

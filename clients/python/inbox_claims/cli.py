@@ -773,15 +773,21 @@ def connection_options(
     top: bool = True,
     file: ConfigFile = INBOXCTL_CONFIG,
     defaults: Mapping[str, Any] | None = None,
+    helps: Mapping[str, str] | None = None,
 ) -> None:
-    """The flags of ``SETTINGS`` and ``--config`` (``defaults``: the defaults shown where they differ)."""
+    """The flags of ``SETTINGS`` and ``--config``. ``defaults``: the defaults where they differ, said once in the
+    help in place of the setting's own; ``helps``: a setting's help where the command means it otherwise (the
+    MCP server's principal has no login-name default)."""
     default = None if top else argparse.SUPPRESS
     group = parser.add_argument_group("connection (flags > environment > config file)")
     for setting in SETTINGS:
         flag = "--" + setting.name.replace("_", "-")
-        help_text = setting.help
+        help_text = (helps or {}).get(setting.name, setting.help)
         if defaults and setting.name in defaults:
-            help_text = help_text.split(" (default")[0] + f" (default {defaults[setting.name]})"
+            # The setting's own default said nowhere: "(development mode; default human)" is "(development mode)".
+            help_text = help_text.split(" (default")[0].split("; default")[0]
+            help_text += ")" * (help_text.count("(") - help_text.count(")"))
+            help_text += f" (default {defaults[setting.name]})"
         help_text = f"{help_text} [${setting.env}]"
         if setting.name == "tls":
             group.add_argument(flag, action="store_const", const=True, default=default, help=help_text)

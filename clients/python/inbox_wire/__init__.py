@@ -2,6 +2,11 @@
 generated from proto/ (``inbox_wire.v1``, by scripts/gen_proto.py) and the constants both sides spell. Neither
 side imports the other's modules; both import this. The Node client (clients/node) spells the same values,
 checked by the shared vectors of conformance/; the .proto documents them.
+
+Beside the contract, the code both sides run and neither owns: ``inbox_wire.http_guard`` (with
+``inbox_wire.addresses``), the guard the coordinator's HTTP face and ``inbox-claims-mcp``'s HTTP transport serve
+behind (docs/design.md#architecture). Importing this package loads neither (they need uvicorn, which the plain
+client does not install).
 """
 
 from __future__ import annotations

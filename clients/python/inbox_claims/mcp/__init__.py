@@ -7,9 +7,10 @@ re-exposes an email MCP server's tools unchanged, with its send tools fenced by 
 """
 
 from ._answers import Answer, Outcome
-from ._guard import Guard, SendTool, Upstream, build_guard
-from ._session import DEFAULT_TTL, AgentSession, SentReplies, fingerprint
+from ._guard import Guard, SendTool, build_guard, check_tools
+from ._session import DEFAULT_TTL, AgentSession, NotHandedOver, SentReplies, fingerprint
 from ._tools import INSTRUCTIONS, TOOLS, NylasReplies, build_server
+from ._upstream import Upstream, UpstreamFailed, UpstreamMismatch
 
 __all__ = [
     "DEFAULT_TTL",
@@ -18,13 +19,17 @@ __all__ = [
     "AgentSession",
     "Answer",
     "Guard",
+    "NotHandedOver",
     "NylasReplies",
     "Outcome",
     "SendTool",
     "SentReplies",
     "Upstream",
+    "UpstreamFailed",
+    "UpstreamMismatch",
     "build_guard",
     "build_server",
+    "check_tools",
     "fingerprint",
     "main",
 ]

@@ -82,6 +82,8 @@ class Answer:
     sent_message_id: str = ""
     detail: str = ""
     """What the mail service or the coordinator said, when it explains the outcome."""
+    handle: str = ""
+    """GRANTED: the claim's handle, for a client without a session to pass back (``claim_handle``)."""
 
     @property
     def may_reply(self) -> bool:
@@ -109,6 +111,7 @@ class Answer:
             "at": _iso(self.at),
             "sent_message_id": self.sent_message_id,
             "detail": self.detail,
+            "claim_handle": self.handle,
         }
         document.update({name: value for name, value in optional.items() if value})
         return document
@@ -119,27 +122,42 @@ def _holder_fields(status: SubjectStatus, me: str) -> dict[str, Any]:
     return {"holder": status.holder, "holder_kind": kind if status.holder else ""}
 
 
-def granted(subject: Subject, until: datetime | None, *, again: bool = False) -> Answer:
+def granted(
+    subject: Subject, until: datetime | None, *, again: bool = False, handle: str = "", sessionless: bool = False
+) -> Answer:
     held = "You already hold this message" if again else "Granted"
+    if sessionless:
+        keep = (
+            f'It stays yours while you use it (renewed for you): pass claim_handle "{handle}" to send_reply, '
+            "release_message or mark_replied for it; without the handle, a call is not yours."
+        )
+    else:
+        keep = "It stays yours while this session lasts (renewed for you)."
     return Answer(
         Outcome.GRANTED,
-        f"{held} until {when(until)}: you are answering this message, and nobody else will. It stays yours while "
-        "this session lasts (renewed for you); send the reply with send_reply, or give it back with "
-        "release_message if you will not answer it.",
+        f"{held} until {when(until)}: you are answering this message, and nobody else will. {keep} Send the reply "
+        "with send_reply, or give it back with release_message if you will not answer it.",
         subject,
         until=until,
+        handle=handle,
     )
 
 
-def refusal(status: SubjectStatus, me: str) -> Answer:
-    """HELD or ALREADY_REPLIED, from the subject's status."""
+def refusal(status: SubjectStatus, me: str, *, sessionless: bool = False) -> Answer:
+    """HELD or ALREADY_REPLIED, from the subject's status. ``sessionless``: the caller has no session, so a claim
+    of this agent may be its own, made under a handle it did not pass back."""
     fields = _holder_fields(status, me)
     name = who(status, me)
     subject = status.subject
     if status.state is SubjectState.CLAIMED:
+        yours = (
+            " If you claimed it yourself, call again with the claim_handle claim_message gave you."
+            if sessionless and status.holder == me
+            else ""
+        )
         return Answer(
             Outcome.HELD,
-            f"Being answered by {name} until {when(status.expires_at)}: do not reply.",
+            f"Being answered by {name} until {when(status.expires_at)}: do not reply.{yours}",
             subject,
             until=status.expires_at,
             **fields,
@@ -196,9 +214,35 @@ def not_sent(subject: Subject, reason: str) -> Answer:
     return Answer(
         Outcome.NOT_SENT,
         f"Not sent: the mail service refused it ({reason}). Nothing went out and the message is free again: "
-        "fix the reply and call send_reply again, or leave it.",
+        "fix the reply and send it again, or leave it.",
         subject,
         detail=reason,
+    )
+
+
+def not_reached(subject: Subject, reason: str, *, claimed: bool) -> Answer:
+    """The mail service could not take the send (unreachable, or not the server the guard was started for): the
+    send never got there. ``claimed``: the message was claimed
+    (and passed the commit point) first, and is free again now."""
+    free = "the message is free again" if claimed else "the message was not claimed"
+    return Answer(
+        Outcome.NOT_SENT,
+        f"Not sent: the email server could not take it ({reason}). Nothing went out and {free}: try the same "
+        "send again in a moment.",
+        subject,
+        detail=reason,
+    )
+
+
+def other_reply_running(subject: Subject, me: str) -> Answer:
+    """A send of a different reply to a message while this principal's first send of it is still running."""
+    return Answer(
+        Outcome.HELD,
+        f"A reply to this message by {me} (this agent: another conversation, or an earlier call) is being sent right "
+        "now; this different one was not sent: do not reply.",
+        subject,
+        holder=me,
+        holder_kind="agent",
     )
 
 

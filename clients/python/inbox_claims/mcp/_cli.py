@@ -15,91 +15,43 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from mcp import Client, StdioServerParameters
-from mcp.server import Server, ServerRequestContext
+from mcp import StdioServerParameters
+from mcp.server import Server
 from mcp.server.stdio import stdio_server
-from starlette import types as asgi
 
 from inbox_wire import VERSION
 
 from .._async import AsyncCoordinator
 from .._settings import client_arguments
 from ..cli import ConfigFile, UsageError, connection_options, resolve_settings
-from ._guard import SendTool, Upstream, build_guard
+from ._guard import SendTool, build_guard, check_tools
+from ._http import HttpOptions, listening_socket, serve_guarded
 from ._presets import PRESETS, UNPRESETTABLE
-from ._session import DEFAULT_TTL, AgentSession, SentReplies
+from ._session import DEFAULT_TTL, AgentSession
+from ._sessions import (
+    DEFAULT_MAX_HANDLES,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_TIMEOUT,
+    HttpSessions,
+    OneSession,
+    SessionFor,
+)
 from ._tools import NylasReplies, Scope, build_server
+from ._upstream import DEFAULT_CALL_TIMEOUT, DEFAULT_MAX_ANSWER_BYTES, Upstream, UpstreamFailed, UpstreamMismatch
 
 MCP_CONFIG = ConfigFile("INBOX_CLAIMS_MCP_CONFIG", "inbox-claims-mcp.toml")
 AGENT_DEFAULTS = {"kind": "agent"}
-DEFAULT_SESSION_TIMEOUT = 600.0
+AGENT_HELPS = {
+    "principal": "who this agent is, in development mode: required, unless --token says it (no login-name default)"
+}
+NYLAS_API_BASE = "NYLAS_API_BASE"
+NYLAS_API_BASE_BEFORE = "NYLAS_API_URI"
+"""The name this setting had before (the Nylas quickstarts' name): still read, with a line saying to rename it."""
 
 log = logging.getLogger("inbox_claims.mcp")
-
-
-class HttpSessions:
-    """Over HTTP, one agent session per MCP session (its ``Mcp-Session-Id``); clients without sessions (the
-    2026 protocol) share one. A session the client closes, or one idle for ``timeout`` seconds, ends, and its
-    claims are released."""
-
-    def __init__(self, coordinator: AsyncCoordinator, *, ttl: int, timeout: float) -> None:
-        self._coordinator = coordinator
-        self._ttl = ttl
-        self._timeout = timeout
-        self._sent = SentReplies()
-        self._sessions: dict[str, AgentSession] = {}
-
-    async def session_for(self, ctx: ServerRequestContext[Any, Any]) -> AgentSession:
-        headers = getattr(ctx.request, "headers", None) or {}
-        key = headers.get("mcp-session-id", "")
-        session = self._sessions.get(key)
-        if session is None or session.ended:  # one that is ending (its claims being released) takes no calls
-            session = self._sessions[key] = AgentSession(self._coordinator, ttl=self._ttl, sent=self._sent)
-        return session
-
-    async def sweep(self) -> None:
-        while True:
-            await asyncio.sleep(min(self._timeout / 4, 30.0))
-            now = time.monotonic()
-            for key, session in list(self._sessions.items()):
-                if now - session.last_used >= self._timeout:
-                    await self.end(key)
-
-    async def end(self, key: str) -> None:
-        """The MCP session ``key`` ended (the client closed it, or it was idle too long): its claims are released."""
-        session = self._sessions.get(key)
-        if session is not None:
-            await session.close()  # still listed meanwhile: a shutdown that interrupts this releases the rest
-            if self._sessions.get(key) is session:
-                del self._sessions[key]
-
-    def ending_sessions(self, app: asgi.ASGIApp) -> asgi.ASGIApp:
-        """``app``, and when it ends an MCP session at the client's request (a DELETE it accepts), that session's
-        claims released before the client hears it is closed, as a stdio session's are when its client leaves."""
-
-        async def serve(scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
-            key = dict(scope.get("headers") or ()).get(b"mcp-session-id", b"").decode("latin-1")
-            if scope["type"] != "http" or scope["method"] != "DELETE" or not key:
-                await app(scope, receive, send)
-                return
-
-            async def releasing_first(message: asgi.Message) -> None:
-                if message["type"] == "http.response.start" and message["status"] < 300:
-                    await self.end(key)
-                await send(message)
-
-            await app(scope, receive, releasing_first)
-
-        return serve
-
-    async def close(self) -> None:
-        for session in list(self._sessions.values()):
-            await session.close()
-        self._sessions.clear()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "send tools claim the message, pass the fenced commit point, call the upstream and record the reply.",
     )
     for sub in (serve, guard):
-        connection_options(sub, file=MCP_CONFIG, defaults=AGENT_DEFAULTS)
+        connection_options(sub, file=MCP_CONFIG, defaults=AGENT_DEFAULTS, helps=AGENT_HELPS)
         sub.add_argument("--transport", choices=("stdio", "http"), default="stdio", help="default stdio")
         sub.add_argument("--listen", default="127.0.0.1:8765", help="HTTP: HOST:PORT to serve /mcp on")
         sub.add_argument("--ttl", type=int, default=DEFAULT_TTL, help=f"claim TTL in seconds (default {DEFAULT_TTL})")
@@ -134,16 +86,73 @@ def build_parser() -> argparse.ArgumentParser:
             "--session-timeout",
             type=float,
             default=DEFAULT_SESSION_TIMEOUT,
-            help="HTTP: seconds without a call after which a session's claims are released (default 600)",
+            help="HTTP: seconds without a call after which a session's (or a claim handle's) claims are released "
+            f"(default {DEFAULT_SESSION_TIMEOUT:g})",
+        )
+        http = sub.add_argument_group("HTTP: the limits of the coordinator's HTTP face, with its names and defaults")
+        http.add_argument(
+            "--http-header-timeout",
+            type=float,
+            default=10.0,
+            metavar="SECONDS",
+            help="a request's head must arrive within this (default 10)",
+        )
+        http.add_argument(
+            "--request-timeout",
+            type=float,
+            default=10.0,
+            metavar="SECONDS",
+            help="a request's body must arrive within this after its head (default 10)",
+        )
+        http.add_argument(
+            "--http-idle-timeout",
+            type=float,
+            default=30.0,
+            metavar="SECONDS",
+            help="an idle kept-alive connection is closed after this (default 30)",
+        )
+        http.add_argument(
+            "--http-max-connections",
+            type=int,
+            default=1000,
+            metavar="N",
+            help="connections open at once, at most the open-file limit less 256 (default 1000); more get 503",
+        )
+        http.add_argument(
+            "--http-allowed-hosts",
+            action="append",
+            default=[],
+            metavar="NAME",
+            help="a Host name to answer to besides those it listens on, e.g. behind a proxy (repeatable)",
+        )
+        sub.add_argument(
+            "--max-sessions",
+            type=int,
+            default=DEFAULT_MAX_SESSIONS,
+            help=f"HTTP: MCP sessions open at once, the most (default {DEFAULT_MAX_SESSIONS})",
+        )
+        sub.add_argument(
+            "--max-handles",
+            type=int,
+            default=DEFAULT_MAX_HANDLES,
+            help="HTTP: claims held by clients without sessions (by claim handle) at once, the most "
+            f"(default {DEFAULT_MAX_HANDLES})",
         )
     serve.add_argument("--nylas-api-key", default=None, help="send_reply's Nylas API key [$NYLAS_API_KEY]")
-    serve.add_argument("--nylas-api-base", default=None, help="Nylas API base URL [$NYLAS_API_URI]")
+    serve.add_argument(
+        "--nylas-api-base",
+        default=None,
+        help="Nylas API base URL, e.g. https://api.eu.nylas.com (default https://api.us.nylas.com) "
+        f"[${NYLAS_API_BASE}]",
+    )
     guard.add_argument(
         "--preset",
         choices=sorted({*PRESETS, *UNPRESETTABLE}),
         action="append",
         default=[],
-        help="a known server's send tools (repeatable; docs/mcp.md lists them and where each was read)",
+        help="a known server's send tools (repeatable; docs/mcp.md lists them and where each was read), each "
+        "checked against the published server's tool list: "
+        + "; ".join(f"{name}: {', '.join(preset.versions) or 'no recorded list'}" for name, preset in PRESETS.items()),
     )
     guard.add_argument(
         "--send-tool",
@@ -169,8 +178,48 @@ def build_parser() -> argparse.ArgumentParser:
         "allow: passed through, unclaimed",
     )
     guard.add_argument("--mailbox", default=None, help="the mailbox, when the send tools take none")
+    guard.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=DEFAULT_CALL_TIMEOUT,
+        metavar="SECONDS",
+        help="the longest an upstream call may take in all; a send with no answer by then is in doubt "
+        f"(default {DEFAULT_CALL_TIMEOUT:g})",
+    )
+    guard.add_argument(
+        "--upstream-max-bytes",
+        type=_byte_count,
+        default=DEFAULT_MAX_ANSWER_BYTES,
+        metavar="SIZE",
+        help="the largest upstream answer read, e.g. 16MiB (default 16MiB); a larger one is not read",
+    )
     guard.add_argument("upstream", nargs=argparse.REMAINDER, help="-- then the upstream command, or its URL")
     return parser
+
+
+def _nylas_api_base() -> str | None:
+    """``$NYLAS_API_BASE``; ``$NYLAS_API_URI`` (its name before) too, with a line saying to rename it."""
+    if os.environ.get(NYLAS_API_BASE):
+        return os.environ[NYLAS_API_BASE]
+    before = os.environ.get(NYLAS_API_BASE_BEFORE)
+    if before:
+        log.warning("%s is deprecated: set %s instead (read this time)", NYLAS_API_BASE_BEFORE, NYLAS_API_BASE)
+    return before or None
+
+
+def _byte_count(text: str) -> int:
+    """``16777216``, ``16MiB``, ``512KiB``, ``1GiB``."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "b": 1}
+    number = text.strip().lower()
+    for unit in units:
+        if number.endswith(unit):
+            number, factor = number[: -len(unit)].strip(), units[unit]
+            break
+    else:
+        factor = 1
+    if not number.isdigit() or int(number) * factor < 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size of at least 1KiB, e.g. 16MiB or 16777216")
+    return int(number) * factor
 
 
 def _coordinator(options: argparse.Namespace) -> AsyncCoordinator:
@@ -221,7 +270,7 @@ def _listener(listen: str) -> socket.socket:
     if not host or not port.isdigit():
         raise UsageError(f"--listen {listen!r}: give HOST:PORT, e.g. 127.0.0.1:8765 (port 0: any free port)")
     try:
-        return socket.create_server((host.strip("[]"), int(port)))
+        return listening_socket(host.strip("[]"), int(port))
     except OSError as error:
         raise UsageError(f"cannot listen on {listen}: {error.strerror or error}") from None
 
@@ -231,17 +280,28 @@ async def _serve(server: Server[Any], options: argparse.Namespace, sessions: Htt
         async with stdio_server() as (read, write):
             await server.run(read, write, server.create_initialization_options())
         return
-    import uvicorn
-
     listener = _listener(options.listen)
     host, port = listener.getsockname()[:2]
-    app = sessions.ending_sessions(server.streamable_http_app(host=options.listen.rpartition(":")[0].strip("[]")))
-    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    app = server.streamable_http_app(
+        host=options.listen.rpartition(":")[0].strip("[]"),
+        # The SDK's own sessions (2025 protocol) end and are capped as ours are.
+        session_idle_timeout=options.session_timeout,
+        max_sessions=options.max_sessions,
+    )
+    http = HttpOptions(
+        header_timeout_s=options.http_header_timeout,
+        body_timeout_s=options.request_timeout,
+        idle_timeout_s=options.http_idle_timeout,
+        max_connections=options.http_max_connections,
+        allowed_hosts=tuple(options.http_allowed_hosts),
+    )
     sweeper = asyncio.create_task(sessions.sweep())
     where = f"[{host}]" if ":" in host else host
     print(f"inbox-claims-mcp: serving MCP on http://{where}:{port}/mcp", file=sys.stderr, flush=True)
     try:
-        await uvicorn.Server(config).serve(sockets=[listener])
+        await serve_guarded(sessions.ending_sessions(app), listener, http)
+    except OSError as error:  # no descriptors left for HTTP under the open-file limit
+        raise UsageError(str(error)) from None
     finally:
         sweeper.cancel()
         listener.close()
@@ -250,11 +310,15 @@ async def _serve(server: Server[Any], options: argparse.Namespace, sessions: Htt
 async def run(options: argparse.Namespace) -> None:
     coordinator = _coordinator(options)
     scope: Scope = options.scope
-    sessions = HttpSessions(coordinator, ttl=options.ttl, timeout=options.session_timeout)
+    sessions = HttpSessions(
+        coordinator,
+        ttl=options.ttl,
+        timeout=options.session_timeout,
+        max_sessions=options.max_sessions,
+        max_handles=options.max_handles,
+    )
     stdio_session = AgentSession(coordinator, ttl=options.ttl)
-
-    async def session_for(ctx: ServerRequestContext[Any, Any]) -> AgentSession:
-        return stdio_session if options.transport == "stdio" else await sessions.session_for(ctx)
+    session_for: SessionFor = OneSession(stdio_session) if options.transport == "stdio" else sessions
 
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(coordinator.close)
@@ -264,12 +328,13 @@ async def run(options: argparse.Namespace) -> None:
             key = options.nylas_api_key or os.environ.get("NYLAS_API_KEY")
             replies = None
             if key:
-                replies = NylasReplies(key, api_base=options.nylas_api_base or os.environ.get("NYLAS_API_URI"))
+                replies = NylasReplies(key, api_base=options.nylas_api_base or _nylas_api_base())
                 stack.push_async_callback(replies.close)
             server = build_server(session_for, replies=replies, scope=scope, version=VERSION)
         else:
             (tools, unfenced), target = _send_tools(options), _upstream_target(options.upstream)
-            upstream = await stack.enter_async_context(Upstream(lambda: Client(target)))
+            upstream = await _started(tools, options, target)
+            stack.push_async_exit(upstream)
             server = build_guard(
                 upstream,
                 tools,
@@ -281,6 +346,48 @@ async def run(options: argparse.Namespace) -> None:
                 instructions=upstream.instructions,
             )
         await _serve(server, options, sessions)
+
+
+async def _started(tools: list[SendTool], options: argparse.Namespace, target: StdioServerParameters | str) -> Upstream:
+    """The upstream, connected and checked: the guard does not start in front of one it cannot reach, or one that
+    does not list the send tools it was told to fence (it would fence nothing)."""
+    upstream = Upstream.to(
+        target,
+        call_timeout=options.upstream_timeout,
+        max_answer_bytes=options.upstream_max_bytes,
+        check=check_tools(tools, options.unfenced_tool, scope=options.scope),
+    )
+    try:
+        await upstream.__aenter__()
+    except UpstreamMismatch as mismatch:
+        await upstream.__aexit__(None, None, None)
+        raise UsageError(
+            f"{_describe(upstream)}: {mismatch.reason}. {_known(options)}The guard does not start: it would fence "
+            "nothing."
+        ) from None
+    except UpstreamFailed as failure:
+        await upstream.__aexit__(None, None, None)
+        raise UsageError(f"{_describe(upstream)}: {failure.reason}") from None
+    return upstream
+
+
+def _describe(upstream: Upstream) -> str:
+    info = upstream.server_info
+    if info is None:
+        return "the email MCP server"
+    return (
+        f"the email MCP server ({info.name} {info.version})" if info.version else f"the email MCP server ({info.name})"
+    )
+
+
+def _known(options: argparse.Namespace) -> str:
+    """What each preset named was checked against, for a refusal."""
+    said = []
+    for name in options.preset:
+        versions = PRESETS[name].versions
+        against = ", ".join(versions) if versions else "no recorded tool list (docs/mcp.md, Presets)"
+        said.append(f"--preset {name} was checked against {against}")
+    return "; ".join(said) + ". " if said else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

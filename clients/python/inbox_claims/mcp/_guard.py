@@ -8,44 +8,42 @@ unless held, BeginSend (fenced), the upstream call, then ConfirmSent; an upstrea
 refusal of the request itself) proves nothing went out, so the send is aborted and the upstream's answer
 returned; anything else (the connection broke mid-call) leaves the outcome unknown: IN_DOUBT, said plainly.
 
+A send passes its commit point only towards an upstream that answers: ``Upstream.reachable()`` first (a new
+connection if the last one broke), and a send that then never reached the upstream is aborted (the message
+free, the model told to try again); only a send handed over and then lost (no answer, a broken connection, an
+answer too large to read) is IN_DOUBT.
+
 A tool that sends mail naming no message it answers (a plain "send email", a forward, a draft sent by its id)
 cannot be fenced per message: the guard refuses its calls, and a send tool's call that names no replied-to
 message, unless it was started to let such mail through unfenced (``allow_unfenced``).
+
+The guard works only with an upstream that lists every tool it was told fences replies (``check_tools``): it
+does not start otherwise, and it passes nothing to an upstream whose later tool list lost one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import difflib
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import mcp_types as types
-from mcp import Client
 from mcp.server import Server, ServerRequestContext
 from mcp.server.caching import CacheHint
 from mcp.shared.exceptions import MCPError
 from mcp_types.methods import CacheableMethod
-from pydantic import BaseModel, ConfigDict
 
 from .._async import AsyncClaim
 from .._errors import CoordinatorError, SendRejected
 from .._types import Subject
 from ._answers import Answer, Outcome
-from ._session import AgentSession, fingerprint
-from ._tools import Scope, SessionFor, coordinator_error, tool_error
-
-
-class _Raw(BaseModel):
-    """A result exactly as the upstream sent it: every field kept as it came (no field of ours to fill)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    def document(self) -> dict[str, Any]:
-        return dict(self.__pydantic_extra__ or {})
-
+from ._session import AgentSession, NotHandedOver, fingerprint
+from ._sessions import SessionCapReached, SessionFor
+from ._tools import Scope, coordinator_error, tool_error
+from ._upstream import Check, Upstream, UpstreamFailed
 
 log = logging.getLogger("inbox_claims.mcp")
 
@@ -66,8 +64,6 @@ _PASSED_THROUGH: dict[str, tuple[str, Callable[..., types.Request[Any, Any]], ty
 }
 
 
-_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
-
 _CACHEABLE: tuple[CacheableMethod, ...] = (
     "tools/list",
     "prompts/list",
@@ -82,10 +78,15 @@ class PathError(ValueError):
 
 
 def _find(document: Any, path: str) -> Any:
-    """The value at a dotted path (``reply.in_reply_to``, ``recipients.0``), or ``None`` when absent."""
+    """The value at a dotted path (``reply.in_reply_to``, ``recipients.0``), or ``None`` when absent. A key the
+    document lacks is matched without case when exactly one key is so (``headers.In-Reply-To`` finds a header
+    written ``in-reply-to``: header names have no case, and a reply must not pass as new mail for it)."""
     value = document
     for part in path.split("."):
         if isinstance(value, Mapping):
+            if part not in value:
+                folded = [key for key in value if isinstance(key, str) and key.casefold() == part.casefold()]
+                part = folded[0] if len(folded) == 1 else part
             value = value.get(part)
         elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
             value = value[int(part)]
@@ -122,6 +123,8 @@ class SendTool:
     error_text: str | None = None
     """How the result's text starts when the send failed, for servers that report a failure as a plain result
     instead of a tool error (``Error: ``)."""
+    origin: str = dataclasses.field(default="--send-tool", compare=False)
+    """What named it (``--send-tool``, ``--preset resend``), for the guard's refusals."""
 
     @classmethod
     def parse(cls, spec: str) -> SendTool:
@@ -152,12 +155,12 @@ class SendTool:
         sent_id = (fields.pop("sent_id"),) if "sent_id" in fields else DEFAULT_SENT_ID_PATHS
         return cls(name, sent_id=sent_id, **fields)
 
-    def _replied_to_path(self, scope: Scope) -> str | None:
+    def replied_to_path(self, scope: Scope) -> str | None:
         return self.thread if scope == "thread" else self.message
 
     def names_a_message(self, arguments: Mapping[str, Any], *, scope: Scope) -> bool:
         """Whether this call says which message (or thread) it answers; one that does not sends new mail."""
-        path = self._replied_to_path(scope)
+        path = self.replied_to_path(scope)
         return path is not None and _find(arguments, path) is not None
 
     def subject(self, arguments: Mapping[str, Any], *, mailbox: str | None, scope: Scope) -> Subject:
@@ -203,88 +206,83 @@ class SendTool:
         return None
 
 
-class Upstream:
-    """The email MCP server behind the guard, through the SDK's client: raw requests and raw results.
+def schema_has(schema: Any, path: str) -> bool:
+    """Whether an input schema declares ``path``, as deep as it declares anything (an object without declared
+    properties, or one that takes any further key, takes any path)."""
+    for part in path.split("."):
+        if not isinstance(schema, Mapping):
+            return False
+        properties = schema.get("properties")
+        if not isinstance(properties, Mapping):
+            return schema.get("type") == "object" or "additionalProperties" in schema
+        if part not in properties:
+            open_ended = schema.get("additionalProperties")
+            if open_ended not in (None, False):
+                schema = open_ended if isinstance(open_ended, Mapping) else {}
+                continue
+            return False
+        schema = properties[part]
+    return True
 
-    The connection lives in a task of its own, so that an upstream that dies (a crashed stdio server, a dropped
-    HTTP connection) fails the calls in flight, not the guard: the next call connects again.
-    ``async with Upstream(lambda: Client(target)) as upstream:``.
-    """
 
-    def __init__(self, connect: Callable[[], Client]) -> None:
-        self._connect = connect
-        self._client: Client | None = None
-        self._stop = asyncio.Event()
-        self._owner: asyncio.Task[None] | None = None
-        self._opening = asyncio.Lock()
+def _closest(name: str, names: Iterable[str]) -> str:
+    found = difflib.get_close_matches(name, list(names), n=1, cutoff=0.3)
+    return f"the closest is {found[0]}" if found else "none is close"
 
-    @property
-    def instructions(self) -> str | None:
-        return self._client.instructions if self._client is not None else None
 
-    @property
-    def capabilities(self) -> types.ServerCapabilities:
-        """What the upstream offered when it was last connected."""
-        return self._client.server_capabilities if self._client is not None else types.ServerCapabilities()
+def _listing(names: Sequence[str]) -> str:
+    return ", ".join(names) if names else "no tools at all"
 
-    async def __aenter__(self) -> Upstream:
-        await self._live()
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._owner is not None:
-            await asyncio.wait([self._owner])
+def check_tools(send_tools: Sequence[SendTool], unfenced: Sequence[str] = (), *, scope: Scope = "message") -> Check:
+    """The check of an upstream's tool list (``Upstream(check=...)``): every send tool listed, with the arguments
+    its spec names; every tool named with ``--unfenced-tool`` listed. A preset's unfenced tools need not all be
+    there (a preset covers the versions it names). Answers why the guard cannot work with the list, or None."""
 
-    async def _live(self) -> Client:
-        async with self._opening:
-            if self._client is None:
-                ready = asyncio.Event()
-                self._owner = asyncio.create_task(self._own(ready), name="inbox-claims upstream")
-                await ready.wait()
-            if self._client is None:
-                raise MCPError(code=types.INTERNAL_ERROR, message="the email MCP server behind the guard is not there")
-            return self._client
+    def check(tools: list[dict[str, Any]]) -> str | None:
+        listed = {str(tool.get("name")): tool for tool in tools}
+        names = sorted(listed)
+        problems = []
+        for tool in send_tools:
+            found = listed.get(tool.name)
+            if found is None:
+                problems.append(
+                    f"it lists no tool {tool.name}, which {tool.origin} names as the tool that sends replies "
+                    f"({_closest(tool.name, names)}; it lists {_listing(names)})"
+                )
+                continue
+            schema = found.get("inputSchema") or {}
+            replied_to = ("thread" if scope == "thread" else "message", tool.replied_to_path(scope))
+            for what, path in (("mailbox", tool.mailbox), replied_to):
+                if path is not None and not schema_has(schema, path):
+                    declared = sorted((schema.get("properties") or {}) if isinstance(schema, Mapping) else ())
+                    problems.append(
+                        f"{tool.name} takes no argument {path} ({tool.origin}: {what}={path}); its arguments are "
+                        f"{_listing(declared)}"
+                    )
+        for name in unfenced:
+            if name not in listed:
+                problems.append(f"it lists no tool {name} (--unfenced-tool {name}; {_closest(name, names)})")
+        return "; ".join(problems) or None
 
-    async def _own(self, ready: asyncio.Event) -> None:
-        try:
-            async with self._connect() as client:
-                self._client = client
-                ready.set()
-                await self._stop.wait()
-        except Exception as error:  # the upstream went away; the next call connects again
-            log.warning("the connection to the email MCP server ended: %s", error)
-        finally:
-            self._client = None
-            ready.set()
-
-    async def request(self, request: types.Request[Any, Any]) -> dict[str, Any]:
-        """Sends ``request`` and answers the upstream's result as it came. A result of a server of the handshake
-        era has no ``resultType``, which means "complete" (the 2026-07-28 protocol's own bridge): said, so that it
-        reaches a downstream client of either era (for one of the handshake era, the field is dropped again). The
-        ``serverInfo`` stamp a 2026-era server puts on each result names the upstream: it is left out."""
-        client = await self._live()
-        document = (await client.session.send_request(request, _Raw)).document()
-        document.setdefault("resultType", "complete")
-        meta = document.get("_meta")
-        if isinstance(meta, dict) and _SERVER_INFO in meta:
-            # The upstream connection's stamp, not the result's: the guard's own goes on what it answers.
-            document["_meta"] = {key: value for key, value in meta.items() if key != _SERVER_INFO}
-            if not document["_meta"]:
-                del document["_meta"]
-        return document
-
-    async def list_tools(self, params: types.PaginatedRequestParams | None) -> dict[str, Any]:
-        return await self.request(types.ListToolsRequest(params=params))
-
-    async def call_tool(self, params: types.CallToolRequestParams) -> dict[str, Any]:
-        return await self.request(types.CallToolRequest(params=params))
+    return check
 
 
 def _own_params(params: types.RequestParams) -> Any:
     """The request's parameters without the downstream client's ``_meta`` envelope, which belongs to that
     connection (its progress token, its protocol version), not to the guard's connection upstream."""
     return type(params).model_validate(params.model_dump(by_alias=True, exclude_none=True, exclude={"meta"}))
+
+
+def _unanswered(failure: UpstreamFailed) -> MCPError:
+    """A request the upstream did not answer, as the JSON-RPC error its client gets."""
+    if failure.handed_over:
+        after = " It got the request and may have acted on it."
+    else:
+        after = " Nothing was passed to it: try again in a moment."
+    return MCPError(
+        code=types.INTERNAL_ERROR, message=f"The email MCP server behind the guard: {failure.reason}.{after}"
+    )
 
 
 class _UpstreamRefused(SendRejected):
@@ -326,14 +324,33 @@ class Guard:
         _, request_type, _ = _PASSED_THROUGH[method]
 
         async def forward(ctx: ServerRequestContext[Any, Any], params: types.RequestParams) -> dict[str, Any]:
-            return await self._upstream.request(request_type(params=_own_params(params)))
+            try:
+                return await self._upstream.request(request_type(params=_own_params(params)))
+            except UpstreamFailed as failure:
+                raise _unanswered(failure) from None
 
         return forward
 
     async def list_tools(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams
     ) -> dict[str, Any]:
-        return await self._upstream.list_tools(_own_params(params))
+        own = _own_params(params)
+        try:
+            listed = await self._upstream.list_tools(own)
+        except UpstreamFailed as failure:
+            raise _unanswered(failure) from None
+        whole = not (own.cursor if own is not None else None) and not listed.get("nextCursor")
+        names = {tool.get("name") for tool in listed.get("tools") or () if isinstance(tool, Mapping)}
+        lost = sorted(name for name in self._send_tools if name not in names)
+        if whole and lost:
+            # The upstream changed under the guard (a new version, a restart): its replies would go unfenced.
+            why = (
+                f"it no longer lists {', '.join(lost)}, the tool(s) the guard fences replies through; nothing is "
+                "passed to it until it does (restart the guard with the send tools this server has)"
+            )
+            self._upstream.lost_a_tool(why)
+            raise _unanswered(UpstreamFailed(why, handed_over=False))
+        return listed
 
     async def call_tool(self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams) -> Any:
         params = _own_params(params)
@@ -341,19 +358,27 @@ class Guard:
         if tool is None:
             if params.name in self._unfenced and not self._allow_unfenced:
                 return tool_error(self._unfenced_refusal(params.name))
-            return await self._upstream.call_tool(params)
+            return await self._passed(params)
         arguments = params.arguments or {}
         if self._allow_unfenced and not tool.names_a_message(arguments, scope=self._scope):
-            return await self._upstream.call_tool(params)  # new mail, answering nothing: nothing to claim
+            return await self._passed(params)  # new mail, answering nothing: nothing to claim
         try:
             subject = tool.subject(arguments, mailbox=self._mailbox, scope=self._scope)
         except PathError as wrong:
             return tool_error(f"Invalid arguments for {tool.name}: {wrong}")
-        session = await self._session_for(ctx)
         try:
-            return await self._send(session, tool, subject, params)
+            async with self._session_for(ctx, None, False) as session:
+                return await self._send(session, tool, subject, params)
+        except SessionCapReached as cap:
+            return tool_error(str(cap))
         except CoordinatorError as error:
             return coordinator_error(error)
+
+    async def _passed(self, params: types.CallToolRequestParams) -> dict[str, Any]:
+        try:
+            return await self._upstream.call_tool(params)
+        except UpstreamFailed as failure:
+            raise _unanswered(failure) from None
 
     def _unfenced_refusal(self, name: str) -> str:
         replies = sorted(self._send_tools)
@@ -373,9 +398,19 @@ class Guard:
         key = (subject, fingerprint(params.arguments or {}))
         refused: list[_UpstreamRefused] = []
 
+        async def ready() -> None:
+            try:
+                await self._upstream.reachable()
+            except UpstreamFailed as failure:
+                raise NotHandedOver(failure.reason) from None
+
         async def deliver(claim: AsyncClaim) -> str | None:
             try:
                 result = await self._upstream.call_tool(params)
+            except UpstreamFailed as failure:
+                if not failure.handed_over:
+                    raise NotHandedOver(failure.reason) from failure
+                raise  # it got there, and what it did is unknown: IN_DOUBT
             except MCPError as error:
                 if error.code in _REFUSED_BEFORE_RUNNING:
                     refusal = _UpstreamRefused(f"{tool.name} refused the request: {error.error.message}", error=error)
@@ -395,7 +430,7 @@ class Guard:
             self._results[key] = result
             return tool.sent_message_id(result)
 
-        answer = await session.send(subject, key[1], deliver)
+        answer = await session.send(subject, key[1], deliver, ready=ready)
         if answer.outcome is Outcome.SENT:
             # Sent by this process: the upstream's own result. Otherwise (the reply record of an earlier process)
             # a tool error that says it was sent: the upstream tool's output schema is not ours to fill.

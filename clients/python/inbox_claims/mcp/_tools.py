@@ -8,7 +8,7 @@ before anything is claimed or sent; a wrong one is a tool error that names the f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import mcp_types as types
@@ -16,22 +16,22 @@ from mcp.server import Server, ServerRequestContext
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from .._errors import CoordinatorError, CoordinatorUnavailable, InvalidRequest, PermissionDenied, Unauthenticated
+from .._message_ids import canonical_message_id
 from .._types import MessageSummary, Subject
 from ..nylas import AsyncNylas, NylasReply
 from ._answers import Answer, Outcome
 from ._session import AgentSession, Thread, fingerprint
+from ._sessions import SessionCapReached, SessionFor
 
 Scope = Literal["message", "thread"]
-
-SessionFor = Callable[[ServerRequestContext[Any, Any]], Awaitable[AgentSession]]
-"""Finds the agent session a tool call belongs to (one per stdio process; per MCP session over HTTP)."""
 
 INSTRUCTIONS = (
     "This mailbox is shared: other agents and people may answer the same emails. Before you draft a reply, "
     "call claim_message; reply only when it answers may_reply true, and send the reply with send_reply, "
     "which sends it at most once. When a tool says 'do not reply', do not reply to that message in any way. "
     "If you answered a message some other way, call mark_replied; if you decide not to answer, call "
-    "release_message."
+    "release_message. When claim_message answers a claim_handle, pass it in your later calls about that message: "
+    "over a connection without sessions it is what makes the claim yours."
 )
 
 
@@ -59,6 +59,13 @@ class Message(_Arguments):
             "2026-12-02T14:03:00Z). With thread_id, a reply someone writes from the mailbox in that thread "
             "(a person in Gmail) ends your claim, and you are told not to send."
         ),
+    )
+
+    claim_handle: str | None = Field(
+        default=None,
+        max_length=128,
+        description="The claim_handle claim_message answered for this message, if it answered one: pass it back, "
+        "so that the call acts on your claim (needed over a connection without sessions).",
     )
 
     def thread(self) -> Thread | None:
@@ -129,6 +136,9 @@ class ToolAnswer(BaseModel):
     at: str | None = Field(default=None, description="When the reply was sent or the send began (ISO 8601, UTC).")
     sent_message_id: str | None = None
     detail: str | None = None
+    claim_handle: str | None = Field(
+        default=None, description="granted: pass it back in later calls about this message (see claim_message)."
+    )
 
 
 class LiveClaim(BaseModel):
@@ -163,7 +173,7 @@ class NylasReplies:
             return [{"email": p.email, **({"name": p.name} if p.name else {})} for p in people]
 
         return NylasReply(
-            reply_to_message_id=arguments.message_id,
+            reply_to_message_id=canonical_message_id(arguments.message_id),  # the id as claimed, as Nylas writes it
             to=participants(arguments.to),
             subject=arguments.subject,
             body=arguments.body,
@@ -332,9 +342,12 @@ class ClaimTools:
             arguments = tool.arguments.model_validate(params.arguments or {})
         except ValidationError as error:
             return tool_error(argument_error(error))
-        session = await self._session_for(ctx)
+        handle = arguments.claim_handle if isinstance(arguments, Message) else None
         try:
-            return await self._call(session, arguments)
+            async with self._session_for(ctx, handle, isinstance(arguments, ClaimArguments)) as session:
+                return await self._call(session, arguments)
+        except SessionCapReached as cap:
+            return tool_error(str(cap))
         except CoordinatorError as error:
             return coordinator_error(error)
 
@@ -365,7 +378,7 @@ class ClaimTools:
         async def deliver(claim: Any) -> str | None:
             return await replies.send(arguments.mailbox, reply, claim.idempotency_key)
 
-        the_reply = arguments.model_dump(exclude={"summary", "thread_id", "received_at"})
+        the_reply = arguments.model_dump(exclude={"summary", "thread_id", "received_at", "claim_handle"})
         return await session.send(
             subject, fingerprint(the_reply), deliver, summary=_summary(arguments.summary), thread=arguments.thread()
         )

@@ -1,4 +1,6 @@
-"""What a connection to the HTTP face may cost before the application sees it, below uvicorn's ASGI machinery.
+"""What a connection to an HTTP face may cost before the application sees it, below uvicorn's ASGI machinery: the
+coordinator's HTTP/JSON face and the MCP server's streamable HTTP both serve behind it (``GuardedServer``), which is
+why it lives in this package, imported by both and importing neither (docs/design.md#architecture).
 
 gRPC bounds a call's headers (HTTP/2 frames), cuts a request that does not arrive within --request-timeout and
 holds each client to its own HTTP/2 connection; uvicorn on httptools does none of that: it buffers a request
@@ -36,9 +38,10 @@ from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from coordinator.api.addresses import is_ip, is_loopback
+from inbox_wire.addresses import is_ip, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,12 @@ class HttpGuardSettings:
     body_timeout_s: float = 10.0
     idle_timeout_s: float = 30.0
     max_connections: int = 1000
+    server: str = "this coordinator"
+    """Who refuses, in a refusal's words."""
+    elsewhere: str = ", or use gRPC"
+    """What else a client refused for capacity may do."""
+    reserved_for: str = "gRPC and etcd"
+    """What the descriptors kept from HTTP are for, in the refusal to start without any for it."""
 
 
 class Reporter:
@@ -335,7 +344,7 @@ def raise_descriptor_limit() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def connection_cap(requested: int) -> int:
+def connection_cap(requested: int, *, reserved_for: str = "gRPC and etcd") -> int:
     """The HTTP connections this process may hold: ``requested``, or fewer when the descriptor limit less
     DESCRIPTOR_RESERVE is lower. OSError when the limit leaves nothing for HTTP."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -343,7 +352,7 @@ def connection_cap(requested: int) -> int:
     if room < 1:
         raise OSError(
             f"the open-file limit ({soft}) leaves no descriptors for HTTP connections after the {DESCRIPTOR_RESERVE} "
-            "kept for gRPC and etcd: raise it (ulimit -n, LimitNOFILE= in systemd) or serve no HTTP face"
+            f"kept for {reserved_for}: raise it (ulimit -n, LimitNOFILE= in systemd) or serve no HTTP face"
         )
     return room
 
@@ -352,18 +361,19 @@ def connection_cap(requested: int) -> int:
 _TRANSIENT_ACCEPT = frozenset(
     {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
 )
-_OVER_CAPACITY = plain_response(
-    503,
-    "Service Unavailable",
-    json.dumps(
-        {
-            "code": "unavailable",
-            "message": "this coordinator has as many HTTP connections open as it allows (--http-max-connections); "
-            "retry shortly, or use gRPC",
-        }
-    ).encode(),
-    b"application/json",
-)
+
+
+def _over_capacity_answer(settings: HttpGuardSettings) -> bytes:
+    message = (
+        f"{settings.server} has as many HTTP connections open as it allows (--http-max-connections); retry shortly"
+        f"{settings.elsewhere}"
+    )
+    return plain_response(
+        503,
+        "Service Unavailable",
+        json.dumps({"code": "unavailable", "message": message}).encode(),
+        b"application/json",
+    )
 
 
 class Listener:
@@ -380,8 +390,10 @@ class Listener:
         ssl_context: ssl.SSLContext | None,
         handshake_timeout_s: float,
         reporter: Reporter,
+        over_capacity: bytes = _over_capacity_answer(HttpGuardSettings()),
     ) -> None:
         self._socket = sock
+        self._over_capacity_answer = over_capacity
         self._factory = protocol_factory
         self.cap = cap
         self._ssl = ssl_context
@@ -441,7 +453,7 @@ class Listener:
             if self._ssl is None:
                 with contextlib.suppress(BlockingIOError):
                     connection.recv(65536)  # what the client sent already: unread, the close would be a reset
-                connection.send(_OVER_CAPACITY)
+                connection.send(self._over_capacity_answer)
         connection.close()
 
     async def _connect(self, connection: socket.socket) -> None:
@@ -473,6 +485,83 @@ class Listener:
             connection.close()
             release()
             raise
+
+
+# --- the server: uvicorn's protocol behind all of the above -------------------------------------------------
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside the caller's loop: the caller owns the signals and the shutdown, and the connections are
+    accepted by ``Listener``, so uvicorn opens no listener of its own."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.lifespan.startup()
+        self.servers = []
+        self.started = True
+
+
+class GuardedServer:
+    """``config``'s app served with uvicorn's HTTP/1.1 protocol (httptools) on the running event loop, every
+    connection accepted on ``sock`` (listening already) by ``Listener`` and read by ``GuardedHttpProtocol``."""
+
+    def __init__(
+        self, config: uvicorn.Config, sock: socket.socket, *, guard: HttpGuardSettings, reporter: Reporter, cap: int
+    ) -> None:
+        self._config = config
+        self._socket = sock
+        self._guard = guard
+        self._reporter = reporter
+        self.cap = cap
+        self._server = _EmbeddedServer(config)
+        self._task: asyncio.Task[None] | None = None
+        self._listener: Listener | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(), name="http face")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError("the HTTP face stopped before it started")
+            await asyncio.sleep(0.01)
+        server = self._server
+
+        def protocol(release: Callable[[], None]) -> asyncio.Protocol:
+            return GuardedHttpProtocol(
+                guard=self._guard,
+                reporter=self._reporter,
+                release=release,
+                config=self._config,
+                server_state=server.server_state,
+                app_state=server.lifespan.state,
+            )
+
+        self._listener = Listener(
+            self._socket,
+            protocol,
+            cap=self.cap,
+            ssl_context=self._config.ssl,
+            handshake_timeout_s=self._guard.header_timeout_s,
+            reporter=self._reporter,
+            over_capacity=_over_capacity_answer(self._guard),
+        )
+        self._listener.start()
+
+    @property
+    def open_connections(self) -> int:
+        return self._listener.open if self._listener is not None else 0
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        if self._listener is not None:
+            await self._listener.close()
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
 
 
 # --- Host and Origin -----------------------------------------------------------------------------------------
