@@ -1,0 +1,1 @@
+"""Providers behind one seam (docs/providers.md)."""
