@@ -31,12 +31,14 @@ MAILBOX_ADDRESSES_ENV = "INBOX_MAILBOX_ADDRESSES"
 class OutgoingMatch:
     """Why a message is outgoing: the rule that matched and the folder id or address it matched on."""
 
-    rule: Literal["sent_folder", "mailbox_address"]
+    rule: Literal["sent_folder", "mailbox_address", "claim_stamp"]
     value: str
 
     def __str__(self) -> str:
         if self.rule == "sent_folder":
             return f"it is in the sent folder {self.value!r}"
+        if self.rule == "claim_stamp":
+            return f"it carries the stamp of a claim ({self.value}): a reply sent through the coordinator"
         return f"it is from the mailbox's own address {self.value!r}"
 
 
@@ -73,18 +75,37 @@ class OutgoingRules:
                 raise ValueError(f"mailbox_addresses: {address!r} is not an email address")
         return cls(DEFAULT_SENT_FOLDERS | frozenset(folders), frozenset(_normal_address(a) for a in addresses))
 
-    def match(self, message: Mapping[str, Any]) -> OutgoingMatch | None:
-        """Why the Nylas message object ``message`` is outgoing, or None when it is incoming. Fields of another
-        shape than Nylas documents are ignored, never an error."""
-        folders = message.get("folders")
-        if isinstance(folders, list):
-            for folder in folders:
-                if isinstance(folder, str) and folder in self.sent_folders:
-                    return OutgoingMatch("sent_folder", folder)
-        senders = message.get("from")
-        if isinstance(senders, list) and self.mailbox_addresses:
-            for sender in senders:
-                email = sender.get("email") if isinstance(sender, dict) else None
-                if isinstance(email, str) and _normal_address(email) in self.mailbox_addresses:
-                    return OutgoingMatch("mailbox_address", _normal_address(email))
+    def judge(
+        self,
+        folders: Iterable[str],
+        from_addresses: Iterable[str],
+        stamp: str | None = None,
+        more_addresses: Iterable[str] = (),
+    ) -> OutgoingMatch | None:
+        """Why a message is outgoing, from the neutral facts every provider gives (its folder or label ids, its
+        sender addresses, the claim stamp it carries), or None when it is incoming. ``more_addresses``: the
+        mailbox's addresses a provider knows besides the settings (Gmail's user)."""
+        for folder in folders:
+            if folder in self.sent_folders:
+                return OutgoingMatch("sent_folder", folder)
+        own = self.mailbox_addresses | {_normal_address(a) for a in more_addresses}
+        for address in from_addresses:
+            if _normal_address(address) in own:
+                return OutgoingMatch("mailbox_address", _normal_address(address))
+        if stamp:
+            return OutgoingMatch("claim_stamp", stamp)
         return None
+
+    def match(self, message: Mapping[str, Any]) -> OutgoingMatch | None:
+        """Why the Nylas message object ``message`` is outgoing (its ``folders`` and ``from``), or None when it is
+        incoming. Fields of another shape than Nylas documents are ignored, never an error."""
+        folders = message.get("folders")
+        senders = message.get("from")
+        return self.judge(
+            [f for f in folders if isinstance(f, str)] if isinstance(folders, list) else [],
+            [
+                s["email"]
+                for s in (senders if isinstance(senders, list) else [])
+                if isinstance(s, dict) and isinstance(s.get("email"), str)
+            ],
+        )

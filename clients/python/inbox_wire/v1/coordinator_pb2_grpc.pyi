@@ -272,6 +272,29 @@ class CoordinatorStub:
     id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
     thread id or sent time; REQUEST_ID_REUSED.
     """
+    GetCursor: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCursorRequest, _coordinator_pb2.GetCursorResponse]
+    """Reads a mailbox's named cursor (docs/design.md#cursors): its value (opaque to the coordinator), its position
+    and the range in progress, if any. A cursor never written answers an empty value at position 0.
+    Errors: INVALID_ARGUMENT (INVALID_FIELD) for a name that is empty, over 128 bytes or not
+    [A-Za-z0-9._:-]; authorized as RecordOutgoing (a reporter's call).
+    """
+    TakeCursorRange: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TakeCursorRangeRequest, _coordinator_pb2.TakeCursorRangeResponse]
+    """Takes the next range of a mailbox's cursor, from its current value, for `ttl_seconds` (5 to 3600, 0 means 60):
+    TAKEN (the range's start and its token, the revision that wrote it), COVERED (the position is at or past
+    `through_position` already: nothing to do; never when `through_position` is 0) or BUSY (another range's lease
+    lasts: its holder and end). Two workers never hold a range of one cursor at once; a range whose holder died ends
+    with its lease (etcd's), and the next take gets it. A retry (same request id) answers the range it took while that
+    range stands. Errors: the common ones, INVALID_ARGUMENT (INVALID_FIELD) for the name or the TTL,
+    REQUEST_ID_REUSED; authorized as RecordOutgoing (a reporter's call).
+    """
+    AdvanceCursor: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AdvanceCursorRequest, _coordinator_pb2.AdvanceCursorResponse]
+    """Moves a cursor to the end of the caller's range and ends the range, in one transaction: only while the range is
+    the one `range_token` took, or, lapsed, no range was taken and no advance made since (OK); otherwise STALE_RANGE
+    (another worker took the range: advance nothing, what was recorded stays recorded). Advancing to the range's
+    start gives it back. A retry answers OK. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a position smaller than
+    the cursor's (a cursor never goes back), a value over 4096 bytes, a missing token; REQUEST_ID_REUSED;
+    authorized as RecordOutgoing (a reporter's call).
+    """
     Batch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
     handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
@@ -439,6 +462,29 @@ class CoordinatorAsyncStub(CoordinatorStub):
     Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
     id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
     thread id or sent time; REQUEST_ID_REUSED.
+    """
+    GetCursor: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCursorRequest, _coordinator_pb2.GetCursorResponse]  # type: ignore[assignment]
+    """Reads a mailbox's named cursor (docs/design.md#cursors): its value (opaque to the coordinator), its position
+    and the range in progress, if any. A cursor never written answers an empty value at position 0.
+    Errors: INVALID_ARGUMENT (INVALID_FIELD) for a name that is empty, over 128 bytes or not
+    [A-Za-z0-9._:-]; authorized as RecordOutgoing (a reporter's call).
+    """
+    TakeCursorRange: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TakeCursorRangeRequest, _coordinator_pb2.TakeCursorRangeResponse]  # type: ignore[assignment]
+    """Takes the next range of a mailbox's cursor, from its current value, for `ttl_seconds` (5 to 3600, 0 means 60):
+    TAKEN (the range's start and its token, the revision that wrote it), COVERED (the position is at or past
+    `through_position` already: nothing to do; never when `through_position` is 0) or BUSY (another range's lease
+    lasts: its holder and end). Two workers never hold a range of one cursor at once; a range whose holder died ends
+    with its lease (etcd's), and the next take gets it. A retry (same request id) answers the range it took while that
+    range stands. Errors: the common ones, INVALID_ARGUMENT (INVALID_FIELD) for the name or the TTL,
+    REQUEST_ID_REUSED; authorized as RecordOutgoing (a reporter's call).
+    """
+    AdvanceCursor: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AdvanceCursorRequest, _coordinator_pb2.AdvanceCursorResponse]  # type: ignore[assignment]
+    """Moves a cursor to the end of the caller's range and ends the range, in one transaction: only while the range is
+    the one `range_token` took, or, lapsed, no range was taken and no advance made since (OK); otherwise STALE_RANGE
+    (another worker took the range: advance nothing, what was recorded stays recorded). Advancing to the range's
+    start gives it back. A retry answers OK. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a position smaller than
+    the cursor's (a cursor never goes back), a value over 4096 bytes, a missing token; REQUEST_ID_REUSED;
+    authorized as RecordOutgoing (a reporter's call).
     """
     Batch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]  # type: ignore[assignment]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
@@ -700,6 +746,47 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         Times compared are the provider's (the messages' dates), never a coordinator's clock. A retry (same request
         id) answers as the first attempt did. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a missing message id,
         thread id or sent time; REQUEST_ID_REUSED.
+        """
+
+    @_abc_1.abstractmethod
+    def GetCursor(
+        self,
+        request: _coordinator_pb2.GetCursorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetCursorResponse, _abc.Awaitable[_coordinator_pb2.GetCursorResponse]]:
+        """Reads a mailbox's named cursor (docs/design.md#cursors): its value (opaque to the coordinator), its position
+        and the range in progress, if any. A cursor never written answers an empty value at position 0.
+        Errors: INVALID_ARGUMENT (INVALID_FIELD) for a name that is empty, over 128 bytes or not
+        [A-Za-z0-9._:-]; authorized as RecordOutgoing (a reporter's call).
+        """
+
+    @_abc_1.abstractmethod
+    def TakeCursorRange(
+        self,
+        request: _coordinator_pb2.TakeCursorRangeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.TakeCursorRangeResponse, _abc.Awaitable[_coordinator_pb2.TakeCursorRangeResponse]]:
+        """Takes the next range of a mailbox's cursor, from its current value, for `ttl_seconds` (5 to 3600, 0 means 60):
+        TAKEN (the range's start and its token, the revision that wrote it), COVERED (the position is at or past
+        `through_position` already: nothing to do; never when `through_position` is 0) or BUSY (another range's lease
+        lasts: its holder and end). Two workers never hold a range of one cursor at once; a range whose holder died ends
+        with its lease (etcd's), and the next take gets it. A retry (same request id) answers the range it took while that
+        range stands. Errors: the common ones, INVALID_ARGUMENT (INVALID_FIELD) for the name or the TTL,
+        REQUEST_ID_REUSED; authorized as RecordOutgoing (a reporter's call).
+        """
+
+    @_abc_1.abstractmethod
+    def AdvanceCursor(
+        self,
+        request: _coordinator_pb2.AdvanceCursorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.AdvanceCursorResponse, _abc.Awaitable[_coordinator_pb2.AdvanceCursorResponse]]:
+        """Moves a cursor to the end of the caller's range and ends the range, in one transaction: only while the range is
+        the one `range_token` took, or, lapsed, no range was taken and no advance made since (OK); otherwise STALE_RANGE
+        (another worker took the range: advance nothing, what was recorded stays recorded). Advancing to the range's
+        start gives it back. A retry answers OK. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a position smaller than
+        the cursor's (a cursor never goes back), a value over 4096 bytes, a missing token; REQUEST_ID_REUSED;
+        authorized as RecordOutgoing (a reporter's call).
         """
 
     @_abc_1.abstractmethod
