@@ -259,7 +259,7 @@ class Provider(Protocol):
         ...
 
 
-def header(headers: Sequence[tuple[str, str]] | Mapping[str, str], name: str) -> str | None:
+def header(headers: Sequence[tuple[Any, Any]] | Mapping[str, str], name: str) -> str | None:
     """The first header called ``name`` (case aside)."""
     items = headers.items() if isinstance(headers, Mapping) else headers
     wanted = name.lower()

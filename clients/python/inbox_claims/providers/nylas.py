@@ -145,7 +145,7 @@ class NylasProvider:
         self.mailbox_addresses = tuple(mailbox_addresses)
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> NylasProvider:
+    def from_settings(cls, settings: Mapping[str, Any], **_io: Any) -> NylasProvider:
         return cls(settings["webhook_secret"], mailbox_addresses=settings.get("mailbox_addresses") or ())
 
     def verify(self, request: WebhookRequest) -> Answer | Notification:
