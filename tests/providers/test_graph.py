@@ -79,10 +79,10 @@ async def unguarded(fake: FakeGraph, body: bytes) -> None:
     """The same agent without the coordinator: every delivery that reads an incoming message replies to it."""
     mail = provider(fake)
     accepted = mail.verify(_request(body))
-    batch = await drive(mail.open(accepted, NoCursors()), fake)  # type: ignore[arg-type]
+    batch = await drive(mail.open(accepted, NoCursors()), fake)  # type: ignore[arg-type,misc]
     for facts in batch.facts:
         if "SENT" not in facts.folders:
-            await drive(mail._reply(facts, "Your order ships today.", ClaimStamp("ic1-" + "0" * 64, 1)), fake)  # type: ignore[arg-type]
+            await drive(mail._reply(facts, "Your order ships today.", ClaimStamp("ic1-" + "0" * 64, 1)), fake)  # type: ignore[arg-type,misc]
 
 
 def _request(body: bytes) -> Any:
