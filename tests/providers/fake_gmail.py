@@ -36,7 +36,6 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from email.message import EmailMessage
-from functools import cache
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -66,10 +65,17 @@ _RECORD_KINDS = {
 _GAPS = (3, 1, 7, 2, 11, 5)
 
 
-@cache
+_KEYS: dict[str, rsa.RSAPrivateKey] = {}
+_KEYS_LOCK = threading.Lock()
+
+
 def _key(name: str) -> rsa.RSAPrivateKey:
-    """An RSA key per name, made once per test process (``own``: the double's; ``forger``: anyone else's)."""
-    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    """An RSA key per name, made once per test process (``own``: the double's; ``forger``: anyone else's), under a
+    lock: two threads asking first must not sign with two keys."""
+    with _KEYS_LOCK:
+        if name not in _KEYS:
+            _KEYS[name] = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        return _KEYS[name]
 
 
 class FakeGmail(Outbox):
