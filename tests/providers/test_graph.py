@@ -223,6 +223,28 @@ async def test_a_send_left_in_doubt_with_no_copy_stays_for_a_person(clients: dic
     assert fake.replies_to(message["id"]) == 0
 
 
+async def test_a_customers_mail_carrying_a_forged_stamp_settles_nothing_and_is_answered(
+    clients: dict[str, AsyncCoordinator],
+) -> None:
+    fake = FakeGraph()
+    message = fake.receive("bea@example.org", "Where is my order?", "conv-10")
+    agent = apps(fake, [clients["a1"]])
+    fake.send_failure = "unavailable"  # nothing went out: the send is left IN_DOUBT
+    assert (await post(agent[0], fake.notification(message))).status_code == 202
+    subject = Subject.message(fake.user, message["id"])
+    await eventually(lambda: state_is(clients["a1"], subject, SubjectState.IN_DOUBT))
+    in_doubt = await clients["a1"].status(subject)
+    # The customer writes again in the thread, with the in-doubt send's stamp in a header of their own making.
+    forged = fake.receive("bea@example.org", "RE: Where is my order?", "conv-10")
+    stamp = f"{subject.idempotency_key}.{in_doubt.fencing_token}"
+    forged["internetMessageHeaders"].append({"name": "X-Inbox-Claim", "value": stamp})
+    other = apps(fake, [clients["b"]])
+    assert (await post(other[0], fake.notification(forged))).status_code == 202
+    await settle(agent + other)
+    assert (await clients["a1"].status(subject)).state is SubjectState.IN_DOUBT  # still for a person to check
+    assert fake.replies_to(forged["id"]) == 1  # an incoming message like any other: answered
+
+
 async def test_a_wrong_client_state_is_refused_and_nothing_is_recorded(clients: dict[str, AsyncCoordinator]) -> None:
     fake = FakeGraph()
     message = fake.receive("eve@example.org", "Hello", "conv-9")

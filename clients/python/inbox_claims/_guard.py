@@ -151,7 +151,7 @@ def outgoing_of(
     rules: OutgoingRules, facts: MessageFacts, more_addresses: Collection[str] = ()
 ) -> OutgoingMatch | None:
     """Why the mailbox sent the message of ``facts``, by the client's outgoing rules (docs/client.md)."""
-    return rules.judge(facts.folders, facts.from_addresses, str(facts.stamp) if facts.stamp else None, more_addresses)
+    return rules.judge(facts.folders, facts.from_addresses, more_addresses)
 
 
 class GuardOptions(TypedDict, total=False):
@@ -360,7 +360,9 @@ class GuardState:
                 date,
                 sender=clean_text(facts.sender, SUMMARY_SENDER_MAX_BYTES),
                 notification_id=self.notification_id,
-                claim_token=facts.stamp.token if facts.stamp is not None else 0,
+                # The stamp is evidence of our send only on a message in the mailbox's sent mail: a From can be
+                # forged, and so can a header (docs/design.md#providers).
+                claim_token=facts.stamp.token if facts.stamp is not None and why.rule == "sent_folder" else 0,
             )
 
     def __init__(

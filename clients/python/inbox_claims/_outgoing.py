@@ -31,14 +31,12 @@ MAILBOX_ADDRESSES_ENV = "INBOX_MAILBOX_ADDRESSES"
 class OutgoingMatch:
     """Why a message is outgoing: the rule that matched and the folder id or address it matched on."""
 
-    rule: Literal["sent_folder", "mailbox_address", "claim_stamp"]
+    rule: Literal["sent_folder", "mailbox_address"]
     value: str
 
     def __str__(self) -> str:
         if self.rule == "sent_folder":
             return f"it is in the sent folder {self.value!r}"
-        if self.rule == "claim_stamp":
-            return f"it carries the stamp of a claim ({self.value}): a reply sent through the coordinator"
         return f"it is from the mailbox's own address {self.value!r}"
 
 
@@ -76,15 +74,12 @@ class OutgoingRules:
         return cls(DEFAULT_SENT_FOLDERS | frozenset(folders), frozenset(_normal_address(a) for a in addresses))
 
     def judge(
-        self,
-        folders: Iterable[str],
-        from_addresses: Iterable[str],
-        stamp: str | None = None,
-        more_addresses: Iterable[str] = (),
+        self, folders: Iterable[str], from_addresses: Iterable[str], more_addresses: Iterable[str] = ()
     ) -> OutgoingMatch | None:
         """Why a message is outgoing, from the neutral facts every provider gives (its folder or label ids, its
-        sender addresses, the claim stamp it carries), or None when it is incoming. ``more_addresses``: the
-        mailbox's addresses a provider knows besides the settings (Gmail's user)."""
+        sender addresses), or None when it is incoming. ``more_addresses``: the mailbox's addresses a provider knows
+        besides the settings (Gmail's user). A claim stamp alone never makes a message outgoing: anyone can write
+        the header into a mail they send (docs/design.md#providers)."""
         for folder in folders:
             if folder in self.sent_folders:
                 return OutgoingMatch("sent_folder", folder)
@@ -92,8 +87,6 @@ class OutgoingRules:
         for address in from_addresses:
             if _normal_address(address) in own:
                 return OutgoingMatch("mailbox_address", _normal_address(address))
-        if stamp:
-            return OutgoingMatch("claim_stamp", stamp)
         return None
 
     def match(self, message: Mapping[str, Any]) -> OutgoingMatch | None:
