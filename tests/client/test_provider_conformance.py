@@ -16,7 +16,7 @@ from inbox_claims._effects import Invoke, Sleep
 from inbox_claims._guard import outgoing_of
 from inbox_claims._outgoing import OutgoingRules
 from inbox_claims.providers import PROVIDERS, Accepted, Answer, CursorRange, MessageFacts, WebhookRequest
-from inbox_claims.providers._seam import Flow, HttpRequest, HttpResponse
+from inbox_claims.providers._seam import Flow, HttpRequest, HttpResponse, RangesTaken
 
 ROOT = Path(__file__).resolve().parents[2] / "conformance" / "providers"
 NAMES = sorted(path.name for path in ROOT.iterdir() if path.is_dir())
@@ -176,3 +176,26 @@ def test_each_provider_file_says_what_it_means_and_names_each_case_once() -> Non
         assert len(document["about"]) > 200
         names = [case["name"] for case in document["cases"]]
         assert len(names) == len(set(names))
+
+
+def test_a_failed_delivery_gives_back_only_the_ranges_it_took_and_did_not_advance() -> None:
+    inner = FakeCursors(
+        {
+            "graph-delta:inbox": {"outcome": "TAKEN", "value": "link-1", "position": 3},
+            "graph-delta:sentitems": {"outcome": "TAKEN", "value": "link-2", "position": 2},
+            "gmail-history": {"outcome": "COVERED"},
+        }
+    )
+    ranges = RangesTaken(inner)
+    inbox = run(ranges.take("box", "graph-delta:inbox", 0, 60))
+    run(ranges.take("box", "graph-delta:sentitems", 0, 60))
+    run(ranges.take("box", "gmail-history", 9, 60))  # covered: nothing taken, nothing to give back
+    run(ranges.advance("box", "graph-delta:inbox", inbox, "link-3", 4))  # this one was committed
+    run(ranges.give_back())
+    assert inner.advanced == {
+        "graph-delta:inbox": {"value": "link-3", "position": 4},
+        "graph-delta:sentitems": {"value": "link-2", "position": 2},  # given back at its start
+    }
+    inner.advanced.clear()
+    run(ranges.give_back())  # nothing is given back twice
+    assert inner.advanced == {}

@@ -104,6 +104,9 @@ class FakeGmail(Outbox):
         self.oldest_history_id = first_history_id
         self.sends: list[Sent] = []
         self.calls: Counter[str] = Counter()
+        self.failing: Counter[str] = Counter()
+        """Calls of an operation (``messages.get``...) to answer 503 before answering again, as Google's API does
+        now and then."""
         self.send_failure: SendFailure | None = None
         """How the next ``messages.send`` goes: ``reject`` (400, nothing sent), ``unavailable`` (503, nothing sent),
         ``lost_answer`` (sent, and answered 503: the sender cannot know); once."""
@@ -259,22 +262,23 @@ class FakeGmail(Outbox):
         for name, value in request.params:
             params.setdefault(name, []).append(value)
         rest = match["rest"]
-        with self._lock:
-            if request.method == "GET" and rest == "history":
-                self.calls["history.list"] += 1
-                return self._history(params)
-            if request.method == "GET" and rest == "profile":
-                self.calls["getProfile"] += 1
-                return _json(200, self._profile())
-            if request.method == "GET" and rest == "messages":
-                self.calls["messages.list"] += 1
-                return self._list(params)
-            if request.method == "GET" and rest.startswith("messages/"):
-                self.calls["messages.get"] += 1
-                return self._get(rest[len("messages/") :], params)
-            if request.method == "POST" and rest == "messages/send":
-                self.calls["messages.send"] += 1
-                return self._send(request.json_body)
+        routes: dict[tuple[str, str], tuple[str, Callable[[], HttpResponse]]] = {
+            ("GET", "history"): ("history.list", lambda: self._history(params)),
+            ("GET", "profile"): ("getProfile", lambda: _json(200, self._profile())),
+            ("GET", "messages"): ("messages.list", lambda: self._list(params)),
+            ("POST", "messages/send"): ("messages.send", lambda: self._send(request.json_body)),
+        }
+        if request.method == "GET" and rest.startswith("messages/"):
+            routes[("GET", rest)] = ("messages.get", lambda: self._get(rest[len("messages/") :], params))
+        route = routes.get((request.method, rest))
+        if route is not None:
+            operation, handle = route
+            with self._lock:
+                self.calls[operation] += 1
+                if self.failing[operation] > 0:
+                    self.failing[operation] -= 1
+                    return _error(503, "The service is currently unavailable.", "UNAVAILABLE")
+                return handle()
         return _error(404, f"Not found: {request.method} {path}", "NOT_FOUND")
 
     def _history(self, params: dict[str, list[str]]) -> HttpResponse:

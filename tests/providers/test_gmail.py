@@ -229,6 +229,26 @@ async def test_a_history_id_too_old_resyncs_the_last_day_only_and_answers_nothin
     assert fake.replies_to(later["id"]) == 1
 
 
+async def test_the_gmail_api_failing_mid_range_is_answered_503_and_the_range_given_back(
+    clients: dict[str, AsyncCoordinator],
+) -> None:
+    fake = FakeGmail()
+    workers = apps(fake, [clients["a1"], clients["a2"]])
+    await primed(fake, workers[0])
+    before = await cursor(clients["a1"], fake)
+    asked = [fake.receive("bea@example.org", "Where is my order?"), fake.receive("carl@example.net", "Refund")]
+    fake.failing["messages.get"] = 1  # Gmail answers 503 to one read of the range
+    headers, body = fake.push()
+    pushed = fake.history_id
+    assert (await post(workers[0], body, headers)).status_code == 503  # Pub/Sub delivers it again
+    assert await cursor(clients["a1"], fake) == before  # nothing recorded, the cursor unmoved
+    # The redelivery reaches the other worker: the range was given back (it is not left to its 60 s lease).
+    assert (await post(workers[1], body, headers)).status_code == 200
+    await settle(workers)
+    assert [fake.replies_to(message["id"]) for message in asked] == [1, 1]
+    assert (await cursor(clients["a1"], fake))[1] >= pushed
+
+
 async def test_a_send_left_in_doubt_settles_itself_when_its_stamped_copy_is_seen(
     clients: dict[str, AsyncCoordinator],
 ) -> None:

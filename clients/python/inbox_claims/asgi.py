@@ -65,6 +65,7 @@ from .providers._seam import (
     MessageFacts,
     Provider,
     ProviderError,
+    RangesTaken,
     WebhookRequest,
     periodic_check,
     retry_later,
@@ -100,6 +101,8 @@ DEFAULT_EVENTS = ANSWERED_EVENTS
 DEFAULT_ADMISSION_TIMEOUT = 5.0
 """Seconds a notification waits for the coordinator to record it before it is answered 503 (Nylas gives 10)."""
 _TEXT = "text/plain; charset=utf-8"
+GIVE_BACK_S = 2.0
+"""Seconds a failed delivery's cursor ranges get to be given back; past it they wait for their leases."""
 
 
 GateAnswer = Answer
@@ -451,9 +454,10 @@ def guarded_async(
         deadline = time.monotonic() + timeout
         works: list[tuple[MessageFacts, Work]] = []
         batch: Batch | None = None
+        ranges = RangesTaken(coordinator._core)
         try:
             async with asyncio.timeout(timeout):
-                batch = await coordinator._drive(provider.open(accepted, coordinator._core))
+                batch = await coordinator._drive(provider.open(accepted, ranges))
             for facts in batch.facts:
                 facts = with_outgoing(coordinator._core.options.outgoing, provider, facts)
                 if not policy.wants(facts):
@@ -466,10 +470,13 @@ def guarded_async(
                 await coordinator._drive(batch.commit())
         except Exception as error:
             # The claims admitted are recorded: their work runs. The rest is not: the provider delivers again, and
-            # what was recorded answers DUPLICATE_DELIVERY then. A cursor's range is given back unmoved.
-            if batch is not None:
-                with contextlib.suppress(Exception):
-                    await coordinator._drive(batch.abandon())
+            # what was recorded answers DUPLICATE_DELIVERY then. A cursor's range is given back unmoved, also when
+            # the provider failed (or ran out of time) before its batch was made.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(GIVE_BACK_S):
+                    if batch is not None:
+                        await coordinator._drive(batch.abandon())
+                    await coordinator._drive(ranges.give_back())
             return unrecorded_answer(f"a {provider.name} delivery", error), works
         for action in batch.actions:
             log.info("%s: %s", provider.name, action)

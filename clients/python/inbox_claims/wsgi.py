@@ -61,6 +61,7 @@ from .providers._seam import (
     MessageFacts,
     Provider,
     ProviderError,
+    RangesTaken,
     WebhookRequest,
     periodic_check,
 )
@@ -281,8 +282,9 @@ def guarded_sync(
         deadline = time.monotonic() + timeout
         works: list[tuple[MessageFacts, Work]] = []
         batch: Batch | None = None
+        ranges = RangesTaken(coordinator._core)
         try:
-            batch = coordinator._drive(provider.open(accepted, coordinator._core))
+            batch = coordinator._drive(provider.open(accepted, ranges))
             for facts in batch.facts:
                 facts = with_outgoing(coordinator._core.options.outgoing, provider, facts)
                 if not policy.wants(facts):
@@ -293,9 +295,10 @@ def guarded_sync(
                     works.append((facts, functools.partial(_guarded_work, policy, facts, claim, handle)))
             coordinator._drive(batch.commit())
         except Exception as error:  # as the asgi twin: what was admitted runs, the rest is delivered again
-            if batch is not None:
-                with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):
+                if batch is not None:
                     coordinator._drive(batch.abandon())
+                coordinator._drive(ranges.give_back())
             return unrecorded_answer(f"a {provider.name} delivery", error), works
         for action in batch.actions:
             log.info("%s: %s", provider.name, action)

@@ -38,6 +38,7 @@ __all__ = [
     "MessageFacts",
     "Provider",
     "ProviderError",
+    "RangesTaken",
     "ReplyContext",
     "WebhookRequest",
     "parse_stamp",
@@ -225,6 +226,33 @@ class Cursors(Protocol):
     def take(self, mailbox: str, name: str, through_position: int, ttl: int) -> Flow[CursorRange]: ...
 
     def advance(self, mailbox: str, name: str, taken: CursorRange, value: str, position: int) -> Flow[bool]: ...
+
+
+class RangesTaken:
+    """The cursors of one delivery (a ``Cursors`` over another): remembers each range taken and not yet advanced, so
+    that a delivery that fails anywhere (the provider's API, the coordinator, the admission's time bound) gives its
+    ranges back at once (``give_back``), instead of leaving the mailbox to wait for their leases."""
+
+    def __init__(self, cursors: Cursors) -> None:
+        self.cursors = cursors
+        self.open: dict[tuple[str, str], CursorRange] = {}
+
+    def take(self, mailbox: str, name: str, through_position: int, ttl: int) -> Flow[CursorRange]:
+        taken = yield from self.cursors.take(mailbox, name, through_position, ttl)
+        if taken.outcome == "TAKEN":
+            self.open[(mailbox, name)] = taken
+        return taken
+
+    def advance(self, mailbox: str, name: str, taken: CursorRange, value: str, position: int) -> Flow[bool]:
+        self.open.pop((mailbox, name), None)
+        moved = yield from self.cursors.advance(mailbox, name, taken, value, position)
+        return moved
+
+    def give_back(self) -> Flow[None]:
+        """Advances every range still open to its start: the cursor unmoved, the range free for the next delivery."""
+        while self.open:
+            (mailbox, name), taken = self.open.popitem()
+            yield from self.cursors.advance(mailbox, name, taken, taken.value, taken.position)
 
 
 def _nothing() -> Flow[None]:
