@@ -98,6 +98,8 @@ class FakeGmail(Outbox):
         self.audience = audience
         self.clock = clock
         self.key_id = "fake-gmail-1"
+        self.published = {"fake-gmail-1": "own"}
+        """The keys the JWKS serves, by key id (a key name for ``_key``); ``key_id`` signs the pushes."""
         self.messages: dict[str, dict[str, Any]] = {}
         self.history: list[dict[str, Any]] = []
         self.history_id = first_history_id
@@ -203,7 +205,7 @@ class FakeGmail(Outbox):
         audience: str | None = None,
         issuer: str = GOOGLE,
         expires_in: float = 3600,
-        signer: str = "own",
+        signer: str = "",
         email_verified: bool = True,
     ) -> tuple[dict[str, str], bytes]:
         """One Pub/Sub push of ``history_id`` (default: the mailbox's current one), as its headers and raw body; the
@@ -220,7 +222,8 @@ class FakeGmail(Outbox):
             "iat": now - 60,
             "exp": int(now + expires_in),
         }
-        token = jwt.encode(claims, _key(signer), algorithm="RS256", headers={"kid": self.key_id})
+        key = _key(signer or self.published[self.key_id])
+        token = jwt.encode(claims, key, algorithm="RS256", headers={"kid": self.key_id})
         data = {"emailAddress": email_address or self.address, "historyId": history_id or self.history_id}
         number = str(next(self._pushes))
         body = {
@@ -235,9 +238,17 @@ class FakeGmail(Outbox):
         headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
         return headers, json.dumps(body).encode()
 
+    def rotate_key(self) -> None:
+        """Google rotates its signing keys: a new one is published beside the old and signs from now on."""
+        self.key_id = f"fake-gmail-{len(self.published) + 1}"
+        self.published[self.key_id] = f"own-{len(self.published) + 1}"
+
     def jwks(self) -> dict[str, Any]:
-        key = jwt.algorithms.RSAAlgorithm.to_jwk(_key("own").public_key(), as_dict=True)
-        return {"keys": [{**key, "kid": self.key_id, "alg": "RS256", "use": "sig"}]}
+        keys = []
+        for key_id, name in self.published.items():
+            key = jwt.algorithms.RSAAlgorithm.to_jwk(_key(name).public_key(), as_dict=True)
+            keys.append({**key, "kid": key_id, "alg": "RS256", "use": "sig"})
+        return {"keys": keys}
 
     # -- the API ------------------------------------------------------------------------------------------
 
