@@ -38,14 +38,13 @@ from inbox_claims import nylas as guarded_nylas
 from inbox_claims._effects import Effect, Rpc
 from inbox_claims.asgi import WebhookApp, webhook_app
 from inbox_claims.providers import HttpRequest, HttpResponse, MessageFacts
-from inbox_claims.providers.gmail import GmailProvider
 from inbox_claims.providers.graph import GraphProvider
 from inbox_claims.providers.nylas import NylasProvider
 from inbox_claims.testing import sign_nylas
-from tests.providers.fake_gmail import AUDIENCE, JWKS_URL, FakeGmail
-from tests.providers.fake_gmail import BASE as GMAIL_BASE
+from tests.providers.fake_gmail import FakeGmail
 from tests.providers.fake_graph import BASE as GRAPH_BASE
 from tests.providers.fake_graph import FakeGraph
+from tests.providers.support import gmail_provider
 
 from ._common import CoordinatorProcess, Environment, process_cpu_seconds, run_id
 
@@ -212,15 +211,7 @@ def graph_lane(index: int, coordinator: AsyncCoordinator, aside: Aside) -> Lane:
 
 def gmail_lane(index: int, coordinator: AsyncCoordinator, aside: Aside) -> Lane:
     fake = FakeGmail(f"support{index}-{uuid.uuid4().hex[:6]}@shop.example")
-    mail = GmailProvider(
-        AUDIENCE,
-        fake.address,
-        token=fake.token,
-        api_base=GMAIL_BASE,
-        jwks_url=JWKS_URL,
-        transport=_Timed(fake, aside),
-        history_check_interval=0,  # no periodic check: every message comes by its push
-    )
+    mail = gmail_provider(fake, transport=_Timed(fake, aside))  # no periodic check: each message has its push
 
     async def send(message: MessageFacts, claim: AsyncClaim) -> None:
         await claim.send(mail.reply, message, body="ok")

@@ -15,6 +15,9 @@ from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.providers import ClaimStamp, CursorRange, MessageFacts, WebhookRequest
 from inbox_claims.providers._httpx import drive
 from inbox_claims.providers._seam import Flow
+from inbox_claims.providers.gmail import GmailProvider
+from tests.providers.fake_gmail import AUDIENCE, JWKS_URL, FakeGmail
+from tests.providers.fake_gmail import BASE as GMAIL_BASE
 
 UNCLAIMED = ClaimStamp("ic1-" + "0" * 64, 1)
 """The stamp an unguarded agent's reply carries: it has no claim (the providers' reply needs a stamp)."""
@@ -40,6 +43,13 @@ async def eventually(check: Callable[[], Awaitable[bool] | bool], within: float 
             return
         assert time.monotonic() < deadline, f"not within {within} s"
         await asyncio.sleep(0.05)
+
+
+def gmail_provider(fake: FakeGmail, *, check_every: float = 0, **options: Any) -> GmailProvider:
+    """The Gmail provider pointed at the double (its API base and its keys; its transport unless ``transport=``),
+    with the periodic history check every ``check_every`` seconds (0: none)."""
+    settings: dict[str, Any] = {"token": fake.token, "api_base": GMAIL_BASE, "jwks_url": JWKS_URL, "transport": fake}
+    return GmailProvider(AUDIENCE, fake.address, history_check_interval=check_every, **{**settings, **options})
 
 
 class LocalCursors:

@@ -26,23 +26,24 @@ from inbox_claims.providers import MessageFacts
 from inbox_claims.providers.gmail import CURSOR, GmailProvider
 from inbox_claims.wsgi import webhook_wsgi
 from tests.conftest import StartCoordinator
-from tests.providers.fake_gmail import AUDIENCE, BASE, JWKS_URL, FakeGmail
-from tests.providers.support import Unguarded, eventually, post, settle, settled_by_its_copy, state_is, token_file
+from tests.providers.fake_gmail import FakeGmail
+from tests.providers.support import (
+    Unguarded,
+    eventually,
+    gmail_provider,
+    post,
+    settle,
+    settled_by_its_copy,
+    state_is,
+    token_file,
+)
 
 pytestmark = pytest.mark.etcd
 BODY = "Your order ships today."
 
 
 def provider(fake: FakeGmail, *, check_every: float = 0) -> GmailProvider:
-    return GmailProvider(
-        AUDIENCE,
-        fake.address,
-        token=fake.token,
-        api_base=BASE,
-        jwks_url=JWKS_URL,
-        transport=fake,
-        history_check_interval=check_every,
-    )
+    return gmail_provider(fake, check_every=check_every)
 
 
 def apps(
@@ -356,15 +357,7 @@ async def test_the_wsgi_adapter_runs_the_periodic_history_check_too(server: Coor
 
     def blocking_agent() -> tuple[int, int, bool]:
         with Coordinator(server.address, principal="agent-w") as coordinator:
-            mail = GmailProvider(
-                AUDIENCE,
-                fake.address,
-                token=fake.token,
-                api_base=BASE,
-                jwks_url=JWKS_URL,
-                transport=fake.blocking(),
-                history_check_interval=0.2,
-            )
+            mail = gmail_provider(fake, check_every=0.2, transport=fake.blocking())
 
             def answer(message: MessageFacts, claim: Claim) -> None:
                 claim.send(mail.reply, message, body=BODY)

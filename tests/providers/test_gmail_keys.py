@@ -7,7 +7,8 @@ from __future__ import annotations
 from inbox_claims.providers import Accepted, Answer, WebhookRequest
 from inbox_claims.providers._httpx import drive
 from inbox_claims.providers.gmail import GmailProvider
-from tests.providers.fake_gmail import AUDIENCE, BASE, JWKS_URL, FakeGmail
+from tests.providers.fake_gmail import FakeGmail
+from tests.providers.support import gmail_provider
 
 
 def check(provider: GmailProvider, fake: FakeGmail) -> Answer | Accepted:
@@ -19,15 +20,7 @@ def check(provider: GmailProvider, fake: FakeGmail) -> Answer | Accepted:
 def test_keys_are_fetched_once_and_again_for_a_new_key_at_most_once_a_minute() -> None:
     now = [2_000_000_000.0]
     fake = FakeGmail(clock=lambda: now[0])
-    provider = GmailProvider(
-        AUDIENCE,
-        fake.address,
-        token=fake.token,
-        api_base=BASE,
-        jwks_url=JWKS_URL,
-        transport=fake.blocking(),
-        clock=lambda: now[0],
-    )
+    provider = gmail_provider(fake, transport=fake.blocking(), clock=lambda: now[0])
     assert isinstance(check(provider, fake), Accepted)
     assert isinstance(check(provider, fake), Accepted)
     assert fake.calls["jwks"] == 1  # kept
