@@ -250,6 +250,22 @@ async def test_the_gmail_api_failing_mid_range_is_answered_503_and_the_range_giv
     assert (await cursor(clients["a1"], fake))[1] >= pushed
 
 
+async def test_a_mailboxs_first_push_answers_the_last_days_unanswered_messages_only(
+    clients: dict[str, AsyncCoordinator],
+) -> None:
+    fake = FakeGmail()
+    answered_by_ana = fake.receive("bea@example.org", "Where is my order?")
+    fake.person_replies(answered_by_ana)  # answered from the Gmail UI before the agent was there
+    waiting = fake.receive("carl@example.net", "Refund for order 1042")
+    agent = apps(fake, [clients["a1"]])
+    assert await push(agent[0], fake) == 200  # no cursor yet: the first push is a resync of the last day
+    await settle(agent)
+    assert fake.calls["messages.list"] == 1
+    assert (fake.replies_to(answered_by_ana["id"]), fake.replies_to(waiting["id"])) == (0, 1)
+    status = await clients["a1"].status(Subject.message(fake.address, answered_by_ana["id"]))
+    assert (status.state, status.replied_outside) == (SubjectState.REPLIED, True)
+
+
 async def test_a_send_left_in_doubt_settles_itself_when_its_stamped_copy_is_seen(
     clients: dict[str, AsyncCoordinator],
 ) -> None:
