@@ -1,8 +1,9 @@
 """Gmail through the provider seam, against a Gmail API and Pub/Sub push double that follows their documented
 behaviour (tests/providers/fake_gmail.py), through real coordinators on real etcd: one push delivered three times
 to two workers, two agents of different principals, a person answering from the Gmail UI while the agent drafts,
-the agent's own reply coming back in the history, a dropped push found by the periodic history check, a history
-id too old (a bounded resync), a send left IN_DOUBT settled by its stamped copy (and, with no copy, left for a
+the agent's own reply coming back in the history, a dropped push found by the periodic history check (ASGI and
+WSGI), a mailbox's first push and a history id too old (bounded resyncs), the Gmail API failing mid-range (503, the
+range given back at once), a send left IN_DOUBT settled by its stamped copy (and, with no copy, left for a
 person), and bad pushes (forged, expired, another audience, another mailbox, a mailbox the principal is not
 granted) refused with nothing recorded. Each guarded scenario sends one reply per customer message, counted at the
 double; the same deliveries to the agent without the coordinator send at least two."""

@@ -3,7 +3,8 @@
 two workers, two agents of different principals, the agent's own reply coming back from Sent Items, a new mail
 arriving as updated, a person answering from Outlook while the agent drafts, the ``missed`` lifecycle event (a
 bounded delta resync, run once however many workers hear it), the other lifecycle events, a send left IN_DOUBT
-settled by its stamped copy (and, with no copy, left for a person), and a wrong clientState. Each guarded scenario
+settled by its stamped copy (and, with no copy, left for a person), a customer's mail carrying a forged stamp
+(settling nothing, answered), and a wrong clientState. Each guarded scenario
 sends one reply per customer message, counted at the double; the same deliveries unguarded send at least two."""
 
 from __future__ import annotations

@@ -8,12 +8,13 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from .._current import current_claim_base
 from .._effects import Invoke
-from ._seam import Flow, HttpRequest, HttpResponse, ProviderError
+from ._seam import ClaimStamp, Flow, HttpRequest, HttpResponse, ProviderError
 
 T = TypeVar("T")
 
-__all__ = ["AsyncHttp", "BlockingHttp", "HttpTransport", "drive"]
+__all__ = ["AsyncHttp", "BlockingHttp", "HttpTransport", "current_stamp", "drive"]
 
 
 class HttpTransport(Protocol):
@@ -71,6 +72,15 @@ class AsyncHttp:
         except httpx.HTTPError as error:
             raise _failed(request, error) from error
         return HttpResponse(response.status_code, response.content, dict(response.headers))
+
+
+def current_stamp() -> ClaimStamp:
+    """The stamp of the guarded claim whose block runs now: what a reply through a provider without an idempotency
+    key carries (docs/providers.md, "The claim stamp")."""
+    claim = current_claim_base()
+    if claim is None:
+        raise RuntimeError("reply outside a guarded claim: call it as claim.send(provider.reply, message, body=...)")
+    return ClaimStamp(claim.idempotency_key, claim.token)
 
 
 def drive(flow: Flow[T], transport: HttpTransport) -> T | Coroutine[Any, Any, T]:

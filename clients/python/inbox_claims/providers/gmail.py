@@ -24,10 +24,9 @@ from typing import Any
 
 import jwt
 
-from .._current import current_claim_base
 from .._effects import Sleep
 from .._errors import InboxClaimsError, SendRejected
-from ._httpx import AsyncHttp, HttpTransport, drive
+from ._httpx import AsyncHttp, HttpTransport, current_stamp, drive
 from ._seam import (
     STAMP_HEADER,
     Accepted,
@@ -371,12 +370,7 @@ class GmailProvider:
         current claim; the sent message's id (its ``SENT`` copy's): a ``str`` on a blocking transport
         (``Claim.send``), a coroutine of it on an asyncio one (``AsyncClaim.send``), typed ``Any`` so that both
         type-check."""
-        claim = current_claim_base()
-        if claim is None:
-            raise RuntimeError(
-                "reply outside a guarded claim: call it as claim.send(provider.reply, message, body=...)"
-            )
-        return drive(self._reply(message, body, ClaimStamp(claim.idempotency_key, claim.token)), self.transport)
+        return drive(self._reply(message, body, current_stamp()), self.transport)
 
     def raw_reply(self, message: MessageFacts, body: str, stamp: ClaimStamp) -> bytes:
         """The RFC 2822 reply: ``To`` the sender (its ``Reply-To``), ``In-Reply-To`` and ``References``, the stamp."""

@@ -22,9 +22,8 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
-from .._current import current_claim_base
 from .._errors import InboxClaimsError, SendRejected
-from ._httpx import AsyncHttp, HttpTransport, drive
+from ._httpx import AsyncHttp, HttpTransport, current_stamp, drive
 from ._seam import (
     STAMP_HEADER,
     Accepted,
@@ -392,12 +391,7 @@ class GraphProvider:
         claim), then its send; the draft's immutable id, which its copy in Sent Items keeps: a ``str`` on a blocking
         transport (``Claim.send``), a coroutine of it on an asyncio one (``AsyncClaim.send``), typed ``Any`` so that
         both type-check."""
-        claim = current_claim_base()
-        if claim is None:
-            raise RuntimeError(
-                "reply outside a guarded claim: call it as claim.send(provider.reply, message, body=...)"
-            )
-        return drive(self._reply(message, body, ClaimStamp(claim.idempotency_key, claim.token)), self.transport)
+        return drive(self._reply(message, body, current_stamp()), self.transport)
 
     def _reply(self, message: MessageFacts, body: str, stamp: ClaimStamp) -> Flow[str]:
         url = self._user_url(f"messages/{quote(message.message_id, safe='=')}/createReply")
