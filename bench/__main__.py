@@ -1,5 +1,5 @@
 """python -m bench {claims,contended,dedup,cycle,outgoing,watch,slow-watchers,http,http-attacks,list-claims,
-fair-reads,memory,embedded-db,mcp,mcp-faults,profile,all} [options]; each --help says more.
+fair-reads,memory,embedded-db,mcp,mcp-faults,providers,profile,all} [options]; each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
 temporary directory, measures a baseline in the same run, and prints ratios against it.
@@ -26,6 +26,7 @@ from . import (
     memory,
     outgoing,
     profile,
+    providers,
     slow_watchers,
     watch,
 )
@@ -109,6 +110,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         mcp_faults.add_arguments,
         mcp_faults.run,
     ),
+    "providers": (
+        "one customer message on each provider's path (Nylas, Graph, Gmail): calls per message, CPU per 1,000",
+        providers.add_arguments,
+        providers.run,
+    ),
     "profile": (
         "py-spy profile of the coordinator under ClaimReply load: where its CPU goes",
         profile.add_arguments,
@@ -150,6 +156,7 @@ QUICK: dict[str, list[str]] = {
         "--sessions",
         "3",
     ],
+    "providers": ["--messages", "5", "--lanes", "2", "--rounds", "1"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
 

@@ -69,6 +69,15 @@ class Coordinator(Protocol):
     async def record_outgoing(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
+    async def get_cursor(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+
+    async def take_cursor_range(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+
+    async def advance_cursor(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+
     async def batch(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
@@ -247,6 +256,36 @@ class CoordinatorASGIApplication(ConnectASGIApplication[Coordinator]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.record_outgoing,
+                ),
+                "/inbox.coordinator.v1.Coordinator/GetCursor": Endpoint.unary(
+                    method=MethodInfo(
+                        name="GetCursor",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.get_cursor,
+                ),
+                "/inbox.coordinator.v1.Coordinator/TakeCursorRange": Endpoint.unary(
+                    method=MethodInfo(
+                        name="TakeCursorRange",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.take_cursor_range,
+                ),
+                "/inbox.coordinator.v1.Coordinator/AdvanceCursor": Endpoint.unary(
+                    method=MethodInfo(
+                        name="AdvanceCursor",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.advance_cursor,
                 ),
                 "/inbox.coordinator.v1.Coordinator/Batch": Endpoint.unary(
                     method=MethodInfo(
@@ -611,6 +650,66 @@ class CoordinatorClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    async def get_cursor(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="GetCursor",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    async def take_cursor_range(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="TakeCursorRange",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    async def advance_cursor(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="AdvanceCursor",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     async def batch(
         self,
         request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest,
@@ -666,6 +765,12 @@ class CoordinatorSync(Protocol):
     def get_caller(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def record_outgoing(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+    def get_cursor(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+    def take_cursor_range(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+    def advance_cursor(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def batch(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
@@ -844,6 +949,36 @@ class CoordinatorWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.record_outgoing,
+                ),
+                "/inbox.coordinator.v1.Coordinator/GetCursor": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="GetCursor",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.get_cursor,
+                ),
+                "/inbox.coordinator.v1.Coordinator/TakeCursorRange": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="TakeCursorRange",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.take_cursor_range,
+                ),
+                "/inbox.coordinator.v1.Coordinator/AdvanceCursor": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="AdvanceCursor",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.advance_cursor,
                 ),
                 "/inbox.coordinator.v1.Coordinator/Batch": EndpointSync.unary(
                     method=MethodInfo(
@@ -1202,6 +1337,66 @@ class CoordinatorClientSync(ConnectClientSync):
                 service_name="inbox.coordinator.v1.Coordinator",
                 input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
                 output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    def get_cursor(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="GetCursor",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    def take_cursor_range(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="TakeCursorRange",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    def advance_cursor(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="AdvanceCursor",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
             headers=headers,

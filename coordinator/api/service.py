@@ -35,8 +35,10 @@ from coordinator.api.status import (
 )
 from coordinator.core import commands, work
 from coordinator.core.domain import (
+    AdvanceResult,
     Caller,
     ClaimResult,
+    CursorView,
     DeliveryRecord,
     EventType,
     FenceResult,
@@ -50,6 +52,7 @@ from coordinator.core.domain import (
     SubjectKind,
     Summary,
     TakeoverResult,
+    TakeResult,
 )
 from coordinator.core.engine import Engine, Event, Snapshot
 from coordinator.core.errors import (
@@ -119,6 +122,25 @@ _RESOLVE_OUTCOMES = {
     pb.ResolveInDoubtRequest.OUTCOME_SENT: ResolveOutcome.SENT,
     pb.ResolveInDoubtRequest.OUTCOME_NOT_SENT: ResolveOutcome.NOT_SENT,
 }
+
+
+_TAKE_RESULTS = {
+    TakeResult.TAKEN: pb.TakeCursorRangeResponse.TAKEN,
+    TakeResult.COVERED: pb.TakeCursorRangeResponse.COVERED,
+    TakeResult.BUSY: pb.TakeCursorRangeResponse.BUSY,
+}
+_ADVANCE_RESULTS = {
+    AdvanceResult.OK: pb.AdvanceCursorResponse.OK,
+    AdvanceResult.STALE_RANGE: pb.AdvanceCursorResponse.STALE_RANGE,
+}
+
+
+def _cursor_range_out(view: CursorView) -> pb.CursorRangeInfo | None:
+    if view.range is None:
+        return None
+    return pb.CursorRangeInfo(
+        holder=view.range.holder, expires_at=_timestamp(view.range.expires_ms), range_token=view.range_token
+    )
 
 
 def _timestamp(ms: int | None) -> Timestamp | None:
@@ -490,6 +512,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 thread_id=request.thread_id,
                 sent_ms=time_in(request, "sent_at"),
                 sender=request.sender,
+                claim_token=request.claim_token,
             ),
         )
         return pb.RecordOutgoingResponse(
@@ -497,6 +520,46 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             subjects=[status_out(subject, stored) for subject, stored in outcome.subjects],
             delivery=delivery_out(outcome.delivery) if outcome.delivery is not None else None,
         )
+
+    async def _get_cursor(self, caller: Caller, request: pb.GetCursorRequest) -> pb.GetCursorResponse:
+        view = await self._engine.get_cursor(caller, request.mailbox, request.name)
+        return pb.GetCursorResponse(value=view.value, position=view.position, range=_cursor_range_out(view))
+
+    async def _take_cursor_range(
+        self, caller: Caller, request: pb.TakeCursorRangeRequest
+    ) -> pb.TakeCursorRangeResponse:
+        outcome = await self._engine.take_cursor_range(
+            caller,
+            commands.TakeCursorRange(
+                request_id=request.request_id,
+                mailbox=request.mailbox,
+                name=request.name,
+                through_position=request.through_position,
+                ttl_seconds=request.ttl_seconds,
+            ),
+        )
+        view = outcome.view
+        return pb.TakeCursorRangeResponse(
+            result=_TAKE_RESULTS[outcome.result],
+            value=view.value,
+            position=view.position,
+            range_token=outcome.token,
+            busy=_cursor_range_out(view) if outcome.result is TakeResult.BUSY else None,
+        )
+
+    async def _advance_cursor(self, caller: Caller, request: pb.AdvanceCursorRequest) -> pb.AdvanceCursorResponse:
+        result, view = await self._engine.advance_cursor(
+            caller,
+            commands.AdvanceCursor(
+                request_id=request.request_id,
+                mailbox=request.mailbox,
+                name=request.name,
+                range_token=request.range_token,
+                value=request.value,
+                position=request.position,
+            ),
+        )
+        return pb.AdvanceCursorResponse(result=_ADVANCE_RESULTS[result], value=view.value, position=view.position)
 
     async def _renew_claim(self, caller: Caller, request: pb.RenewClaimRequest) -> pb.RenewClaimResponse:
         subject = subject_in(request.subject)
@@ -691,6 +754,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     UndoOutsideReply = _unary(_undo_outside_reply)
     MarkReplied = _unary(_mark_replied)
     RecordOutgoing = _unary(_record_outgoing)
+    GetCursor = _unary(_get_cursor)
+    TakeCursorRange = _unary(_take_cursor_range)
+    AdvanceCursor = _unary(_advance_cursor)
     GetCaller = _unary(_get_caller)
 
     # The generated base declares a response iterator; a handler that writes with context.write returns None.

@@ -194,6 +194,8 @@ class RecordOutgoing(Command):
     sent_ms: int | None  # required: None is refused, kept to say which field was unset
     notification_id: str = ""
     sender: str = ""
+    # The fencing token of the claim stamp the message carries (docs/design.md#providers); 0: none.
+    claim_token: int = 0
 
     def legacy_fingerprint(self) -> str:
         return _legacy_digest(
@@ -313,6 +315,27 @@ class UndoOutsideReply(Command):
     note: str = ""
 
 
+@dataclass(frozen=True, kw_only=True)
+class TakeCursorRange(Command):
+    """Added after version 1: no release recorded a legacy fingerprint for it."""
+
+    rpc: ClassVar[str] = "TakeCursorRange"
+    mailbox: str
+    name: str
+    through_position: int = 0
+    ttl_seconds: int = 0  # 0: the rules' default, resolved before the fingerprint is taken
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvanceCursor(Command):
+    rpc: ClassVar[str] = "AdvanceCursor"
+    mailbox: str
+    name: str
+    range_token: int
+    value: str = ""
+    position: int = 0
+
+
 COMMANDS: tuple[type[Command], ...] = (
     RecordDelivery,
     ClaimReply,
@@ -326,4 +349,6 @@ COMMANDS: tuple[type[Command], ...] = (
     Takeover,
     ResolveInDoubt,
     UndoOutsideReply,
+    TakeCursorRange,
+    AdvanceCursor,
 )

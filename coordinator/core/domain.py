@@ -22,6 +22,7 @@ from coordinator.core.values import Summary as Summary
 if TYPE_CHECKING:  # the rules read the commands' fields; the commands are made of coordinator.core.values
     from coordinator.core.commands import (
         AbortSend,
+        AdvanceCursor,
         BeginSend,
         ClaimReply,
         Command,
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # the rules read the commands' fields; the commands are made 
         ReleaseClaim,
         RenewClaim,
         ResolveInDoubt,
+        TakeCursorRange,
         Takeover,
         UndoOutsideReply,
     )
@@ -555,7 +557,9 @@ def confirm_sent(
     if record.state is State.REPLIED:
         # A retry. The reply record keeps no request id (it is the record etcd's quota is sized by), so a
         # ConfirmSent with other arguments is told apart by them, whatever its request id.
-        if record.sent_message_id != sent_message_id:
+        # A send settled by its stamped copy first (plan_outgoing) holds the copy's id: the holder's confirmation
+        # without an id is that same reply.
+        if record.sent_message_id != sent_message_id and not (record.settled_by and not sent_message_id):
             raise InvalidArgument(
                 "sent_message_id",
                 f"the reply with token {token} was already confirmed with sent message id "
@@ -940,8 +944,14 @@ def _in_flight(record: SubjectRecord) -> bool:
     return record.state in (State.SENDING, State.IN_DOUBT) and not record.replied_outside
 
 
-def plan_outgoing(rules: Rules, view: ThreadView, reply: OutsideReply, now_ms: int) -> OutgoingPlan:
+def plan_outgoing(
+    rules: Rules, view: ThreadView, reply: OutsideReply, now_ms: int, claim_token: int = 0
+) -> OutgoingPlan:
     """What an outgoing message of the thread means, in this order:
+
+    0. a message carrying the stamp of a send of the thread that is SENDING or IN_DOUBT (``claim_token``): that
+       send's copy, proven (docs/design.md#providers): the subject is REPLIED with the copy's id, settled by the
+       principal that reported it: OWN_REPLY;
 
     1. the reply a subject of the thread sent (its ConfirmSent's or MarkReplied's sent message id), or the copy
        already taken for one: OWN_REPLY;
@@ -954,6 +964,20 @@ def plan_outgoing(rules: Rules, view: ThreadView, reply: OutsideReply, now_ms: i
     4. otherwise a reply written outside: it answers every subject of the thread whose message was received at
        or before its date (``answered_outside``), and becomes the thread's latest outside reply if it is."""
     present = [(entry, entry.stored.record) for entry in view.entries if entry.stored is not None]
+    stamped = [
+        (entry, record)
+        for entry, record in present
+        if claim_token and entry.stored is not None and entry.stored.token == claim_token and _in_flight(record)
+    ]
+    if stamped:
+        entry, record = stamped[0]
+        settled = replace(
+            _replied(rules, record, reply.message_id, now_ms),
+            settled_by=reply.recorded_by,
+            note=f"settled by its copy in the mailbox's sent mail: message {reply.message_id} carries this claim's "
+            f"stamp (reported by {reply.recorded_by})",
+        )
+        return OutgoingPlan(OutgoingResult.OWN_REPLY, writes=((entry, settled),), subjects=(entry.subject,))
     own = tuple(entry.subject for entry, record in present if _is_own_send(record, reply.message_id))
     if own:
         return OutgoingPlan(OutgoingResult.OWN_REPLY, subjects=own)
@@ -1035,3 +1059,100 @@ def classify_change(previous: Stored | None, now: Stored | None, end: EndMark | 
     if previous.record.state is State.REPLIED:
         return EventType.RETENTION_ENDED
     return EventType.EXPIRED
+
+
+# --- Cursors (docs/design.md#cursors) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CursorRecord:
+    """A mailbox's named cursor: a value the coordinator does not read, a position that never decreases, and the
+    last advance's request id and fingerprint (its retry's evidence)."""
+
+    value: str
+    position: int
+    last_request_id: str = ""
+    last_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class CursorRange:
+    """The range in progress, on a lease of its TTL: who took it, by which request, and when it ends (for people)."""
+
+    holder: str
+    request_id: str
+    fingerprint: str
+    expires_ms: int
+
+
+@dataclass(frozen=True)
+class CursorView:
+    """A cursor and its range as read together: ``cursor_revision`` the cursor's last write (0: never written),
+    ``range_token`` the range's create revision (0: no range)."""
+
+    cursor: CursorRecord | None
+    cursor_revision: int
+    range: CursorRange | None
+    range_token: int
+
+    @property
+    def value(self) -> str:
+        return self.cursor.value if self.cursor is not None else ""
+
+    @property
+    def position(self) -> int:
+        return self.cursor.position if self.cursor is not None else 0
+
+
+class TakeResult(enum.Enum):
+    TAKEN = "taken"
+    COVERED = "covered"
+    BUSY = "busy"
+
+
+class AdvanceResult(enum.Enum):
+    OK = "ok"
+    STALE_RANGE = "stale_range"
+
+
+def take_cursor_range(
+    view: CursorView, caller: Caller, command: TakeCursorRange, *, expires_ms: int
+) -> tuple[TakeResult, CursorRange | None]:
+    """TAKEN with the range to write (None: this request's range stands already, a retry), COVERED or BUSY."""
+    current = view.range
+    if (
+        current is not None
+        and current.holder == caller.principal
+        and is_retry(current.request_id, current.fingerprint, command)
+    ):
+        return TakeResult.TAKEN, None
+    if command.through_position > 0 and view.position >= command.through_position:
+        return TakeResult.COVERED, None
+    if current is not None:
+        return TakeResult.BUSY, None
+    return TakeResult.TAKEN, CursorRange(caller.principal, command.request_id, command.fingerprint, expires_ms)
+
+
+def advance_cursor(
+    view: CursorView, caller: Caller, command: AdvanceCursor
+) -> tuple[AdvanceResult, CursorRecord | None]:
+    """OK with the cursor to write (None: a retry, already written), or STALE_RANGE: another range was taken, or the
+    cursor moved, since this range's token."""
+    cursor = view.cursor
+    if cursor is not None and is_retry(cursor.last_request_id, cursor.last_fingerprint, command):
+        return AdvanceResult.OK, None
+    if command.position < view.position:
+        raise InvalidArgument(
+            "position", f"{command.position} is before the cursor's {view.position}; a cursor never goes back"
+        )
+    if view.range is not None:
+        if view.range_token != command.range_token:
+            return AdvanceResult.STALE_RANGE, None
+        if view.range.holder != caller.principal:
+            raise PermissionDenied(
+                f"cursor range {command.range_token} belongs to another principal; only its holder may advance it",
+                reason="NOT_HOLDER",
+            )
+    elif view.cursor_revision >= command.range_token:
+        return AdvanceResult.STALE_RANGE, None  # lapsed, and the cursor was written since
+    return AdvanceResult.OK, CursorRecord(command.value, command.position, command.request_id, command.fingerprint)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from coordinator.core import domain, limits, work
 from coordinator.core.commands import (
     AbortSend,
+    AdvanceCursor,
     BeginSend,
     ClaimReply,
     ConfirmSent,
@@ -23,12 +24,15 @@ from coordinator.core.commands import (
     ReleaseClaim,
     RenewClaim,
     ResolveInDoubt,
+    TakeCursorRange,
     Takeover,
     UndoOutsideReply,
 )
 from coordinator.core.domain import (
+    AdvanceResult,
     Caller,
     ClaimResult,
+    CursorView,
     DeliveryRecord,
     EndMark,
     EventType,
@@ -42,6 +46,7 @@ from coordinator.core.domain import (
     SubjectKind,
     Summary,
     TakeoverResult,
+    TakeResult,
     ThreadLink,
     Transition,
 )
@@ -64,6 +69,17 @@ class OutgoingOutcome:
     result: OutgoingResult
     subjects: tuple[tuple[Subject, Stored | None], ...] = ()
     delivery: DeliveryRecord | None = None
+
+
+@dataclass(frozen=True)
+class TakeCursorOutcome:
+    """TakeCursorRange's answer: the result, the cursor as read, the range's token (TAKEN) and, for BUSY, the
+    other range (in ``view``)."""
+
+    result: TakeResult
+    view: CursorView
+    token: int = 0
+    taken: domain.CursorRange | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +174,17 @@ def _thread_link(
     return ThreadLink(thread_id, received_ms, caller.principal, domain.reports_mail(caller))
 
 
+def _require_reporter(caller: Caller, call: str) -> None:
+    """What the mailbox received and sent is told by its reporters: an outside reply ends claims, and a cursor moved
+    past a message leaves it unread (docs/design.md#replies-written-outside, #cursors)."""
+    domain.require_role(
+        caller,
+        domain.REPORT_ROLE,
+        call,
+        "the operator grants it to the principals that report a mailbox's mail (its webhook workers)",
+    )
+
+
 def _check_fenced_call(
     caller: Caller, command: RenewClaim | ReleaseClaim | BeginSend | ConfirmSent | AbortSend | MarkReplied
 ) -> None:
@@ -189,6 +216,8 @@ _SEARCHED_PER_TURN = 256
 _TAKEOVER_ROUNDS = 3
 # How often a ClaimReply decides again when the thread's latest outside reply changed under it.
 _CLAIM_ROUNDS = 4
+# How often a cursor call reads and decides again when the cursor changed under it.
+_CURSOR_ROUNDS = 16
 # How often RecordOutgoing reads and decides again when its thread changed under it.
 _OUTGOING_ROUNDS = 32
 # Subjects rewritten per RecordOutgoing transaction, within etcd's 128 operations per transaction; a thread with
@@ -312,12 +341,7 @@ class Engine:
         notification_id, message_id = command.notification_id, command.message_id
         _check_request_id(request_id)
         _check_mailbox(caller, mailbox)
-        domain.require_role(
-            caller,
-            domain.REPORT_ROLE,
-            "RecordOutgoing",
-            "the operator grants it to the principals that report a mailbox's mail (its webhook workers)",
-        )
+        _require_reporter(caller, "RecordOutgoing")
         limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
         limits.check_text("message_id", message_id, limits.MESSAGE_ID_MAX_BYTES, required=True)
         limits.check_text("thread_id", thread_id, limits.THREAD_ID_MAX_BYTES, required=True)
@@ -325,6 +349,7 @@ class Engine:
         sent = limits.check_time_ms("sent_at", command.sent_ms, required=True, now_ms=now)
         assert sent is not None
         limits.check_text("sender", command.sender, limits.SENDER_MAX_BYTES, required=False)
+        limits.check_position("claim_token", command.claim_token)
         reply = OutsideReply(command.sender, sent, message_id, caller.principal, thread_id=thread_id)
         first_result: OutgoingResult | None = None
         for _ in range(_OUTGOING_ROUNDS):
@@ -337,7 +362,7 @@ class Engine:
                 if first_result is None:  # a retry: its first attempt's answer, from what that attempt left
                     subjects = domain.recorded_answer(view, seen.outgoing, message_id)
                     return OutgoingOutcome(seen.outgoing, _statuses(view, subjects, {}))
-            plan = domain.plan_outgoing(self.rules, view, reply, now)
+            plan = domain.plan_outgoing(self.rules, view, reply, now, command.claim_token)
             result = first_result or plan.result  # once a round committed, its answer is the call's
             writes = plan.writes[:OUTGOING_WRITES_PER_TXN]
             delivery = (
@@ -377,6 +402,51 @@ class Engine:
         raise StoreConflict(f"the thread {thread_id!r} kept changing while this RecordOutgoing ran; retry it")
 
     # --- calls with a fencing token ------------------------------------------------------------------------
+
+    # --- cursors (docs/design.md#cursors): a reporter's calls, authorized as RecordOutgoing is ------------------
+
+    async def get_cursor(self, caller: Caller, mailbox: str, name: str) -> CursorView:
+        _check_mailbox(caller, mailbox)
+        return await self.store.read_cursor(mailbox, limits.check_cursor_name(name))
+
+    async def take_cursor_range(self, caller: Caller, command: TakeCursorRange) -> TakeCursorOutcome:
+        _check_request_id(command.request_id)
+        _check_mailbox(caller, command.mailbox)
+        _require_reporter(caller, "TakeCursorRange")
+        limits.check_cursor_name(command.name)
+        limits.check_position("through_position", command.through_position)
+        # Normalised before it is fingerprinted, as every retry of it will be.
+        command = dataclasses.replace(command, ttl_seconds=self.rules.limits.ttl(command.ttl_seconds))
+        for _ in range(_CURSOR_ROUNDS):
+            view = await self.store.read_cursor(command.mailbox, command.name)
+            expires = self.rules.claim_expiry(self._clock(), command.ttl_seconds)
+            result, taken = domain.take_cursor_range(view, caller, command, expires_ms=expires)
+            if taken is None:
+                return TakeCursorOutcome(result, view, view.range_token if result is TakeResult.TAKEN else 0)
+            token = await self.store.take_cursor_range(command.mailbox, command.name, view, taken, expires)
+            if token is not None:
+                return TakeCursorOutcome(result, view, token, taken)
+        raise StoreConflict(f"the cursor {command.name!r} of {command.mailbox!r} kept changing; retry")
+
+    async def advance_cursor(self, caller: Caller, command: AdvanceCursor) -> tuple[AdvanceResult, CursorView]:
+        _check_request_id(command.request_id)
+        _check_mailbox(caller, command.mailbox)
+        _require_reporter(caller, "AdvanceCursor")
+        limits.check_cursor_name(command.name)
+        limits.check_position("position", command.position)
+        if len(command.value.encode("utf-8", "surrogatepass")) > limits.CURSOR_VALUE_MAX_BYTES:
+            raise InvalidArgument("value", f"is over the limit of {limits.CURSOR_VALUE_MAX_BYTES} bytes")
+        limits.check_text("value", command.value, limits.CURSOR_VALUE_MAX_BYTES, required=False)
+        if command.range_token <= 0:
+            raise InvalidArgument("range_token", "is required: pass the token TakeCursorRange answered")
+        for _ in range(_CURSOR_ROUNDS):
+            view = await self.store.read_cursor(command.mailbox, command.name)
+            result, cursor = domain.advance_cursor(view, caller, command)
+            if cursor is None:
+                return result, view
+            if await self.store.advance_cursor(command.mailbox, command.name, view, cursor):
+                return result, CursorView(cursor, 0, None, 0)
+        raise StoreConflict(f"the cursor {command.name!r} of {command.mailbox!r} kept changing; retry")
 
     async def renew(self, caller: Caller, command: RenewClaim) -> tuple[FenceResult, Stored | None]:
         _check_fenced_call(caller, command)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from dataclasses import dataclass
 
@@ -29,6 +30,10 @@ PAGE_SIZE_MAX = 1000
 # ListRecentMessages: what a person types to find an email, how many answers, and how far back it reads (the
 # newest deliveries of the mailbox, each at most the delivery retention old).
 RECENT_QUERY_MAX_BYTES = 256
+# A mailbox's cursor (docs/design.md#cursors): its name (gmail-history, graph-delta:inbox) and its value (a Gmail
+# history id, a Graph delta link: Graph's links run to a few hundred bytes).
+CURSOR_NAME_MAX_BYTES = 128
+CURSOR_VALUE_MAX_BYTES = 4096
 RECENT_PAGE_SIZE_DEFAULT = 20
 RECENT_PAGE_SIZE_MAX = 100
 RECENT_DELIVERIES_READ_MAX = 2000
@@ -135,6 +140,23 @@ def _duration(ms: int) -> str:
     if hours < 48:
         return f"{hours:.0f} hours"
     return f"{hours / 24:.0f} days"
+
+
+_CURSOR_NAME = re.compile(r"[A-Za-z0-9._:-]+")
+
+
+def check_cursor_name(name: str) -> str:
+    """A cursor's name: 1 to CURSOR_NAME_MAX_BYTES of letters, digits and ``._:-``."""
+    check_text("name", name, CURSOR_NAME_MAX_BYTES, required=True)
+    if not _CURSOR_NAME.fullmatch(name):
+        raise InvalidArgument("name", "may hold only letters, digits and . _ : - (gmail-history, graph-delta:inbox)")
+    return name
+
+
+def check_position(field: str, position: int) -> int:
+    if position < 0:
+        raise InvalidArgument(field, "is negative; a cursor's positions start at 0")
+    return position
 
 
 def check_page_size(requested: int, default: int = PAGE_SIZE_DEFAULT, maximum: int = PAGE_SIZE_MAX) -> int:

@@ -21,6 +21,9 @@ from typing import Protocol
 from urllib.parse import quote
 
 from coordinator.core.domain import (
+    CursorRange,
+    CursorRecord,
+    CursorView,
     DeliveryRecord,
     EndMark,
     OutsideReply,
@@ -187,6 +190,19 @@ class Store(Protocol):
         """Reads, decides, and writes only if nothing changed in between; decides again if something did."""
 
     async def status(self, subject: Subject) -> Stored | None: ...
+
+    async def read_cursor(self, mailbox: str, name: str) -> CursorView:
+        """A mailbox's cursor and its range in progress, read together (docs/design.md#cursors)."""
+
+    async def take_cursor_range(
+        self, mailbox: str, name: str, view: CursorView, taken: CursorRange, expires_ms: int
+    ) -> int | None:
+        """Writes the range on a lease ending at ``expires_ms``, only if the cursor is as ``view`` read it and no
+        range exists; its token (the revision that wrote it), or None when something changed."""
+
+    async def advance_cursor(self, mailbox: str, name: str, view: CursorView, cursor: CursorRecord) -> bool:
+        """Writes the cursor and deletes its range in one step, only if both are as ``view`` read them; False when
+        something changed."""
 
     async def recent_deliveries(self, mailbox: str, limit: int, *, containing: str = "") -> list[DeliveryRecord]:
         """Of the mailbox's ``limit`` newest delivery records (by the revision that wrote them), newest first, those

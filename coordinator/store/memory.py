@@ -22,6 +22,9 @@ from typing import Generic, TypeVar
 
 from coordinator.core import work
 from coordinator.core.domain import (
+    CursorRange,
+    CursorRecord,
+    CursorView,
     DeliveryRecord,
     EndMark,
     OutsideReply,
@@ -88,6 +91,8 @@ class MemoryStore:
         self._send_markers: dict[Subject, int] = {}
         self._mailboxes: dict[str, _Mailbox] = {}
         self._threads: dict[tuple[str, str], _Thread] = {}
+        self._cursors: dict[tuple[str, str], _Leased[CursorRecord]] = {}
+        self._ranges: dict[tuple[str, str], _Leased[CursorRange]] = {}
 
     # --- the write path ------------------------------------------------------------------------------------
 
@@ -107,6 +112,8 @@ class MemoryStore:
             del self._ends[subject]
         for subject in [s for s, at in self._send_markers.items() if now >= at]:
             del self._send_markers[subject]
+        for key in [k for k, leased in self._ranges.items() if leased.expired(now)]:
+            del self._ranges[key]
         for thread in self._threads.values():
             for subject in [s for s, leased in thread.entries.items() if leased.expired(now)]:
                 del thread.entries[subject]
@@ -132,6 +139,40 @@ class MemoryStore:
                 queue.put_nowait(FeedLost("this watcher fell behind; watch again", slow_subscriber=True))
 
     # --- Store ---------------------------------------------------------------------------------------------
+
+    async def read_cursor(self, mailbox: str, name: str) -> CursorView:
+        self._expire()
+        cursor, taken = self._cursors.get((mailbox, name)), self._ranges.get((mailbox, name))
+        return CursorView(
+            cursor.value if cursor else None,
+            cursor.revision if cursor else 0,
+            taken.value if taken else None,
+            taken.revision if taken else 0,
+        )
+
+    def _cursor_unchanged(self, mailbox: str, name: str, view: CursorView) -> bool:
+        cursor, taken = self._cursors.get((mailbox, name)), self._ranges.get((mailbox, name))
+        return (cursor.revision if cursor else 0) == view.cursor_revision and (
+            taken.revision if taken else 0
+        ) == view.range_token
+
+    async def take_cursor_range(
+        self, mailbox: str, name: str, view: CursorView, taken: CursorRange, expires_ms: int
+    ) -> int | None:
+        self._expire()
+        if not self._cursor_unchanged(mailbox, name, view) or (mailbox, name) in self._ranges:
+            return None
+        token = self._next_revision()
+        self._ranges[(mailbox, name)] = _Leased(taken, token, expires_ms)
+        return token
+
+    async def advance_cursor(self, mailbox: str, name: str, view: CursorView, cursor: CursorRecord) -> bool:
+        self._expire()
+        if not self._cursor_unchanged(mailbox, name, view):
+            return False
+        self._cursors[(mailbox, name)] = _Leased(cursor, self._next_revision(), None)
+        self._ranges.pop((mailbox, name), None)
+        return True
 
     async def record_delivery(self, delivery: DeliveryRecord, expires_ms: int) -> DeliveryRecord | None:
         self._expire()

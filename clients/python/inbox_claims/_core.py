@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -59,6 +59,7 @@ from ._types import (
     TakeoverResult,
     WatchItem,
 )
+from .providers._seam import CursorRange
 
 __all__ = ["RETRYABLE", "Core"]
 
@@ -72,6 +73,10 @@ RETRYABLE = frozenset(
 )
 
 R = TypeVar("R")
+
+
+def _identity(response: Any) -> Any:
+    return response
 
 
 def new_request_id() -> str:
@@ -183,6 +188,7 @@ class Core:
         *,
         sender: str = "",
         notification_id: str = "",
+        claim_token: int = 0,
     ) -> Op[OutgoingResult]:
         request = pb.RecordOutgoingRequest(
             request_id=new_request_id(),
@@ -192,6 +198,7 @@ class Core:
             thread_id=thread_id,
             sent_at=timestamp_to_pb(sent_at, "sent_at"),
             sender=sender,
+            claim_token=claim_token,
         )
         return Op("RecordOutgoing", request, outgoing_result_from_pb)
 
@@ -251,6 +258,53 @@ class Core:
             redeliverable=redeliverable,
         )
         return Op("AbortSend", request, fence_result_from_pb)
+
+    # -- cursors (docs/design.md#cursors): what the providers' batches take and advance -----------------------
+
+    def take_cursor_range(self, mailbox: str, name: str, through_position: int, ttl: int) -> Flow[CursorRange]:
+        request = pb.TakeCursorRangeRequest(
+            request_id=new_request_id(),
+            mailbox=mailbox,
+            name=name,
+            through_position=through_position,
+            ttl_seconds=ttl_to_pb(ttl),
+        )
+        response = yield from self.call(Op("TakeCursorRange", request, _identity))
+        outcome = pb.TakeCursorRangeResponse.Result.Name(response.result)
+        busy = response.busy if response.HasField("busy") else None
+        return CursorRange(
+            outcome,  # type: ignore[arg-type]
+            response.value,
+            response.position,
+            response.range_token,
+            busy.holder if busy is not None else "",
+            max(busy.expires_at.ToMilliseconds() / 1000 - time.time(), 0.0) if busy is not None else 0.0,
+        )
+
+    def advance_cursor(self, mailbox: str, name: str, taken: CursorRange, value: str, position: int) -> Flow[bool]:
+        request = pb.AdvanceCursorRequest(
+            request_id=new_request_id(),
+            mailbox=mailbox,
+            name=name,
+            range_token=taken.token,
+            value=value,
+            position=position,
+        )
+        response = yield from self.call(Op("AdvanceCursor", request, _identity))
+        return bool(response.result == pb.AdvanceCursorResponse.OK)
+
+    def get_cursor(self, mailbox: str, name: str, *, timeout: float | None = None) -> Flow[tuple[str, int]]:
+        request = pb.GetCursorRequest(mailbox=mailbox, name=name)
+        response = yield from self.call(Op("GetCursor", request, _identity), timeout=timeout)
+        return response.value, response.position
+
+    def take(self, mailbox: str, name: str, through_position: int, ttl: int) -> Flow[CursorRange]:
+        """The seam's ``Cursors.take``: this core is the cursors of the client that runs the flow."""
+        return self.take_cursor_range(mailbox, name, through_position, ttl)
+
+    def advance(self, mailbox: str, name: str, taken: CursorRange, value: str, position: int) -> Flow[bool]:
+        """The seam's ``Cursors.advance``."""
+        return self.advance_cursor(mailbox, name, taken, value, position)
 
     # -- the clients' calls, one flow each -----------------------------------------------------------------
 

@@ -25,10 +25,11 @@ import time
 import unicodedata
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Literal, TypeAlias, TypedDict, TypeVar
 
 from ._core import Core
+from ._current import current as _current
 from ._effects import Flow, Invoke, Op, Sleep
 from ._envelope import Notification, parse_notification
 from ._errors import (
@@ -44,7 +45,7 @@ from ._errors import (
     SendRejected,
     SentButUnconfirmed,
 )
-from ._outgoing import OutgoingMatch
+from ._outgoing import OutgoingMatch, OutgoingRules
 from ._types import (
     ClaimOutcome,
     ClaimResult,
@@ -57,6 +58,8 @@ from ._types import (
     SubjectState,
     SubjectStatus,
 )
+from .providers._seam import MessageFacts
+from .providers.nylas import facts_of as nylas_facts
 
 log = logging.getLogger("inbox_claims")
 
@@ -89,8 +92,9 @@ def log_refusal(message: str, *args: object) -> None:
 
 Scope = Literal["message", "thread"]
 
-Event: TypeAlias = Notification | Mapping[str, Any] | bytes | bytearray | str
-"""What a webhook handler has: the parsed :class:`Notification`, the decoded JSON event, or the raw body."""
+Event: TypeAlias = MessageFacts | Notification | Mapping[str, Any] | bytes | bytearray | str
+"""What a webhook handler has: a provider's :class:`MessageFacts`, or from Nylas the parsed :class:`Notification`, the
+decoded JSON event, or the raw body."""
 EventT = TypeVar("EventT", bound=Event)
 
 ANSWERED_EVENTS = frozenset({"message.created", "message.updated"})
@@ -123,16 +127,31 @@ class Phase(enum.Enum):
     RELEASED = "released"
 
 
-def as_notification(event: Event) -> Notification:
+def as_notification(event: Notification | Mapping[str, Any] | bytes | bytearray | str) -> Notification:
     """The :class:`Notification` of what a handler has (raises :class:`NotificationError` if it is none)."""
     if isinstance(event, Notification):
         return event
     if not isinstance(event, Mapping | bytes | bytearray | str):
         raise TypeError(
-            "pass the webhook event as received: the raw body (bytes), its decoded JSON (dict) or a Notification, "
-            f"not {type(event).__name__}"
+            "pass the webhook event as received: the raw body (bytes), its decoded JSON (dict), a Notification, "
+            f"or a provider's MessageFacts, not {type(event).__name__}"
         )
     return parse_notification(bytes(event) if isinstance(event, bytearray) else event)
+
+
+def facts_of(event: Event) -> MessageFacts | None:
+    """The neutral facts of what a handler has: a provider's :class:`MessageFacts` as they are, a Nylas event read
+    by the Nylas provider; None for a notification about no message. Everything past this reads only the facts."""
+    if isinstance(event, MessageFacts):
+        return event
+    return nylas_facts(as_notification(event))
+
+
+def outgoing_of(
+    rules: OutgoingRules, facts: MessageFacts, more_addresses: Collection[str] = ()
+) -> OutgoingMatch | None:
+    """Why the mailbox sent the message of ``facts``, by the client's outgoing rules (docs/client.md)."""
+    return rules.judge(facts.folders, facts.from_addresses, more_addresses)
 
 
 class GuardOptions(TypedDict, total=False):
@@ -167,95 +186,67 @@ class ReplyPolicy:
             known["events"] = frozenset(known["events"])
         return cls(**known)
 
-    def wants(self, notification: Notification) -> bool:
-        if notification.base_type in self.events and notification.is_message_event:
+    def wants(self, facts: MessageFacts) -> bool:
+        if facts.event in self.events:
             return True
-        log.debug("not answering notification %s: a %s event", notification.notification_id, notification.type)
+        log.debug(
+            "not answering message %s (notification %s): a %s event", facts.message_id, facts.dedup_key, facts.event
+        )
         return False
 
-    def answered(self, event: Event) -> Notification | None:
-        """The notification to claim for, or ``None`` when it is not one to answer."""
-        notification = as_notification(event)
-        return notification if self.wants(notification) else None
+    def answered(self, event: Event) -> MessageFacts | None:
+        """The facts of the message to claim for, or ``None`` when it is not one to answer."""
+        facts = facts_of(event)
+        if facts is None:
+            log.debug("not answering %s: it is about no message", type(event).__name__)
+            return None
+        return facts if self.wants(facts) else None
 
     def claim_options(self) -> dict[str, Any]:
         """The keyword arguments of ``reply_to``."""
         return {"ttl": self.ttl, "scope": self.scope, "note": self.note}
 
     @staticmethod
-    def refused(notification: Notification, refusal: Exception) -> None:
+    def refused(facts: MessageFacts, refusal: Exception) -> None:
         """The one log line of an absorbed refusal (an outgoing message's was written when it was found)."""
         if isinstance(refusal, OutgoingMessage):
             return
-        log_refusal(
-            "not replying to message %s (notification %s): %s",
-            notification.message_id,
-            notification.notification_id,
-            refusal,
-        )
+        log_refusal("not replying to message %s (notification %s): %s", facts.message_id, facts.dedup_key, refusal)
 
     @contextlib.contextmanager
-    def absorbing(self, notification: Notification) -> Iterator[None]:
+    def absorbing(self, facts: MessageFacts) -> Iterator[None]:
         """Logs and swallows the expected refusals in its block (unless ``raise_refusals``)."""
         try:
             yield
         except EXPECTED_REFUSALS as refusal:
             if self.raise_refusals:
                 raise
-            self.refused(notification, refusal)
-
-
-_current: contextvars.ContextVar[ClaimBase | None] = contextvars.ContextVar("inbox_claims_claim", default=None)
+            self.refused(facts, refusal)
 
 
 def current_claim_base() -> ClaimBase | None:
     """The guarded claim whose block (or ``guard``-ed function) is running in this task or thread, if any."""
-    return _current.get()
+    claim = _current.get()
+    return claim if isinstance(claim, ClaimBase) else None
 
 
-# Unix seconds of the year 10000: a later "date" is not a time the coordinator can store.
-_YEAR_10000 = 253402300800
 # The coordinator's limits on a summary's texts (coordinator/core/limits.py): longer ones are cut, not refused.
 SUMMARY_SUBJECT_LINE_MAX_BYTES = 512
 SUMMARY_SENDER_MAX_BYTES = 512
 
 
 def summary_of(event: Event | None) -> MessageSummary | None:
-    """Which email a notification is about, from the Nylas message object it carries (``subject``, ``from``,
-    ``date``), when it has them; anything missing or of another shape is left out."""
-    if event is None:
+    """Which email a message is, from its facts (subject line, sender, received time), when it has them; what is
+    missing is left out, and the texts are cut to the coordinator's limits."""
+    facts = facts_of(event) if event is not None else None
+    if facts is None:
         return None
-    notification = as_notification(event)
-    if not notification.is_message_event:
-        return None
-    message = notification.object
-    subject_line = message.get("subject")
     summary = MessageSummary(
-        clean_text(subject_line, SUMMARY_SUBJECT_LINE_MAX_BYTES) if isinstance(subject_line, str) else "",
-        clean_text(_sender_of(message), SUMMARY_SENDER_MAX_BYTES),
-        _date_of(notification),
+        clean_text(facts.subject_line, SUMMARY_SUBJECT_LINE_MAX_BYTES),
+        clean_text(facts.sender, SUMMARY_SENDER_MAX_BYTES),
+        facts.received_at,
     )
     return summary if summary.subject_line or summary.sender or summary.received_at else None
-
-
-def _date_of(notification: Notification) -> datetime | None:
-    """The message's date (Nylas: ``date``, unix seconds), as the provider gives it. Not the notification's
-    ``time``: that is when Nylas noticed the message, later, and the thread rule compares messages' own dates."""
-    seconds = notification.object.get("date")
-    if isinstance(seconds, int) and not isinstance(seconds, bool) and 0 <= seconds < _YEAR_10000:
-        return datetime.fromtimestamp(seconds, tz=UTC)
-    return None
-
-
-def _sender_of(message: Mapping[str, Any]) -> str:
-    """The first ``from`` as people read it: ``Ana Lima <ana@shop.example>``, or whichever half is there."""
-    senders = message.get("from")
-    if not isinstance(senders, list) or not senders or not isinstance(senders[0], dict):
-        return ""
-    name, email = senders[0].get("name"), senders[0].get("email")
-    name = name if isinstance(name, str) else ""
-    email = email if isinstance(email, str) else ""
-    return f"{name} <{email}>" if name and email else name or email
 
 
 def granted_status(result: ClaimResult, subject: Subject, notification_id: str) -> SubjectStatus:
@@ -308,21 +299,21 @@ class GuardState:
         Explicit arguments win over the notification's fields (``mailbox=`` lets several grants that see one inbox
         coordinate on the mailbox address instead of the grant id).
         """
+        facts = None
         if notification is not None:
-            notification = as_notification(notification)
-            if not notification.is_message_event:
-                raise ValueError(
-                    f"a {notification.type} notification is not about a message: there is nothing to reply to"
-                )
-            mailbox = mailbox or notification.mailbox
-            message_id = message_id or notification.message_id
-            thread_id = thread_id or notification.thread_id
+            facts = facts_of(notification)
+            if facts is None:
+                kind = as_notification(notification).type if not isinstance(notification, MessageFacts) else ""
+                raise ValueError(f"a {kind} notification is not about a message: there is nothing to reply to")
+            mailbox = mailbox or facts.mailbox
+            message_id = message_id or facts.message_id
+            thread_id = thread_id or facts.thread_id
             if notification_id is None:
-                notification_id = notification.notification_id
-        # The thread and the message's date come from the notification (or, without one, from the caller): with
-        # them a reply written outside the coordinator in the thread ends the claim; without a date, neither is
-        # sent (the coordinator needs both).
-        date = _date_of(notification) if notification is not None else received_at
+                notification_id = facts.dedup_key
+        # The thread and the message's date come from the facts (or, without them, from the caller): with them a
+        # reply written outside the coordinator in the thread ends the claim; without a date, neither is sent (the
+        # coordinator needs both).
+        date = facts.received_at if facts is not None else received_at
         thread = thread_id if date is not None else None
         if not mailbox:
             raise ValueError("reply_to needs a mailbox: pass mailbox= (the notification carries no grant_id)")
@@ -338,7 +329,7 @@ class GuardState:
             subject = Subject.thread(mailbox, thread_id)
         else:
             raise ValueError(f"scope must be 'message' or 'thread', not {scope!r}")
-        summary = summary or summary_of(notification)
+        summary = summary or summary_of(facts)
         state = cls(
             core,
             subject,
@@ -349,27 +340,29 @@ class GuardState:
             thread_id=thread or "",
             received_at=date,
         )
-        if notification is not None:
-            state.outgoing_check(notification, mailbox, thread, date)
+        if facts is not None:
+            state.outgoing_check(facts, mailbox, thread, date)
         return state
 
-    def outgoing_check(
-        self, notification: Notification, mailbox: str, thread_id: str | None, date: datetime | None
-    ) -> None:
-        """Finds whether the notification's message is one the mailbox sent; entering then reports it."""
-        why = self.core.options.outgoing.match(notification.object)
+    def outgoing_check(self, facts: MessageFacts, mailbox: str, thread_id: str | None, date: datetime | None) -> None:
+        """Finds whether the message is one the mailbox sent (the provider's adapter may have decided it already,
+        with the addresses it knows); entering then reports it, with the claim stamp it carries."""
+        why = facts.outgoing if isinstance(facts.outgoing, OutgoingMatch) else None
+        why = why or outgoing_of(self.core.options.outgoing, facts)
         if why is None:
             return
         self.outgoing = why
-        message_id = notification.message_id
-        if message_id and thread_id and date is not None:
+        if facts.message_id and thread_id and date is not None:
             self._outgoing_op = self.core.record_outgoing_op(
                 mailbox,
-                message_id,
+                facts.message_id,
                 thread_id,
                 date,
-                sender=clean_text(_sender_of(notification.object), SUMMARY_SENDER_MAX_BYTES),
+                sender=clean_text(facts.sender, SUMMARY_SENDER_MAX_BYTES),
                 notification_id=self.notification_id,
+                # The stamp is evidence of our send only on a message in the mailbox's sent mail: a From can be
+                # forged, and so can a header (docs/design.md#providers).
+                claim_token=facts.stamp.token if facts.stamp is not None and why.rule == "sent_folder" else 0,
             )
 
     def __init__(
@@ -638,7 +631,7 @@ class ClaimBase:
 
     def __init__(self, state: GuardState) -> None:
         self._state = state
-        self._context: contextvars.Token[ClaimBase | None] | None = None
+        self._context: contextvars.Token[Any] | None = None
 
     def _make_current(self) -> None:
         """Entered: ``current_claim()`` (and so ``inbox_claims.nylas.send``) finds this claim from now on."""

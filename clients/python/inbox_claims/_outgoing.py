@@ -73,18 +73,32 @@ class OutgoingRules:
                 raise ValueError(f"mailbox_addresses: {address!r} is not an email address")
         return cls(DEFAULT_SENT_FOLDERS | frozenset(folders), frozenset(_normal_address(a) for a in addresses))
 
-    def match(self, message: Mapping[str, Any]) -> OutgoingMatch | None:
-        """Why the Nylas message object ``message`` is outgoing, or None when it is incoming. Fields of another
-        shape than Nylas documents are ignored, never an error."""
-        folders = message.get("folders")
-        if isinstance(folders, list):
-            for folder in folders:
-                if isinstance(folder, str) and folder in self.sent_folders:
-                    return OutgoingMatch("sent_folder", folder)
-        senders = message.get("from")
-        if isinstance(senders, list) and self.mailbox_addresses:
-            for sender in senders:
-                email = sender.get("email") if isinstance(sender, dict) else None
-                if isinstance(email, str) and _normal_address(email) in self.mailbox_addresses:
-                    return OutgoingMatch("mailbox_address", _normal_address(email))
+    def judge(
+        self, folders: Iterable[str], from_addresses: Iterable[str], more_addresses: Iterable[str] = ()
+    ) -> OutgoingMatch | None:
+        """Why a message is outgoing, from the neutral facts every provider gives (its folder or label ids, its
+        sender addresses), or None when it is incoming. ``more_addresses``: the mailbox's addresses a provider knows
+        besides the settings (Gmail's user). A claim stamp alone never makes a message outgoing: anyone can write
+        the header into a mail they send (docs/design.md#providers)."""
+        for folder in folders:
+            if folder in self.sent_folders:
+                return OutgoingMatch("sent_folder", folder)
+        own = self.mailbox_addresses | {_normal_address(a) for a in more_addresses}
+        for address in from_addresses:
+            if _normal_address(address) in own:
+                return OutgoingMatch("mailbox_address", _normal_address(address))
         return None
+
+    def match(self, message: Mapping[str, Any]) -> OutgoingMatch | None:
+        """Why the Nylas message object ``message`` is outgoing (its ``folders`` and ``from``), or None when it is
+        incoming. Fields of another shape than Nylas documents are ignored, never an error."""
+        folders = message.get("folders")
+        senders = message.get("from")
+        return self.judge(
+            [f for f in folders if isinstance(f, str)] if isinstance(folders, list) else [],
+            [
+                s["email"]
+                for s in (senders if isinstance(senders, list) else [])
+                if isinstance(s, dict) and isinstance(s.get("email"), str)
+            ],
+        )

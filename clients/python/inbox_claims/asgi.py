@@ -45,26 +45,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, MutableMapping
-from dataclasses import dataclass
-from typing import Any, Literal, TypedDict, Unpack, overload
-from urllib.parse import parse_qs
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
 
 from ._async import AsyncClaim, AsyncCoordinator
-from ._envelope import Notification, NotificationError, parse_notification
-from ._errors import CoordinatorUnavailable, QuotaExceeded
-from ._guard import ANSWERED_EVENTS, ReplyPolicy
-from ._webhooks import (
-    NYLAS_SIGNATURE_HEADER,
-    WebhookVerificationError,
-    nylas_challenge_response,
-    sign_nylas,
-    sign_standard_webhook,
-    verify_nylas_signature,
-    verify_standard_webhook,
+from ._effects import Flow
+from ._envelope import Notification
+from ._errors import CoordinatorUnavailable, PermissionDenied, QuotaExceeded, Unauthenticated
+from ._guard import ANSWERED_EVENTS, ReplyPolicy, outgoing_of
+from ._outgoing import OutgoingRules
+from .providers._seam import (
+    Accepted,
+    Answer,
+    Batch,
+    MessageFacts,
+    Provider,
+    ProviderError,
+    RangesTaken,
+    WebhookRequest,
+    periodic_check,
+    retry_later,
 )
+from .providers.nylas import NylasProvider
 
 __all__ = [
     "DEFAULT_EVENTS",
@@ -75,7 +81,10 @@ __all__ = [
     "WebhookGate",
     "WebhookOptions",
     "nylas_webhook_app",
+    "webhook_app",
 ]
+
+T = TypeVar("T")
 
 log = logging.getLogger("inbox_claims.webhooks")
 
@@ -92,125 +101,90 @@ DEFAULT_EVENTS = ANSWERED_EVENTS
 DEFAULT_ADMISSION_TIMEOUT = 5.0
 """Seconds a notification waits for the coordinator to record it before it is answered 503 (Nylas gives 10)."""
 _TEXT = "text/plain; charset=utf-8"
+GIVE_BACK_S = 2.0
+"""Seconds a failed delivery's cursor ranges get to be given back; past it they wait for their leases."""
 
 
-@dataclass(frozen=True, slots=True)
-class GateAnswer:
-    """What to answer one webhook request; ``notification`` is set when the body was accepted (hand it on)."""
+GateAnswer = Answer
+"""What to answer one webhook request (the providers' :class:`~inbox_claims.providers.Answer`)."""
 
-    status: int
-    body: str
-    headers: tuple[tuple[str, str], ...] = ()
-    notification: Notification | None = None
 
-    @property
-    def content_type(self) -> str:
-        return _TEXT
+def plain(flow: Flow[T]) -> T:
+    """Runs a flow that performs no effect (a Nylas check, which reads only the request)."""
+    try:
+        effect = next(flow)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    raise TypeError(f"this provider needs a coordinator to run its checks (it asked for {effect!r})")
 
 
 class WebhookGate:
-    """The checks of a webhook request, without any web framework: challenge, size, signature, envelope.
+    """The checks of a webhook request before the provider reads it: the body's size. ``provider`` then checks the
+    signature and answers the handshakes (docs/providers.md)."""
 
-    ``secret`` is the webhook secret (Nylas: the one shown when the webhook was created; Standard Webhooks:
-    ``whsec_<base64>``); it is checked here, so a misconfiguration fails at start, not on the first request.
-    """
-
-    def __init__(
-        self,
-        secret: str | bytes,
-        *,
-        scheme: Scheme = "nylas",
-        tolerance: float = 300.0,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    ) -> None:
-        if scheme == "nylas":
-            sign_nylas(b"", secret)  # raises on an empty or mistyped secret
-        elif scheme == "standard":
-            if not isinstance(secret, str):
-                raise TypeError("a Standard Webhooks secret is a str ('whsec_<base64>')")
-            sign_standard_webhook(b"", msg_id="config-check", timestamp=0, secret=secret)
-        else:
-            raise ValueError(f"scheme must be 'nylas' or 'standard', not {scheme!r}")
+    def __init__(self, provider: Provider, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
-        self.secret = secret
-        self.scheme: Scheme = scheme
-        self.tolerance = tolerance
+        self.provider = provider
         self.max_body_bytes = max_body_bytes
 
-    def too_large(self, content_length: str | None) -> GateAnswer | None:
+    def too_large(self, content_length: str | None) -> Answer | None:
         """``413`` when a declared ``Content-Length`` is over the limit (before reading the body)."""
         declared = (content_length or "").strip()
         return self.body_too_large() if declared.isdigit() and int(declared) > self.max_body_bytes else None
 
-    def body_too_large(self) -> GateAnswer:
-        return GateAnswer(413, f"body larger than {self.max_body_bytes} bytes")
+    def body_too_large(self) -> Answer:
+        return Answer(413, f"body larger than {self.max_body_bytes} bytes")
 
-    def check(self, method: str, query: str, headers: Mapping[str, str], body: bytes) -> GateAnswer:
-        """The answer to one request. ``query`` is the raw query string, ``headers`` has lower-case names,
-        ``body`` is the raw body exactly as received."""
-        if method in ("GET", "HEAD"):
-            return self._challenge(query)
-        if method != "POST":
-            return GateAnswer(405, "use GET ?challenge= or POST", (("allow", "GET, HEAD, POST"),))
+    def request(self, method: str, query: str, headers: Mapping[str, str], body: bytes) -> WebhookRequest | Answer:
         if len(body) > self.max_body_bytes:
             return self.body_too_large()
-        try:
-            if self.scheme == "nylas":
-                verify_nylas_signature(body, headers.get(NYLAS_SIGNATURE_HEADER), self.secret)
-            else:
-                assert isinstance(self.secret, str)
-                verify_standard_webhook(body, headers, self.secret, tolerance=self.tolerance)
-        except WebhookVerificationError as error:
-            log.warning("webhook refused (401): %s", error)
-            return GateAnswer(401, f"signature refused: {error}")
-        try:
-            notification = parse_notification(body)
-        except NotificationError as error:
-            log.warning("webhook refused (400): %s", error)
-            return GateAnswer(400, f"not a notification envelope: {error}")
-        return GateAnswer(200, "ok", notification=notification)
-
-    def _challenge(self, query: str) -> GateAnswer:
-        parsed = parse_qs(query, keep_blank_values=True)
-        single: dict[str, Any] = {name: values[0] if len(values) == 1 else values for name, values in parsed.items()}
-        try:
-            value = nylas_challenge_response(single)
-        except WebhookVerificationError as error:
-            return GateAnswer(400, str(error))
-        if value is None:
-            return GateAnswer(400, "expected GET ?challenge=<value> (endpoint verification) or a signed POST")
-        return GateAnswer(200, value)
+        return WebhookRequest(method, query, headers, body)
 
 
-def closing_answer() -> GateAnswer:
-    return GateAnswer(503, "shutting down; deliver again later", (("retry-after", "5"),))
+def checked(answer: Answer | Accepted, provider: Provider) -> Answer | Accepted:
+    """Logs a refusal (one WARNING line: a forged or malformed request is worth an operator's look)."""
+    if isinstance(answer, Answer) and answer.status in (400, 401, 403):
+        log.warning("%s webhook refused (%d): %s", provider.name, answer.status, answer.body)
+    return answer
 
 
-OK = GateAnswer(200, "ok")
+def closing_answer() -> Answer:
+    return Answer(503, "shutting down; deliver again later", (("retry-after", "5"),))
 
 
-def unrecorded_answer(notification: Notification, error: Exception) -> GateAnswer:
-    """What a notification the coordinator did not record is answered: never 200, so that Nylas delivers it
-    again (``503`` while the coordinator cannot be reached, ``500`` for anything else, which is logged)."""
-    if isinstance(error, CoordinatorUnavailable | QuotaExceeded):
-        log.warning(
-            "notification %s answered 503, the coordinator did not record it: %s; Nylas delivers it again",
-            notification.notification_id,
-            error,
-        )
-        return GateAnswer(
-            503, "the coordinator could not record this notification; deliver it again later", (("retry-after", "5"),)
-        )
-    log.error("notification %s answered 500, not recorded", notification.notification_id, exc_info=error)
-    return GateAnswer(500, "this notification could not be recorded; see the agent's log")
+OK = Answer(200, "ok")
+
+
+def periodic_outcome(provider: str, answer: Answer | BaseException, interval: float) -> None:
+    """Logs a periodic check that recorded nothing (it runs again after ``interval`` seconds)."""
+    if isinstance(answer, BaseException):
+        log.error("the %s periodic check failed; it runs again in %g s", provider, interval, exc_info=answer)
+    elif answer.status >= 300:
+        log.warning("the %s periodic check recorded nothing (%s); again in %g s", provider, answer.body, interval)
+
+
+def unrecorded_answer(what: str, error: BaseException) -> Answer:
+    """What a delivery the coordinator did not record is answered: never 2xx, so that the provider delivers it
+    again (``503`` while the coordinator or the provider's API cannot answer; ``403`` when the coordinator refuses
+    this agent the mailbox, which an operator fixes in the token file, and the provider's next attempt then gets
+    through; ``500`` for anything else, logged)."""
+    if isinstance(error, CoordinatorUnavailable | QuotaExceeded | ProviderError | TimeoutError):
+        log.warning("%s answered 503, not recorded: %s; the provider delivers it again", what, error)
+        return retry_later("the coordinator could not record this notification")
+    if isinstance(error, PermissionDenied | Unauthenticated):
+        log.error("%s answered 403, not recorded: the coordinator refused this agent: %s", what, error.details)
+        return Answer(403, f"the coordinator refused this agent, nothing recorded: {error.details}")
+    log.error("%s answered 500, not recorded", what, exc_info=error)
+    return Answer(500, "this notification could not be recorded; see the agent's log")
 
 
 Handler = Callable[[Notification], Awaitable[object]]
 GuardedHandler = Callable[[Notification, AsyncClaim], Awaitable[object]]
+FactsHandler = Callable[[MessageFacts, AsyncClaim], Awaitable[object]]
 Work = Callable[[], Awaitable[object]]
-Admission = Callable[[Notification], Awaitable[Work | None]]
-"""Records a notification before it is answered (``coordinator=`` mode): the work to run after the 200, or None."""
+Admission = Callable[[Accepted], Awaitable[tuple[Answer, list[tuple[MessageFacts, Work]]]]]
+"""Records a delivery before it is answered (``coordinator=`` mode): the answer, and the work to run after it."""
 
 
 class WebhookApp:
@@ -229,6 +203,7 @@ class WebhookApp:
         *,
         shutdown_grace: float = 30.0,
         admission: Admission | None = None,
+        check: Callable[[WebhookRequest], Awaitable[Answer | Accepted]] | None = None,
     ) -> None:
         if (handler is None) == (admission is None):
             raise TypeError("pass either handler (run after the 200) or admission (recorded before it)")
@@ -238,6 +213,11 @@ class WebhookApp:
         self.shutdown_grace = shutdown_grace
         self._tasks: set[asyncio.Task[object]] = set()
         self._closing = False
+        self._check = check
+        # The provider's periodic check (Gmail's history check), run through the admission like a delivery.
+        self._periodic = periodic_check(gate.provider) if admission is not None else None
+        self._periodic_task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     @property
     def running(self) -> int:
@@ -253,33 +233,38 @@ class WebhookApp:
             await self._lifespan_protocol(receive, send)
             return
         if scope["type"] != "http":
-            raise RuntimeError(f"the Nylas webhook app serves HTTP, not {scope['type']}")
+            raise RuntimeError(f"the webhook app serves HTTP, not {scope['type']}")
+        self._start_periodic()  # where the app's lifespan was not run, from its first request
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         method = scope["method"]
+        answer: Answer | Accepted | WebhookRequest | None
         answer = self.gate.too_large(headers.get("content-length")) if method == "POST" else None
         if answer is None:
             body = await self._read_body(receive) if method == "POST" else b""
             if body is None:
                 return  # the client went away
-            answer = self.gate.check(method, scope.get("query_string", b"").decode("latin-1"), headers, body)
-        notification = answer.notification
-        if notification is not None:
-            answer = closing_answer() if self._closing else await self._accept(notification)
+            answer = self.gate.request(method, scope.get("query_string", b"").decode("latin-1"), headers, body)
+            if isinstance(answer, WebhookRequest):
+                answer = checked(await self._checked(answer), self.gate.provider)
+        if isinstance(answer, Accepted):
+            answer = closing_answer() if self._closing else await self._accept(answer)
         await _respond(send, answer, head=method == "HEAD")
 
-    async def _accept(self, notification: Notification) -> GateAnswer:
-        """Records the notification (with ``admission``) and starts its work; the answer to give Nylas."""
+    async def _checked(self, request: WebhookRequest) -> Answer | Accepted:
+        if self._check is not None:
+            return await self._check(request)
+        return plain(self.gate.provider.check(request))
+
+    async def _accept(self, accepted: Accepted) -> Answer:
+        """Records the delivery (with ``admission``) and starts its work; the answer to give the provider."""
         if self.admission is None:
             assert self.handler is not None
-            self._spawn(notification, functools.partial(self.handler, notification))
-            return OK
-        try:
-            work = await self.admission(notification)
-        except Exception as error:
-            return unrecorded_answer(notification, error)
-        if work is not None:
-            self._spawn(notification, work)
-        return OK
+            self._spawn(accepted.delivery, functools.partial(self.handler, accepted.delivery))
+            return self.gate.provider.acknowledge()
+        answer, works = await self.admission(accepted)
+        for facts, work in works:
+            self._spawn(facts, work)
+        return answer
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The raw body; past the size limit, only as much as shows it is too large (the rest is drained)."""
@@ -296,24 +281,56 @@ class WebhookApp:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _spawn(self, notification: Notification, work: Work) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._handle(notification, work), name=f"nylas webhook {notification.notification_id}"
+    def _start_periodic(self) -> None:
+        if self._periodic is None or self._periodic_task is not None or self._closing:
+            return
+        self._stopping = asyncio.Event()
+        self._periodic_task = asyncio.get_running_loop().create_task(
+            self._run_periodic(*self._periodic), name=f"{self.gate.provider.name} periodic check"
         )
+
+    async def _run_periodic(self, interval: float, delivery: Callable[[], Accepted]) -> None:
+        """Every ``interval`` seconds until the app closes: the provider's periodic check, admitted as a delivery
+        (its messages claimed, its cursor advanced) and its work run as a notification's."""
+        name = self.gate.provider.name
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), interval)
+            if self._stopping.is_set():
+                return
+            try:
+                answer: Answer | BaseException = await self._accept(delivery())
+            except Exception as error:
+                answer = error
+            periodic_outcome(name, answer, interval)
+
+    @property
+    def periodic_running(self) -> bool:
+        """True while the provider's periodic check is scheduled (Gmail's history check)."""
+        return self._periodic_task is not None and not self._periodic_task.done()
+
+    def _spawn(self, about: object, work: Work) -> None:
+        task = asyncio.get_running_loop().create_task(self._handle(about, work), name=f"webhook {_name(about)}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, notification: Notification, work: Work) -> object:
+    async def _handle(self, about: object, work: Work) -> object:
         try:
             return await work()
         except Exception:
-            log.exception("handling notification %s (%s) failed", notification.notification_id, notification.type)
+            log.exception("handling %s failed", _name(about))
             return None
 
     async def aclose(self, grace: float | None = None) -> None:
         """Stops taking notifications (``503``), waits up to ``grace`` seconds (default ``shutdown_grace``) for
         the running ones, then cancels what is left and waits for it to unwind."""
         self._closing = True
+        periodic, self._periodic_task = self._periodic_task, None
+        if periodic is not None:  # a check under way finishes (its range committed or given back)
+            self._stopping.set()
+            _, late = await asyncio.wait({periodic}, timeout=self._grace(grace))
+            if late:
+                periodic.cancel()
         tasks = set(self._tasks)
         if not tasks:
             return
@@ -330,8 +347,10 @@ class WebhookApp:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, *_app: object) -> AsyncIterator[None]:
-        """For Starlette/FastAPI's ``lifespan=``: on shutdown, let running work finish (see :meth:`aclose`)."""
+        """For Starlette/FastAPI's ``lifespan=``: the provider's periodic check scheduled from startup; on shutdown,
+        let running work finish (see :meth:`aclose`)."""
         self._closing = False
+        self._start_periodic()
         try:
             yield
         finally:
@@ -342,6 +361,7 @@ class WebhookApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 self._closing = False
+                self._start_periodic()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.aclose()
@@ -349,7 +369,15 @@ class WebhookApp:
                 return
 
 
-async def _respond(send: Send, answer: GateAnswer, *, head: bool = False) -> None:
+def _name(about: object) -> str:
+    if isinstance(about, Notification):
+        return f"notification {about.notification_id} ({about.type})"
+    if isinstance(about, MessageFacts):
+        return f"message {about.message_id} (notification {about.dedup_key})"
+    return repr(about)
+
+
+async def _respond(send: Send, answer: Answer, *, head: bool = False) -> None:
     body = answer.body.encode("utf-8")
     headers = [(b"content-type", answer.content_type.encode()), (b"content-length", str(len(body)).encode())]
     headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in answer.headers]
@@ -381,45 +409,108 @@ class WebhookOptions(TypedDict, total=False):
     (default 5; Nylas waits 10)."""
 
 
-def make_gate(secret: str | bytes, options: WebhookOptions) -> WebhookGate:
-    return WebhookGate(
-        secret,
-        scheme=options.get("scheme", "nylas"),
-        tolerance=options.get("tolerance", 300.0),
-        max_body_bytes=options.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES),
-    )
+def make_gate(provider: Provider, options: WebhookOptions) -> WebhookGate:
+    return WebhookGate(provider, max_body_bytes=options.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES))
 
 
-def admission_timeout(options: WebhookOptions) -> float:
-    timeout = options.get("admission_timeout", DEFAULT_ADMISSION_TIMEOUT)
-    if not 0 < timeout < 10:
-        raise ValueError(f"admission_timeout must be between 0 and 10 seconds (Nylas waits 10), not {timeout}")
+def nylas_provider(secret: str | bytes, options: WebhookOptions) -> NylasProvider:
+    return NylasProvider(secret, scheme=options.get("scheme", "nylas"), tolerance=options.get("tolerance", 300.0))
+
+
+def admission_timeout(options: WebhookOptions, provider: str = "nylas") -> float:
+    bound = _PROVIDER_WAIT.get(provider, 10.0)
+    timeout = options.get("admission_timeout", min(DEFAULT_ADMISSION_TIMEOUT, bound - 0.5))
+    if not 0 < timeout < bound:
+        raise ValueError(
+            f"admission_timeout must be between 0 and {bound:g} seconds ({provider} waits {bound:g}), not {timeout}"
+        )
     return float(timeout)
 
 
+# How long each provider waits for an answer: Nylas 10 s; Graph wants its 202 within 3 s; Pub/Sub's push
+# acknowledgement deadline is 10 s by default.
+_PROVIDER_WAIT = {"nylas": 10.0, "graph": 3.0, "gmail": 10.0}
+
+
+def with_outgoing(rules: OutgoingRules, provider: Provider, facts: MessageFacts) -> MessageFacts:
+    """The facts with the outgoing rules' verdict (the client's settings and the addresses the provider knows)."""
+    return dataclasses.replace(facts, outgoing=outgoing_of(rules, facts, provider.mailbox_addresses))
+
+
 def guarded_async(
-    coordinator: AsyncCoordinator, handle: GuardedHandler, policy: ReplyPolicy, timeout: float
-) -> Admission:
-    """For the policy's events: ``coordinator.reply_to(notification)`` admitted before the answer (a refusal
-    logged and dropped), and the work that runs ``handle(notification, claim)`` inside it afterwards."""
+    coordinator: AsyncCoordinator, provider: Provider, handle: FactsHandler, policy: ReplyPolicy, timeout: float
+) -> tuple[Admission, Callable[[WebhookRequest], Awaitable[Answer | Accepted]]]:
+    """For the policy's events: the delivery's batch opened, each message admitted (``coordinator.reply_to(facts)``:
+    a refusal logged and dropped), the batch committed, all before the answer; and the work that runs
+    ``handle(facts, claim)`` inside each claim afterwards. With the provider's check, run on the client's I/O."""
 
-    async def admit(notification: Notification) -> Work | None:
-        if not policy.wants(notification):
-            return None
-        claim = coordinator.reply_to(notification, **policy.claim_options())
-        with policy.absorbing(notification):
-            await claim.admit(within=timeout)
+    async def check(request: WebhookRequest) -> Answer | Accepted:
+        try:
+            return await coordinator._drive(provider.check(request))
+        except ProviderError as error:
+            return unrecorded_answer(f"a {provider.name} webhook", error)
 
-            async def work() -> object:
-                with policy.absorbing(notification):
-                    async with claim:
-                        return await handle(notification, claim)
-                return None
+    async def admit(accepted: Accepted) -> tuple[Answer, list[tuple[MessageFacts, Work]]]:
+        deadline = time.monotonic() + timeout
+        works: list[tuple[MessageFacts, Work]] = []
+        batch: Batch | None = None
+        ranges = RangesTaken(coordinator._core)
+        try:
+            async with asyncio.timeout(timeout):
+                batch = await coordinator._drive(provider.open(accepted, ranges))
+            for facts in batch.facts:
+                facts = with_outgoing(coordinator._core.options.outgoing, provider, facts)
+                if not policy.wants(facts):
+                    continue
+                claim = coordinator.reply_to(facts, **policy.claim_options())
+                with policy.absorbing(facts):
+                    await claim.admit(within=max(deadline - time.monotonic(), 0.05))
+                    works.append((facts, functools.partial(_guarded_work, policy, facts, claim, handle)))
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.05)):
+                await coordinator._drive(batch.commit())
+        except Exception as error:
+            # The claims admitted are recorded: their work runs. The rest is not: the provider delivers again, and
+            # what was recorded answers DUPLICATE_DELIVERY then. A cursor's range is given back unmoved, also when
+            # the provider failed (or ran out of time) before its batch was made.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(GIVE_BACK_S):
+                    if batch is not None:
+                        await coordinator._drive(batch.abandon())
+                    await coordinator._drive(ranges.give_back())
+            return unrecorded_answer(f"a {provider.name} delivery", error), works
+        for action in batch.actions:
+            log.info("%s: %s", provider.name, action)
+        return provider.acknowledge(), works
 
-            return work
-        return None
+    return admit, check
 
-    return admit
+
+async def _guarded_work(policy: ReplyPolicy, facts: MessageFacts, claim: AsyncClaim, handle: FactsHandler) -> object:
+    """The drafting of one admitted claim: ``handle(facts, claim)`` inside it, its refusals absorbed."""
+    with policy.absorbing(facts):
+        async with claim:
+            return await handle(facts, claim)
+    return None
+
+
+def webhook_app(
+    provider: Provider, handle: FactsHandler, *, coordinator: AsyncCoordinator, **options: Unpack[WebhookOptions]
+) -> WebhookApp:
+    """An ASGI app for any provider's webhook (docs/providers.md): the provider checks each request and opens its
+    delivery into facts; each incoming message is claimed before the provider gets its answer (Nylas 200, Graph
+    202, Gmail 200; 503 when the coordinator or the provider's API cannot answer within ``admission_timeout``),
+    and ``await handle(facts, claim)`` runs in the background inside each granted claim. An outgoing message is
+    reported, never handed to ``handle``. Options as :func:`nylas_webhook_app`'s (``scheme`` and ``tolerance``
+    belong to the provider)."""
+    admission, check = guarded_async(
+        coordinator, provider, handle, ReplyPolicy.of(options), admission_timeout(options, provider.name)
+    )
+    return WebhookApp(
+        make_gate(provider, options),
+        shutdown_grace=options.get("shutdown_grace", 30.0),
+        admission=admission,
+        check=check,
+    )
 
 
 @overload
@@ -448,9 +539,11 @@ def nylas_webhook_app(
     ``webhook-signature``, within ``tolerance`` seconds) instead of ``x-nylas-signature``. The other options:
     :class:`WebhookOptions`.
     """
-    gate = make_gate(secret, options)
-    grace = options.get("shutdown_grace", 30.0)
+    provider = nylas_provider(secret, options)
     if coordinator is None:
-        return WebhookApp(gate, handle, shutdown_grace=grace)
-    admission = guarded_async(coordinator, handle, ReplyPolicy.of(options), admission_timeout(options))
-    return WebhookApp(gate, shutdown_grace=grace, admission=admission)
+        return WebhookApp(make_gate(provider, options), handle, shutdown_grace=options.get("shutdown_grace", 30.0))
+
+    async def on_notification(facts: MessageFacts, claim: AsyncClaim) -> object:
+        return await handle(facts.source, claim)  # Nylas's handlers get the Notification, as they always did
+
+    return webhook_app(provider, on_notification, coordinator=coordinator, **options)

@@ -51,24 +51,43 @@ same code (:func:`build_send_request`, :func:`interpret_send_response`) and only
 
 from __future__ import annotations
 
-import json
-from collections.abc import Coroutine, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Self, overload
-from urllib.parse import quote
+from collections.abc import Coroutine, Generator
+from typing import Any, overload
 
 import httpx
 
 from ._async import AsyncClaim
-from ._envelope import Notification
-from ._errors import InboxClaimsError, SendRejected
-from ._guard import current_claim_base as current_claim
+from ._current import current_claim_base as current_claim
 from ._sync import Claim
+from .providers.nylas import (
+    DEFAULT_API_BASE,
+    DEFAULT_TIMEOUT,
+    MAX_IDEMPOTENCY_KEY_LENGTH,
+    SENT_ATTRIBUTE,
+    AsyncNylas,
+    Draft,
+    Nylas,
+    NylasDuplicateSend,
+    NylasReply,
+    NylasSendOutcomeUnknown,
+    NylasSendRejected,
+    SendRequest,
+    _payload,
+    _post_async,
+    _post_sync,
+    _send_headers,
+    _send_path,
+    build_send_request,
+    interpret_send_response,
+    sent_folders_in,
+    transport_failure,
+)
 
 __all__ = [
     "DEFAULT_API_BASE",
+    "DEFAULT_TIMEOUT",
     "MAX_IDEMPOTENCY_KEY_LENGTH",
+    "SENT_ATTRIBUTE",
     "AsyncNylas",
     "Nylas",
     "NylasDuplicateSend",
@@ -79,327 +98,9 @@ __all__ = [
     "build_send_request",
     "interpret_send_response",
     "send",
+    "sent_folders_in",
+    "transport_failure",
 ]
-
-DEFAULT_API_BASE = "https://api.us.nylas.com"
-MAX_IDEMPOTENCY_KEY_LENGTH = 256
-DEFAULT_TIMEOUT = 60.0
-
-Recipient = str | Mapping[str, str]
-
-
-class NylasSendOutcomeUnknown(InboxClaimsError):
-    """The send may or may not have gone out (5xx, timeout, connection error, unreadable answer).
-
-    Raised from a send function, ``claim.send`` leaves the subject SENDING (reported IN_DOUBT) and raises
-    :class:`~inbox_claims.SendOutcomeUnknown` from this. ``status_code`` is ``None`` when no answer came.
-    """
-
-    def __init__(self, message: str, *, status_code: int | None = None, request_id: str = "") -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.request_id = request_id
-
-
-class NylasDuplicateSend(NylasSendOutcomeUnknown):
-    """409: Nylas already took a request with this idempotency key (and another payload), in the last hour.
-
-    A reply for this subject went out or is in flight: never treat it as "not sent".
-    """
-
-
-class NylasSendRejected(SendRejected):
-    """A 4xx other than 409: Nylas refused the request, nothing was sent (``claim.send`` aborts: FREE)."""
-
-    def __init__(self, reason: str, *, status_code: int, request_id: str = "", error_type: str = "") -> None:
-        super().__init__(reason)
-        self.status_code = status_code
-        self.request_id = request_id
-        self.error_type = error_type
-
-
-@dataclass(frozen=True, slots=True)
-class NylasReply:
-    """What to send: ``to`` holds addresses (``"a@b.c"``) or Nylas participants (``{"email": ..., "name": ...}``);
-    ``fields`` are more fields of the Nylas send body (``reply_to``, ``tracking_options``...), sent as given."""
-
-    reply_to_message_id: str
-    to: Sequence[Recipient]
-    subject: str
-    body: str
-    cc: Sequence[Recipient] = ()
-    bcc: Sequence[Recipient] = ()
-    fields: Mapping[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def answering(cls, notification: Notification, *, body: str, subject: str | None = None) -> NylasReply:
-        """A reply to the message a notification is about: to its sender (its ``reply_to`` when set), with
-        ``"Re: "`` and its subject unless ``subject`` is given."""
-        message = notification.object
-        if notification.message_id is None:
-            raise ValueError(f"a {notification.type} notification is not about a message")
-        senders = message.get("reply_to") or message.get("from") or []
-        to = [dict(p) for p in senders if isinstance(p, Mapping) and p.get("email")]
-        if not to:
-            raise ValueError(f"message {notification.message_id!r} has no sender address to reply to")
-        if subject is None:
-            original = str(message.get("subject") or "")
-            subject = original if original.lower().startswith("re:") else f"Re: {original}".rstrip()
-        return cls(reply_to_message_id=notification.message_id, to=to, subject=subject, body=body)
-
-    def payload(self) -> dict[str, Any]:
-        """The JSON body of the send request."""
-        document: dict[str, Any] = dict(self.fields)
-        document.update(
-            reply_to_message_id=self.reply_to_message_id,
-            to=_participants(self.to, "to"),
-            subject=self.subject,
-            body=self.body,
-        )
-        for name, recipients in (("cc", self.cc), ("bcc", self.bcc)):
-            if recipients:
-                document[name] = _participants(recipients, name)
-        return document
-
-
-def _participants(recipients: Sequence[Recipient], name: str) -> list[dict[str, str]]:
-    if isinstance(recipients, str | Mapping):
-        raise TypeError(f"{name} must be a sequence of recipients, not one {type(recipients).__name__}")
-    participants = [{"email": r} if isinstance(r, str) else dict(r) for r in recipients]
-    if name == "to" and not participants:
-        raise ValueError("a reply needs at least one recipient in to")
-    for participant in participants:
-        if not participant.get("email"):
-            raise ValueError(f"every recipient in {name} needs an email address, not {participant!r}")
-    return participants
-
-
-@dataclass(frozen=True, slots=True)
-class SendRequest:
-    """One send request, ready for any HTTP client."""
-
-    url: str
-    headers: Mapping[str, str]
-    content: bytes
-
-
-def build_send_request(
-    api_base: str, api_key: str, grant_id: str, reply: NylasReply, *, idempotency_key: str
-) -> SendRequest:
-    """The ``POST .../v3/grants/{grant_id}/messages/send`` request for ``reply``."""
-    if not api_key:
-        raise ValueError("the Nylas API key is empty")
-    return SendRequest(
-        api_base.rstrip("/") + _send_path(grant_id), _send_headers(idempotency_key, api_key), _payload(reply)
-    )
-
-
-def _send_path(grant_id: str) -> str:
-    if not grant_id:
-        raise ValueError("grant_id is empty: pass the notification's grant_id")
-    return f"/v3/grants/{quote(grant_id, safe='')}/messages/send"
-
-
-def _send_headers(idempotency_key: str, api_key: str | None) -> dict[str, str]:
-    """The send's headers; ``Authorization`` only with an ``api_key`` (else the HTTP client's own is used)."""
-    if not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY_LENGTH or not idempotency_key.isascii():
-        raise ValueError(
-            f"idempotency_key must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} ASCII characters (pass claim.idempotency_key)"
-        )
-    headers = {"Idempotency-Key": idempotency_key, "Content-Type": "application/json", "Accept": "application/json"}
-    if api_key is not None:
-        if not api_key:
-            raise ValueError("the Nylas API key is empty")
-        headers["Authorization"] = f"Bearer {api_key}"
-    return headers
-
-
-def interpret_send_response(status_code: int, content: bytes) -> str | None:
-    """The sent message's id from a 2xx answer, or the exception for any other (see the module's table).
-
-    A 2xx answer without a readable ``data.id`` still means the message went out: ``None`` (recorded as
-    REPLIED without an id).
-    """
-    document = _json(content)
-    data = document.get("data")
-    request_id = str(document.get("request_id") or "")
-    error = document.get("error")
-    if not isinstance(error, Mapping):
-        error = {}
-    detail = str(error.get("message") or content[:200].decode("utf-8", "replace")).strip()
-    if 200 <= status_code < 300:
-        sent_id = data.get("id") if isinstance(data, Mapping) else None
-        return sent_id if isinstance(sent_id, str) and sent_id else None
-    if status_code == 409:
-        raise NylasDuplicateSend(
-            f"Nylas answered 409: a send with this idempotency key went out or is in flight ({detail})",
-            status_code=409,
-            request_id=request_id,
-        )
-    if 400 <= status_code < 500:
-        raise NylasSendRejected(
-            f"Nylas refused the send (HTTP {status_code}): {detail}",
-            status_code=status_code,
-            request_id=request_id,
-            error_type=str(error.get("type") or ""),
-        )
-    raise NylasSendOutcomeUnknown(
-        f"Nylas answered HTTP {status_code}; the message may have been sent: {detail}",
-        status_code=status_code,
-        request_id=request_id,
-    )
-
-
-def _json(content: bytes) -> Mapping[str, Any]:
-    try:
-        document = json.loads(content) if content else {}
-    except ValueError:
-        return {}
-    return document if isinstance(document, Mapping) else {}
-
-
-def transport_failure(error: httpx.HTTPError) -> NylasSendOutcomeUnknown:
-    """What a request that got no answer (timeout, connection error) means: the outcome is unknown."""
-    kind = "timed out" if isinstance(error, httpx.TimeoutException) else f"failed ({type(error).__name__})"
-    return NylasSendOutcomeUnknown(f"the Nylas send request {kind}; the message may have been sent: {error}")
-
-
-SENT_ATTRIBUTE = "\\Sent"
-"""The attribute Nylas gives a sent folder, on every provider."""
-
-
-def sent_folders_in(document: Mapping[str, Any]) -> tuple[list[str], str]:
-    """From one page of ``GET /v3/grants/{grant_id}/folders``: the ids of the folders whose ``attributes`` hold
-    ``\\Sent``, and the cursor of the next page (empty on the last)."""
-    data = document.get("data")
-    folders = data if isinstance(data, list) else []
-    ids = [
-        folder["id"]
-        for folder in folders
-        if isinstance(folder, Mapping)
-        and isinstance(folder.get("id"), str)
-        and isinstance(folder.get("attributes"), list)
-        and SENT_ATTRIBUTE in folder["attributes"]
-    ]
-    cursor = document.get("next_cursor")
-    return ids, cursor if isinstance(cursor, str) else ""
-
-
-def _folders_path(grant_id: str) -> str:
-    if not grant_id:
-        raise ValueError("grant_id is empty")
-    return f"/v3/grants/{quote(grant_id, safe='')}/folders"
-
-
-class _NylasBase:
-    def __init__(self, api_key: str, *, api_base: str = DEFAULT_API_BASE, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """``api_key``: the Nylas application's API key. ``api_base``: ``https://api.us.nylas.com`` (default) or
-        ``https://api.eu.nylas.com``. ``timeout``: seconds for the whole send; past it the outcome is unknown."""
-        if not api_key:
-            raise ValueError("the Nylas API key is empty")
-        if not api_base.startswith(("https://", "http://")):
-            raise ValueError(f"api_base must be an http(s) URL such as {DEFAULT_API_BASE!r}, not {api_base!r}")
-        self.api_key = api_key
-        self.api_base = api_base
-        self.timeout = timeout
-
-    def _request(self, grant_id: str, reply: NylasReply, idempotency_key: str) -> SendRequest:
-        return build_send_request(self.api_base, self.api_key, grant_id, reply, idempotency_key=idempotency_key)
-
-    def _folders_request(self, grant_id: str, cursor: str) -> tuple[str, dict[str, str], dict[str, str]]:
-        params = {"page_token": cursor} if cursor else {}
-        headers = {"Authorization": f"Bearer {self.api_key}", "Accept": "application/json"}
-        return self.api_base.rstrip("/") + _folders_path(grant_id), headers, params
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(api_base={self.api_base!r})"
-
-
-class Nylas(_NylasBase):
-    """The blocking Nylas send adapter (one ``httpx.Client``; thread-safe). Close it, or use ``with``."""
-
-    def __init__(self, api_key: str, *, api_base: str = DEFAULT_API_BASE, timeout: float = DEFAULT_TIMEOUT) -> None:
-        super().__init__(api_key, api_base=api_base, timeout=timeout)
-        self._http = httpx.Client(timeout=timeout)
-
-    def send(self, grant_id: str, reply: NylasReply, *, idempotency_key: str) -> str | None:
-        """Sends ``reply`` from ``grant_id``; returns the sent message id. Raises as the module's table says."""
-        return _post_sync(self._http, self._request(grant_id, reply, idempotency_key))
-
-    def sent_folder_ids(self, grant_id: str) -> list[str]:
-        """The ids of the grant's sent folders (``attributes`` holding ``\\Sent``), every page; for the guard's
-        ``sent_folders``. Raises ``httpx.HTTPStatusError`` when Nylas refuses."""
-        ids: list[str] = []
-        cursor = ""
-        while True:
-            url, headers, params = self._folders_request(grant_id, cursor)
-            response = self._http.get(url, headers=headers, params=params)
-            response.raise_for_status()
-            found, cursor = sent_folders_in(_json(response.content))
-            ids += found
-            if not cursor:
-                return ids
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class AsyncNylas(_NylasBase):
-    """The asyncio Nylas send adapter (one ``httpx.AsyncClient``). ``await close()`` it, or ``async with``."""
-
-    def __init__(self, api_key: str, *, api_base: str = DEFAULT_API_BASE, timeout: float = DEFAULT_TIMEOUT) -> None:
-        super().__init__(api_key, api_base=api_base, timeout=timeout)
-        self._http = httpx.AsyncClient(timeout=timeout)
-
-    async def send(self, grant_id: str, reply: NylasReply, *, idempotency_key: str) -> str | None:
-        """Sends ``reply`` from ``grant_id``; returns the sent message id. Raises as the module's table says."""
-        return await _post_async(self._http, self._request(grant_id, reply, idempotency_key))
-
-    async def sent_folder_ids(self, grant_id: str) -> list[str]:
-        """See :meth:`Nylas.sent_folder_ids`."""
-        ids: list[str] = []
-        cursor = ""
-        while True:
-            url, headers, params = self._folders_request(grant_id, cursor)
-            response = await self._http.get(url, headers=headers, params=params)
-            response.raise_for_status()
-            found, cursor = sent_folders_in(_json(response.content))
-            ids += found
-            if not cursor:
-                return ids
-
-    async def close(self) -> None:
-        await self._http.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
-
-# ------------------------------------------------------------------------------------- send(http, ...)
-
-Draft = NylasReply | Mapping[str, Any]
-"""What to send: a :class:`NylasReply`, or the JSON body of Nylas's send request as a dict."""
-
-
-def _payload(draft: Draft) -> bytes:
-    if isinstance(draft, NylasReply):
-        return json.dumps(draft.payload()).encode("utf-8")
-    if not isinstance(draft, Mapping):
-        raise TypeError(
-            f"draft must be a NylasReply or the send request's JSON body (a dict), not {type(draft).__name__}"
-        )
-    return json.dumps(dict(draft)).encode("utf-8")
 
 
 def _client_request(
@@ -427,22 +128,6 @@ def _client_request(
     path = _send_path(grant_id)
     url = api_base.rstrip("/") + path if api_base else path  # a path alone is sent to the client's base_url
     return SendRequest(url, _send_headers(idempotency_key, api_key), _payload(draft))
-
-
-def _post_sync(client: httpx.Client, request: SendRequest) -> str | None:
-    try:
-        response = client.post(request.url, headers=dict(request.headers), content=request.content)
-    except httpx.HTTPError as error:
-        raise transport_failure(error) from error
-    return interpret_send_response(response.status_code, response.content)
-
-
-async def _post_async(client: httpx.AsyncClient, request: SendRequest) -> str | None:
-    try:
-        response = await client.post(request.url, headers=dict(request.headers), content=request.content)
-    except httpx.HTTPError as error:
-        raise transport_failure(error) from error
-    return interpret_send_response(response.status_code, response.content)
 
 
 class NylasSend:

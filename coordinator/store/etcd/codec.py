@@ -21,6 +21,8 @@ fields are left out, and a REPLIED record keeps only what a reply record is for 
     end mark:  {"w": reason, "b": by, "o": token, "p": previous holder, "r": request id, "g": its fingerprint,
                 "t": at ms, "n": detail, "u": 0 when it leaves its notification redeliverable,
                 "x": the outside reply an undo withdrew, "i": its thread}
+    cursor:    {"v": value, "p": position, "q": last advance's request id, "g": its fingerprint}
+    range:     {"b": holder, "r": request id, "g": its fingerprint, "x": expires ms}
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import json
 from typing import Any
 
 from coordinator.core.domain import (
+    CursorRange,
+    CursorRecord,
     DeliveryRecord,
     EndMark,
     EndReason,
@@ -246,3 +250,21 @@ def decode_delivery(value: bytes, mailbox: str, notification_id: str) -> Deliver
         fingerprint=data.get("g", ""),
         summary=Summary(*data["v"]) if "v" in data else None,
     )
+
+
+def encode_cursor(cursor: CursorRecord) -> bytes:
+    return _dump({"v": cursor.value, "p": cursor.position, "q": cursor.last_request_id, "g": cursor.last_fingerprint})
+
+
+def decode_cursor(value: bytes) -> CursorRecord:
+    data = json.loads(value)
+    return CursorRecord(data.get("v", ""), int(data.get("p", 0)), data.get("q", ""), data.get("g", ""))
+
+
+def encode_cursor_range(taken: CursorRange) -> bytes:
+    return _dump({"b": taken.holder, "r": taken.request_id, "g": taken.fingerprint, "x": taken.expires_ms})
+
+
+def decode_cursor_range(value: bytes) -> CursorRange:
+    data = json.loads(value)
+    return CursorRange(data.get("b", ""), data.get("r", ""), data.get("g", ""), int(data.get("x", 0)))

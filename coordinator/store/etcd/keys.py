@@ -11,6 +11,8 @@ Under the deployment prefix P:
     P t/<mailbox>/<thread>/s/<kind>/<id>   a subject claimed for a message of the thread, and when that
                                     message was received (for replies written outside the coordinator)
     P t/<mailbox>/<thread>/r        the latest reply written outside the coordinator in the thread
+    P c/<mailbox>/<name>            a cursor (docs/design.md#cursors): its value and position
+    P c/<mailbox>/<name>/r          its range in progress, on an etcd lease of the range's TTL
 
 One thread's keys share the prefix ``P t/<mailbox>/<thread>/``: RecordOutgoing reads them with one range and
 compares that range unchanged when it writes.
@@ -33,6 +35,7 @@ _SENDING_FAMILY = b"x/"
 _SENDING_INDEX = _SENDING_FAMILY + b"s/"
 _SEND_MARKERS = _SENDING_FAMILY + b"l/"
 _THREADS = b"t/"
+_CURSORS = b"c/"
 
 # The families counted for operators (the etcd_keys metric, docs/operations.md). "sending" counts the SENDING
 # index (one key per send begun and not settled), not the send markers beside it.
@@ -109,6 +112,12 @@ class Keys:
         if len(parts) != 3 or parts[0] != "s":
             return None
         return Subject(mailbox, SubjectKind(parts[1]), unquote(parts[2]))
+
+    def cursor(self, mailbox: str, name: str) -> bytes:
+        return self._root + _CURSORS + f"{_enc(mailbox)}/{_enc(name)}".encode()
+
+    def cursor_range(self, mailbox: str, name: str) -> bytes:
+        return self.cursor(mailbox, name) + b"/r"
 
     def deliveries(self, mailbox: str) -> bytes:
         """The prefix of one mailbox's delivery records."""

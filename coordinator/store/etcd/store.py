@@ -23,6 +23,9 @@ from aetcd import rpc
 
 from coordinator.core import work
 from coordinator.core.domain import (
+    CursorRange,
+    CursorRecord,
+    CursorView,
     DeliveryRecord,
     EndMark,
     OutsideReply,
@@ -421,6 +424,56 @@ class EtcdStore:
             self._remember(self.keys.subject(entry.subject), after)
             written[entry.subject] = after
         return written
+
+    # --- cursors (docs/design.md#cursors) ---------------------------------------------------------------------
+
+    async def read_cursor(self, mailbox: str, name: str) -> CursorView:
+        cursor_key, range_key = self.keys.cursor(mailbox, name), self.keys.cursor_range(mailbox, name)
+        response = await self._txn([], [_op_get(cursor_key), _op_get(range_key)], [], frozenset())
+        cursor_kv, range_kv = _first_kv(response.responses[0]), _first_kv(response.responses[1])
+        return CursorView(
+            _codec.decode_cursor(cursor_kv.value) if cursor_kv is not None else None,
+            int(cursor_kv.mod_revision) if cursor_kv is not None else 0,
+            _codec.decode_cursor_range(range_kv.value) if range_kv is not None else None,
+            int(range_kv.create_revision) if range_kv is not None else 0,
+        )
+
+    def _cursor_as_read(self, cursor_key: bytes, view: CursorView) -> Any:
+        return _unchanged_since(cursor_key, view.cursor_revision) if view.cursor_revision else _absent(cursor_key)
+
+    async def take_cursor_range(
+        self, mailbox: str, name: str, view: CursorView, taken: CursorRange, expires_ms: int
+    ) -> int | None:
+        cursor_key, range_key = self.keys.cursor(mailbox, name), self.keys.cursor_range(mailbox, name)
+
+        async def attempt() -> Any:
+            lease = await self._lease(expires_ms)
+            return await self._txn(
+                [self._cursor_as_read(cursor_key, view), _absent(range_key)],
+                [_op_put(range_key, _codec.encode_cursor_range(taken), lease)],
+                [],
+                frozenset((cursor_key, range_key)),
+            )
+
+        response = await self._with_leases(attempt)
+        return int(response.header.revision) if response.succeeded else None
+
+    async def advance_cursor(self, mailbox: str, name: str, view: CursorView, cursor: CursorRecord) -> bool:
+        cursor_key, range_key = self.keys.cursor(mailbox, name), self.keys.cursor_range(mailbox, name)
+        range_as_read = (
+            rpc.Compare(
+                key=range_key, result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE, create_revision=view.range_token
+            )
+            if view.range_token
+            else _absent(range_key)
+        )
+        response = await self._txn(
+            [self._cursor_as_read(cursor_key, view), range_as_read],
+            [_op_put(cursor_key, _codec.encode_cursor(cursor)), _op_delete(range_key)],
+            [],
+            frozenset((cursor_key, range_key)),
+        )
+        return bool(response.succeeded)
 
     async def read(self, subject: Subject) -> tuple[Stored | None, EndMark | None]:
         reads = [_op_get(self.keys.subject(subject)), _op_get(self.keys.end_mark(subject))]

@@ -1770,6 +1770,7 @@ class RecordOutgoingRequest(_message.Message):
     THREAD_ID_FIELD_NUMBER: _builtins.int
     SENT_AT_FIELD_NUMBER: _builtins.int
     SENDER_FIELD_NUMBER: _builtins.int
+    CLAIM_TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     mailbox: _builtins.str
     """The mailbox the message belongs to, as ClaimReply names it (the grant id, or the address)."""
@@ -1784,6 +1785,12 @@ class RecordOutgoingRequest(_message.Message):
     sender: _builtins.str
     """Who sent it, as people read it ("Ana Lima <ana@shop.example>"): shown on the board. Up to 512 bytes
     (SENDER_MAX_BYTES), no control characters.
+    """
+    claim_token: _builtins.int
+    """Optional: the fencing token of the claim stamp the message carries (`X-Inbox-Claim`, docs/providers.md), when it
+    is a reply sent through a provider that takes no idempotency key. When a subject of the thread is SENDING or
+    IN_DOUBT with this token, the message is that send's copy: the subject becomes REPLIED with this message id,
+    `settled_by` the caller, and the answer is OWN_REPLY. 0: no stamp.
     """
     @_builtins.property
     def sent_at(self) -> _timestamp_pb2.Timestamp:
@@ -1801,14 +1808,257 @@ class RecordOutgoingRequest(_message.Message):
         thread_id: _builtins.str = ...,
         sent_at: _timestamp_pb2.Timestamp | None = ...,
         sender: _builtins.str = ...,
+        claim_token: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sent_at", b"sent_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mailbox", b"mailbox", "message_id", b"message_id", "notification_id", b"notification_id", "request_id", b"request_id", "sender", b"sender", "sent_at", b"sent_at", "thread_id", b"thread_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_token", b"claim_token", "mailbox", b"mailbox", "message_id", b"message_id", "notification_id", b"notification_id", "request_id", b"request_id", "sender", b"sender", "sent_at", b"sent_at", "thread_id", b"thread_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RecordOutgoingRequest: _TypeAlias = RecordOutgoingRequest  # noqa: Y015
+
+@_typing.final
+class GetCursorRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAILBOX_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    mailbox: _builtins.str
+    name: _builtins.str
+    """The cursor's name within the mailbox (`gmail-history`, `graph-delta:inbox`): 1 to 128 bytes of [A-Za-z0-9._:-]."""
+    def __init__(
+        self,
+        *,
+        mailbox: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mailbox", b"mailbox", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCursorRequest: _TypeAlias = GetCursorRequest  # noqa: Y015
+
+@_typing.final
+class CursorRangeInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDER_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    RANGE_TOKEN_FIELD_NUMBER: _builtins.int
+    holder: _builtins.str
+    """Who holds the range (a principal) and when its lease ends (approximate: the writing replica's clock)."""
+    range_token: _builtins.int
+    """The range's token (the revision that took it)."""
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        holder: _builtins.str = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        range_token: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "holder", b"holder", "range_token", b"range_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CursorRangeInfo: _TypeAlias = CursorRangeInfo  # noqa: Y015
+
+@_typing.final
+class GetCursorResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VALUE_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    RANGE_FIELD_NUMBER: _builtins.int
+    value: _builtins.str
+    position: _builtins.int
+    @_builtins.property
+    def range(self) -> Global___CursorRangeInfo:
+        """Set while a range is taken and its lease lasts."""
+
+    def __init__(
+        self,
+        *,
+        value: _builtins.str = ...,
+        position: _builtins.int = ...,
+        range: Global___CursorRangeInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["position", b"position", "range", b"range", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCursorResponse: _TypeAlias = GetCursorResponse  # noqa: Y015
+
+@_typing.final
+class TakeCursorRangeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MAILBOX_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    THROUGH_POSITION_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    mailbox: _builtins.str
+    name: _builtins.str
+    through_position: _builtins.int
+    """The position the caller's notification reaches (Gmail: the push's history id): COVERED when the cursor is at or
+    past it already. 0: always take a range (a periodic check, a resync).
+    """
+    ttl_seconds: _builtins.int
+    """The range's lease, 5 to 3600 seconds; 0 means 60."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        mailbox: _builtins.str = ...,
+        name: _builtins.str = ...,
+        through_position: _builtins.int = ...,
+        ttl_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mailbox", b"mailbox", "name", b"name", "request_id", b"request_id", "through_position", b"through_position", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TakeCursorRangeRequest: _TypeAlias = TakeCursorRangeRequest  # noqa: Y015
+
+@_typing.final
+class TakeCursorRangeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Result:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ResultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[TakeCursorRangeResponse._Result.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        RESULT_UNSPECIFIED: TakeCursorRangeResponse._Result.ValueType  # 0
+        TAKEN: TakeCursorRangeResponse._Result.ValueType  # 1
+        COVERED: TakeCursorRangeResponse._Result.ValueType  # 2
+        BUSY: TakeCursorRangeResponse._Result.ValueType  # 3
+
+    class Result(_Result, metaclass=_ResultEnumTypeWrapper): ...
+    RESULT_UNSPECIFIED: TakeCursorRangeResponse.Result.ValueType  # 0
+    TAKEN: TakeCursorRangeResponse.Result.ValueType  # 1
+    COVERED: TakeCursorRangeResponse.Result.ValueType  # 2
+    BUSY: TakeCursorRangeResponse.Result.ValueType  # 3
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    RANGE_TOKEN_FIELD_NUMBER: _builtins.int
+    BUSY_FIELD_NUMBER: _builtins.int
+    result: Global___TakeCursorRangeResponse.Result.ValueType
+    value: _builtins.str
+    """TAKEN: the range starts here (the cursor's value and position now). COVERED: the cursor's value and position."""
+    position: _builtins.int
+    range_token: _builtins.int
+    """TAKEN: the token to advance with. BUSY: the other range (holder, end)."""
+    @_builtins.property
+    def busy(self) -> Global___CursorRangeInfo: ...
+    def __init__(
+        self,
+        *,
+        result: Global___TakeCursorRangeResponse.Result.ValueType = ...,
+        value: _builtins.str = ...,
+        position: _builtins.int = ...,
+        range_token: _builtins.int = ...,
+        busy: Global___CursorRangeInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "position", b"position", "range_token", b"range_token", "result", b"result", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TakeCursorRangeResponse: _TypeAlias = TakeCursorRangeResponse  # noqa: Y015
+
+@_typing.final
+class AdvanceCursorRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MAILBOX_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    RANGE_TOKEN_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    mailbox: _builtins.str
+    name: _builtins.str
+    range_token: _builtins.int
+    """The token TakeCursorRange answered."""
+    value: _builtins.str
+    """The cursor's new value (up to 4096 bytes) and position (at least the cursor's)."""
+    position: _builtins.int
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        mailbox: _builtins.str = ...,
+        name: _builtins.str = ...,
+        range_token: _builtins.int = ...,
+        value: _builtins.str = ...,
+        position: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mailbox", b"mailbox", "name", b"name", "position", b"position", "range_token", b"range_token", "request_id", b"request_id", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdvanceCursorRequest: _TypeAlias = AdvanceCursorRequest  # noqa: Y015
+
+@_typing.final
+class AdvanceCursorResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Result:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ResultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[AdvanceCursorResponse._Result.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        RESULT_UNSPECIFIED: AdvanceCursorResponse._Result.ValueType  # 0
+        OK: AdvanceCursorResponse._Result.ValueType  # 1
+        STALE_RANGE: AdvanceCursorResponse._Result.ValueType  # 2
+
+    class Result(_Result, metaclass=_ResultEnumTypeWrapper): ...
+    RESULT_UNSPECIFIED: AdvanceCursorResponse.Result.ValueType  # 0
+    OK: AdvanceCursorResponse.Result.ValueType  # 1
+    STALE_RANGE: AdvanceCursorResponse.Result.ValueType  # 2
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    result: Global___AdvanceCursorResponse.Result.ValueType
+    value: _builtins.str
+    """The cursor as it is now."""
+    position: _builtins.int
+    def __init__(
+        self,
+        *,
+        result: Global___AdvanceCursorResponse.Result.ValueType = ...,
+        value: _builtins.str = ...,
+        position: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["position", b"position", "result", b"result", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdvanceCursorResponse: _TypeAlias = AdvanceCursorResponse  # noqa: Y015
 
 @_typing.final
 class RecordOutgoingResponse(_message.Message):

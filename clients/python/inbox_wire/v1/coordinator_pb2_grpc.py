@@ -120,6 +120,21 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.FromString,
                 _registered_method=True)
+        self.GetCursor = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/GetCursor',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse.FromString,
+                _registered_method=True)
+        self.TakeCursorRange = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/TakeCursorRange',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse.FromString,
+                _registered_method=True)
+        self.AdvanceCursor = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/AdvanceCursor',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse.FromString,
+                _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/inbox.coordinator.v1.Coordinator/Batch',
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.BatchRequest.SerializeToString,
@@ -372,6 +387,41 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCursor(self, request, context):
+        """Reads a mailbox's named cursor (docs/design.md#cursors): its value (opaque to the coordinator), its position
+        and the range in progress, if any. A cursor never written answers an empty value at position 0.
+        Errors: INVALID_ARGUMENT (INVALID_FIELD) for a name that is empty, over 128 bytes or not
+        [A-Za-z0-9._:-]; authorized as RecordOutgoing (a reporter's call).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TakeCursorRange(self, request, context):
+        """Takes the next range of a mailbox's cursor, from its current value, for `ttl_seconds` (5 to 3600, 0 means 60):
+        TAKEN (the range's start and its token, the revision that wrote it), COVERED (the position is at or past
+        `through_position` already: nothing to do; never when `through_position` is 0) or BUSY (another range's lease
+        lasts: its holder and end). Two workers never hold a range of one cursor at once; a range whose holder died ends
+        with its lease (etcd's), and the next take gets it. A retry (same request id) answers the range it took while that
+        range stands. Errors: the common ones, INVALID_ARGUMENT (INVALID_FIELD) for the name or the TTL,
+        REQUEST_ID_REUSED; authorized as RecordOutgoing (a reporter's call).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdvanceCursor(self, request, context):
+        """Moves a cursor to the end of the caller's range and ends the range, in one transaction: only while the range is
+        the one `range_token` took, or, lapsed, no range was taken and no advance made since (OK); otherwise STALE_RANGE
+        (another worker took the range: advance nothing, what was recorded stays recorded). Advancing to the range's
+        start gives it back. A retry answers OK. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a position smaller than
+        the cursor's (a cursor never goes back), a value over 4096 bytes, a missing token; REQUEST_ID_REUSED;
+        authorized as RecordOutgoing (a reporter's call).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Batch(self, request, context):
         """Several independent calls in one round trip: what a client sends when many of its callers (the
         handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
@@ -474,6 +524,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RecordOutgoing,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.SerializeToString,
+            ),
+            'GetCursor': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCursor,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse.SerializeToString,
+            ),
+            'TakeCursorRange': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeCursorRange,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse.SerializeToString,
+            ),
+            'AdvanceCursor': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdvanceCursor,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -940,6 +1005,87 @@ class Coordinator:
             '/inbox.coordinator.v1.Coordinator/RecordOutgoing',
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.SerializeToString,
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCursor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/GetCursor',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeCursorRange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/TakeCursorRange',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.TakeCursorRangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdvanceCursor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/AdvanceCursor',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.AdvanceCursorResponse.FromString,
             options,
             channel_credentials,
             insecure,

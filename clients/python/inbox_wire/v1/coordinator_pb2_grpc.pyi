@@ -308,6 +308,29 @@ class CoordinatorStub:
     not which messages are in its thread; a claim is ended by it only when its thread was named by a principal
     with `report`, or by its own holder (docs/design.md#replies-written-outside).
     """
+    GetCursor: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCursorRequest, _coordinator_pb2.GetCursorResponse]
+    """Reads a mailbox's named cursor (docs/design.md#cursors): its value (opaque to the coordinator), its position
+    and the range in progress, if any. A cursor never written answers an empty value at position 0.
+    Errors: INVALID_ARGUMENT (INVALID_FIELD) for a name that is empty, over 128 bytes or not
+    [A-Za-z0-9._:-]; authorized as RecordOutgoing (a reporter's call).
+    """
+    TakeCursorRange: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TakeCursorRangeRequest, _coordinator_pb2.TakeCursorRangeResponse]
+    """Takes the next range of a mailbox's cursor, from its current value, for `ttl_seconds` (5 to 3600, 0 means 60):
+    TAKEN (the range's start and its token, the revision that wrote it), COVERED (the position is at or past
+    `through_position` already: nothing to do; never when `through_position` is 0) or BUSY (another range's lease
+    lasts: its holder and end). Two workers never hold a range of one cursor at once; a range whose holder died ends
+    with its lease (etcd's), and the next take gets it. A retry (same request id) answers the range it took while that
+    range stands. Errors: the common ones, INVALID_ARGUMENT (INVALID_FIELD) for the name or the TTL,
+    REQUEST_ID_REUSED; authorized as RecordOutgoing (a reporter's call).
+    """
+    AdvanceCursor: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AdvanceCursorRequest, _coordinator_pb2.AdvanceCursorResponse]
+    """Moves a cursor to the end of the caller's range and ends the range, in one transaction: only while the range is
+    the one `range_token` took, or, lapsed, no range was taken and no advance made since (OK); otherwise STALE_RANGE
+    (another worker took the range: advance nothing, what was recorded stays recorded). Advancing to the range's
+    start gives it back. A retry answers OK. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a position smaller than
+    the cursor's (a cursor never goes back), a value over 4096 bytes, a missing token; REQUEST_ID_REUSED;
+    authorized as RecordOutgoing (a reporter's call).
+    """
     Batch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
     handlers of one agent process) call at once. Each call is checked, authorized, rate-limited, logged
@@ -495,6 +518,29 @@ class CoordinatorAsyncStub(CoordinatorStub):
     What a reporter vouches for: the message (its id, thread, date and sender as the provider gave them),
     not which messages are in its thread; a claim is ended by it only when its thread was named by a principal
     with `report`, or by its own holder (docs/design.md#replies-written-outside).
+    """
+    GetCursor: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCursorRequest, _coordinator_pb2.GetCursorResponse]  # type: ignore[assignment]
+    """Reads a mailbox's named cursor (docs/design.md#cursors): its value (opaque to the coordinator), its position
+    and the range in progress, if any. A cursor never written answers an empty value at position 0.
+    Errors: INVALID_ARGUMENT (INVALID_FIELD) for a name that is empty, over 128 bytes or not
+    [A-Za-z0-9._:-]; authorized as RecordOutgoing (a reporter's call).
+    """
+    TakeCursorRange: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TakeCursorRangeRequest, _coordinator_pb2.TakeCursorRangeResponse]  # type: ignore[assignment]
+    """Takes the next range of a mailbox's cursor, from its current value, for `ttl_seconds` (5 to 3600, 0 means 60):
+    TAKEN (the range's start and its token, the revision that wrote it), COVERED (the position is at or past
+    `through_position` already: nothing to do; never when `through_position` is 0) or BUSY (another range's lease
+    lasts: its holder and end). Two workers never hold a range of one cursor at once; a range whose holder died ends
+    with its lease (etcd's), and the next take gets it. A retry (same request id) answers the range it took while that
+    range stands. Errors: the common ones, INVALID_ARGUMENT (INVALID_FIELD) for the name or the TTL,
+    REQUEST_ID_REUSED; authorized as RecordOutgoing (a reporter's call).
+    """
+    AdvanceCursor: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AdvanceCursorRequest, _coordinator_pb2.AdvanceCursorResponse]  # type: ignore[assignment]
+    """Moves a cursor to the end of the caller's range and ends the range, in one transaction: only while the range is
+    the one `range_token` took, or, lapsed, no range was taken and no advance made since (OK); otherwise STALE_RANGE
+    (another worker took the range: advance nothing, what was recorded stays recorded). Advancing to the range's
+    start gives it back. A retry answers OK. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a position smaller than
+    the cursor's (a cursor never goes back), a value over 4096 bytes, a missing token; REQUEST_ID_REUSED;
+    authorized as RecordOutgoing (a reporter's call).
     """
     Batch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BatchRequest, _coordinator_pb2.BatchResponse]  # type: ignore[assignment]
     """Several independent calls in one round trip: what a client sends when many of its callers (the
@@ -782,6 +828,47 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         What a reporter vouches for: the message (its id, thread, date and sender as the provider gave them),
         not which messages are in its thread; a claim is ended by it only when its thread was named by a principal
         with `report`, or by its own holder (docs/design.md#replies-written-outside).
+        """
+
+    @_abc_1.abstractmethod
+    def GetCursor(
+        self,
+        request: _coordinator_pb2.GetCursorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetCursorResponse, _abc.Awaitable[_coordinator_pb2.GetCursorResponse]]:
+        """Reads a mailbox's named cursor (docs/design.md#cursors): its value (opaque to the coordinator), its position
+        and the range in progress, if any. A cursor never written answers an empty value at position 0.
+        Errors: INVALID_ARGUMENT (INVALID_FIELD) for a name that is empty, over 128 bytes or not
+        [A-Za-z0-9._:-]; authorized as RecordOutgoing (a reporter's call).
+        """
+
+    @_abc_1.abstractmethod
+    def TakeCursorRange(
+        self,
+        request: _coordinator_pb2.TakeCursorRangeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.TakeCursorRangeResponse, _abc.Awaitable[_coordinator_pb2.TakeCursorRangeResponse]]:
+        """Takes the next range of a mailbox's cursor, from its current value, for `ttl_seconds` (5 to 3600, 0 means 60):
+        TAKEN (the range's start and its token, the revision that wrote it), COVERED (the position is at or past
+        `through_position` already: nothing to do; never when `through_position` is 0) or BUSY (another range's lease
+        lasts: its holder and end). Two workers never hold a range of one cursor at once; a range whose holder died ends
+        with its lease (etcd's), and the next take gets it. A retry (same request id) answers the range it took while that
+        range stands. Errors: the common ones, INVALID_ARGUMENT (INVALID_FIELD) for the name or the TTL,
+        REQUEST_ID_REUSED; authorized as RecordOutgoing (a reporter's call).
+        """
+
+    @_abc_1.abstractmethod
+    def AdvanceCursor(
+        self,
+        request: _coordinator_pb2.AdvanceCursorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.AdvanceCursorResponse, _abc.Awaitable[_coordinator_pb2.AdvanceCursorResponse]]:
+        """Moves a cursor to the end of the caller's range and ends the range, in one transaction: only while the range is
+        the one `range_token` took, or, lapsed, no range was taken and no advance made since (OK); otherwise STALE_RANGE
+        (another worker took the range: advance nothing, what was recorded stays recorded). Advancing to the range's
+        start gives it back. A retry answers OK. Errors: INVALID_ARGUMENT (INVALID_FIELD) for a position smaller than
+        the cursor's (a cursor never goes back), a value over 4096 bytes, a missing token; REQUEST_ID_REUSED;
+        authorized as RecordOutgoing (a reporter's call).
         """
 
     @_abc_1.abstractmethod
