@@ -149,7 +149,7 @@ function enumLabel(values: Record<number, string>, value: number): string {
 }
 
 function ttlSecondsOf(ttl: number): number {
-  if (!Number.isInteger(ttl) || ttl < 1) throw new RangeError(`a cursor range's ttlSeconds must be a whole number of seconds >= 1, not ${ttl}`);
+  if (!Number.isInteger(ttl) || ttl < 0) throw new RangeError(`a cursor range's ttlSeconds must be a whole number of seconds (0: the coordinator's 60), not ${ttl}`);
   return ttl;
 }
 

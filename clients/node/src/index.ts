@@ -17,6 +17,7 @@ export {
   DEFAULT_ADMISSION_TIMEOUT_MS,
   DEFAULT_EVENTS,
   DEFAULT_MAX_BODY_BYTES,
+  DEFAULT_PERIODIC_CHECK_MS,
   nylasWebhook,
   nylasWebhookListener,
   providerWebhook,

@@ -46,6 +46,12 @@ export interface ProviderWebhookOptions extends ReplyOptions {
   onRefused?: (refusal: ClaimNotGranted, message: MessageFacts) => void;
   /** Where the provider's lifecycle actions are logged (a Graph subscription renewed...); default: the coordinator's logger. */
   logger?: { info(message: string): void };
+  /**
+   * For a provider whose pushes can be dropped (Gmail): how often its periodic check runs, which finds what a dropped
+   * push would have said and handles it as a delivery (default 60 000 ms; 0: never). The first runs one interval
+   * after the handler is made; close() stops it.
+   */
+  periodicCheckMs?: number;
 }
 
 export interface WebhookOptions extends ReplyOptions {
@@ -70,7 +76,14 @@ const TEXT = "text/plain; charset=utf-8";
 export interface WebhookHandler {
   readonly running: number;
   drain(): Promise<void>;
+  /** Runs the provider's periodic check now (Gmail: what a dropped push would have said); its answer, as a delivery's. */
+  periodicCheck(): Promise<Answer>;
+  /** Stops the periodic check and waits for the running work (on shutdown). */
+  close(): Promise<void>;
 }
+
+/** The default interval of the periodic check (Gmail's history, for a dropped push). */
+export const DEFAULT_PERIODIC_CHECK_MS = 60_000;
 
 class TimedOut extends Error {
   override name = "TimedOut";
@@ -94,6 +107,8 @@ class Webhook implements WebhookHandler {
   readonly maxBodyBytes: number;
   readonly events: ReadonlySet<string>;
   readonly admissionTimeoutMs: number;
+  private readonly timer: NodeJS.Timeout | undefined;
+  private checking = false;
 
   constructor(
     readonly provider: Provider,
@@ -106,6 +121,30 @@ class Webhook implements WebhookHandler {
     if (!(this.admissionTimeoutMs > 0 && this.admissionTimeoutMs < bound)) {
       throw new RangeError(`admissionTimeoutMs must be between 0 and ${bound} (${provider.name} waits ${bound / 1000} s), not ${this.admissionTimeoutMs}`);
     }
+    const every = options.periodicCheckMs ?? DEFAULT_PERIODIC_CHECK_MS;
+    if (!(Number.isFinite(every) && every >= 0)) throw new RangeError(`periodicCheckMs must be a number of milliseconds >= 0 (0: never), not ${every}`);
+    if (provider.periodic !== undefined && every > 0) {
+      this.timer = setInterval(() => {
+        if (!this.checking) void this.periodicCheck();
+      }, every).unref(); // a check never keeps the process alive
+    }
+  }
+
+  async periodicCheck(): Promise<Answer> {
+    if (this.provider.periodic === undefined) return this.provider.acknowledge(); // nothing can be dropped
+    this.checking = true;
+    try {
+      const answer = await this.accept(this.provider.periodic());
+      if (answer.status >= 300) process.emitWarning(`the ${this.provider.name} periodic check found nothing recorded (${answer.status}: ${answer.body}); it runs again`);
+      return answer;
+    } finally {
+      this.checking = false;
+    }
+  }
+
+  async close(): Promise<void> {
+    clearInterval(this.timer);
+    await this.drain();
   }
 
   get running(): number {
@@ -286,5 +325,7 @@ function withHandler<F extends object>(fn: F, webhook: Webhook): F & WebhookHand
   return Object.defineProperties(fn, {
     running: { get: () => webhook.running },
     drain: { value: () => webhook.drain() },
+    periodicCheck: { value: () => webhook.periodicCheck() },
+    close: { value: () => webhook.close() },
   }) as F & WebhookHandler;
 }

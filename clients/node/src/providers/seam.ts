@@ -219,6 +219,11 @@ export interface Provider {
   open(accepted: Accepted, cursors: Cursors): Promise<Batch>;
   /** The answer to a delivery every message of which was recorded. */
   acknowledge(): Answer;
+  /**
+   * A provider whose pushes can be dropped (Gmail): the delivery its periodic check opens, which finds what a dropped
+   * push would have said. The webhook adapters run it every `periodicCheckMs` (60 s by default).
+   */
+  periodic?(): Accepted;
 }
 
 // -- helpers the providers share ---------------------------------------------------------------------------
