@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from coordinator.api.auth import Authenticator
 from coordinator.api.quotas import QuotaSettings
 from coordinator.core.domain import Rules
 from coordinator.core.limits import Limits
@@ -103,6 +104,7 @@ async def start_coordinator(etcd: EtcdServer, prefix: str) -> AsyncIterator[Star
         sweep_interval_s: float = 0.2,
         etcd_options: dict[str, Any] | None = None,
         quotas: QuotaSettings | None = None,
+        authenticator: Authenticator | None = None,
         **rules: Any,
     ) -> CoordinatorServer:
         etcd_settings = EtcdSettings([endpoint or etcd.endpoint], prefix=prefix, call_timeout_s=2.0)
@@ -114,6 +116,7 @@ async def start_coordinator(etcd: EtcdServer, prefix: str) -> AsyncIterator[Star
             health_interval_s=0.3,
             shutdown_grace_s=1.0,
             quotas=quotas or QuotaSettings(),
+            authenticator=authenticator,
         )
         server = CoordinatorServer(settings)
         await server.start()

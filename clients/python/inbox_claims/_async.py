@@ -51,6 +51,7 @@ from ._types import (
     TakeoverResult,
     WatchItem,
 )
+from .providers._seam import CursorRange
 
 __all__ = ["AsyncClaim", "AsyncCoordinator"]
 
@@ -329,6 +330,21 @@ class AsyncCoordinator(ClientBase):
     async def status(self, subject: Subject, *, timeout: float | None = None) -> SubjectStatus:
         """GetStatus: one subject's state (FREE when nothing is recorded)."""
         return await self._drive(self._core.status(subject, timeout=timeout))
+
+    async def get_cursor(self, mailbox: str, name: str, *, timeout: float | None = None) -> tuple[str, int]:
+        """GetCursor: a mailbox's named cursor (docs/design.md#cursors) as ``(value, position)``; ``("", 0)`` when it
+        was never advanced. The providers move it (Gmail's ``gmail-history``, Graph's ``graph-delta:<folder>``)."""
+        return await self._drive(self._core.get_cursor(mailbox, name, timeout=timeout))
+
+    async def take_cursor_range(self, mailbox: str, name: str, through_position: int = 0, ttl: int = 60) -> CursorRange:
+        """TakeCursorRange: TAKEN (the range from the cursor's value is this client's until ``ttl`` seconds pass or
+        it advances), COVERED (the cursor reached ``through_position``) or BUSY (another worker's range lasts)."""
+        return await self._drive(self._core.take_cursor_range(mailbox, name, through_position, ttl))
+
+    async def advance_cursor(self, mailbox: str, name: str, taken: CursorRange, value: str, position: int) -> bool:
+        """AdvanceCursor: moves the cursor to the end of the range ``taken`` (the range's start gives it back); False
+        (STALE_RANGE) when another worker took the cursor since."""
+        return await self._drive(self._core.advance_cursor(mailbox, name, taken, value, position))
 
     async def caller(self, *, timeout: float | None = None) -> CallerIdentity:
         """GetCaller: who the coordinator takes this client's credentials to be (principal, kind, roles, mailboxes)."""

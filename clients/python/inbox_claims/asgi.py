@@ -55,7 +55,7 @@ from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
 from ._async import AsyncClaim, AsyncCoordinator
 from ._effects import Flow
 from ._envelope import Notification
-from ._errors import CoordinatorUnavailable, QuotaExceeded
+from ._errors import CoordinatorUnavailable, PermissionDenied, QuotaExceeded, Unauthenticated
 from ._guard import ANSWERED_EVENTS, ReplyPolicy, outgoing_of
 from ._outgoing import OutgoingRules
 from .providers._seam import (
@@ -66,6 +66,7 @@ from .providers._seam import (
     Provider,
     ProviderError,
     WebhookRequest,
+    periodic_check,
     retry_later,
 )
 from .providers.nylas import NylasProvider
@@ -152,12 +153,25 @@ def closing_answer() -> Answer:
 OK = Answer(200, "ok")
 
 
+def periodic_outcome(provider: str, answer: Answer | BaseException, interval: float) -> None:
+    """Logs a periodic check that recorded nothing (it runs again after ``interval`` seconds)."""
+    if isinstance(answer, BaseException):
+        log.error("the %s periodic check failed; it runs again in %g s", provider, interval, exc_info=answer)
+    elif answer.status >= 300:
+        log.warning("the %s periodic check recorded nothing (%s); again in %g s", provider, answer.body, interval)
+
+
 def unrecorded_answer(what: str, error: BaseException) -> Answer:
     """What a delivery the coordinator did not record is answered: never 2xx, so that the provider delivers it
-    again (``503`` while the coordinator or the provider's API cannot answer, ``500`` for anything else, logged)."""
+    again (``503`` while the coordinator or the provider's API cannot answer; ``403`` when the coordinator refuses
+    this agent the mailbox, which an operator fixes in the token file, and the provider's next attempt then gets
+    through; ``500`` for anything else, logged)."""
     if isinstance(error, CoordinatorUnavailable | QuotaExceeded | ProviderError | TimeoutError):
         log.warning("%s answered 503, not recorded: %s; the provider delivers it again", what, error)
         return retry_later("the coordinator could not record this notification")
+    if isinstance(error, PermissionDenied | Unauthenticated):
+        log.error("%s answered 403, not recorded: the coordinator refused this agent: %s", what, error.details)
+        return Answer(403, f"the coordinator refused this agent, nothing recorded: {error.details}")
     log.error("%s answered 500, not recorded", what, exc_info=error)
     return Answer(500, "this notification could not be recorded; see the agent's log")
 
@@ -197,6 +211,10 @@ class WebhookApp:
         self._tasks: set[asyncio.Task[object]] = set()
         self._closing = False
         self._check = check
+        # The provider's periodic check (Gmail's history check), run through the admission like a delivery.
+        self._periodic = periodic_check(gate.provider) if admission is not None else None
+        self._periodic_task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     @property
     def running(self) -> int:
@@ -212,7 +230,8 @@ class WebhookApp:
             await self._lifespan_protocol(receive, send)
             return
         if scope["type"] != "http":
-            raise RuntimeError(f"the Nylas webhook app serves HTTP, not {scope['type']}")
+            raise RuntimeError(f"the webhook app serves HTTP, not {scope['type']}")
+        self._start_periodic()  # where the app's lifespan was not run, from its first request
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         method = scope["method"]
         answer: Answer | Accepted | WebhookRequest | None
@@ -259,6 +278,34 @@ class WebhookApp:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
+    def _start_periodic(self) -> None:
+        if self._periodic is None or self._periodic_task is not None or self._closing:
+            return
+        self._stopping = asyncio.Event()
+        self._periodic_task = asyncio.get_running_loop().create_task(
+            self._run_periodic(*self._periodic), name=f"{self.gate.provider.name} periodic check"
+        )
+
+    async def _run_periodic(self, interval: float, delivery: Callable[[], Accepted]) -> None:
+        """Every ``interval`` seconds until the app closes: the provider's periodic check, admitted as a delivery
+        (its messages claimed, its cursor advanced) and its work run as a notification's."""
+        name = self.gate.provider.name
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), interval)
+            if self._stopping.is_set():
+                return
+            try:
+                answer: Answer | BaseException = await self._accept(delivery())
+            except Exception as error:
+                answer = error
+            periodic_outcome(name, answer, interval)
+
+    @property
+    def periodic_running(self) -> bool:
+        """True while the provider's periodic check is scheduled (Gmail's history check)."""
+        return self._periodic_task is not None and not self._periodic_task.done()
+
     def _spawn(self, about: object, work: Work) -> None:
         task = asyncio.get_running_loop().create_task(self._handle(about, work), name=f"webhook {_name(about)}")
         self._tasks.add(task)
@@ -275,6 +322,12 @@ class WebhookApp:
         """Stops taking notifications (``503``), waits up to ``grace`` seconds (default ``shutdown_grace``) for
         the running ones, then cancels what is left and waits for it to unwind."""
         self._closing = True
+        periodic, self._periodic_task = self._periodic_task, None
+        if periodic is not None:  # a check under way finishes (its range committed or given back)
+            self._stopping.set()
+            _, late = await asyncio.wait({periodic}, timeout=self._grace(grace))
+            if late:
+                periodic.cancel()
         tasks = set(self._tasks)
         if not tasks:
             return
@@ -291,8 +344,10 @@ class WebhookApp:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, *_app: object) -> AsyncIterator[None]:
-        """For Starlette/FastAPI's ``lifespan=``: on shutdown, let running work finish (see :meth:`aclose`)."""
+        """For Starlette/FastAPI's ``lifespan=``: the provider's periodic check scheduled from startup; on shutdown,
+        let running work finish (see :meth:`aclose`)."""
         self._closing = False
+        self._start_periodic()
         try:
             yield
         finally:
@@ -303,6 +358,7 @@ class WebhookApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 self._closing = False
+                self._start_periodic()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.aclose()

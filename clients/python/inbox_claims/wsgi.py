@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -47,12 +48,22 @@ from .asgi import (
     closing_answer,
     make_gate,
     nylas_provider,
+    periodic_outcome,
     plain,
     unrecorded_answer,
     with_outgoing,
 )
 from .asgi import WebhookOptions as Options
-from .providers._seam import Accepted, Answer, Batch, MessageFacts, Provider, ProviderError, WebhookRequest
+from .providers._seam import (
+    Accepted,
+    Answer,
+    Batch,
+    MessageFacts,
+    Provider,
+    ProviderError,
+    WebhookRequest,
+    periodic_check,
+)
 
 if TYPE_CHECKING:
     from werkzeug.wrappers import Response
@@ -105,6 +116,12 @@ class WebhookWSGIApp:
         self._lock = threading.Lock()
         self._closing = False
         self._check = check
+        # The provider's periodic check (Gmail's history check): a thread per process, started by its first request
+        # (a server that forks its workers after loading the app gets one in each worker).
+        self._periodic = periodic_check(gate.provider) if admission is not None else None
+        self._periodic_thread: threading.Thread | None = None
+        self._periodic_pid = 0
+        self._stopping = threading.Event()
 
     @property
     def running(self) -> int:
@@ -112,7 +129,34 @@ class WebhookWSGIApp:
         with self._lock:
             return len(self._futures)
 
+    def start_periodic(self) -> None:
+        """Schedules the provider's periodic check in this process, if it has one (done by the first request)."""
+        if self._periodic is None or self._closing:
+            return
+        with self._lock:
+            if self._periodic_thread is not None and self._periodic_pid == os.getpid():
+                return
+            self._periodic_pid = os.getpid()
+            self._stopping = threading.Event()
+            self._periodic_thread = threading.Thread(
+                target=self._run_periodic,
+                args=self._periodic,
+                name=f"{self.gate.provider.name}-periodic-check",
+                daemon=True,
+            )
+        self._periodic_thread.start()
+
+    def _run_periodic(self, interval: float, delivery: Callable[[], Accepted]) -> None:
+        """Every ``interval`` seconds until :meth:`close`: the check admitted as a delivery, its work queued."""
+        while not self._stopping.wait(interval):
+            try:
+                answer: Answer | BaseException = self._accept(delivery())
+            except Exception as error:
+                answer = error
+            periodic_outcome(self.gate.provider.name, answer, interval)
+
     def __call__(self, environ: Mapping[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        self.start_periodic()
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
         headers = _headers(environ)
         body = b""
@@ -176,6 +220,10 @@ class WebhookWSGIApp:
         with self._lock:
             self._closing = True
             futures = set(self._futures)
+            periodic, self._periodic_thread = self._periodic_thread, None
+        self._stopping.set()
+        if periodic is not None:  # a check under way finishes (its range committed or given back)
+            periodic.join(self.shutdown_grace if grace is None else grace)
         _, pending = wait(futures, timeout=self.shutdown_grace if grace is None else grace)
         if pending:
             log.warning("%d webhook task(s) still queued or running after the shutdown grace", len(pending))

@@ -259,6 +259,16 @@ class Provider(Protocol):
         ...
 
 
+def periodic_check(provider: Provider) -> tuple[float, Callable[[], Accepted]] | None:
+    """A provider's periodic check when it has one switched on (Gmail's history check: what a dropped push would have
+    said): its interval in seconds and the delivery it opens. The webhook adapters run it (docs/providers.md)."""
+    periodic = getattr(provider, "periodic", None)
+    interval = getattr(provider, "periodic_interval", 0)
+    if callable(periodic) and isinstance(interval, int | float) and interval > 0:
+        return float(interval), periodic
+    return None
+
+
 def header(headers: Sequence[tuple[Any, Any]] | Mapping[str, str], name: str) -> str | None:
     """The first header called ``name`` (case aside)."""
     items = headers.items() if isinstance(headers, Mapping) else headers

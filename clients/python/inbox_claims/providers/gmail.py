@@ -71,9 +71,13 @@ METADATA_HEADERS = (
 RESYNC_QUERY = "newer_than:1d"
 RESYNC_MAX = 500
 JWKS_REFRESH_S = 60.0
+DEFAULT_HISTORY_CHECK_S = 60.0
+"""How often the webhook adapters run the periodic history check (what a dropped push would have said)."""
 # A range another worker holds: look again this often, this many times, then ask Pub/Sub to deliver again.
 BUSY_WAIT_S = 0.25
 BUSY_LOOKS = 16
+PERIODIC = 0
+"""The periodic check's "push": through position 0, which no cursor covers (a push's history id is positive)."""
 
 
 class GmailSendRejected(SendRejected):
@@ -102,11 +106,14 @@ class GmailProvider:
         mailbox_addresses: Sequence[str] = (),
         transport: BlockingHttp | AsyncHttp | None = None,
         clock: Callable[[], float] = time.time,
+        history_check_interval: float = DEFAULT_HISTORY_CHECK_S,
     ) -> None:
         if not audience:
             raise ValueError("audience is empty: the audience of the push subscription's OIDC token")
         if "@" not in user:
             raise ValueError(f"user must be the mailbox's address, not {user!r}")
+        if not history_check_interval >= 0:
+            raise ValueError(f"history_check_interval must be 0 (off) or seconds, not {history_check_interval}")
         self.audience = audience
         self.user = user
         self.token = token
@@ -116,13 +123,16 @@ class GmailProvider:
         self.mailbox_addresses = (user, *mailbox_addresses)
         self.transport = transport or AsyncHttp()
         self.clock = clock
+        self.periodic_interval = float(history_check_interval)
+        """Seconds between the periodic history checks the webhook adapters run; 0: none."""
         self._keys: dict[str, jwt.PyJWK] = {}
         self._keys_at = float("-inf")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GmailProvider:
         """From ``GMAIL_PUSH_AUDIENCE``, ``GMAIL_USER``, ``GMAIL_TOKEN``, ``GMAIL_API_BASE`` (default
-        ``https://gmail.googleapis.com``), ``GMAIL_JWKS_URL`` and ``GMAIL_PUSH_SERVICE_ACCOUNT``."""
+        ``https://gmail.googleapis.com``), ``GMAIL_JWKS_URL``, ``GMAIL_PUSH_SERVICE_ACCOUNT`` and
+        ``GMAIL_HISTORY_CHECK_SECONDS`` (default 60; 0 turns the periodic history check off)."""
         env = os.environ if environ is None else environ
         for name in ("GMAIL_PUSH_AUDIENCE", "GMAIL_USER", "GMAIL_TOKEN"):
             if not env.get(name):
@@ -133,6 +143,12 @@ class GmailProvider:
             "jwks_url": env.get("GMAIL_JWKS_URL") or DEFAULT_JWKS_URL,
             "service_account": env.get("GMAIL_PUSH_SERVICE_ACCOUNT", ""),
         }
+        interval = env.get("GMAIL_HISTORY_CHECK_SECONDS", "").strip()
+        if interval:
+            try:
+                arguments["history_check_interval"] = float(interval)
+            except ValueError:
+                raise ValueError(f"GMAIL_HISTORY_CHECK_SECONDS must be a number of seconds, not {interval!r}") from None
         arguments.update(overrides)
         return cls(env["GMAIL_PUSH_AUDIENCE"], env["GMAIL_USER"], **arguments)
 
@@ -228,8 +244,9 @@ class GmailProvider:
         return Answer(200, "ok")
 
     def periodic(self) -> Accepted:
-        """What the periodic history check opens: a push that reaches everything (what a dropped push said)."""
-        return Accepted(0)
+        """What the periodic history check opens: a push that reaches everything (what a dropped push said). The
+        webhook adapters run it every ``periodic_interval`` seconds."""
+        return Accepted(PERIODIC)
 
     # -- open ------------------------------------------------------------------------------------------------
 
@@ -239,6 +256,8 @@ class GmailProvider:
             range_ = yield from cursors.take(self.user, CURSOR, through, RANGE_TTL)
             if range_.outcome != "BUSY":
                 break
+            if through == PERIODIC:
+                return Batch()  # another worker reads the history now: what the check would find, it records
             yield Sleep(BUSY_WAIT_S)  # another worker reads this history now: what it records may cover ours
         else:
             raise ProviderError("another worker held the mailbox's history range too long")
