@@ -17,7 +17,6 @@ export {
   DEFAULT_ADMISSION_TIMEOUT_MS,
   DEFAULT_EVENTS,
   DEFAULT_MAX_BODY_BYTES,
-  DEFAULT_PERIODIC_CHECK_MS,
   nylasWebhook,
   nylasWebhookListener,
   providerWebhook,

@@ -17,7 +17,7 @@ import type { IncomingMessage, ServerResponse } from "node:http";
 import type { Coordinator } from "./client.js";
 import type { Claim, ReplyOptions } from "./claim.js";
 import type { Notification } from "./envelope.js";
-import { ClaimNotGranted, CoordinatorUnavailable, QuotaExceeded } from "./errors.js";
+import { ClaimNotGranted, CoordinatorUnavailable, PermissionDenied, QuotaExceeded, Unauthenticated } from "./errors.js";
 import { NylasProvider } from "./providers/nylas.js";
 import { Accepted, formatStamp, ProviderError, retryLater, type Answer, type Batch, type MessageFacts, type Provider } from "./providers/seam.js";
 
@@ -46,12 +46,6 @@ export interface ProviderWebhookOptions extends ReplyOptions {
   onRefused?: (refusal: ClaimNotGranted, message: MessageFacts) => void;
   /** Where the provider's lifecycle actions are logged (a Graph subscription renewed...); default: the coordinator's logger. */
   logger?: { info(message: string): void };
-  /**
-   * For a provider whose pushes can be dropped (Gmail): how often its periodic check runs, which finds what a dropped
-   * push would have said and handles it as a delivery (default 60 000 ms; 0: never). The first runs one interval
-   * after the handler is made; close() stops it.
-   */
-  periodicCheckMs?: number;
 }
 
 export interface WebhookOptions extends ReplyOptions {
@@ -82,8 +76,6 @@ export interface WebhookHandler {
   close(): Promise<void>;
 }
 
-/** The default interval of the periodic check (Gmail's history, for a dropped push). */
-export const DEFAULT_PERIODIC_CHECK_MS = 60_000;
 
 class TimedOut extends Error {
   override name = "TimedOut";
@@ -121,8 +113,9 @@ class Webhook implements WebhookHandler {
     if (!(this.admissionTimeoutMs > 0 && this.admissionTimeoutMs < bound)) {
       throw new RangeError(`admissionTimeoutMs must be between 0 and ${bound} (${provider.name} waits ${bound / 1000} s), not ${this.admissionTimeoutMs}`);
     }
-    const every = options.periodicCheckMs ?? DEFAULT_PERIODIC_CHECK_MS;
-    if (!(Number.isFinite(every) && every >= 0)) throw new RangeError(`periodicCheckMs must be a number of milliseconds >= 0 (0: never), not ${every}`);
+    // A provider whose pushes can be dropped (Gmail): its periodic check, admitted as a delivery, one interval after
+    // the handler is made and every interval after (close() stops it).
+    const every = provider.periodicIntervalMs ?? 0;
     if (provider.periodic !== undefined && every > 0) {
       this.timer = setInterval(() => {
         if (!this.checking) void this.periodicCheck();
@@ -232,8 +225,16 @@ class Webhook implements WebhookHandler {
   }
 }
 
-/** A delivery the coordinator did not record is never acknowledged: the provider then delivers it again. */
+/**
+ * A delivery the coordinator did not record is never acknowledged: the provider then delivers it again (503 while
+ * the coordinator or the provider's API cannot answer; 403 when the coordinator refuses this agent the mailbox,
+ * which an operator fixes in the token file, and the provider's next attempt then gets through; 500 for anything else).
+ */
 function unrecorded(what: string, error: unknown): Answer {
+  if (error instanceof PermissionDenied || error instanceof Unauthenticated) {
+    process.emitWarning(`${what} answered 403, not recorded: the coordinator refused this agent: ${error.details}`);
+    return { status: 403, body: `the coordinator refused this agent, nothing recorded: ${error.details}` };
+  }
   if (error instanceof CoordinatorUnavailable || error instanceof QuotaExceeded || error instanceof ProviderError || error instanceof TimedOut) {
     process.emitWarning(`${what} answered 503, the coordinator did not record it: ${String(error)}; the provider delivers it again`);
     return retryLater("the coordinator could not record this notification");

@@ -53,6 +53,10 @@ export const METADATA_HEADERS = ["From", "To", "Subject", "Date", "Message-ID", 
 export const RESYNC_QUERY = "newer_than:1d";
 export const RESYNC_MAX = 500;
 const JWKS_REFRESH_S = 60;
+/** How often the webhook adapters run the periodic history check (what a dropped push would have said). */
+export const DEFAULT_HISTORY_CHECK_MS = 60_000;
+/** The periodic check's "push": through position 0, which no cursor covers (a push's history id is positive). */
+const PERIODIC = 0n;
 // A range another worker holds: look again this often, this many times, then ask Pub/Sub to deliver again.
 const BUSY_WAIT_MS = 250;
 const BUSY_LOOKS = 16;
@@ -79,6 +83,8 @@ export interface GmailProviderOptions {
   transport?: Transport;
   /** Unix seconds now (the token's expiry is checked on it). */
   clock?: () => number;
+  /** Milliseconds between the periodic history checks the webhook adapters run (default 60 000; 0: none). */
+  historyCheckIntervalMs?: number;
 }
 
 const base64url = (text: string): Buffer => Buffer.from(text, "base64url");
@@ -92,6 +98,8 @@ export class GmailProvider implements Provider {
   readonly jwksUrl: string;
   readonly serviceAccount: string;
   readonly mailboxAddresses: readonly string[];
+  /** Milliseconds between the periodic history checks the webhook adapters run; 0: none. */
+  readonly periodicIntervalMs: number;
   private readonly token: string | (() => string);
   private readonly transport: Transport;
   private readonly clock: () => number;
@@ -112,21 +120,27 @@ export class GmailProvider implements Provider {
     this.mailboxAddresses = [user, ...(options.mailboxAddresses ?? [])];
     this.transport = options.transport ?? fetchTransport();
     this.clock = options.clock ?? (() => Date.now() / 1000);
+    this.periodicIntervalMs = options.historyCheckIntervalMs ?? DEFAULT_HISTORY_CHECK_MS;
+    if (!(this.periodicIntervalMs >= 0)) throw new RangeError(`historyCheckIntervalMs must be 0 (off) or milliseconds, not ${this.periodicIntervalMs}`);
   }
 
   /**
    * From GMAIL_PUSH_AUDIENCE, GMAIL_USER, GMAIL_TOKEN, GMAIL_API_BASE (default https://gmail.googleapis.com),
-   * GMAIL_JWKS_URL and GMAIL_PUSH_SERVICE_ACCOUNT; `overrides` win.
+   * GMAIL_JWKS_URL, GMAIL_PUSH_SERVICE_ACCOUNT and GMAIL_HISTORY_CHECK_SECONDS (default 60; 0 turns the periodic
+   * history check off); `overrides` win.
    */
   static fromEnv(env: Record<string, string | undefined> = process.env, overrides: Partial<GmailProviderOptions> = {}): GmailProvider {
     for (const name of ["GMAIL_PUSH_AUDIENCE", "GMAIL_USER", "GMAIL_TOKEN"]) {
       if (!env[name]) throw new TypeError(`set ${name} (docs/providers.md, Gmail)`);
     }
+    const interval = (env["GMAIL_HISTORY_CHECK_SECONDS"] ?? "").trim();
+    if (interval && !(Number(interval) >= 0)) throw new TypeError(`GMAIL_HISTORY_CHECK_SECONDS must be a number of seconds, not ${JSON.stringify(interval)}`);
     return new GmailProvider(env["GMAIL_PUSH_AUDIENCE"]!, env["GMAIL_USER"]!, {
       token: env["GMAIL_TOKEN"]!,
       apiBase: env["GMAIL_API_BASE"] || DEFAULT_API_BASE,
       jwksUrl: env["GMAIL_JWKS_URL"] || DEFAULT_JWKS_URL,
       serviceAccount: env["GMAIL_PUSH_SERVICE_ACCOUNT"] ?? "",
+      ...(interval ? { historyCheckIntervalMs: Number(interval) * 1000 } : {}),
       ...overrides,
     });
   }
@@ -226,11 +240,10 @@ export class GmailProvider implements Provider {
 
   /**
    * What the periodic history check opens: a push that reaches everything, i.e. what a dropped push would have
-   * said. Run it beside the app (every 60 s): `providerWebhook`'s adapters do not schedule it; `gmailPeriodicCheck`
-   * does.
+   * said. The webhook adapters run it every `periodicIntervalMs`.
    */
   periodic(): Accepted {
-    return new Accepted(0n);
+    return new Accepted(PERIODIC);
   }
 
   // -- open -------------------------------------------------------------------------------------------------
@@ -241,6 +254,7 @@ export class GmailProvider implements Provider {
     for (let look = 0; look < BUSY_LOOKS; look++) {
       range = await cursors.take(this.user, CURSOR, through, RANGE_TTL);
       if (range.outcome !== "BUSY") break;
+      if (through === PERIODIC) return batchOf(); // another worker reads the history now: what the check would find, it records
       await sleep(BUSY_WAIT_MS); // another worker reads this history now: what it records may cover ours
     }
     if (range === undefined || range.outcome === "BUSY") throw new ProviderError("another worker held the mailbox's history range too long");

@@ -221,9 +221,10 @@ export interface Provider {
   acknowledge(): Answer;
   /**
    * A provider whose pushes can be dropped (Gmail): the delivery its periodic check opens, which finds what a dropped
-   * push would have said. The webhook adapters run it every `periodicCheckMs` (60 s by default).
+   * push would have said. The webhook adapters run it every `periodicIntervalMs` (0: never).
    */
   periodic?(): Accepted;
+  readonly periodicIntervalMs?: number;
 }
 
 // -- helpers the providers share ---------------------------------------------------------------------------
