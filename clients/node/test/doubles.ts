@@ -8,8 +8,14 @@ import { join } from "node:path";
 import { createInterface } from "node:readline";
 import { setTimeout as sleep } from "node:timers/promises";
 import { PYTHON, REPO } from "../src/testing.js";
-import { Accepted, type CursorRange, type Cursors, type MessageFacts, type Provider } from "../src/providers/seam.js";
-import type { WebhookHandler } from "../src/middleware.js";
+import { Accepted, type ClaimStamp, type CursorRange, type Cursors, type MessageFacts, type Provider } from "../src/providers/seam.js";
+import { providerWebhookListener, type WebhookHandler } from "../src/middleware.js";
+import type { Coordinator } from "../src/client.js";
+
+/** A provider that sends a reply stamped from the claim (Graph, Gmail). */
+export interface Replier extends Provider {
+  reply(message: MessageFacts, options: { body: string; stamp: ClaimStamp }): Promise<string>;
+}
 
 export class Double {
   private constructor(
@@ -80,6 +86,38 @@ export async function eventually(check: () => Promise<boolean> | boolean, within
   }
 }
 
+/**
+ * Guarded agents, one per client, each with its own provider (`make()`) and endpoint on node:http: every incoming
+ * message is claimed before the provider's answer and replied to in the claim; `drafting` holds the sends back.
+ */
+export async function guardedAgents(make: () => Replier, clients: Coordinator[], drafting?: Promise<void>): Promise<{ urls: string[]; close(): Promise<void> }> {
+  const handlers: WebhookHandler[] = [];
+  const servers: Server[] = [];
+  const urls: string[] = [];
+  for (const coordinator of clients) {
+    const provider = make();
+    const handler = providerWebhookListener(provider, {
+      coordinator,
+      ttl: 30,
+      work: async (message, claim) => {
+        await drafting;
+        await claim.send(() => provider.reply(message, { body: "Your order ships today.", stamp: claim.stamp }));
+      },
+    });
+    const { url, server } = await serve(handler);
+    handlers.push(handler);
+    servers.push(server);
+    urls.push(url);
+  }
+  return {
+    urls,
+    async close(): Promise<void> {
+      await settle(handlers);
+      for (const server of servers) server.close();
+    },
+  };
+}
+
 /** Lets every handler's background work finish (and stops its periodic check). */
 export async function settle(handlers: WebhookHandler[]): Promise<void> {
   for (const handler of handlers) await handler.close();
@@ -112,7 +150,7 @@ export const UNCLAIMED = { key: "ic1-" + "0".repeat(64), token: 1n };
  * that is not in the sent mail is answered.
  */
 export async function unguarded(
-  provider: Provider & { reply(message: MessageFacts, options: { body: string; stamp: typeof UNCLAIMED }): Promise<string> },
+  provider: Replier,
   request: { body: Buffer; headers: Record<string, string> },
   cursors: Cursors,
 ): Promise<void> {

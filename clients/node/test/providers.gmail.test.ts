@@ -6,11 +6,10 @@
 // double); the same deliveries to the unguarded agent send at least two.
 import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
-import type { Server } from "node:http";
 import { Cluster } from "../src/testing.js";
-import { messageSubject, providerWebhookListener, type Coordinator, type WebhookHandler } from "../src/index.js";
+import { messageSubject, type Coordinator } from "../src/index.js";
 import { GmailProvider } from "../src/providers/gmail.js";
-import { Double, eventually, LocalCursors, post, serve, settle, unguarded } from "./doubles.js";
+import { Double, eventually, guardedAgents, LocalCursors, post, unguarded } from "./doubles.js";
 
 const AUDIENCE = "https://agent.example/webhook"; // the double's default
 let cluster: Cluster;
@@ -30,34 +29,9 @@ function gmailOf(double: Double, address: string, historyCheckIntervalMs = 0): G
   return new GmailProvider(AUDIENCE, address, { token: "gmail-token", apiBase: double.url, jwksUrl: `${double.url}/oauth2/v3/certs`, historyCheckIntervalMs });
 }
 
-/** Guarded agents, one per client, each its own provider and endpoint; `drafting` holds their sends back. */
-async function agents(double: Double, address: string, clients: Coordinator[], options: { drafting?: Promise<void>; historyCheckIntervalMs?: number } = {}) {
-  const handlers: WebhookHandler[] = [];
-  const servers: Server[] = [];
-  const urls: string[] = [];
-  for (const coordinator of clients) {
-    const gmail = gmailOf(double, address, options.historyCheckIntervalMs);
-    const handler = providerWebhookListener(gmail, {
-      coordinator,
-      ttl: 30,
-      work: async (message, claim) => {
-        await options.drafting;
-        await claim.send(() => gmail.reply(message, { body: "Your order ships today.", stamp: claim.stamp }));
-      },
-    });
-    const { url, server } = await serve(handler);
-    handlers.push(handler);
-    servers.push(server);
-    urls.push(url);
-  }
-  return {
-    handlers,
-    urls,
-    async close(): Promise<void> {
-      await settle(handlers);
-      for (const server of servers) server.close();
-    },
-  };
+/** Guarded agents, one per client (test/doubles.ts); `drafting` holds their sends back. */
+function agents(double: Double, address: string, clients: Coordinator[], options: { drafting?: Promise<void>; historyCheckIntervalMs?: number } = {}) {
+  return guardedAgents(() => gmailOf(double, address, options.historyCheckIntervalMs), clients, options.drafting);
 }
 
 async function withDouble(run: (double: Double, address: string) => Promise<void>): Promise<void> {

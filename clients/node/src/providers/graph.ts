@@ -5,7 +5,8 @@
 // * Authenticity: every notification of the POST carries the subscription's clientState, compared in constant time.
 // * A notification only names the message: it is read (immutable ids), and the dedup key is `<id>@<change key>`.
 // * Lifecycle: reauthorizationRequired renews, subscriptionRemoved subscribes again, missed reads the Inbox and Sent
-//   Items by delta query from the delta links the coordinator keeps as cursors (graph-delta:<folder>).
+//   Items by delta query from the delta links the coordinator keeps as cursors (graph-delta:<folder>); a first round
+//   (no link yet, or an expired one: 410) reads only the last day's messages.
 // * Send: createReply (the draft carries the claim's stamp, X-Inbox-Claim; its immutable id is the id of its copy
 //   in Sent Items), then send (202).
 import { timingSafeEqual } from "node:crypto";
@@ -47,6 +48,8 @@ export const FOLDERS = ["inbox", "sentitems"] as const;
 // Outlook message subscriptions last at most 7 days; renewed for 3, well inside it.
 const SUBSCRIPTION_SECONDS = 3 * 24 * 3600;
 const RANGE_TTL = 60;
+/** A first delta round (no link yet, or an expired one) reads only the messages of the last day. */
+const RESYNC_SECONDS = 24 * 3600;
 const EVENTS: Record<string, string> = { created: "message.created", updated: "message.updated" };
 
 /** Graph refused the draft or its send: nothing went out (claim.send aborts: FREE). */
@@ -314,14 +317,21 @@ export class GraphProvider implements Provider {
     const name = `graph-delta:${folder}`;
     const range = await cursors.take(this.user, name, 0n, RANGE_TTL);
     if (range.outcome !== "TAKEN") return []; // another worker resyncs it now
-    let url = range.value || this.userUrl(`mailFolders('${folder}')/messages/delta`);
-    let params: [string, string][] = range.value ? [] : [["$select", SELECT]];
-    const found: MessageFacts[] = [];
+    // A first round lists the folder: only the last day of it, as Gmail's resync (an older message is not one to
+    // answer now, and a mailbox's whole Inbox would be a storm of replies).
+    const first = this.userUrl(`mailFolders('${folder}')/messages/delta`);
+    const firstParams: [string, string][] = [["$select", SELECT], ["$filter", `receivedDateTime ge ${iso(this.clock() - RESYNC_SECONDS)}`]];
+    let [url, params] = range.value ? [range.value, [] as [string, string][]] : [first, firstParams];
+    let found: MessageFacts[] = [];
     for (;;) {
       const split = new URL(url);
       const query: [string, string][] = [...split.searchParams.entries(), ...params];
       const base = `${split.protocol}//${split.host}${decodeURIComponent(split.pathname)}`;
       const response = await this.call(this.request("GET", base, { params: query }));
+      if (response.status === 410 && url === range.value) {
+        [url, params, found] = [first, firstParams, []]; // the delta link expired: a first round again
+        continue;
+      }
       const document = jsonOf(response);
       if (response.status !== 200 || !isRecord(document)) throw new ProviderError(`the delta query of ${folder} answered HTTP ${response.status}`);
       for (const item of Array.isArray(document.value) ? document.value : []) {
