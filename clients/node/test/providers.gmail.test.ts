@@ -170,3 +170,36 @@ test("gmail: a forged, expired or foreign-audience token is refused 401, a push 
     assert.equal((await coordinator.getCursor(address, "gmail-history")).position, 0n);
   });
 });
+
+test("gmail: a send whose answer was lost stays IN_DOUBT until its stamped SENT copy is seen, which settles it with no person; with no copy it stays for a person", async () => {
+  const quick = await cluster.addReplica(undefined, ["--send-timeout", "1s"]); // SENDING turns IN_DOUBT within a second (the least)
+  // Both at once: each waits for the coordinator to find its send IN_DOUBT.
+  const both = (["lost_answer", "unavailable"] as const).map((failure) =>
+    withDouble(async (double, address) => {
+      const drafter = cluster.client("agent-a", { target: quick, mailboxAddresses: [address] });
+      const reader = cluster.client("agent-b", { replica: 1, mailboxAddresses: [address] });
+      const agent = await agents(double, address, [drafter]);
+      const message = await double.call("receive", "bea@example.org", "Where is my order?");
+      // lost_answer: Gmail sends it and its answer is lost; unavailable: 503, nothing went out. The agent cannot tell.
+      await double.set("send_failure", failure);
+      assert.equal(await pushTo(agent.urls[0]!, await double.call<Push>("push")), 200);
+      const subject = messageSubject(address, String(message.id));
+      await eventually(async () => (await drafter.status(subject)).state === "IN_DOUBT");
+      if (failure === "unavailable") await double.call("receive", "carl@example.net", "Another question"); // the history moves on, no copy
+      const other = await agents(double, address, [reader]);
+      assert.equal(await pushTo(other.urls[0]!, await double.call<Push>("push")), 200); // another agent reads the history
+      await agent.close();
+      await other.close();
+      const status = await reader.status(subject);
+      if (failure === "lost_answer") {
+        const copy = await double.call("sent_copy", message.id);
+        assert.deepEqual([status.state, status.sentMessageId, status.settledBy], ["REPLIED", copy.id, "agent-b"]);
+        assert.equal(await repliesTo(double, String(message.id)), 1);
+      } else {
+        assert.deepEqual([status.state, status.settledBy], ["IN_DOUBT", ""]);
+        assert.equal(await repliesTo(double, String(message.id)), 0);
+      }
+    }),
+  );
+  await Promise.all(both);
+});
