@@ -35,7 +35,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from email.message import EmailMessage
 from functools import cache
 from typing import Any, Literal
@@ -45,6 +44,7 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from inbox_claims.providers._seam import HttpRequest, HttpResponse
+from tests.providers.outbox import Blocking, Outbox, Sent
 
 BASE = "https://gmail.test"
 JWKS_PATH = "/oauth2/v3/certs"
@@ -72,18 +72,7 @@ def _key(name: str) -> rsa.RSAPrivateKey:
     return rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
 
-@dataclass
-class Sent:
-    """One reply the mailbox sent: by the agent (through the API) or by a person (the Gmail UI)."""
-
-    by: Literal["agent", "person"]
-    id: str
-    in_reply_to: str
-    """The id of the message it answers (found by its ``In-Reply-To``)."""
-    stamp: str = ""
-
-
-class FakeGmail:
+class FakeGmail(Outbox):
     """One mailbox (``address``) of the Gmail API, with its Pub/Sub push."""
 
     is_async = True
@@ -190,17 +179,6 @@ class FakeGmail:
         assert isinstance(parsed, EmailMessage)
         return parsed
 
-    def replies_to(self, message_id: str, by: str = "agent") -> int:
-        """How many replies to ``message_id`` went out (by the agent, unless ``by`` says otherwise)."""
-        with self._lock:
-            return sum(1 for sent in self.sends if sent.in_reply_to == message_id and sent.by == by)
-
-    def sent_copy(self, message_id: str) -> dict[str, Any]:
-        """The SENT message of the agent's reply to ``message_id``."""
-        with self._lock:
-            sent = next(s for s in self.sends if s.in_reply_to == message_id and s.by == "agent")
-            return self.messages[sent.id]
-
     # -- the push -----------------------------------------------------------------------------------------
 
     def push(
@@ -252,9 +230,9 @@ class FakeGmail:
     async def __call__(self, request: HttpRequest) -> HttpResponse:
         return self.answer(request)
 
-    def blocking(self) -> _Blocking:
+    def blocking(self) -> Blocking:
         """This double as a blocking client's transport."""
-        return _Blocking(self)
+        return Blocking(self)
 
     def answer(self, request: HttpRequest) -> HttpResponse:
         path = urlsplit(request.url).path
@@ -377,11 +355,10 @@ class FakeGmail:
         if failure == "unavailable":
             return _error(503, "The service is currently unavailable.", "UNAVAILABLE")
         thread, answered = self._thread_of(parsed, body.get("threadId"))
-        stamp = str(parsed.get("X-Inbox-Claim") or "")
         del parsed["Message-ID"]
         parsed["Message-ID"] = f"<CA+{uuid.uuid4().hex}@mail.gmail.com>"  # Gmail writes its own
         document = self._add(parsed, ["SENT"], thread)
-        self.sends.append(Sent("agent", document["id"], answered, stamp))
+        self.sends.append(Sent("agent", document["id"], answered))
         if failure == "lost_answer":
             return _error(503, "The service is currently unavailable.", "UNAVAILABLE")
         return _json(200, {"id": document["id"], "threadId": document["threadId"], "labelIds": ["SENT"]})
@@ -404,16 +381,6 @@ class FakeGmail:
 
 def _bare_subject(subject: str) -> str:
     return re.sub(r"^(\s*(re|fwd?):\s*)+", "", subject, flags=re.IGNORECASE).strip()
-
-
-class _Blocking:
-    is_async = False
-
-    def __init__(self, fake: FakeGmail) -> None:
-        self.fake = fake
-
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        return self.fake.answer(request)
 
 
 def _json(status: int, body: Any) -> HttpResponse:

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from coordinator.api.auth import hash_token
+from inbox_claims import AsyncCoordinator, Subject, SubjectState
 from inbox_claims.providers import ClaimStamp, CursorRange, MessageFacts, WebhookRequest
 from inbox_claims.providers._httpx import drive
 from inbox_claims.providers._seam import Flow
@@ -80,6 +81,20 @@ class Unguarded:
 
     def incoming(self, facts: MessageFacts) -> bool:
         return "SENT" not in facts.folders
+
+
+async def settled_by_its_copy(client: AsyncCoordinator, subject: Subject, copy_id: str, reporter: str) -> None:
+    """Asserts that the send on ``subject`` was settled by its stamped copy: REPLIED with the copy's id, by the
+    principal that reported the copy, the evidence in its note (docs/design.md#providers)."""
+    status = await client.status(subject)
+    assert status.state is SubjectState.REPLIED
+    assert (status.sent_message_id, status.settled_by) == (copy_id, reporter)
+    assert copy_id in status.note
+    assert "stamp" in status.note
+
+
+async def state_is(client: AsyncCoordinator, subject: Subject, state: SubjectState) -> bool:
+    return (await client.status(subject)).state is state
 
 
 def token_file(path: Any, principals: Mapping[str, tuple[str, list[str], list[str]]]) -> dict[str, str]:

@@ -11,21 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from coordinator.api.auth import TokenAuthenticator
 from coordinator.ops.server import CoordinatorServer
-from inbox_claims import AsyncClaim, AsyncCoordinator, Subject, SubjectState
+from inbox_claims import AsyncClaim, AsyncCoordinator, Claim, Coordinator, Subject, SubjectState
 from inbox_claims.asgi import WebhookApp, webhook_app
 from inbox_claims.providers import MessageFacts
 from inbox_claims.providers.gmail import CURSOR, GmailProvider
+from inbox_claims.wsgi import webhook_wsgi
 from tests.conftest import StartCoordinator
 from tests.providers.fake_gmail import AUDIENCE, BASE, JWKS_URL, FakeGmail
-from tests.providers.support import Unguarded, eventually, post, settle, token_file
+from tests.providers.support import Unguarded, eventually, post, settle, settled_by_its_copy, state_is, token_file
 
 pytestmark = pytest.mark.etcd
 BODY = "Your order ships today."
@@ -41,23 +43,6 @@ def provider(fake: FakeGmail, *, check_every: float = 0) -> GmailProvider:
         transport=fake,  # type: ignore[arg-type]
         history_check_interval=check_every,
     )
-
-
-@pytest.fixture
-async def server(start_coordinator: StartCoordinator) -> CoordinatorServer:
-    return await start_coordinator(send_timeout_ms=300)
-
-
-@pytest.fixture
-async def clients(server: CoordinatorServer) -> AsyncIterator[dict[str, AsyncCoordinator]]:
-    """Two workers of agent-a, and agent-b, another agent watching the same mailbox."""
-    made = {
-        name: AsyncCoordinator(server.address, principal=principal)
-        for name, principal in (("a1", "agent-a"), ("a2", "agent-a"), ("b", "agent-b"))
-    }
-    yield made
-    for client in made.values():
-        await client.close()
 
 
 def apps(
@@ -254,17 +239,13 @@ async def test_a_send_left_in_doubt_settles_itself_when_its_stamped_copy_is_seen
     fake.send_failure = "lost_answer"  # Gmail sends it, and its answer is lost: the agent cannot know
     assert await push(agent[0], fake) == 200
     subject = Subject.message(fake.address, message["id"])
-    await eventually(lambda: _state_is(clients["a1"], subject, SubjectState.IN_DOUBT))
+    await eventually(lambda: state_is(clients["a1"], subject, SubjectState.IN_DOUBT))
     copy = fake.sent_copy(message["id"])
     # Another agent's push reads the history: the SENT copy carries the claim's stamp. No person needed.
     other = apps(fake, [clients["b"]])
     assert await push(other[0], fake) == 200
     await settle(agent + other)
-    status = await clients["a1"].status(subject)
-    assert status.state is SubjectState.REPLIED
-    assert (status.sent_message_id, status.settled_by) == (copy["id"], "agent-b")
-    assert copy["id"] in status.note
-    assert "stamp" in status.note
+    await settled_by_its_copy(clients["a1"], subject, copy["id"], "agent-b")
     assert fake.replies_to(message["id"]) == 1
 
 
@@ -276,7 +257,7 @@ async def test_a_send_left_in_doubt_with_no_copy_stays_for_a_person(clients: dic
     fake.send_failure = "unavailable"  # 503: nothing went out, and the agent cannot know that either
     assert await push(agent[0], fake) == 200
     subject = Subject.message(fake.address, message["id"])
-    await eventually(lambda: _state_is(clients["a1"], subject, SubjectState.IN_DOUBT))
+    await eventually(lambda: state_is(clients["a1"], subject, SubjectState.IN_DOUBT))
     fake.receive("carl@example.net", "Another question")  # the history moves on, with no copy of the send
     other = apps(fake, [clients["b"]])
     assert await push(other[0], fake) == 200
@@ -284,10 +265,6 @@ async def test_a_send_left_in_doubt_with_no_copy_stays_for_a_person(clients: dic
     status = await clients["a1"].status(subject)
     assert (status.state, status.settled_by) == (SubjectState.IN_DOUBT, "")
     assert fake.replies_to(message["id"]) == 0
-
-
-async def _state_is(client: AsyncCoordinator, subject: Subject, state: SubjectState) -> bool:
-    return (await client.status(subject)).state is state
 
 
 @pytest.mark.parametrize(
@@ -352,3 +329,35 @@ async def test_a_push_for_a_mailbox_the_principal_is_not_granted_is_refused_403_
         assert (await person.status(Subject.message(fake.address, message["id"]))).state is SubjectState.FREE
         assert fake.calls["history.list"] + fake.calls["messages.list"] == 0
         assert fake.sends == []
+
+
+async def test_the_wsgi_adapter_runs_the_periodic_history_check_too(server: CoordinatorServer) -> None:
+    fake = FakeGmail()
+
+    def blocking_agent() -> tuple[int, int, bool]:
+        with Coordinator(server.address, principal="agent-w") as coordinator:
+            mail = GmailProvider(
+                AUDIENCE,
+                fake.address,
+                token=fake.token,
+                api_base=BASE,
+                jwks_url=JWKS_URL,
+                transport=fake.blocking(),  # type: ignore[arg-type]
+                history_check_interval=0.2,
+            )
+
+            def answer(message: MessageFacts, claim: Claim) -> None:
+                claim.send(mail.reply, message, body=BODY)
+
+            app = webhook_wsgi(mail, answer, coordinator=coordinator)
+            headers, body = fake.push()
+            with httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://agent") as http:
+                first = http.post("/webhook", content=body, headers=headers).status_code  # starts the check
+            dropped = fake.receive("dan@example.com", "Invoice please")  # no push for it, ever
+            deadline = time.monotonic() + 15
+            while fake.replies_to(dropped["id"]) == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            app.close(grace=10)
+            return first, fake.replies_to(dropped["id"]), app.running == 0
+
+    assert await asyncio.to_thread(blocking_agent) == (200, 1, True)

@@ -14,6 +14,7 @@ import pytest
 from coordinator.core import domain
 from coordinator.core.commands import (
     AbortSend,
+    AdvanceCursor,
     BeginSend,
     ClaimReply,
     ConfirmSent,
@@ -22,9 +23,11 @@ from coordinator.core.commands import (
     ReleaseClaim,
     RenewClaim,
     ResolveInDoubt,
+    TakeCursorRange,
     Takeover,
 )
 from coordinator.core.domain import (
+    AdvanceResult,
     Caller,
     ClaimResult,
     EndMark,
@@ -39,10 +42,11 @@ from coordinator.core.domain import (
     SubjectKind,
     Summary,
     TakeoverResult,
+    TakeResult,
     Transition,
 )
 from coordinator.core.engine import Engine, Event, Snapshot
-from coordinator.core.errors import FailedPrecondition, InvalidArgument
+from coordinator.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from coordinator.core.storage import Store
 from coordinator.ops.server import wall_clock_ms
 from tests.conftest import test_rules
@@ -359,3 +363,75 @@ async def test_records_written_before_fingerprint_version_1_still_answer_retries
     with pytest.raises(InvalidArgument) as refused:
         await engine.release(AGENT, replace(release, redeliverable=True))
     assert refused.value.reason == "REQUEST_ID_REUSED"
+
+
+# --- cursors (docs/design.md#cursors) ------------------------------------------------------------------------
+
+
+def _take(through: int = 0, request_id: str = "", mailbox: str = "box") -> TakeCursorRange:
+    return TakeCursorRange(
+        request_id=request_id or _rid(), mailbox=mailbox, name="gmail-history", through_position=through, ttl_seconds=60
+    )
+
+
+def _advance(token: int, position: int, mailbox: str = "box") -> AdvanceCursor:
+    return AdvanceCursor(
+        request_id=_rid(),
+        mailbox=mailbox,
+        name="gmail-history",
+        range_token=token,
+        value=str(position),
+        position=position,
+    )
+
+
+async def test_a_cursor_range_is_taken_once_advanced_by_its_holder_only_and_never_back(engine: Engine) -> None:
+    start = await engine.get_cursor(AGENT, "box", "gmail-history")
+    assert (start.value, start.position, start.range) == ("", 0, None)
+    request_id = _rid()
+    taken = await engine.take_cursor_range(AGENT, _take(1005, request_id))
+    assert (taken.result, taken.view.value, taken.view.position) == (TakeResult.TAKEN, "", 0)
+    assert taken.token > 0
+    retried = await engine.take_cursor_range(AGENT, _take(1005, request_id))
+    assert (retried.result, retried.token) == (TakeResult.TAKEN, taken.token)  # a retry answers its own range
+    busy = await engine.take_cursor_range(OTHER, _take(1005))
+    assert busy.result is TakeResult.BUSY
+    assert busy.view.range is not None
+    assert busy.view.range.holder == "agent-a"
+    with pytest.raises(PermissionDenied):
+        await engine.advance_cursor(OTHER, _advance(taken.token, 1005))
+    result, view = await engine.advance_cursor(AGENT, _advance(taken.token, 1005))
+    assert result is AdvanceResult.OK
+    assert (view.value, view.position) == ("1005", 1005)
+    covered = await engine.take_cursor_range(OTHER, _take(1003))  # a late or redelivered push
+    assert covered.result is TakeResult.COVERED
+    again = await engine.take_cursor_range(OTHER, _take(0))  # a periodic check: never covered
+    assert again.result is TakeResult.TAKEN
+    assert again.view.position == 1005
+    with pytest.raises(InvalidArgument):
+        await engine.advance_cursor(OTHER, _advance(again.token, 1004))
+    stale, _ = await engine.advance_cursor(AGENT, _advance(taken.token, 1010))
+    assert stale is AdvanceResult.STALE_RANGE  # its range was advanced, and another taken since
+    final = await engine.get_cursor(AGENT, "box", "gmail-history")
+    assert (final.position, final.range is not None) == (1005, True)
+
+
+async def test_a_range_given_back_unmoved_is_taken_again_and_a_lapsed_one_advances_only_if_untaken(
+    engine: Engine,
+) -> None:
+    first = await engine.take_cursor_range(AGENT, _take(10))
+    gave_back, _ = await engine.advance_cursor(AGENT, _advance(first.token, 0))
+    assert gave_back is AdvanceResult.OK
+    second = await engine.take_cursor_range(OTHER, _take(10))
+    assert second.result is TakeResult.TAKEN
+    assert second.token > first.token
+    late, _ = await engine.advance_cursor(AGENT, _advance(first.token, 10))
+    assert late is AdvanceResult.STALE_RANGE  # the cursor was written since its range was taken
+
+
+async def test_concurrent_takes_of_one_cursor_give_one_range(engine: Engine) -> None:
+    callers = [Caller(f"worker-{n}", HolderKind.AGENT) for n in range(16)]
+    outcomes = await asyncio.gather(*(engine.take_cursor_range(caller, _take(7)) for caller in callers))
+    results = [outcome.result for outcome in outcomes]
+    assert results.count(TakeResult.TAKEN) == 1
+    assert results.count(TakeResult.BUSY) == 15

@@ -16,8 +16,10 @@ from mcp.server import Server, ServerRequestContext
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from .._errors import CoordinatorError, CoordinatorUnavailable, InvalidRequest, PermissionDenied, Unauthenticated
+from .._guard import summary_of
 from .._types import MessageSummary, Subject
 from ..nylas import AsyncNylas, NylasReply
+from ..providers import MessageFacts
 from ._answers import Answer, Outcome
 from ._session import AgentSession, Thread, fingerprint
 
@@ -61,11 +63,27 @@ class Message(_Arguments):
         ),
     )
 
-    def thread(self) -> Thread | None:
-        """The message's thread and when it arrived, when both are given."""
-        if self.thread_id is None or self.received_at is None:
-            return None
-        return self.thread_id, self.received_at
+    def facts(self, summary: Summary | None = None) -> MessageFacts:
+        """What the tool was told about the email, as the neutral value the guard reads from any provider
+        (docs/providers.md): the subject, the thread and the summary all come from it."""
+        return MessageFacts(
+            provider="mcp",
+            event="message.created",
+            mailbox=self.mailbox,
+            dedup_key="",
+            message_id=self.message_id,
+            thread_id=self.thread_id,
+            received_at=self.received_at,
+            sender=summary.sender if summary is not None else "",
+            subject_line=summary.subject_line if summary is not None else "",
+        )
+
+
+def _thread(facts: MessageFacts) -> Thread | None:
+    """The message's thread and when it arrived, when both are known."""
+    if facts.thread_id is None or facts.received_at is None:
+        return None
+    return facts.thread_id, facts.received_at
 
 
 class Summary(_Arguments):
@@ -310,12 +328,12 @@ class ClaimTools:
         """send_reply needs a mail service; without one it is not offered."""
         return [tool for tool in TOOLS.values() if tool.name != "send_reply" or self._replies is not None]
 
-    def _subject(self, message: Message) -> Subject | str:
+    def _subject(self, facts: MessageFacts) -> Subject | str:
         if self._scope == "thread":
-            if message.thread_id is None:
+            if facts.thread_id is None:
                 return "Invalid arguments, nothing was done: thread_id: required (this server claims conversations)"
-            return Subject.thread(message.mailbox, message.thread_id)
-        return Subject.message(message.mailbox, message.message_id)
+            return Subject.thread(facts.mailbox, facts.thread_id)
+        return Subject.message(facts.mailbox, facts.message_id)
 
     async def list_tools(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
@@ -342,22 +360,26 @@ class ClaimTools:
         if isinstance(arguments, MailboxArguments):
             return await self._who(session, arguments.mailbox)
         assert isinstance(arguments, Message)
-        subject = self._subject(arguments)
+        facts = arguments.facts(
+            arguments.summary if isinstance(arguments, ClaimArguments | SendReplyArguments) else None
+        )
+        subject = self._subject(facts)
         if isinstance(subject, str):
             return tool_error(subject)
         if isinstance(arguments, SendReplyArguments):
-            return answered(await self._send_reply(session, subject, arguments), error_unless=frozenset({Outcome.SENT}))
+            sent = await self._send_reply(session, subject, arguments, facts)
+            return answered(sent, error_unless=frozenset({Outcome.SENT}))
         if isinstance(arguments, ClaimArguments):
-            claimed = await session.claim(
-                subject, summary=_summary(arguments.summary), note=arguments.note, thread=arguments.thread()
-            )
+            claimed = await session.claim(subject, summary=_summary(facts), note=arguments.note, thread=_thread(facts))
             return answered(claimed, error_unless=None)
         if isinstance(arguments, MarkRepliedArguments):
             marked = await session.mark_replied(subject, sent_message_id=arguments.sent_message_id, note=arguments.note)
             return answered(marked, error_unless=frozenset({Outcome.MARKED_REPLIED}))
         return answered(await session.release(subject), error_unless=None)
 
-    async def _send_reply(self, session: AgentSession, subject: Subject, arguments: SendReplyArguments) -> Answer:
+    async def _send_reply(
+        self, session: AgentSession, subject: Subject, arguments: SendReplyArguments, facts: MessageFacts
+    ) -> Answer:
         replies = self._replies
         assert replies is not None
         reply = replies.reply(arguments)
@@ -367,7 +389,7 @@ class ClaimTools:
 
         the_reply = arguments.model_dump(exclude={"summary", "thread_id", "received_at"})
         return await session.send(
-            subject, fingerprint(the_reply), deliver, summary=_summary(arguments.summary), thread=arguments.thread()
+            subject, fingerprint(the_reply), deliver, summary=_summary(facts), thread=_thread(facts)
         )
 
     async def _who(self, session: AgentSession, mailbox: str) -> types.CallToolResult:
@@ -389,10 +411,13 @@ class ClaimTools:
         )
 
 
-def _summary(summary: Summary | None) -> MessageSummary | None:
-    if summary is None or not (summary.subject_line or summary.sender):
+def _summary(facts: MessageFacts) -> MessageSummary | None:
+    """The summary people see, as the guard makes it from any provider's facts; none unless the tool was told
+    which email it is (a subject line or a sender)."""
+    if not (facts.subject_line or facts.sender):
         return None
-    return MessageSummary(subject_line=summary.subject_line, sender=summary.sender)
+    summary = summary_of(facts)
+    return summary if summary is None else MessageSummary(summary.subject_line, summary.sender)
 
 
 def build_server(

@@ -17,7 +17,7 @@ import binascii
 import json
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from email.message import EmailMessage
 from typing import Any
@@ -366,9 +366,11 @@ class GmailProvider:
 
     # -- send ------------------------------------------------------------------------------------------------
 
-    def reply(self, message: MessageFacts, body: str) -> str | Coroutine[Any, Any, str]:
+    def reply(self, message: MessageFacts, body: str) -> Any:
         """``claim.send(provider.reply, message, body=...)``: a raw reply in the message's thread, stamped with the
-        current claim; the sent message's id (its ``SENT`` copy's)."""
+        current claim; the sent message's id (its ``SENT`` copy's): a ``str`` on a blocking transport
+        (``Claim.send``), a coroutine of it on an asyncio one (``AsyncClaim.send``), typed ``Any`` so that both
+        type-check."""
         claim = current_claim_base()
         if claim is None:
             raise RuntimeError(

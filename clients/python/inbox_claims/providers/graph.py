@@ -5,7 +5,8 @@
 * Authenticity: every notification of the POST carries the subscription's ``clientState``, compared in constant time.
 * A notification only names the message: it is read (immutable ids), and the dedup key is ``<id>@<change key>``.
 * Lifecycle: ``reauthorizationRequired`` renews, ``subscriptionRemoved`` subscribes again, ``missed`` reads the Inbox
-  and Sent Items by delta query from the delta links the coordinator keeps as cursors (``graph-delta:<folder>``).
+  and Sent Items by delta query from the delta links the coordinator keeps as cursors (``graph-delta:<folder>``); a
+  first round (no link yet, or an expired one: 410) reads only the last day's messages.
 * Send: ``createReply`` (the draft carries the claim's stamp, ``X-Inbox-Claim``; its immutable id is the id of its
   copy in Sent Items) then ``send`` (202).
 """
@@ -16,7 +17,7 @@ import hmac
 import json
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
@@ -58,6 +59,7 @@ FOLDERS = ("inbox", "sentitems")
 # Outlook message subscriptions last at most 7 days; renewed for 3, well inside it.
 SUBSCRIPTION_SECONDS = 3 * 24 * 3600
 RANGE_TTL = 60
+RESYNC_SECONDS = 24 * 3600
 _EVENTS = {"created": "message.created", "updated": "message.updated"}
 
 
@@ -310,14 +312,21 @@ class GraphProvider:
         range_ = yield from cursors.take(self.user, name, 0, RANGE_TTL)
         if range_.outcome != "TAKEN":
             return []  # another worker resyncs it now
-        url = range_.value or self._user_url(f"mailFolders('{folder}')/messages/delta")
-        params: list[tuple[str, str]] = [] if range_.value else [("$select", SELECT)]
+        first = self._user_url(f"mailFolders('{folder}')/messages/delta")
+        # A first round lists the folder: only the last day of it, as Gmail's resync (an older message is not one to
+        # answer now, and a mailbox's whole Inbox would be a storm of replies).
+        since = _iso(self.clock() - RESYNC_SECONDS)
+        first_params = [("$select", SELECT), ("$filter", f"receivedDateTime ge {since}")]
+        url, params = (range_.value, []) if range_.value else (first, first_params)
         found: list[MessageFacts] = []
         while True:
             split = urlsplit(url)
             query = [(k, v) for k, v in parse_qsl(split.query, keep_blank_values=True)] + params
             base = f"{split.scheme}://{split.netloc}{unquote(split.path)}"
             response = yield from http(self.transport, self._request("GET", base, params=query))
+            if response.status == 410 and url == range_.value:  # the delta link expired: a first round again
+                url, params, found = first, first_params, []
+                continue
             document = response.json()
             if response.status != 200 or not isinstance(document, dict):
                 raise ProviderError(f"the delta query of {folder} answered HTTP {response.status}")
@@ -359,6 +368,11 @@ class GraphProvider:
             ids.append((yield from self.subscribe(f"users/{self.user}/mailFolders('{folder}')/messages")))
         return ids
 
+    def create_subscriptions(self) -> Any:
+        """Makes the mailbox's two subscriptions now (run on this provider's transport: awaited with an asyncio one);
+        their ids."""
+        return drive(self.subscriptions(), self.transport)
+
     def _renew(self, subscription_id: str) -> Flow[None]:
         """Renews and reauthorizes in one request (PATCH with a new expirationDateTime)."""
         url = f"{self.api_base}/subscriptions/{quote(subscription_id, safe='')}"
@@ -373,9 +387,11 @@ class GraphProvider:
 
     # -- send ------------------------------------------------------------------------------------------------
 
-    def reply(self, message: MessageFacts, body: str) -> str | Coroutine[Any, Any, str]:
+    def reply(self, message: MessageFacts, body: str) -> Any:
         """``claim.send(provider.reply, message, body=...)``: the draft (``createReply``, stamped with the current
-        claim), then its send; the draft's immutable id, which its copy in Sent Items keeps."""
+        claim), then its send; the draft's immutable id, which its copy in Sent Items keeps: a ``str`` on a blocking
+        transport (``Claim.send``), a coroutine of it on an asyncio one (``AsyncClaim.send``), typed ``Any`` so that
+        both type-check."""
         claim = current_claim_base()
         if claim is None:
             raise RuntimeError(
