@@ -70,6 +70,7 @@ export class Double {
 export async function serve(listener: (req: import("node:http").IncomingMessage, res: import("node:http").ServerResponse) => void): Promise<{ url: string; server: Server }> {
   const server = createServer(listener);
   await new Promise<void>((ok) => server.listen(0, "127.0.0.1", ok));
+  server.unref(); // a test that fails before closing it must not keep the run from ending
   return { url: `http://127.0.0.1:${(server.address() as AddressInfo).port}/webhook`, server };
 }
 
@@ -113,7 +114,10 @@ export async function guardedAgents(make: () => Replier, clients: Coordinator[],
     urls,
     async close(): Promise<void> {
       await settle(handlers);
-      for (const server of servers) server.close();
+      for (const server of servers) {
+        server.closeAllConnections();
+        server.close();
+      }
     },
   };
 }

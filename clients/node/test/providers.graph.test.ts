@@ -3,7 +3,7 @@
 // internetMessageHeaders given, send 202 moving the draft to Sent Items): one notification delivered three times over
 // two workers, two agents with different principals, several notifications in one POST, a new mail arriving as
 // updated, a person answering from Outlook while the agent drafts, the agent's own reply coming back from Sent Items,
-// bad input refused with nothing recorded. Each guarded scenario sends one reply per customer message (counted at the
+// a missed lifecycle event (a delta resync of the last day, by one worker), bad input refused with nothing recorded. Each guarded scenario sends one reply per customer message (counted at the
 // double); the same deliveries to the unguarded agent send at least two.
 import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
@@ -14,9 +14,10 @@ import { join } from "node:path";
 import { Cluster } from "../src/testing.js";
 import { messageSubject, type Coordinator } from "../src/index.js";
 import { GraphProvider } from "../src/providers/graph.js";
-import { Double, guardedAgents, LocalCursors, post, unguarded } from "./doubles.js";
+import { Double, eventually, guardedAgents, LocalCursors, post, unguarded } from "./doubles.js";
 
 const STATE = "graph-client-state"; // the double's default clientState
+const TOKEN = "graph-token";
 let cluster: Cluster;
 before(async () => {
   cluster = await Cluster.start({ replicas: 2 });
@@ -27,10 +28,10 @@ after(async () => {
 
 let counter = 0;
 type Message = Record<string, unknown> & { id: string; changeKey: string };
-interface Sent { by: "agent" | "person"; in_reply_to: string; id?: string }
+interface Sent { by: "agent" | "person"; in_reply_to: string; id: string }
 
 function graphOf(double: Double, user: string): GraphProvider {
-  return new GraphProvider(STATE, user, { token: "graph-token", apiBase: `${double.url}/v1.0`, mailboxAddresses: [`${user}@shop.example`] });
+  return new GraphProvider(STATE, user, { token: TOKEN, apiBase: `${double.url}/v1.0`, mailboxAddresses: [`${user}@shop.example`] });
 }
 
 /** Graph's change notifications of `messages`, in one POST, as its documentation shows them. */
@@ -53,6 +54,22 @@ function notifications(user: string, messages: Message[], change = "created", st
   });
 }
 
+/** A lifecycle notification (missed, reauthorizationRequired, subscriptionRemoved), as Graph's documentation shows it. */
+function lifecycle(user: string, event: string): string {
+  return JSON.stringify({
+    value: [
+      {
+        lifecycleEvent: event,
+        subscriptionId: "sub-inbox",
+        subscriptionExpirationDateTime: "2026-12-05T11:00:00.0000000Z",
+        clientState: STATE,
+        tenantId: "84bd8158-6d4d-4958-8b9f-9d6445542f95",
+        resource: `users/${user}/mailFolders('inbox')/messages`,
+      },
+    ],
+  });
+}
+
 /** Guarded agents, one per client (test/doubles.ts); `drafting` holds their sends back. */
 function agents(double: Double, user: string, clients: Coordinator[], drafting?: Promise<void>) {
   return guardedAgents(() => graphOf(double, user), clients, drafting);
@@ -60,7 +77,7 @@ function agents(double: Double, user: string, clients: Coordinator[], drafting?:
 
 async function withDouble(run: (double: Double, user: string) => Promise<void>): Promise<void> {
   const user = `u-${process.pid}-${++counter}`;
-  const double = await Double.start("graph", { user, address: `${user}@shop.example` });
+  const double = await Double.start("graph", { user, address: `${user}@shop.example`, token: TOKEN });
   try {
     await run(double, user);
   } finally {
@@ -69,7 +86,7 @@ async function withDouble(run: (double: Double, user: string) => Promise<void>):
 }
 
 const status = async (url: string, body: string): Promise<number> => (await post(url, body)).status;
-const repliesTo = async (double: Double, id: string, by = "agent"): Promise<number> => (await double.get<Sent[]>("sends")).filter((s) => s.in_reply_to === id && s.by === by).length;
+const repliesTo = (double: Double, id: string, by = "agent"): Promise<number> => double.call<number>("replies_to", id, by);
 const receive = (double: Double, sender: string, subject: string, conversation: string): Promise<Message> => double.call<Message>("receive", sender, subject, conversation);
 
 test("graph: one notification delivered three times over two workers gets one reply; its copy from Sent Items is never answered; unguarded: two or more", async () => {
@@ -81,8 +98,7 @@ test("graph: one notification delivered three times over two workers gets one re
     await agent.close();
     assert.equal(await repliesTo(double, message.id), 1);
     // The agent's reply, now in Sent Items with its stamp, notified by the Sent Items subscription: never answered.
-    const sent = (await double.get<Sent[]>("sends")).find((s) => s.by === "agent")!;
-    const copy = (await double.get<Record<string, Message>>("messages"))[sent.id!]!;
+    const copy = await double.call<Message>("sent_copy", message.id);
     const again = await agents(double, user, [cluster.client("agent-a", { replica: 1 })]);
     assert.equal(await status(again.urls[0]!, notifications(user, [copy])), 202);
     await again.close();
@@ -163,5 +179,33 @@ test("graph: the handshake is echoed; a wrong clientState, a body that is not no
     await refused.close();
     assert.deepEqual(await double.get<Sent[]>("sends"), []);
     assert.equal((await coordinator.status(messageSubject(user, message.id))).state, "FREE");
+  });
+});
+
+test("graph: a missed lifecycle event heard by two workers: one resyncs the last day by delta query, the dropped message is answered once; a second missed reads only what changed", async () => {
+  await withDouble(async (double, user) => {
+    const clients = [cluster.client("agent-a"), cluster.client("agent-a", { replica: 1 })];
+    const agent = await agents(double, user, clients);
+    const threeDaysAgo = new Date(Date.now() - 3 * 86400_000).toISOString().replace(/\.\d{3}Z$/, "Z");
+    const ancient = await double.call<Message>("receive", "old@example.org", "An old question", "conv-5a", threeDaysAgo);
+    const answered = await receive(double, "bea@example.org", "Where is my order?", "conv-5b");
+    assert.equal(await status(agent.urls[0]!, notifications(user, [answered])), 202);
+    await eventually(async () => (await repliesTo(double, answered.id)) === 1);
+    const dropped = await receive(double, "dan@example.com", "Invoice please", "conv-5c"); // its notification never comes
+    // Graph says it dropped notifications, to both workers at once: one reads the folders, the other leaves it.
+    const missed = lifecycle(user, "missed");
+    assert.deepEqual(await Promise.all([status(agent.urls[0]!, missed), status(agent.urls[1]!, missed)]), [202, 202]);
+    await eventually(async () => (await repliesTo(double, dropped.id)) === 1);
+    assert.equal((await double.get<Record<string, number>>("calls"))["delta"], 2); // one first round per folder, by one worker
+    const inbox = await clients[0]!.getCursor(user, "graph-delta:inbox");
+    assert.match(inbox.value, /deltatoken/);
+    assert.equal(inbox.position, 1n);
+    // Missed again later: the delta links read what changed since (the reply's copy: own), nothing twice.
+    assert.equal(await status(agent.urls[1]!, missed), 202);
+    await agent.close();
+    assert.equal((await double.get<Record<string, number>>("calls"))["delta"], 4);
+    assert.equal((await clients[0]!.getCursor(user, "graph-delta:inbox")).position, 2n);
+    const replies = [await repliesTo(double, answered.id), await repliesTo(double, dropped.id), await repliesTo(double, ancient.id)];
+    assert.deepEqual(replies, [1, 1, 0]); // the three-day-old message is outside the resync's day
   });
 });
