@@ -15,6 +15,7 @@ import { InboxClaimsError, SendRejected } from "../errors.js";
 import {
   Accepted,
   batchOf,
+  bearer,
   fetchTransport,
   formatStamp,
   header,
@@ -24,6 +25,7 @@ import {
   parseStamp,
   ProviderError,
   replySubject,
+  requireEnv,
   splitAddress,
   STAMP_HEADER,
   stampMessageId,
@@ -130,9 +132,7 @@ export class GmailProvider implements Provider {
    * history check off); `overrides` win.
    */
   static fromEnv(env: Record<string, string | undefined> = process.env, overrides: Partial<GmailProviderOptions> = {}): GmailProvider {
-    for (const name of ["GMAIL_PUSH_AUDIENCE", "GMAIL_USER", "GMAIL_TOKEN"]) {
-      if (!env[name]) throw new TypeError(`set ${name} (docs/providers.md, Gmail)`);
-    }
+    requireEnv(env, ["GMAIL_PUSH_AUDIENCE", "GMAIL_USER", "GMAIL_TOKEN"], "Gmail");
     const interval = (env["GMAIL_HISTORY_CHECK_SECONDS"] ?? "").trim();
     if (interval && !(Number(interval) >= 0)) throw new TypeError(`GMAIL_HISTORY_CHECK_SECONDS must be a number of seconds, not ${JSON.stringify(interval)}`);
     return new GmailProvider(env["GMAIL_PUSH_AUDIENCE"]!, env["GMAIL_USER"]!, {
@@ -157,8 +157,7 @@ export class GmailProvider implements Provider {
   }
 
   private api(method: string, path: string, params: [string, string][] = [], json?: unknown): HttpRequest {
-    const token = typeof this.token === "function" ? this.token() : this.token;
-    return { method, url: `${this.apiBase}/gmail/v1/users/me/${path}`, params, headers: [["Authorization", `Bearer ${token}`]], json };
+    return { method, url: `${this.apiBase}/gmail/v1/users/me/${path}`, params, headers: [bearer(this.token)], json };
   }
 
   // -- check ------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import { InboxClaimsError, SendRejected } from "../errors.js";
 import {
   Accepted,
   batchOf,
+  bearer,
   display,
   fetchTransport,
   formatStamp,
@@ -24,6 +25,7 @@ import {
   parseStamp,
   ProviderError,
   replySubject,
+  requireEnv,
   STAMP_HEADER,
   str,
   type Answer,
@@ -136,9 +138,7 @@ export class GraphProvider implements Provider {
    * GRAPH_NOTIFICATION_URL and INBOX_MAILBOX_ADDRESSES; `overrides` win.
    */
   static fromEnv(env: Record<string, string | undefined> = process.env, overrides: Partial<GraphProviderOptions> = {}): GraphProvider {
-    for (const name of ["GRAPH_CLIENT_STATE", "GRAPH_USER", "GRAPH_TOKEN"]) {
-      if (!env[name]) throw new TypeError(`set ${name} (docs/providers.md, Microsoft 365)`);
-    }
+    requireEnv(env, ["GRAPH_CLIENT_STATE", "GRAPH_USER", "GRAPH_TOKEN"], "Microsoft 365");
     return new GraphProvider(env["GRAPH_CLIENT_STATE"]!, env["GRAPH_USER"]!, {
       token: env["GRAPH_TOKEN"]!,
       apiBase: env["GRAPH_API_BASE"] || DEFAULT_API_BASE,
@@ -164,8 +164,7 @@ export class GraphProvider implements Provider {
   // -- requests ---------------------------------------------------------------------------------------------
 
   private request(method: string, url: string, options: { params?: [string, string][]; json?: unknown } = {}): HttpRequest {
-    const token = typeof this.token === "function" ? this.token() : this.token;
-    return { method, url, params: options.params ?? [], headers: [["Authorization", `Bearer ${token}`], IMMUTABLE_IDS], json: options.json };
+    return { method, url, params: options.params ?? [], headers: [bearer(this.token), IMMUTABLE_IDS], json: options.json };
   }
 
   private userUrl(path: string): string {

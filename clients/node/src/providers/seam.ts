@@ -263,5 +263,15 @@ export function messageIds(value: string | undefined): string[] {
   return value?.match(/<[^<>\s]+>/g) ?? [];
 }
 
+/** The Authorization header of a provider's API request, from a token or a function that gives the current one. */
+export function bearer(token: string | (() => string)): readonly [string, string] {
+  return ["Authorization", `Bearer ${typeof token === "function" ? token() : token}`];
+}
+
+/** Throws, naming the variable and the docs' section, when one of `names` is unset or empty in `env`. */
+export function requireEnv(env: Record<string, string | undefined>, names: readonly string[], section: string): void {
+  for (const name of names) if (!env[name]) throw new TypeError(`set ${name} (docs/providers.md, ${section})`);
+}
+
 export const isRecord = (value: unknown): value is Record<string, unknown> => typeof value === "object" && value !== null && !Array.isArray(value);
 export const str = (value: unknown): string => (typeof value === "string" ? value : "");
