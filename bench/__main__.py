@@ -1,5 +1,5 @@
 """python -m bench {claims,contended,dedup,cycle,outgoing,watch,slow-watchers,http,http-attacks,list-claims,memory,
-embedded-db,mcp,profile,all} [options]; each --help says more.
+embedded-db,mcp,providers,profile,all} [options]; each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
 temporary directory, measures a baseline in the same run, and prints ratios against it.
@@ -24,6 +24,7 @@ from . import (
     memory,
     outgoing,
     profile,
+    providers,
     slow_watchers,
     watch,
 )
@@ -97,6 +98,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         mcp.add_arguments,
         mcp.run,
     ),
+    "providers": (
+        "one customer message on each provider's path (Nylas, Graph, Gmail): calls per message, CPU per 1,000",
+        providers.add_arguments,
+        providers.run,
+    ),
     "profile": (
         "py-spy profile of the coordinator under ClaimReply load: where its CPU goes",
         profile.add_arguments,
@@ -123,6 +129,7 @@ QUICK: dict[str, list[str]] = {
     ],
     "list-claims": ["--subjects", "300", "--sending", "3", "--rounds", "1"],
     "mcp": ["--sends", "20", "--rounds", "1"],
+    "providers": ["--messages", "5", "--lanes", "2", "--rounds", "1"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
 

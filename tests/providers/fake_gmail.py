@@ -25,6 +25,7 @@ client) and, through tests/providers/serving.py, a real HTTP server. It counts e
 from __future__ import annotations
 
 import base64
+import bisect
 import email
 import email.policy
 import itertools
@@ -36,7 +37,6 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from email.message import EmailMessage
-from functools import cache
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -66,10 +66,17 @@ _RECORD_KINDS = {
 _GAPS = (3, 1, 7, 2, 11, 5)
 
 
-@cache
+_KEYS: dict[str, rsa.RSAPrivateKey] = {}
+_KEYS_LOCK = threading.Lock()
+
+
 def _key(name: str) -> rsa.RSAPrivateKey:
-    """An RSA key per name, made once per test process (``own``: the double's; ``forger``: anyone else's)."""
-    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    """An RSA key per name, made once per test process (``own``: the double's; ``forger``: anyone else's), under a
+    lock: two threads asking first must not sign with two keys."""
+    with _KEYS_LOCK:
+        if name not in _KEYS:
+            _KEYS[name] = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        return _KEYS[name]
 
 
 class FakeGmail(Outbox):
@@ -101,6 +108,8 @@ class FakeGmail(Outbox):
         """How the next ``messages.send`` goes: ``reject`` (400, nothing sent), ``unavailable`` (503, nothing sent),
         ``lost_answer`` (sent, and answered 503: the sender cannot know); once."""
         self._lock = threading.RLock()
+        self._history_ids: list[int] = []  # the records' ids, in order (they only grow)
+        self._by_message_id: dict[str, str] = {}  # the Message-ID header's value -> the Gmail id
         self._gaps = itertools.cycle(_GAPS)
         self._ids = itertools.count(0x18C2F3A4B5D60000)
         self._pushes = itertools.count(2070443601311540)
@@ -127,7 +136,9 @@ class FakeGmail(Outbox):
                 "_raw": raw,
             }
             self.messages[message_id] = document
+            self._by_message_id[str(message["Message-ID"])] = message_id
             brief = {"id": message_id, "threadId": document["threadId"], "labelIds": list(labels)}
+            self._history_ids.append(self.history_id)
             self.history.append(
                 {
                     "id": str(self.history_id),
@@ -276,10 +287,11 @@ class FakeGmail(Outbox):
         offset = int((params.get("pageToken") or ["0"])[0])
         asked = params.get("historyTypes") or list(_RECORD_KINDS)
         kinds = {_RECORD_KINDS.get(kind, kind) for kind in asked}
+        first = bisect.bisect_right(self._history_ids, int(start))
         records = [
             {key: value for key, value in record.items() if key in ("id", "messages") or key in kinds}
-            for record in self.history
-            if int(record["id"]) > int(start) and kinds.intersection(record)
+            for record in self.history[first:]
+            if kinds.intersection(record)
         ]
         page = records[offset : offset + size]
         document: dict[str, Any] = {"historyId": str(self.history_id)}
@@ -367,10 +379,8 @@ class FakeGmail(Outbox):
         """The thread a sent message joins (documented: the threadId given, In-Reply-To or References naming a message
         of it, the same subject; else a new one) and the message it answers."""
         named = set(re.findall(r"<[^<>\s]+>", f"{message.get('In-Reply-To', '')} {message.get('References', '')}"))
-        answered = ""
-        for candidate in self.messages.values():
-            if str(self.parsed(candidate["id"])["Message-ID"]) in named and candidate["threadId"] == thread_id:
-                answered = candidate["id"]
+        found = [self._by_message_id[name] for name in named if name in self._by_message_id]
+        answered = next((m for m in found if self.messages[m]["threadId"] == thread_id), "")
         if not answered:
             return "", ""
         subject = _bare_subject(str(message.get("Subject", "")))

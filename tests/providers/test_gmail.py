@@ -40,7 +40,7 @@ def provider(fake: FakeGmail, *, check_every: float = 0) -> GmailProvider:
         token=fake.token,
         api_base=BASE,
         jwks_url=JWKS_URL,
-        transport=fake,  # type: ignore[arg-type]
+        transport=fake,
         history_check_interval=check_every,
     )
 
@@ -342,7 +342,7 @@ async def test_the_wsgi_adapter_runs_the_periodic_history_check_too(server: Coor
                 token=fake.token,
                 api_base=BASE,
                 jwks_url=JWKS_URL,
-                transport=fake.blocking(),  # type: ignore[arg-type]
+                transport=fake.blocking(),
                 history_check_interval=0.2,
             )
 

@@ -31,7 +31,7 @@ def provider(fake: FakeGraph) -> GraphProvider:
         token=fake.token,
         api_base=BASE,
         notification_url="https://agent.example/webhook",
-        transport=fake,  # type: ignore[arg-type]
+        transport=fake,
     )
 
 

@@ -25,6 +25,7 @@ EXPECTED = {
     "memory": ("== memory:", "watchers over"),
     "embedded-db": ("== embedded-db:", "growth per cycle:"),
     "mcp": ("== mcp:", "guarded/direct: median"),
+    "providers": ("== providers:", "gmail    coordinator"),
     "profile": ("== profile:", "by where the time was spent"),
 }
 

@@ -3,8 +3,8 @@ flow on one of them alone (a send function, outside any client): blocking or asy
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -13,7 +13,17 @@ from ._seam import Flow, HttpRequest, HttpResponse, ProviderError
 
 T = TypeVar("T")
 
-__all__ = ["AsyncHttp", "BlockingHttp", "drive"]
+__all__ = ["AsyncHttp", "BlockingHttp", "HttpTransport", "drive"]
+
+
+class HttpTransport(Protocol):
+    """What a provider sends its API requests with: ``BlockingHttp``, ``AsyncHttp``, or a test double (tests/providers)
+    answering ``HttpRequest`` with ``HttpResponse``; ``is_async`` says whether its answer is awaited."""
+
+    @property
+    def is_async(self) -> bool: ...
+
+    def __call__(self, request: HttpRequest) -> HttpResponse | Awaitable[HttpResponse]: ...
 
 
 def _request(request: HttpRequest) -> dict[str, Any]:
@@ -63,7 +73,7 @@ class AsyncHttp:
         return HttpResponse(response.status_code, response.content, dict(response.headers))
 
 
-def drive(flow: Flow[T], transport: BlockingHttp | AsyncHttp) -> T | Coroutine[Any, Any, T]:
+def drive(flow: Flow[T], transport: HttpTransport) -> T | Coroutine[Any, Any, T]:
     """Runs a flow whose only effects are the transport's requests: at once with a blocking transport, as a
     coroutine with an asyncio one (what ``claim.send`` awaits)."""
     if transport.is_async:

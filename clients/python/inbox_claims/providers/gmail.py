@@ -27,7 +27,7 @@ import jwt
 from .._current import current_claim_base
 from .._effects import Sleep
 from .._errors import InboxClaimsError, SendRejected
-from ._httpx import AsyncHttp, BlockingHttp, drive
+from ._httpx import AsyncHttp, HttpTransport, drive
 from ._seam import (
     STAMP_HEADER,
     Accepted,
@@ -104,7 +104,7 @@ class GmailProvider:
         jwks_url: str = DEFAULT_JWKS_URL,
         service_account: str = "",
         mailbox_addresses: Sequence[str] = (),
-        transport: BlockingHttp | AsyncHttp | None = None,
+        transport: HttpTransport | None = None,
         clock: Callable[[], float] = time.time,
         history_check_interval: float = DEFAULT_HISTORY_CHECK_S,
     ) -> None:

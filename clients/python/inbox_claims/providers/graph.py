@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from .._current import current_claim_base
 from .._errors import InboxClaimsError, SendRejected
-from ._httpx import AsyncHttp, BlockingHttp, drive
+from ._httpx import AsyncHttp, HttpTransport, drive
 from ._seam import (
     STAMP_HEADER,
     Accepted,
@@ -108,7 +108,7 @@ class GraphProvider:
         subscription_ids: Sequence[str] = (),
         sent_items_folder_id: str | None = None,
         mailbox_addresses: Sequence[str] = (),
-        transport: BlockingHttp | AsyncHttp | None = None,
+        transport: HttpTransport | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not client_state or len(client_state) > 255:
