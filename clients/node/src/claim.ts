@@ -11,6 +11,8 @@
 // renewal can never declare a loss the commit point has already settled.
 import type { Coordinator, Op } from "./client.js";
 import type { Notification } from "./envelope.js";
+import { factsOf } from "./providers/nylas.js";
+import { isMessageFacts, type ClaimStamp, type MessageFacts } from "./providers/seam.js";
 import {
   AlreadyReplied,
   ClaimLost,
@@ -84,17 +86,14 @@ export const REASON_MAX_BYTES = 1024;
 // After a failed renewal, try again after a third of the time left, but not more often than this.
 const RENEWAL_RETRY_FLOOR_MS = 200;
 
-export function resolveSubject(target: Notification | ReplyTarget, scope: Scope, mailboxOverride?: string): { subject: Subject; notificationId: string } {
+/** The subject to claim and the dedup key, from a message's facts or an explicit target (explicit mailbox wins). */
+export function resolveSubject(target: MessageFacts | ReplyTarget, scope: Scope, mailboxOverride?: string): { subject: Subject; notificationId: string } {
   let mailbox: string | undefined;
   let messageId: string | undefined;
   let threadId: string | undefined;
   let notificationId: string | undefined;
-  if ("notificationId" in target && "objectKind" in target) {
-    if (target.objectKind !== "message") throw new TypeError(`a ${target.type} notification is not about a message: there is nothing to reply to`);
-    ({ mailbox, messageId, threadId, notificationId } = target);
-  } else {
-    ({ mailbox, messageId, threadId, notificationId } = target);
-  }
+  if (isMessageFacts(target)) ({ mailbox, messageId, threadId, dedupKey: notificationId } = target);
+  else ({ mailbox, messageId, threadId, notificationId } = target);
   mailbox = mailboxOverride || mailbox;
   if (!mailbox) throw new TypeError("replyTo needs a mailbox (the notification carries no grant_id): pass { mailbox }");
   if (scope === "message") {
@@ -119,41 +118,21 @@ function grantedStatus(result: ClaimResult, subject: Subject, notificationId: st
 // The coordinator's limits on a summary's texts (SUMMARY_SUBJECT_LINE_MAX_BYTES, SUMMARY_SENDER_MAX_BYTES):
 // longer ones are cut, not refused.
 export const SUMMARY_TEXT_MAX_BYTES = 512;
-// Unix seconds before the year 10000: a later "date" is not a time the coordinator can store.
-const LAST_DATE_SECONDS = 253402300800;
 
 /**
- * Which email a notification is about, from the Nylas message object it carries (`subject`, the first of
- * `from` as "Name <address>", `date`), as the Python client's summary_of: what is missing or of another shape
- * is left out; undefined when nothing is there or the notification is not about a message.
+ * Which email a message is, from its facts (subject line, sender, received time), as the Python client's
+ * summary_of: what is missing is left out, the texts cut to the coordinator's limits; undefined when nothing is
+ * there or a notification is not about a message. A Nylas notification is read by the Nylas provider.
  */
-export function summaryOf(notification: Notification | undefined): MessageSummary | undefined {
-  if (notification === undefined || !notification.isMessageEvent) return undefined;
-  const message = notification.object;
-  const subjectLine = typeof message.subject === "string" ? cleanText(message.subject, SUMMARY_TEXT_MAX_BYTES) : "";
-  const sender = senderOf(message);
-  const receivedAt = dateOf(notification);
+export function summaryOf(event: Notification | MessageFacts | undefined): MessageSummary | undefined {
+  // A message notification without its message id (which only replyTo needs) still says which email it is.
+  const facts = event === undefined || isMessageFacts(event) ? event : event.isMessageEvent ? factsOf({ ...event, messageId: event.messageId ?? "" }) : undefined;
+  if (facts === undefined) return undefined;
+  const subjectLine = cleanText(facts.subjectLine, SUMMARY_TEXT_MAX_BYTES);
+  const sender = cleanText(facts.sender, SUMMARY_TEXT_MAX_BYTES);
+  const receivedAt = facts.receivedAt;
   if (!subjectLine && !sender && receivedAt === undefined) return undefined;
   return { subjectLine, sender, ...(receivedAt === undefined ? {} : { receivedAt }) };
-}
-
-/** The first `from` as people read it ("Ana Lima <ana@shop.example>", or whichever half is there), cut to the limit. */
-export function senderOf(message: Readonly<Record<string, unknown>>): string {
-  const first: unknown = Array.isArray(message.from) ? message.from[0] : undefined;
-  if (typeof first !== "object" || first === null) return "";
-  const { name, email } = first as Record<string, unknown>;
-  const named = typeof name === "string" ? name : "";
-  const address = typeof email === "string" ? email : "";
-  return cleanText(named && address ? `${named} <${address}>` : named || address, SUMMARY_TEXT_MAX_BYTES);
-}
-
-/**
- * The message's date (Nylas: `date`, unix seconds), as the provider gives it; not the notification's `time`,
- * which is when Nylas noticed the message: the thread rule compares messages' own dates.
- */
-export function dateOf(notification: Notification): Date | undefined {
-  const date = notification.object.date;
-  return typeof date === "number" && Number.isInteger(date) && date >= 0 && date < LAST_DATE_SECONDS ? new Date(date * 1000) : undefined;
 }
 
 /** A free-form text the coordinator accepts: control characters become spaces, cut to maxBytes of UTF-8. */
@@ -244,6 +223,16 @@ export class Claim {
   get idempotencyKey(): string {
     this.keyTaken = true;
     return idempotencyKey(this.subject);
+  }
+
+  /**
+   * The claim's stamp (its idempotency key and fencing token), for a provider that takes no idempotency key:
+   * its reply carries it (X-Inbox-Claim), so that the reply's copy in the sent mail is known as this claim's
+   * (docs/providers.md, "The claim stamp"). `claim.send(() => graph.reply(message, { body, stamp: claim.stamp }))`.
+   */
+  get stamp(): ClaimStamp {
+    if (this.token_ <= 0n) throw new Error("claim.stamp needs a granted claim (read it inside claim.send)");
+    return { key: this.idempotencyKey, token: this.token_ };
   }
 
   /** Throws ClaimLost if the claim was lost: call it between long steps of drafting. */

@@ -4,7 +4,7 @@ import { readFileSync } from "node:fs";
 import { isIP } from "node:net";
 import { setTimeout as sleep } from "node:timers/promises";
 import { create, type Message } from "@bufbuild/protobuf";
-import { timestampFromDate } from "@bufbuild/protobuf/wkt";
+import { timestampDate, timestampFromDate } from "@bufbuild/protobuf/wkt";
 import { createClient, type Client } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
 import * as pb from "./gen/inbox/coordinator/v1/coordinator_pb.js";
@@ -38,8 +38,10 @@ import {
   type TakeoverResult,
   type WatchItem,
 } from "./types.js";
-import { Claim, dateOf, resolveSubject, senderOf, summaryOf, type ReplyOptions, type ReplyTarget } from "./claim.js";
+import { Claim, cleanText, resolveSubject, SUMMARY_TEXT_MAX_BYTES, summaryOf, type ReplyOptions, type ReplyTarget } from "./claim.js";
 import { parseNotification, type Notification } from "./envelope.js";
+import { factsOf } from "./providers/nylas.js";
+import { formatStamp, isMessageFacts, type CursorRange, type Cursors, type MessageFacts } from "./providers/seam.js";
 import { MAILBOX_ADDRESSES_ENV, OutgoingRules, SENT_FOLDERS_ENV } from "./outgoing.js";
 
 export const DEFAULT_TARGET = "127.0.0.1:50051";
@@ -117,6 +119,19 @@ export interface ClaimOptions {
   receivedAt?: Date;
 }
 
+/** RecordOutgoing's options. */
+export interface OutgoingOptions {
+  /** "Name <address>", as the message's From says. */
+  sender?: string;
+  /** The delivery's dedup key (the notification id). */
+  notificationId?: string;
+  /**
+   * The fencing token of the claim stamp the message carries (docs/providers.md, "The claim stamp"): a SENDING or
+   * IN_DOUBT send of its thread with that token is settled by it (REPLIED, with this message's id).
+   */
+  claimToken?: bigint;
+}
+
 export interface Op<R> {
   readonly method: string;
   readonly request: Message;
@@ -125,6 +140,18 @@ export interface Op<R> {
 
 export function newRequestId(): string {
   return randomUUID().replaceAll("-", "");
+}
+
+/** An enum value's name (TAKEN, COVERED...), refusing the values this client does not know. */
+function enumLabel(values: Record<number, string>, value: number): string {
+  const name = values[value];
+  if (name === undefined || name.endsWith("UNSPECIFIED")) throw new Error(`the coordinator sent ${value}, unknown to this client`);
+  return name;
+}
+
+function ttlSecondsOf(ttl: number): number {
+  if (!Number.isInteger(ttl) || ttl < 0) throw new RangeError(`a cursor range's ttlSeconds must be a whole number of seconds (0: the coordinator's 60), not ${ttl}`);
+  return ttl;
 }
 
 function ttlSeconds(ttl: number): number {
@@ -420,7 +447,7 @@ export class Coordinator {
     return { method: "ClaimReply", request, decode: (r) => claimResultFromPb(r as pb.ClaimReplyResponse), subject };
   }
 
-  recordOutgoingOp(mailbox: string, messageId: string, threadId: string, sentAt: Date, options: { sender?: string; notificationId?: string } = {}): Op<OutgoingResult> {
+  recordOutgoingOp(mailbox: string, messageId: string, threadId: string, sentAt: Date, options: OutgoingOptions = {}): Op<OutgoingResult> {
     const request = create(pb.RecordOutgoingRequestSchema, {
       requestId: newRequestId(),
       mailbox,
@@ -429,6 +456,7 @@ export class Coordinator {
       threadId,
       sentAt: timestampFromDate(sentAt),
       sender: options.sender ?? "",
+      claimToken: options.claimToken ?? 0n,
     });
     return { method: "RecordOutgoing", request, decode: (r) => outgoingFromPb(r as pb.RecordOutgoingResponse) };
   }
@@ -509,7 +537,7 @@ export class Coordinator {
    * (ANSWERED_OUTSIDE: it ended the claims on the messages of its thread received at or before `sentAt`).
    * replyTo calls it for you on every outgoing notification; never answer such a message.
    */
-  recordOutgoing(mailbox: string, messageId: string, threadId: string, sentAt: Date, options: { sender?: string; notificationId?: string } = {}): Promise<OutgoingResult> {
+  recordOutgoing(mailbox: string, messageId: string, threadId: string, sentAt: Date, options: OutgoingOptions = {}): Promise<OutgoingResult> {
     return this.call(this.recordOutgoingOp(mailbox, messageId, threadId, sentAt, options));
   }
 
@@ -603,6 +631,61 @@ export class Coordinator {
     }
   }
 
+  // -- cursors (docs/design.md#cursors): what the providers' batches take and advance ----------------------
+
+  /** GetCursor: a mailbox's named cursor (its value and position) and the range in progress, if any. */
+  getCursor(mailbox: string, name: string): Promise<{ value: string; position: bigint; range: { holder: string; expiresAt: Date | undefined; token: bigint } | undefined }> {
+    const request = create(pb.GetCursorRequestSchema, { mailbox, name });
+    return this.call({
+      method: "GetCursor",
+      request,
+      decode: (r) => {
+        const response = r as pb.GetCursorResponse;
+        const range = response.range;
+        return {
+          value: response.value,
+          position: response.position,
+          range: range === undefined ? undefined : { holder: range.holder, expiresAt: range.expiresAt === undefined ? undefined : timestampDate(range.expiresAt), token: range.rangeToken },
+        };
+      },
+    });
+  }
+
+  /** TakeCursorRange: TAKEN (this worker's range, on a lease of `ttlSeconds`), COVERED (at or past `throughPosition`) or BUSY. */
+  takeCursorRange(mailbox: string, name: string, throughPosition: bigint, ttlSeconds: number): Promise<CursorRange> {
+    const request = create(pb.TakeCursorRangeRequestSchema, { requestId: newRequestId(), mailbox, name, throughPosition, ttlSeconds: ttlSecondsOf(ttlSeconds) });
+    return this.call({
+      method: "TakeCursorRange",
+      request,
+      decode: (r) => {
+        const response = r as pb.TakeCursorRangeResponse;
+        const expiresAt = response.busy?.expiresAt;
+        return {
+          outcome: enumLabel(pb.TakeCursorRangeResponse_Result, response.result) as CursorRange["outcome"],
+          value: response.value,
+          position: response.position,
+          token: response.rangeToken,
+          holder: response.busy?.holder ?? "",
+          expiresInMs: expiresAt === undefined ? 0 : Math.max(timestampDate(expiresAt).getTime() - Date.now(), 0),
+        };
+      },
+    });
+  }
+
+  /** AdvanceCursor: moves the cursor to the end of a range this worker still holds (false: STALE_RANGE, not moved). */
+  advanceCursor(mailbox: string, name: string, taken: CursorRange, value: string, position: bigint): Promise<boolean> {
+    const request = create(pb.AdvanceCursorRequestSchema, { requestId: newRequestId(), mailbox, name, rangeToken: taken.token, value, position });
+    return this.call({ method: "AdvanceCursor", request, decode: (r) => (r as pb.AdvanceCursorResponse).result === pb.AdvanceCursorResponse_Result.OK });
+  }
+
+  /** This client's cursors as the provider seam takes them (a provider's open() reads and moves them). */
+  get cursors(): Cursors {
+    return {
+      take: (mailbox, name, throughPosition, ttlSeconds) => this.takeCursorRange(mailbox, name, throughPosition, ttlSeconds),
+      advance: (mailbox, name, taken, value, position) => this.advanceCursor(mailbox, name, taken, value, position),
+    };
+  }
+
   /** Takeover (humans only): the agent's token goes stale at once and the caller holds the subject. */
   takeover(subject: Subject, options: { ttl?: number; note?: string; summary?: MessageSummary } = {}): Promise<TakeoverResult> {
     const request = create(pb.TakeoverRequestSchema, {
@@ -644,32 +727,45 @@ export class Coordinator {
    * When `work` returns without sending, the claim is released; when it throws, released as redeliverable
    * (a redelivery of the notification may claim again). Resolves to what `work` returned.
    */
-  async replyTo<T>(target: Notification | Envelope | ReplyTarget, options: ReplyOptions, work: (claim: Claim) => Promise<T>): Promise<T> {
+  async replyTo<T>(target: Notification | Envelope | ReplyTarget | MessageFacts, options: ReplyOptions, work: (claim: Claim) => Promise<T>): Promise<T> {
     const claim = await this.admit(target, options);
     return claim.run(work);
   }
 
   /**
    * @internal replyTo's first half: the claim entered (its one ClaimReply made, or the outgoing message
-   * reported and refused), renewed from now on, its work not started. The webhook middleware answers Nylas in
-   * between, so that no notification is acknowledged that nothing recorded. `deadline` (a performance.now()
-   * value) bounds the call with its retries.
+   * reported and refused), renewed from now on, its work not started. The webhook adapters answer the provider
+   * in between, so that no notification is acknowledged that nothing recorded. `deadline` (a performance.now()
+   * value) bounds the call with its retries. Past the first lines it reads only the message's facts (a Nylas
+   * notification's are the Nylas provider's), or the explicit target.
    */
-  async admit(target: Notification | Envelope | ReplyTarget, options: ReplyOptions, deadline?: number): Promise<Claim> {
+  async admit(target: Notification | Envelope | ReplyTarget | MessageFacts, options: ReplyOptions, deadline?: number): Promise<Claim> {
     const given = isEnvelope(target) ? parseNotification(target) : target;
-    const notification = "objectKind" in given ? given : undefined;
-    const { subject, notificationId } = resolveSubject(given, options.scope ?? "message", options.mailbox);
-    const summary = options.summary ?? summaryOf(notification);
-    // The thread and the message's date come from the notification (or, without one, from the target); without a
+    let facts: MessageFacts | undefined;
+    let explicit: ReplyTarget | undefined;
+    if (isMessageFacts(given)) facts = given;
+    else if ("objectKind" in given) {
+      if (given.objectKind !== "message") throw new TypeError(`a ${given.type} notification is not about a message: there is nothing to reply to`);
+      facts = factsOf(given);
+      // A message notification without a message id can still name its thread (scope "thread").
+      if (facts === undefined) explicit = { mailbox: given.mailbox ?? "", threadId: given.threadId, notificationId: given.notificationId };
+    } else explicit = given;
+    const { subject, notificationId } = resolveSubject(facts ?? explicit!, options.scope ?? "message", options.mailbox);
+    const summary = options.summary ?? summaryOf(facts);
+    // The thread and the message's date come from the facts (or, without them, from the target); without a
     // date, neither is sent (the coordinator needs both).
-    const receivedAt = notification === undefined ? (given as ReplyTarget).receivedAt : dateOf(notification);
-    const threadId = receivedAt === undefined ? undefined : (notification ?? (given as ReplyTarget)).threadId;
+    const receivedAt = facts !== undefined ? facts.receivedAt : explicit!.receivedAt;
+    const threadId = receivedAt === undefined ? undefined : (facts ?? explicit!).threadId;
     const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "", summary, threadId, receivedAt);
-    const why = notification === undefined ? undefined : this.outgoing.match(notification.object);
-    if (notification !== undefined && why !== undefined) {
+    const why = facts === undefined ? undefined : (facts.outgoing ?? this.outgoing.judge(facts.folders, facts.fromAddresses, facts.stamp && formatStamp(facts.stamp)));
+    if (facts !== undefined && why !== undefined) {
       const report =
-        notification.messageId && threadId && receivedAt
-          ? this.recordOutgoingOp(subject.mailbox, notification.messageId, threadId, receivedAt, { sender: senderOf(notification.object), notificationId })
+        facts.messageId && threadId && receivedAt
+          ? this.recordOutgoingOp(subject.mailbox, facts.messageId, threadId, receivedAt, {
+              sender: cleanText(facts.sender, SUMMARY_TEXT_MAX_BYTES),
+              notificationId,
+              claimToken: facts.stamp?.token ?? 0n,
+            })
           : undefined;
       claim.outgoing = { why, report };
     }
@@ -679,5 +775,5 @@ export class Coordinator {
 }
 
 function isEnvelope(target: object): target is Envelope {
-  return "type" in target && "data" in target && !("objectKind" in target);
+  return "type" in target && "data" in target && !("objectKind" in target) && !isMessageFacts(target);
 }

@@ -1,4 +1,4 @@
-export { Coordinator, DEFAULT_RETRY, DEFAULT_TARGET, ENV_DEFAULT_TIMEOUT_MS, ENVIRONMENT, newRequestId, optionsFromEnv, type ClaimOptions, type CoordinatorOptions, type Envelope, type RetryPolicy } from "./client.js";
+export { Coordinator, DEFAULT_RETRY, DEFAULT_TARGET, ENV_DEFAULT_TIMEOUT_MS, ENVIRONMENT, newRequestId, optionsFromEnv, type ClaimOptions, type CoordinatorOptions, type Envelope, type OutgoingOptions, type RetryPolicy } from "./client.js";
 export { DEFAULT_SENT_FOLDERS, OutgoingRules, type OutgoingMatch } from "./outgoing.js";
 export { Claim, cleanText, NO_IDEMPOTENCY_KEY_WARNING, summaryOf, type ReplyOptions, type ReplyTarget, type Scope } from "./claim.js";
 export * from "./errors.js";
@@ -14,4 +14,16 @@ export {
   verifyNylasSignature,
   verifyStandardWebhook,
 } from "./webhooks.js";
-export { DEFAULT_ADMISSION_TIMEOUT_MS, DEFAULT_EVENTS, DEFAULT_MAX_BODY_BYTES, nylasWebhook, nylasWebhookListener, type WebhookHandler, type WebhookOptions } from "./middleware.js";
+export {
+  DEFAULT_ADMISSION_TIMEOUT_MS,
+  DEFAULT_EVENTS,
+  DEFAULT_MAX_BODY_BYTES,
+  nylasWebhook,
+  nylasWebhookListener,
+  providerWebhook,
+  providerWebhookListener,
+  type ProviderWebhookOptions,
+  type WebhookHandler,
+  type WebhookOptions,
+} from "./middleware.js";
+export type { ClaimStamp, Cursors, CursorRange, MessageFacts, Provider } from "./providers/seam.js";

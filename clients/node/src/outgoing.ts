@@ -5,7 +5,9 @@
 // replies, and what people send from Gmail, Outlook or a helpdesk. A message is outgoing when one of its
 // `folders` is a sent folder (Google's SENT label always; for Microsoft and IMAP the ids of the grant's folders
 // whose `attributes` hold \Sent, which Nylas.sentFolderIds lists) or one of its `from` addresses is one of the
-// mailbox's own (compared without case). The cases both clients run are JSON: conformance/outgoing.json.
+// mailbox's own (compared without case), or it carries a claim's stamp (a reply sent through the coordinator by a
+// provider that takes no idempotency key: docs/providers.md). The rules read the neutral facts every provider gives
+// (judge); match() reads a Nylas message object. The cases both clients run are JSON: conformance/outgoing.json.
 
 /** Google's label id of sent mail: the same for every Gmail and Workspace grant. */
 export const DEFAULT_SENT_FOLDERS: readonly string[] = ["SENT"];
@@ -14,15 +16,15 @@ export const MAILBOX_ADDRESSES_ENV = "INBOX_MAILBOX_ADDRESSES";
 
 /** Why a message is outgoing: the rule that matched and the folder id or address it matched on. */
 export interface OutgoingMatch {
-  readonly rule: "sent_folder" | "mailbox_address";
+  readonly rule: "sent_folder" | "mailbox_address" | "claim_stamp";
   readonly value: string;
 }
 
 /** The match as the log line says it. */
 export function describeMatch(match: OutgoingMatch): string {
-  return match.rule === "sent_folder"
-    ? `it is in the sent folder ${JSON.stringify(match.value)}`
-    : `it is from the mailbox's own address ${JSON.stringify(match.value)}`;
+  if (match.rule === "sent_folder") return `it is in the sent folder ${JSON.stringify(match.value)}`;
+  if (match.rule === "claim_stamp") return `it carries the stamp of a claim (${match.value}): a reply sent through the coordinator`;
+  return `it is from the mailbox's own address ${JSON.stringify(match.value)}`;
 }
 
 const normalAddress = (address: string): string => address.trim().toLowerCase();
@@ -51,21 +53,33 @@ export class OutgoingRules {
     this.mailboxAddresses = new Set(addresses.map(normalAddress));
   }
 
-  /** Why the Nylas message object is outgoing, or undefined when it is incoming. Other shapes are ignored, never errors. */
+  /**
+   * Why a message is outgoing, from the neutral facts every provider gives (its folder or label ids, its sender
+   * addresses, the claim stamp it carries), or undefined when it is incoming. `moreAddresses`: the mailbox's
+   * addresses a provider knows besides the settings (Gmail's user).
+   */
+  judge(folders: Iterable<string>, fromAddresses: Iterable<string>, stamp?: string, moreAddresses: Iterable<string> = []): OutgoingMatch | undefined {
+    for (const folder of folders) {
+      if (this.sentFolders.has(folder)) return { rule: "sent_folder", value: folder };
+    }
+    const own = new Set(this.mailboxAddresses);
+    for (const address of moreAddresses) own.add(normalAddress(address));
+    for (const address of fromAddresses) {
+      if (own.has(normalAddress(address))) return { rule: "mailbox_address", value: normalAddress(address) };
+    }
+    return stamp ? { rule: "claim_stamp", value: stamp } : undefined;
+  }
+
+  /** Why the Nylas message object is outgoing (its `folders` and `from`), or undefined when it is incoming. Other shapes are ignored, never errors. */
   match(message: Readonly<Record<string, unknown>>): OutgoingMatch | undefined {
     const folders = message["folders"];
-    if (Array.isArray(folders)) {
-      for (const folder of folders) {
-        if (typeof folder === "string" && this.sentFolders.has(folder)) return { rule: "sent_folder", value: folder };
-      }
-    }
     const senders = message["from"];
-    if (Array.isArray(senders) && this.mailboxAddresses.size > 0) {
-      for (const sender of senders) {
+    return this.judge(
+      Array.isArray(folders) ? folders.filter((folder): folder is string => typeof folder === "string") : [],
+      (Array.isArray(senders) ? senders : []).flatMap((sender: unknown) => {
         const email = typeof sender === "object" && sender !== null && !Array.isArray(sender) ? (sender as Record<string, unknown>)["email"] : undefined;
-        if (typeof email === "string" && this.mailboxAddresses.has(normalAddress(email))) return { rule: "mailbox_address", value: normalAddress(email) };
-      }
-    }
-    return undefined;
+        return typeof email === "string" ? [email] : [];
+      }),
+    );
   }
 }

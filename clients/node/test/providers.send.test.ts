@@ -1,0 +1,123 @@
+// The providers' sends without a network (the vectors pin what comes in; this, what goes out): the stamp's format,
+// Graph's createReply + send and what each answer means for claim.send, Gmail's raw reply (threading headers, the
+// stamp and a Message-ID from it, a subject in another script) and its answers, and the settings a provider refuses.
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { SendRejected } from "../src/errors.js";
+import { GmailProvider, GmailSendOutcomeUnknown, GmailSendRejected } from "../src/providers/gmail.js";
+import { GraphProvider, GraphSendOutcomeUnknown, GraphSendRejected } from "../src/providers/graph.js";
+import { formatStamp, parseStamp, ProviderError, stampMessageId, type HttpRequest, type HttpResponse, type MessageFacts } from "../src/providers/seam.js";
+
+const STAMP = { key: "ic1-" + "ab".repeat(32), token: 4711n };
+const json = (status: number, body?: unknown): HttpResponse => ({ status, body: Buffer.from(body === undefined ? "" : JSON.stringify(body)) });
+
+/** A transport answering from a list, keeping the requests. */
+function scripted(...answers: (HttpResponse | Error)[]): { requests: HttpRequest[]; transport: (request: HttpRequest) => Promise<HttpResponse> } {
+  const requests: HttpRequest[] = [];
+  return {
+    requests,
+    transport: async (request) => {
+      requests.push(request);
+      const answer = answers.shift();
+      if (answer === undefined) throw new Error(`no answer for ${request.method} ${request.url}`);
+      if (answer instanceof Error) throw answer;
+      return answer;
+    },
+  };
+}
+
+function facts(more: Partial<MessageFacts> = {}): MessageFacts {
+  return {
+    provider: "test",
+    event: "message.created",
+    mailbox: "support@shop.example",
+    dedupKey: "m-1",
+    messageId: "AAMk-1=",
+    threadId: "thread-1",
+    receivedAt: undefined,
+    sender: "Bea Costa <bea@example.org>",
+    subjectLine: "Where is my order?",
+    fromAddresses: ["bea@example.org"],
+    folders: ["INBOX"],
+    outgoing: undefined,
+    automated: undefined,
+    stamp: undefined,
+    reply: { to: ["bea@example.org"], subject: "Re: Where is my order?", internetMessageId: "<orig@mail.example>", references: ["<a@x.example>"] },
+    source: {},
+    ...more,
+  };
+}
+
+test("the claim stamp: its header value and its Message-ID read back; anything else is no stamp", () => {
+  assert.equal(formatStamp(STAMP), `${STAMP.key}.4711`);
+  assert.deepEqual(parseStamp(` ${formatStamp(STAMP)} `), STAMP);
+  assert.deepEqual(parseStamp(stampMessageId(STAMP, "shop.example")), STAMP);
+  for (const other of ["", "ic1-abc.1", `${STAMP.key}.0`, `${STAMP.key}`, `<CA+123@mail.gmail.com>`, `${STAMP.key}.12345678901234567890`]) {
+    assert.equal(parseStamp(other), undefined, other);
+  }
+});
+
+test("graph: the reply is createReply with the stamp, then send: 202 gives the draft's id; a 4xx is rejected, a 5xx or no answer unknown", async () => {
+  const ok = scripted(json(201, { id: "AAMk-draft=" }), json(202));
+  const graph = new GraphProvider("state", "u-1", { token: () => "tok", apiBase: "https://graph.test/v1.0", transport: ok.transport });
+  assert.equal(await graph.reply(facts(), { body: "Ships today.", stamp: STAMP }), "AAMk-draft=");
+  const [draft, send] = ok.requests;
+  assert.equal(draft!.url, "https://graph.test/v1.0/users/u-1/messages/AAMk-1=/createReply");
+  assert.deepEqual(draft!.json, { message: { internetMessageHeaders: [{ name: "X-Inbox-Claim", value: formatStamp(STAMP) }] }, comment: "Ships today." });
+  assert.deepEqual(draft!.headers, [["Authorization", "Bearer tok"], ["Prefer", 'IdType="ImmutableId"']]);
+  assert.equal(send!.url, "https://graph.test/v1.0/users/u-1/messages/AAMk-draft=/send");
+  const cases: [(HttpResponse | Error)[], new (...args: never[]) => Error][] = [
+    [[json(404, { error: {} })], GraphSendRejected], // the message is gone: no draft, nothing sent
+    [[new ProviderError("connection refused")], GraphSendRejected], // no draft was made
+    [[json(201, { id: "d=" }), json(400, { error: {} })], GraphSendRejected],
+    [[json(201, { id: "d=" }), json(503, { error: {} })], GraphSendOutcomeUnknown],
+    [[json(201, { id: "d=" }), new ProviderError("timed out")], GraphSendOutcomeUnknown],
+  ];
+  for (const [answers, error] of cases) {
+    const failing = new GraphProvider("state", "u-1", { token: "tok", apiBase: "https://graph.test/v1.0", transport: scripted(...answers).transport });
+    await assert.rejects(failing.reply(facts(), { body: "x", stamp: STAMP }), error);
+  }
+  assert.ok(new GraphSendRejected("x") instanceof SendRejected); // claim.send aborts on it: FREE again
+});
+
+test("gmail: the raw reply answers the sender in the thread (In-Reply-To, References), stamped, with a Message-ID from the stamp; its answers", async () => {
+  const ok = scripted(json(200, { id: "18c-sent", threadId: "thread-1", labelIds: ["SENT"] }));
+  const gmail = new GmailProvider("https://agent.example/webhook", "support@shop.example", { token: "tok", apiBase: "https://gmail.test", transport: ok.transport });
+  const message = facts({ reply: { to: ["bea@example.org"], subject: "Re: Où est ma commande ?", internetMessageId: "<orig@mail.example>", references: ["<a@x.example>"] } });
+  assert.equal(await gmail.reply(message, { body: "Elle part aujourd'hui.", stamp: STAMP }), "18c-sent");
+  const request = ok.requests[0]!;
+  assert.equal(request.url, "https://gmail.test/gmail/v1/users/me/messages/send");
+  const sent = request.json as { raw: string; threadId: string };
+  assert.equal(sent.threadId, "thread-1");
+  const raw = Buffer.from(sent.raw, "base64url").toString("utf8");
+  const [head, body] = raw.split("\r\n\r\n");
+  const headers = Object.fromEntries(head!.split("\r\n").map((line) => [line.slice(0, line.indexOf(":")), line.slice(line.indexOf(":") + 2)]));
+  assert.equal(headers["To"], "bea@example.org");
+  assert.equal(headers["From"], "support@shop.example");
+  assert.equal(headers["In-Reply-To"], "<orig@mail.example>");
+  assert.equal(headers["References"], "<a@x.example> <orig@mail.example>");
+  assert.equal(headers["X-Inbox-Claim"], formatStamp(STAMP));
+  assert.deepEqual(parseStamp(headers["Message-ID"]), STAMP);
+  assert.equal(headers["Subject"], `=?UTF-8?B?${Buffer.from("Re: Où est ma commande ?").toString("base64")}?=`);
+  assert.equal(Buffer.from(body!.replaceAll("\r\n", ""), "base64").toString("utf8"), "Elle part aujourd'hui.");
+  const cases: [HttpResponse | Error, new (...args: never[]) => Error][] = [
+    [json(400, { error: { message: "Invalid To header" } }), GmailSendRejected],
+    [json(503, { error: {} }), GmailSendOutcomeUnknown],
+    [new ProviderError("timed out"), GmailSendOutcomeUnknown],
+  ];
+  for (const [answer, error] of cases) {
+    const failing = new GmailProvider("aud", "support@shop.example", { token: "tok", transport: scripted(answer).transport });
+    await assert.rejects(failing.reply(message, { body: "x", stamp: STAMP }), error);
+  }
+});
+
+test("settings a provider refuses at start, naming what to set", () => {
+  assert.throws(() => GraphProvider.fromEnv({ GRAPH_USER: "u", GRAPH_TOKEN: "t" }), /set GRAPH_CLIENT_STATE/);
+  assert.throws(() => new GraphProvider("x".repeat(256), "u", { token: "t" }), /clientState must be 1 to 255/);
+  assert.throws(() => GmailProvider.fromEnv({ GMAIL_USER: "a@b.example", GMAIL_TOKEN: "t" }), /set GMAIL_PUSH_AUDIENCE/);
+  assert.throws(() => new GmailProvider("aud", "not-an-address", { token: "t" }), /the mailbox's address/);
+  const env = { GMAIL_PUSH_AUDIENCE: "aud", GMAIL_USER: "a@b.example", GMAIL_TOKEN: "t" };
+  assert.throws(() => GmailProvider.fromEnv({ ...env, GMAIL_HISTORY_CHECK_SECONDS: "soon" }), /GMAIL_HISTORY_CHECK_SECONDS/);
+  assert.equal(GmailProvider.fromEnv({ ...env, GMAIL_HISTORY_CHECK_SECONDS: "0" }).periodicIntervalMs, 0);
+  assert.equal(GmailProvider.fromEnv(env).periodicIntervalMs, 60_000);
+});
