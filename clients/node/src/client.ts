@@ -41,7 +41,7 @@ import {
 import { Claim, cleanText, resolveSubject, SUMMARY_TEXT_MAX_BYTES, summaryOf, type ReplyOptions, type ReplyTarget } from "./claim.js";
 import { parseNotification, type Notification } from "./envelope.js";
 import { factsOf } from "./providers/nylas.js";
-import { formatStamp, isMessageFacts, type CursorRange, type Cursors, type MessageFacts } from "./providers/seam.js";
+import { isMessageFacts, type CursorRange, type Cursors, type MessageFacts } from "./providers/seam.js";
 import { MAILBOX_ADDRESSES_ENV, OutgoingRules, SENT_FOLDERS_ENV } from "./outgoing.js";
 
 export const DEFAULT_TARGET = "127.0.0.1:50051";
@@ -757,14 +757,16 @@ export class Coordinator {
     const receivedAt = facts !== undefined ? facts.receivedAt : explicit!.receivedAt;
     const threadId = receivedAt === undefined ? undefined : (facts ?? explicit!).threadId;
     const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "", summary, threadId, receivedAt);
-    const why = facts === undefined ? undefined : (facts.outgoing ?? this.outgoing.judge(facts.folders, facts.fromAddresses, facts.stamp && formatStamp(facts.stamp)));
+    const why = facts === undefined ? undefined : (facts.outgoing ?? this.outgoing.judge(facts.folders, facts.fromAddresses));
     if (facts !== undefined && why !== undefined) {
       const report =
         facts.messageId && threadId && receivedAt
           ? this.recordOutgoingOp(subject.mailbox, facts.messageId, threadId, receivedAt, {
               sender: cleanText(facts.sender, SUMMARY_TEXT_MAX_BYTES),
               notificationId,
-              claimToken: facts.stamp?.token ?? 0n,
+              // The stamp is evidence of our send only on a message in the mailbox's sent mail: a From can be
+              // forged, and so can a header (docs/design.md#providers).
+              claimToken: why.rule === "sent_folder" ? (facts.stamp?.token ?? 0n) : 0n,
             })
           : undefined;
       claim.outgoing = { why, report };

@@ -19,11 +19,13 @@ import type { Claim, ReplyOptions } from "./claim.js";
 import type { Notification } from "./envelope.js";
 import { ClaimNotGranted, CoordinatorUnavailable, PermissionDenied, QuotaExceeded, Unauthenticated } from "./errors.js";
 import { NylasProvider } from "./providers/nylas.js";
-import { Accepted, formatStamp, ProviderError, retryLater, type Answer, type Batch, type MessageFacts, type Provider } from "./providers/seam.js";
+import { Accepted, ProviderError, RangesTaken, retryLater, type Answer, type Batch, type MessageFacts, type Provider } from "./providers/seam.js";
 
 export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
 /** How long a notification waits for the coordinator to record it before it is answered 503 (Nylas waits 10 s). */
 export const DEFAULT_ADMISSION_TIMEOUT_MS = 5_000;
+/** Milliseconds a failed delivery's cursor ranges get to be given back; past it they wait for their leases. */
+const GIVE_BACK_MS = 2_000;
 /** The notification types (without variant suffix) the guarded work runs for. */
 export const DEFAULT_EVENTS: ReadonlySet<string> = new Set(["message.created", "message.updated"]);
 
@@ -163,11 +165,11 @@ class Webhook implements WebhookHandler {
     const granted: [MessageFacts, Claim][] = [];
     let batch: Batch | undefined;
     let answer: Answer;
+    const ranges = new RangesTaken(coordinator.cursors);
     try {
-      batch = await within(this.provider.open(accepted, coordinator.cursors), deadline, `reading the ${this.provider.name} delivery`);
+      batch = await within(this.provider.open(accepted, ranges), deadline, `reading the ${this.provider.name} delivery`);
       for (const found of batch.facts) {
-        const stamp = found.stamp === undefined ? undefined : formatStamp(found.stamp);
-        const facts = { ...found, outgoing: found.outgoing ?? coordinator.outgoing.judge(found.folders, found.fromAddresses, stamp, this.provider.mailboxAddresses) };
+        const facts = { ...found, outgoing: found.outgoing ?? coordinator.outgoing.judge(found.folders, found.fromAddresses, this.provider.mailboxAddresses) };
         if (!this.events.has(facts.event)) continue;
         try {
           granted.push([facts, await coordinator.admit(facts, { ttl, scope, note, mailbox }, deadline)]);
@@ -180,7 +182,16 @@ class Webhook implements WebhookHandler {
       for (const action of batch.actions) (this.options.logger ?? coordinator.logger).info(`inbox-claims: ${this.provider.name}: ${action}`);
       answer = this.provider.acknowledge();
     } catch (error) {
-      await batch?.abandon().catch(() => undefined); // a cursor's range is given back unmoved
+      // A cursor's range is given back unmoved, also when the provider failed (or ran out of time) before its batch
+      // was made: the next delivery takes it at once rather than waiting out its lease.
+      const givingBack = (async () => {
+        try {
+          await batch?.abandon();
+        } finally {
+          await ranges.giveBack();
+        }
+      })();
+      await within(givingBack, performance.now() + GIVE_BACK_MS, "giving the cursor ranges back").catch(() => undefined);
       answer = unrecorded(`a ${this.provider.name} delivery`, error);
     }
     for (const [facts, claim] of granted) this.start(facts, claim);

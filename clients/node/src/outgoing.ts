@@ -5,9 +5,10 @@
 // replies, and what people send from Gmail, Outlook or a helpdesk. A message is outgoing when one of its
 // `folders` is a sent folder (Google's SENT label always; for Microsoft and IMAP the ids of the grant's folders
 // whose `attributes` hold \Sent, which Nylas.sentFolderIds lists) or one of its `from` addresses is one of the
-// mailbox's own (compared without case), or it carries a claim's stamp (a reply sent through the coordinator by a
-// provider that takes no idempotency key: docs/providers.md). The rules read the neutral facts every provider gives
-// (judge); match() reads a Nylas message object. The cases both clients run are JSON: conformance/outgoing.json.
+// mailbox's own (compared without case). A claim's stamp alone never makes a message outgoing: the stamp is no
+// secret and anyone can write the header into a mail they send (docs/design.md#providers). The rules read the
+// neutral facts every provider gives (judge); match() reads a Nylas message object. The cases both clients run are
+// JSON: conformance/outgoing.json.
 
 /** Google's label id of sent mail: the same for every Gmail and Workspace grant. */
 export const DEFAULT_SENT_FOLDERS: readonly string[] = ["SENT"];
@@ -16,14 +17,13 @@ export const MAILBOX_ADDRESSES_ENV = "INBOX_MAILBOX_ADDRESSES";
 
 /** Why a message is outgoing: the rule that matched and the folder id or address it matched on. */
 export interface OutgoingMatch {
-  readonly rule: "sent_folder" | "mailbox_address" | "claim_stamp";
+  readonly rule: "sent_folder" | "mailbox_address";
   readonly value: string;
 }
 
 /** The match as the log line says it. */
 export function describeMatch(match: OutgoingMatch): string {
   if (match.rule === "sent_folder") return `it is in the sent folder ${JSON.stringify(match.value)}`;
-  if (match.rule === "claim_stamp") return `it carries the stamp of a claim (${match.value}): a reply sent through the coordinator`;
   return `it is from the mailbox's own address ${JSON.stringify(match.value)}`;
 }
 
@@ -55,10 +55,10 @@ export class OutgoingRules {
 
   /**
    * Why a message is outgoing, from the neutral facts every provider gives (its folder or label ids, its sender
-   * addresses, the claim stamp it carries), or undefined when it is incoming. `moreAddresses`: the mailbox's
-   * addresses a provider knows besides the settings (Gmail's user).
+   * addresses), or undefined when it is incoming. `moreAddresses`: the mailbox's addresses a provider knows besides
+   * the settings (Gmail's user). A claim stamp alone never makes a message outgoing (docs/design.md#providers).
    */
-  judge(folders: Iterable<string>, fromAddresses: Iterable<string>, stamp?: string, moreAddresses: Iterable<string> = []): OutgoingMatch | undefined {
+  judge(folders: Iterable<string>, fromAddresses: Iterable<string>, moreAddresses: Iterable<string> = []): OutgoingMatch | undefined {
     for (const folder of folders) {
       if (this.sentFolders.has(folder)) return { rule: "sent_folder", value: folder };
     }
@@ -67,7 +67,7 @@ export class OutgoingRules {
     for (const address of fromAddresses) {
       if (own.has(normalAddress(address))) return { rule: "mailbox_address", value: normalAddress(address) };
     }
-    return stamp ? { rule: "claim_stamp", value: stamp } : undefined;
+    return undefined;
   }
 
   /** Why the Nylas message object is outgoing (its `folders` and `from`), or undefined when it is incoming. Other shapes are ignored, never errors. */

@@ -1,7 +1,7 @@
 // The provider seam's vectors (conformance/providers/<name>/cases.json, docs/conformance.md): every case of every
 // provider, run against this client's provider with the case's API answers and cursor answers, no network and no
 // coordinator. The Python client's tests run the same files (tests/client/test_provider_conformance.py); neither
-// asks the other for an expected value.
+// asks the other for an expected value. Beside them, the cursors a delivery took (RangesTaken), as the Python file tests them.
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { readdirSync, readFileSync } from "node:fs";
@@ -9,7 +9,7 @@ import { join } from "node:path";
 import { REPO } from "../src/testing.js";
 import { OutgoingRules } from "../src/outgoing.js";
 import { PROVIDERS } from "../src/providers/index.js";
-import { Accepted, formatStamp, type CursorRange, type Cursors, type HttpRequest, type HttpResponse, type MessageFacts, type Provider } from "../src/providers/seam.js";
+import { Accepted, ProviderError, RangesTaken, type CursorRange, type Cursors, type HttpRequest, type HttpResponse, type MessageFacts, type Provider } from "../src/providers/seam.js";
 
 const ROOT = join(REPO, "conformance", "providers");
 const NAMES = readdirSync(ROOT, { withFileTypes: true }).filter((entry) => entry.isDirectory()).map((entry) => entry.name).sort();
@@ -95,7 +95,7 @@ async function runCase(name: string, vector: Json, defaults: Json): Promise<void
     const batch = await provider.open(verdict, cursors);
     const rules = new OutgoingRules(settings.sent_folders as string[], settings.mailbox_addresses as string[]);
     for (const found of batch.facts) {
-      const outgoing = rules.judge(found.folders, found.fromAddresses, found.stamp && formatStamp(found.stamp), provider.mailboxAddresses);
+      const outgoing = rules.judge(found.folders, found.fromAddresses, provider.mailboxAddresses);
       facts.push(factsJson({ ...found, outgoing }));
     }
     await batch.commit();
@@ -137,3 +137,37 @@ for (const name of NAMES) {
     });
   }
 }
+
+test("a failed delivery gives back only the ranges it took and did not advance, once; a range taken after that is given back at once", async () => {
+  const inner = new FakeCursors({
+    "graph-delta:inbox": { outcome: "TAKEN", value: "link-1", position: 3 },
+    "graph-delta:sentitems": { outcome: "TAKEN", value: "link-2", position: 2 },
+    "gmail-history": { outcome: "COVERED" },
+  });
+  let advances = 0;
+  const ranges = new RangesTaken({
+    take: (mailbox, name) => inner.take(mailbox, name),
+    advance: (...args) => (advances++, inner.advance(...args)),
+  });
+  const inbox = await ranges.take("box", "graph-delta:inbox", 0n, 60);
+  await ranges.take("box", "graph-delta:sentitems", 0n, 60);
+  await ranges.take("box", "gmail-history", 9n, 60); // covered: nothing taken, nothing to give back
+  await ranges.advance("box", "graph-delta:inbox", inbox, "link-3", 4n); // this one was committed
+  await ranges.giveBack();
+  assert.deepEqual(inner.advanced, {
+    "graph-delta:inbox": { value: "link-3", position: 4 },
+    "graph-delta:sentitems": { value: "link-2", position: 2 }, // given back at its start
+  });
+  assert.equal(advances, 2);
+  await ranges.giveBack(); // nothing is given back twice
+  // The provider's open() runs on past the delivery's time bound (a promise is not cancelled): it takes nothing more.
+  await assert.rejects(ranges.take("box", "graph-delta:inbox", 0n, 60), ProviderError);
+  assert.equal(advances, 2);
+  // A range whose take was in flight when the delivery failed is given back as it is taken, and open() goes no further.
+  const other = new FakeCursors({ "gmail-history": { outcome: "TAKEN", value: "41", position: 41 } });
+  const late = new RangesTaken(other);
+  const pending = late.take("box", "gmail-history", 42n, 60);
+  await late.giveBack();
+  await assert.rejects(pending, ProviderError);
+  assert.deepEqual(other.advanced, { "gmail-history": { value: "41", position: 41 } });
+});

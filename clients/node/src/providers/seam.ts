@@ -192,6 +192,47 @@ export interface Cursors {
 }
 
 /**
+ * The cursors of one delivery (a Cursors over another): remembers each range taken and not yet advanced, so that a
+ * delivery that fails anywhere (the provider's API, the coordinator, the admission's time bound) gives its ranges
+ * back at once (giveBack), instead of leaving the mailbox to wait for their leases. Where Python cancels the
+ * provider's open() at the time bound, a Node promise runs on: a range it takes after giveBack() is given back as
+ * soon as it is taken, and that open() fails.
+ */
+export class RangesTaken implements Cursors {
+  private readonly open = new Map<string, { mailbox: string; name: string; taken: CursorRange }>();
+  private closed = false;
+
+  constructor(readonly cursors: Cursors) {}
+
+  async take(mailbox: string, name: string, throughPosition: bigint, ttlSeconds: number): Promise<CursorRange> {
+    if (this.closed) throw new ProviderError("the delivery was given up (its time bound passed): no range is taken for it");
+    const taken = await this.cursors.take(mailbox, name, throughPosition, ttlSeconds);
+    if (taken.outcome !== "TAKEN") return taken;
+    if (this.closed) {
+      await this.cursors.advance(mailbox, name, taken, taken.value, taken.position);
+      throw new ProviderError("the delivery was given up (its time bound passed): its range was given back");
+    }
+    this.open.set(JSON.stringify([mailbox, name]), { mailbox, name, taken });
+    return taken;
+  }
+
+  async advance(mailbox: string, name: string, taken: CursorRange, value: string, position: bigint): Promise<boolean> {
+    this.open.delete(JSON.stringify([mailbox, name]));
+    return this.cursors.advance(mailbox, name, taken, value, position);
+  }
+
+  /** Advances every range still open to its start (the cursor unmoved, the range free for the next delivery); none is taken after. */
+  async giveBack(): Promise<void> {
+    this.closed = true;
+    const left = [...this.open.values()];
+    this.open.clear();
+    const given = await Promise.allSettled(left.map(({ mailbox, name, taken }) => this.cursors.advance(mailbox, name, taken, taken.value, taken.position)));
+    const failed = given.find((outcome): outcome is PromiseRejectedResult => outcome.status === "rejected");
+    if (failed !== undefined) throw failed.reason; // the rest were given back; this one waits for its lease
+  }
+}
+
+/**
  * The facts of one delivery. commit() runs once each was recorded (a cursor advances), abandon() when one could
  * not be (a cursor's range is given back). `actions`: what the provider did besides (lifecycle).
  */
