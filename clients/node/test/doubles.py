@@ -8,7 +8,9 @@ serves until stdin closes.
   URL (``https://graph.test``, ``https://gmail.test``) and the served origin in its answer (Graph's delta links).
 * ``POST /_double`` drives the double as a test does in Python: ``{"call": "receive", "args": [...], "kwargs":
   {...}}`` calls a method, ``{"get": "sends"}`` reads an attribute, ``{"set": "send_failure", "value": ...}``
-  sets one; the answer is the result as JSON (bytes as text, dataclasses as objects).
+  sets one; with ``"at"``, a path of attribute and item names, the call is made on what the path reaches
+  (``{"at": ["failing"], "call": "__setitem__", "args": ["messages.get", 1]}``), as a Python test changes the
+  double's state in place; the answer is the result as JSON (bytes as text, dataclasses as objects).
 """
 
 from __future__ import annotations
@@ -64,8 +66,11 @@ def main() -> None:
     def answer(request: HttpRequest) -> HttpResponse:
         if request.url == f"{served}/_double":
             order = request.json_body
+            target = double
+            for step in order.get("at", []):
+                target = target[step] if isinstance(target, dict) else getattr(target, step)
             if "call" in order:
-                result = getattr(double, order["call"])(*order.get("args", []), **order.get("kwargs", {}))
+                result = getattr(target, order["call"])(*order.get("args", []), **order.get("kwargs", {}))
             elif "set" in order:
                 setattr(double, order["set"], order["value"])
                 result = None

@@ -50,6 +50,11 @@ export class Double {
     return this.order({ call: method, args, kwargs }) as Promise<T>;
   }
 
+  /** Calls a method of what `path` reaches in the double (attribute and item names), e.g. a list to append to. */
+  callAt<T = unknown>(path: string[], method: string, ...args: unknown[]): Promise<T> {
+    return this.order({ at: path, call: method, args }) as Promise<T>;
+  }
+
   get<T>(attribute: string): Promise<T> {
     return this.order({ get: attribute }) as Promise<T>;
   }

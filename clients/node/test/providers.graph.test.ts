@@ -3,8 +3,11 @@
 // internetMessageHeaders given, send 202 moving the draft to Sent Items): one notification delivered three times over
 // two workers, two agents with different principals, several notifications in one POST, a new mail arriving as
 // updated, a person answering from Outlook while the agent drafts, the agent's own reply coming back from Sent Items,
-// a missed lifecycle event (a delta resync of the last day, by one worker), bad input refused with nothing recorded. Each guarded scenario sends one reply per customer message (counted at the
-// double); the same deliveries to the unguarded agent send at least two.
+// a missed lifecycle event (a delta resync of the last day, by one worker), bad input refused with nothing recorded,
+// a send left IN_DOUBT settled by its stamped copy (and, with no copy, left for a person), a customer's mail carrying
+// that send's stamp (settling nothing, answered) and a mail forging the mailbox's From with it (settling nothing).
+// Each guarded scenario sends one reply per customer message (counted at the double); the same deliveries to the
+// unguarded agent send at least two.
 import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
@@ -12,7 +15,8 @@ import { mkdtempSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Cluster } from "../src/testing.js";
-import { messageSubject, type Coordinator } from "../src/index.js";
+import { idempotencyKey, messageSubject, type Coordinator } from "../src/index.js";
+import { formatStamp } from "../src/providers/seam.js";
 import { GraphProvider } from "../src/providers/graph.js";
 import { Double, eventually, guardedAgents, LocalCursors, post, unguarded } from "./doubles.js";
 
@@ -208,4 +212,65 @@ test("graph: a missed lifecycle event heard by two workers: one resyncs the last
     const replies = [await repliesTo(double, answered.id), await repliesTo(double, dropped.id), await repliesTo(double, ancient.id)];
     assert.deepEqual(replies, [1, 1, 0]); // the three-day-old message is outside the resync's day
   });
+});
+
+test("graph: a send left IN_DOUBT is settled by its stamped copy in Sent Items with no person; with no copy it stays for a person; a stamp outside the sent mail settles nothing", async () => {
+  const quick = await cluster.addReplica(undefined, ["--send-timeout", "1s"]); // SENDING turns IN_DOUBT within a second (the least)
+  /** A send of the agent (on the quick replica) to a new message of `conversation`, left IN_DOUBT by `failure`; its subject's status. */
+  async function inDoubt(double: Double, user: string, failure: "lost_answer" | "unavailable", conversation: string) {
+    const drafter = cluster.client("agent-a", { target: quick });
+    const message = await receive(double, "bea@example.org", "Where is my order?", conversation);
+    const agent = await agents(double, user, [drafter]);
+    // lost_answer: Graph sends it and its answer is lost; unavailable: 503, nothing went out. The agent cannot tell.
+    await double.set("send_failure", failure);
+    assert.equal(await status(agent.urls[0]!, notifications(user, [message])), 202);
+    const subject = messageSubject(user, message.id);
+    await eventually(async () => (await drafter.status(subject)).state === "IN_DOUBT");
+    await agent.close();
+    return { message, subject, status: await drafter.status(subject) };
+  }
+  const reader = cluster.client("agent-b", { replica: 1 });
+  // Each waits for the coordinator to find its send IN_DOUBT: the three run at once.
+  await Promise.all([
+    withDouble(async (double, user) => {
+      const { message, subject } = await inDoubt(double, user, "lost_answer", "conv-7");
+      const copy = await double.call<Message>("sent_copy", message.id);
+      const other = await agents(double, user, [reader]); // another agent hears of the copy in Sent Items: it carries the stamp
+      assert.equal(await status(other.urls[0]!, notifications(user, [copy])), 202);
+      await other.close();
+      const settled = await reader.status(subject);
+      assert.deepEqual([settled.state, settled.sentMessageId, settled.settledBy], ["REPLIED", copy.id, "agent-b"]);
+      assert.match(settled.note, /stamp/);
+      assert.equal(await repliesTo(double, message.id), 1);
+    }),
+    withDouble(async (double, user) => {
+      const { message, subject } = await inDoubt(double, user, "unavailable", "conv-8");
+      const other = await agents(double, user, [reader]);
+      assert.equal(await status(other.urls[0]!, lifecycle(user, "missed")), 202); // Sent Items read: no copy there
+      await other.close();
+      const left = await reader.status(subject);
+      assert.deepEqual([left.state, left.settledBy], ["IN_DOUBT", ""]);
+      assert.equal(await repliesTo(double, message.id), 0);
+    }),
+    withDouble(async (double, user) => {
+      const { subject, status: doubted } = await inDoubt(double, user, "unavailable", "conv-10");
+      const stamp = { name: "X-Inbox-Claim", value: formatStamp({ key: idempotencyKey(subject), token: doubted.fencingToken }) };
+      // The customer writes again in the thread, with the in-doubt send's stamp in a header of their own making: an
+      // incoming message like any other, answered; the send is still for a person to check.
+      const forged = await receive(double, "bea@example.org", "RE: Where is my order?", "conv-10");
+      await double.callAt(["messages", forged.id, "internetMessageHeaders"], "append", stamp);
+      const other = await agents(double, user, [reader]);
+      assert.equal(await status(other.urls[0]!, notifications(user, [forged])), 202);
+      await eventually(async () => (await repliesTo(double, forged.id)) === 1);
+      // Then a mail in the Inbox with the mailbox's own address as From (anyone can write it) and the stamp: outgoing
+      // by its From, never answered, and reported without the stamp's token: it settles nothing either.
+      const spoofed = await receive(double, `${user}@shop.example`, "RE: Where is my order?", "conv-10");
+      await double.callAt(["messages", spoofed.id, "internetMessageHeaders"], "append", stamp);
+      assert.equal(await status(other.urls[0]!, notifications(user, [spoofed])), 202);
+      await other.close();
+      const still = await reader.status(subject);
+      assert.deepEqual([still.state, still.settledBy, still.sentMessageId], ["IN_DOUBT", "", ""]);
+      assert.deepEqual([await repliesTo(double, forged.id), await repliesTo(double, spoofed.id)], [1, 0]);
+    }),
+  ]);
 });
