@@ -1,9 +1,11 @@
 // Gmail through the provider seam, through real coordinators on real etcd, against the repository's Gmail API and
 // Pub/Sub push double (tests/providers/fake_gmail.py, run by test/doubles.py): one push delivered three times over
 // two workers, two agents with different principals, a person answering from the Gmail UI while the agent drafts,
-// the agent's own reply coming back, a dropped push found by the periodic check, a history id too old (404), bad
-// input refused with nothing recorded. Each guarded scenario sends one reply per customer message (counted at the
-// double); the same deliveries to the unguarded agent send at least two.
+// the agent's own reply coming back, a dropped push found by the periodic check, a mailbox's first push and a history
+// id too old (404: bounded resyncs), the Gmail API failing mid-range (503, the range given back at once), a send
+// left IN_DOUBT settled by its stamped copy (and, with no copy, left for a person), bad input refused with nothing
+// recorded. Each guarded scenario sends one reply per customer message (counted at the double); the same deliveries
+// to the unguarded agent send at least two.
 import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
 import { Cluster } from "../src/testing.js";
@@ -141,6 +143,43 @@ test("gmail: a history id too old (404) is answered by a bounded resync: each me
     assert.ok((calls["messages.list"] ?? 0) >= 1, "the resync listed the last day's messages");
     const cursor = await clients[0]!.getCursor(address, "gmail-history");
     assert.ok(cursor.position >= BigInt(String(second.historyId)), `the cursor is at ${cursor.position}`);
+  });
+});
+
+test("gmail: the Gmail API failing mid-range (503 from messages.get) is answered 503 and the range given back: the redelivery is answered at once by the other worker", async () => {
+  await withDouble(async (double, address) => {
+    const clients = [cluster.client("agent-a", { mailboxAddresses: [address] }), cluster.client("agent-a", { replica: 1, mailboxAddresses: [address] })];
+    const agent = await agents(double, address, clients);
+    assert.equal(await pushTo(agent.urls[0]!, await double.call<Push>("push")), 200); // the first push: the cursor starts
+    const before = await clients[0]!.getCursor(address, "gmail-history");
+    const asked = [await double.call("receive", "bea@example.org", "Where is my order?"), await double.call("receive", "carl@example.net", "Refund")];
+    await double.callAt(["failing"], "__setitem__", "messages.get", 1); // Gmail answers 503 to one read of the range
+    const push = await double.call<Push>("push");
+    const pushed = await double.get<number>("history_id");
+    assert.equal(await pushTo(agent.urls[0]!, push), 503); // Pub/Sub delivers it again
+    assert.deepEqual(await clients[0]!.getCursor(address, "gmail-history"), before); // nothing recorded, the cursor unmoved
+    // The redelivery reaches the other worker: the range was given back (not left to its 60 s lease, which would
+    // have kept this worker waiting and answered 503).
+    assert.equal(await pushTo(agent.urls[1]!, push), 200);
+    await agent.close();
+    assert.deepEqual(await Promise.all(asked.map((message) => repliesTo(double, String(message.id)))), [1, 1]);
+    assert.ok((await clients[0]!.getCursor(address, "gmail-history")).position >= BigInt(pushed));
+  });
+});
+
+test("gmail: a mailbox's first push (no cursor yet) answers the last day's unanswered messages only: one a person answered from the Gmail UI is left", async () => {
+  await withDouble(async (double, address) => {
+    const answeredByAna = await double.call("receive", "bea@example.org", "Where is my order?");
+    await double.call("person_replies", answeredByAna); // answered from the Gmail UI before the agent was there
+    const waiting = await double.call("receive", "carl@example.net", "Refund for order 1042");
+    const coordinator = cluster.client("agent-a", { mailboxAddresses: [address] });
+    const agent = await agents(double, address, [coordinator]);
+    assert.equal(await pushTo(agent.urls[0]!, await double.call<Push>("push")), 200); // no cursor yet: a resync of the last day
+    await agent.close();
+    assert.equal((await double.get<Record<string, number>>("calls"))["messages.list"], 1);
+    assert.deepEqual([await repliesTo(double, String(answeredByAna.id)), await repliesTo(double, String(waiting.id))], [0, 1]);
+    const status = await coordinator.status(messageSubject(address, String(answeredByAna.id)));
+    assert.deepEqual([status.state, status.repliedOutside], ["REPLIED", true]);
   });
 });
 
