@@ -167,8 +167,9 @@ class PrincipalWork:
         return self._budgets.pay(self._principal, units)
 
 
-# A principal that owes more work than this many seconds of its budget, or has this many costly reads waiting for
-# their turn, is refused new calls (WORK_LIMITED) until it owes and waits less: its calls in flight read that much.
+# A principal that owes more work than this many seconds of its budget, or that owes any and has this many costly
+# reads waiting for their turn, is refused new calls (WORK_LIMITED) until it owes and waits less: its calls in
+# flight read that much.
 OWED_MAX_S = 1.0
 TURNS_WAITING_MAX = 8
 

@@ -458,7 +458,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 wait,
             )
         owed = self._work.owed(caller.principal)
-        if owed > OWED_MAX_S or self._work.waiting(caller.principal) >= TURNS_WAITING_MAX:
+        # Reads queued behind each other are refused only once the principal's burst is spent: a board opening a
+        # Watch on each of its twenty mailboxes at once owes nothing and waits a few milliseconds in turn.
+        if owed > OWED_MAX_S or (owed > 0 and self._work.waiting(caller.principal) >= TURNS_WAITING_MAX):
             wait = max(owed - OWED_MAX_S, 1.0)
             raise ResourceExhausted(
                 f"principal {caller.principal!r} is over its budget of {self.quotas.work_per_second:g} records read "
