@@ -329,3 +329,17 @@ def stop_serving(process: subprocess.Popen[str]) -> None:
         process.wait()
     process.stdout.close()
     assert process.returncode == 0, f"the coordinator exited with {process.returncode}"
+
+
+# A command run with a descriptor limit of its own (soft, hard), as `prlimit --nofile` would: set in a small Python
+# that then execs the command, never in a preexec_fn (forking a process with grpc's threads and running Python in
+# the child before exec can crash the child: a test run saw "Fatal Python error: Segmentation fault" there).
+_LIMITED = (
+    "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+    "os.execv(sys.argv[3], sys.argv[3:])"
+)
+
+
+def with_descriptor_limit(command: list[str], soft: int, hard: int) -> list[str]:
+    """``command`` run with RLIMIT_NOFILE set to (soft, hard); its first item must be an absolute path."""
+    return [sys.executable, "-c", _LIMITED, str(soft), str(hard), *command]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import resource
 import select
 import socket
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 from mcp import Client
 
 from coordinator.ops.server import CoordinatorServer
+from tests.helpers import with_descriptor_limit
 from tests.mcp.support import REPO, config_file
 
 HEADER_TIMEOUT = 1.0
@@ -34,14 +34,12 @@ async def serving(
     command = [sys.executable, "-m", "inbox_claims.mcp", "serve", "--config", str(config), "--transport", "http"]
     command += ["--listen", "127.0.0.1:0", "--http-header-timeout", str(HEADER_TIMEOUT), *flags]
 
-    def limited() -> None:
-        if descriptors is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, descriptors))
-
+    if descriptors is not None:
+        command = with_descriptor_limit(command, descriptors, descriptors)
     log = tmp_path / "server.log"
     with log.open("w") as output:
         process = subprocess.Popen(  # noqa: ASYNC220 (started, not waited for)
-            command, cwd=REPO, stderr=output, stdout=subprocess.DEVNULL, preexec_fn=limited
+            command, cwd=REPO, stderr=output, stdout=subprocess.DEVNULL
         )
     try:
         url = await asyncio.wait_for(_announced(log), 60)

@@ -28,7 +28,7 @@ from playwright.async_api import async_playwright
 from coordinator.store.etcd.process import EtcdServer, free_port, free_ports
 from inbox_wire.http_guard import DESCRIPTOR_RESERVE, HeadLimits
 from inbox_wire.v1 import coordinator_pb2 as pb
-from tests.helpers import Actor, eventually, message, spawn, stop_serving, wait_for_line
+from tests.helpers import Actor, eventually, message, spawn, stop_serving, wait_for_line, with_descriptor_limit
 from tests.server.test_board import CHROMIUM
 
 pytestmark = pytest.mark.etcd  # starts coordinators on the shared etcd itself
@@ -36,11 +36,6 @@ pytestmark = pytest.mark.etcd  # starts coordinators on the shared etcd itself
 CLI = [sys.executable, "-m", "coordinator"]
 API = "/inbox.coordinator.v1.Coordinator/"
 LIMITS = HeadLimits()
-# Runs a command with a descriptor limit of its own (soft, hard), as `prlimit --nofile` would.
-_LIMITED = (
-    "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
-    "os.execv(sys.argv[3], sys.argv[3:])"
-)
 
 
 @dataclass
@@ -83,7 +78,7 @@ def served(etcd: EtcdServer, prefix: str, *flags: str, nofile: tuple[int, int] |
     command = [*CLI, "serve", "--listen", addresses[0], "--http-listen", addresses[1]]
     command += ["--metrics-listen", addresses[2], "--etcd-endpoints", etcd.endpoint, "--prefix", prefix, *flags]
     if nofile is not None:
-        command = [sys.executable, "-c", _LIMITED, str(nofile[0]), str(nofile[1]), *command]
+        command = with_descriptor_limit(command, *nofile)
     process = spawn(command)
     banner = wait_for_line(process, "claims board on")
     try:
