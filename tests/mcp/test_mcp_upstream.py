@@ -174,7 +174,9 @@ async def test_a_64_mib_answer_is_not_read_and_the_guards_memory_does_not_grow_w
     server: CoordinatorServer, mailbox: str, tmp_path: Path, era: str
 ) -> None:
     outbox = Outbox(tmp_path / "outbox.jsonl")
-    async with Client(guard(tmp_path, server.address, fake_upstream(outbox)), mode=era) as client:
+    # A deadline far past what writing 16 MiB takes on a loaded machine: what ends the answer is its size.
+    upstream = guard(tmp_path, server.address, fake_upstream(outbox), "--upstream-timeout", "30")
+    async with Client(upstream, mode=era) as client:
         small = await client.call_tool("export_mailbox", {"grant_id": mailbox, "megabytes": 1})  # under the limit
         before = peak_rss_mib(guard_pid(tmp_path))
         with pytest.raises(MCPError) as refused:
