@@ -428,8 +428,8 @@ def admission_timeout(options: WebhookOptions, provider: str = "nylas") -> float
 
 
 # How long each provider waits for an answer: Nylas 10 s; Graph wants its 202 within 3 s; Pub/Sub's push
-# acknowledgement deadline is 10 s by default.
-_PROVIDER_WAIT = {"nylas": 10.0, "graph": 3.0, "gmail": 10.0}
+# acknowledgement deadline is 10 s by default; Svix (AgentMail, Resend) waits 15 s.
+_PROVIDER_WAIT = {"nylas": 10.0, "graph": 3.0, "gmail": 10.0, "agentmail": 15.0, "resend": 15.0}
 
 
 def with_outgoing(rules: OutgoingRules, provider: Provider, facts: MessageFacts) -> MessageFacts:

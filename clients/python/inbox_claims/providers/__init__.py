@@ -2,7 +2,8 @@
 value the guard, the webhook adapters, the outgoing rules and the MCP tools read.
 
 One module per provider: :mod:`~inbox_claims.providers.nylas`, :mod:`~inbox_claims.providers.graph` (the ``graph``
-extra), :mod:`~inbox_claims.providers.gmail` (the ``gmail`` extra). The webhook adapters take any of them:
+extra), :mod:`~inbox_claims.providers.gmail` (the ``gmail`` extra), :mod:`~inbox_claims.providers.agentmail` and
+:mod:`~inbox_claims.providers.resend` (Svix-signed; httpx for their APIs). The webhook adapters take any of them:
 ``inbox_claims.asgi.webhook_app(provider, handle, coordinator=...)`` and ``inbox_claims.wsgi.webhook_wsgi``.
 """
 
@@ -29,6 +30,7 @@ PROVIDERS = {
     "nylas": "inbox_claims.providers.nylas:NylasProvider",
     "graph": "inbox_claims.providers.graph:GraphProvider",
     "gmail": "inbox_claims.providers.gmail:GmailProvider",
+    "agentmail": "inbox_claims.providers.agentmail:AgentMailProvider",
 }
 """Each provider's class by name, imported when asked for (Graph and Gmail need their extras)."""
 
