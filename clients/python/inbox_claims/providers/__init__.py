@@ -31,6 +31,7 @@ PROVIDERS = {
     "graph": "inbox_claims.providers.graph:GraphProvider",
     "gmail": "inbox_claims.providers.gmail:GmailProvider",
     "agentmail": "inbox_claims.providers.agentmail:AgentMailProvider",
+    "resend": "inbox_claims.providers.resend:ResendProvider",
 }
 """Each provider's class by name, imported when asked for (Graph and Gmail need their extras)."""
 
