@@ -4,6 +4,7 @@ background work does, and the unguarded agent each guarded scenario is compared 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -91,6 +92,26 @@ class Unguarded:
 
     def incoming(self, facts: MessageFacts) -> bool:
         return "SENT" not in facts.folders
+
+
+class KeyedUnguarded(Unguarded):
+    """The unguarded agent of a provider whose sends take an idempotency key: each reply with a key of its own (an
+    agent without claims has no key shared with its other workers, so the provider's key dedups nothing between
+    them)."""
+
+    async def deliver(self, body: bytes, headers: Mapping[str, str] | None = None) -> None:
+        request = WebhookRequest("POST", "", dict(headers or {}), body)
+        accepted = await drive(self.provider.check(request), self.provider.transport)
+        batch = await drive(self.provider.open(accepted, self.cursors), self.provider.transport)
+        for facts in batch.facts:
+            if self.incoming(facts) and not set(facts.from_addresses) & set(self.provider.mailbox_addresses):
+                stamp = ClaimStamp("ic1-" + secrets.token_hex(32), 1)
+                await drive(self.provider._reply(facts, "Your order ships today.", stamp), self.provider.transport)
+
+
+async def delivered(app: Any, delivery: tuple[bytes, Mapping[str, str]]) -> int:
+    """Posts a signed delivery (its body and headers) to a webhook app; the status it answers."""
+    return (await post(app, delivery[0], delivery[1])).status_code
 
 
 async def settled_by_its_copy(client: AsyncCoordinator, subject: Subject, copy_id: str, reporter: str) -> None:

@@ -9,22 +9,18 @@ message, counted at the double; the same deliveries unguarded send at least two.
 from __future__ import annotations
 
 import asyncio
-import secrets
-from typing import Any
 
 import pytest
 
 from inbox_claims import AsyncClaim, AsyncCoordinator, Subject, SubjectState
 from inbox_claims.asgi import WebhookApp, webhook_app
-from inbox_claims.providers import ClaimStamp, MessageFacts, WebhookRequest
-from inbox_claims.providers._httpx import drive
+from inbox_claims.providers import MessageFacts
 from inbox_claims.providers.agentmail import AgentMailProvider
 from tests.providers.fake_agentmail import BASE, FakeAgentMail
-from tests.providers.support import LocalCursors, eventually, post, settle, settled_by_its_copy, state_is
+from tests.providers.support import KeyedUnguarded, delivered, eventually, post, settle, settled_by_its_copy, state_is
 
 pytestmark = pytest.mark.etcd
 BODY = "Your order ships today."
-Delivery = tuple[bytes, dict[str, str]]
 
 
 def provider(fake: FakeAgentMail) -> AgentMailProvider:
@@ -47,36 +43,15 @@ def apps(
     return made
 
 
-class Unguarded:
-    """The same agent without the coordinator: every incoming message is answered, each reply with a key of its own
-    (an agent without claims has no key shared with its other workers)."""
-
-    def __init__(self, fake: FakeAgentMail) -> None:
-        self.provider: Any = provider(fake)  # its flows driven on its asyncio transport: awaited
-
-    async def deliver(self, delivery: Delivery) -> None:
-        body, headers = delivery
-        accepted = await drive(self.provider.check(WebhookRequest("POST", "", headers, body)), self.provider.transport)
-        batch = await drive(self.provider.open(accepted, LocalCursors()), self.provider.transport)
-        for facts in batch.facts:
-            if "SENT" not in facts.folders:
-                stamp = ClaimStamp("ic1-" + secrets.token_hex(32), 1)
-                await drive(self.provider._reply(facts, BODY, stamp), self.provider.transport)
-
-
 async def unguarded_replies(deliveries: list[tuple[int, str]]) -> int:
     """The replies the agent without the coordinator sends to one message whose event goes to ``deliveries``: (the
     index of the worker or agent, the webhook it comes through)."""
     fake = FakeAgentMail()
-    agents = [Unguarded(fake) for _ in range(max(i for i, _ in deliveries) + 1)]
+    agents = [KeyedUnguarded(provider(fake)) for _ in range(max(i for i, _ in deliveries) + 1)]
     message = fake.receive("bea@example.org", "Where is my order?", "thd-u")
     for index, webhook in deliveries:
-        await agents[index].deliver(fake.received(message, webhook=webhook))
+        await agents[index].deliver(*fake.received(message, webhook=webhook))
     return fake.replies_to(message["message_id"])
-
-
-async def deliver(app: WebhookApp, delivery: Delivery) -> int:
-    return (await post(app, delivery[0], delivery[1])).status_code
 
 
 async def test_one_event_delivered_three_times_to_two_workers_through_two_webhooks_gets_one_reply(
@@ -88,7 +63,7 @@ async def test_one_event_delivered_three_times_to_two_workers_through_two_webhoo
     inbox_hook, pod_hook = fake.received(message), fake.received(message, webhook="pod")
     assert inbox_hook[1]["svix-id"] != pod_hook[1]["svix-id"]  # what a dedup on svix-id would take for two events
     answers = await asyncio.gather(
-        deliver(workers[0], inbox_hook), deliver(workers[1], pod_hook), deliver(workers[0], inbox_hook)
+        delivered(workers[0], inbox_hook), delivered(workers[1], pod_hook), delivered(workers[0], inbox_hook)
     )
     assert list(answers) == [200, 200, 200]
     await settle(workers)
@@ -96,7 +71,7 @@ async def test_one_event_delivered_three_times_to_two_workers_through_two_webhoo
     # The agent's own reply comes back as message.sent: reported, never answered.
     copy = fake.sent_copy(message["message_id"])
     again = apps(fake, [clients["a2"]])
-    assert await deliver(again[0], fake.sent(copy)) == 200
+    assert await delivered(again[0], fake.sent(copy)) == 200
     await settle(again)
     assert fake.replies_to(copy["message_id"]) == 0
     assert fake.replies_to(message["message_id"]) == 1
@@ -116,7 +91,7 @@ async def test_two_agents_of_different_principals_send_one_reply(clients: dict[s
     message = fake.receive("carl@example.net", "Refund for order 1042", "thd-2")
     agents = apps(fake, [clients["a1"], clients["b"]])
     delivery = fake.received(message)
-    assert list(await asyncio.gather(deliver(agents[0], delivery), deliver(agents[1], delivery))) == [200, 200]
+    assert list(await asyncio.gather(delivered(agents[0], delivery), delivered(agents[1], delivery))) == [200, 200]
     await settle(agents)
     assert fake.replies_to(message["message_id"]) == 1
     status = await clients["b"].status(Subject.message(fake.inbox, message["message_id"]))
@@ -133,11 +108,11 @@ async def test_a_person_answering_from_the_console_while_the_agent_drafts_stops_
     message = fake.receive("bea@example.org", "Where is my order?", "thd-3")
     drafting = asyncio.Event()
     workers = apps(fake, [clients["a1"], clients["a2"]], drafting)
-    assert await deliver(workers[0], fake.received(message)) == 200
+    assert await delivered(workers[0], fake.received(message)) == 200
     subject = Subject.message(fake.inbox, message["message_id"])
     assert (await clients["a1"].status(subject)).state is SubjectState.CLAIMED  # the agent drafts
     person = fake.person_replies(message)
-    assert await deliver(workers[1], fake.sent(person)) == 200
+    assert await delivered(workers[1], fake.sent(person)) == 200
     status = await clients["a1"].status(subject)
     assert (status.state, status.replied_outside) == (SubjectState.REPLIED, True)
     drafting.set()
@@ -153,11 +128,11 @@ async def test_an_event_delivered_again_after_its_acknowledgement_was_lost_is_no
     fake = FakeAgentMail()
     message = fake.receive("dan@example.com", "Invoice please", "thd-4")
     first = apps(fake, [clients["a1"]])
-    assert await deliver(first[0], fake.received(message)) == 200  # answered; the 200 never reached AgentMail
+    assert await delivered(first[0], fake.received(message)) == 200  # answered; the 200 never reached AgentMail
     await settle(first)
     assert fake.replies_to(message["message_id"]) == 1
     retry = apps(fake, [clients["a2"]])  # Svix retries later, to whichever worker
-    assert await deliver(retry[0], fake.received(message)) == 200
+    assert await delivered(retry[0], fake.received(message)) == 200
     await settle(retry)
     assert fake.replies_to(message["message_id"]) == 1
 
@@ -171,12 +146,12 @@ async def test_a_send_left_in_doubt_settles_itself_when_its_stamped_copy_is_seen
     message = fake.receive("bea@example.org", "Where is my order?", "thd-5")
     agent = apps(fake, [clients["a1"]])
     fake.send_failure = "lost_answer"  # AgentMail sends it, and its answer is lost: the agent cannot know
-    assert await deliver(agent[0], fake.received(message)) == 200
+    assert await delivered(agent[0], fake.received(message)) == 200
     subject = Subject.message(fake.inbox, message["message_id"])
     await eventually(lambda: state_is(clients["a1"], subject, SubjectState.IN_DOUBT))
     copy = fake.sent_copy(message["message_id"])
     other = apps(fake, [clients["b"]])  # another agent hears message.sent: the copy carries the stamp
-    assert await deliver(other[0], fake.sent(copy)) == 200
+    assert await delivered(other[0], fake.sent(copy)) == 200
     await settle(agent + other)
     await settled_by_its_copy(clients["a1"], subject, copy["message_id"], "agent-b")
     assert fake.replies_to(message["message_id"]) == 1
@@ -189,7 +164,7 @@ async def test_a_refused_reply_frees_the_message_for_a_person_instead_of_leaving
     message = fake.receive("eve@example.org", "Is the shop open on Sunday?", "thd-6")
     agent = apps(fake, [clients["a1"]])
     fake.send_failure = "reject"  # 400: nothing went out
-    assert await deliver(agent[0], fake.received(message)) == 200
+    assert await delivered(agent[0], fake.received(message)) == 200
     subject = Subject.message(fake.inbox, message["message_id"])
     await eventually(lambda: state_is(clients["a1"], subject, SubjectState.FREE))
     await settle(agent)
