@@ -177,7 +177,9 @@ class FakeNylas:
                 return status, json.loads(answer)
             sent = Sent(f"sent-{len(self.sends) + 1}", grant_id, key, request.json())
             self.sends.append(sent)
-            document = {"request_id": f"req-{len(self.requests)}", "data": {**sent.payload, "id": sent.id}}
+            # As Nylas answers a send: the message, with its id, its grant and its object type.
+            data = {**sent.payload, "id": sent.id, "grant_id": grant_id, "object": "message"}
+            document = {"request_id": f"req-{len(self.requests)}", "data": data}
             if key:
                 self._keys[(grant_id, key)] = (request.body, 200, json.dumps(document).encode())
         if self.on_send is not None:

@@ -60,6 +60,7 @@ from ._types import (
 )
 from .providers._seam import MessageFacts
 from .providers.nylas import facts_of as nylas_facts
+from .sdks import watch as watch_sdks
 
 log = logging.getLogger("inbox_claims")
 
@@ -634,7 +635,9 @@ class ClaimBase:
         self._context: contextvars.Token[Any] | None = None
 
     def _make_current(self) -> None:
-        """Entered: ``current_claim()`` (and so ``inbox_claims.nylas.send``) finds this claim from now on."""
+        """Entered: ``current_claim()`` (and so ``inbox_claims.nylas.send``) finds this claim from now on, and a
+        mail SDK's send that bypasses ``claim.send`` is refused (docs/providers.md, "The SDKs")."""
+        watch_sdks()
         self._context = _current.set(self)
 
     def _stop_being_current(self) -> None:
