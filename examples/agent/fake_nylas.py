@@ -7,10 +7,13 @@ and listed in ``problems``. Idempotency works as Nylas documents it: a key seen 
 the fake's lifetime) with the same payload gets the first answer again, with another payload 409.
 
 ``behaviour`` says how a good request is answered: ``"send"`` (200, ``data.id``), ``"conflict"`` (409),
-``"reject"`` (422), ``"unavailable"`` (503) or ``"hang"`` (no answer until the fake stops or ``release()``).
+``"reject"`` (422), ``"unavailable"`` (503), ``"hang"`` (no answer until the fake stops or ``release()``) or
+``"lost_answer"`` (sent, and answered 503: the sender cannot know).
 ``on_send``, if set, is called with each new send before it is answered (as Nylas's own notification of the sent
 message can come before the send's answer). ``GET /v3/grants/{grant_id}/folders`` lists ``folders[grant_id]``,
-``folder_page_size`` a page, with Nylas's ``next_cursor``.
+``folder_page_size`` a page, with Nylas's ``next_cursor``. ``GET /v3/grants/{grant_id}/messages/{id}`` answers a sent
+message (in ``SENT``), its ``headers`` (the send's ``custom_headers`` among them) only with
+``fields=include_headers``, as Nylas documents.
 
 Run it on its own: ``python -m examples.agent.fake_nylas --port 8999 --api-key demo-key``.
 """
@@ -28,10 +31,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal, Self
 from urllib.parse import parse_qs, urlsplit
 
-Behaviour = Literal["send", "conflict", "reject", "unavailable", "hang"]
+Behaviour = Literal["send", "conflict", "reject", "unavailable", "hang", "lost_answer"]
 
 _SEND_PATH = re.compile(r"^/v3/grants/(?P<grant>[^/]+)/messages/send$")
 _FOLDERS_PATH = re.compile(r"^/v3/grants/(?P<grant>[^/]+)/folders$")
+_MESSAGE_PATH = re.compile(r"^/v3/grants/(?P<grant>[^/]+)/messages/(?P<message>[^/]+)$")
 _ANSWERS: dict[str, tuple[int, str, str]] = {
     "conflict": (409, "idempotency_key_conflict", "a request with this Idempotency-Key is already being handled"),
     "reject": (422, "invalid_request_error", "the message could not be sent: unprocessable recipient"),
@@ -137,6 +141,9 @@ class FakeNylas:
         folders = _FOLDERS_PATH.match(url.path)
         if request.method == "GET" and folders is not None:
             return self._folders(folders["grant"], request, parse_qs(url.query).get("page_token", ["0"])[0])
+        read = _MESSAGE_PATH.match(url.path)
+        if request.method == "GET" and read is not None and read["message"] != "send":
+            return self._message(read["grant"], read["message"], request, parse_qs(url.query))
         match = _SEND_PATH.match(request.path)
         if request.method != "POST" or match is None:
             return 404, _error("not_found", f"no route {request.method} {request.path}")
@@ -165,6 +172,22 @@ class FakeNylas:
             document["next_cursor"] = str(start + self.folder_page_size)
         return 200, document
 
+    def _message(
+        self, grant_id: str, message_id: str, request: ReceivedRequest, query: dict[str, list[str]]
+    ) -> tuple[int, dict[str, Any]]:
+        if request.headers.get("authorization") != f"Bearer {self.api_key}":
+            return 401, _error("unauthorized", "authorization: expected 'Bearer <the API key>'")
+        with self._lock:
+            sent = next((s for s in self.sends if s.id == message_id and s.grant_id == grant_id), None)
+        if sent is None:
+            return 404, _error("not_found", f"no message {message_id}")
+        data: dict[str, Any] = {**sent.payload, "id": sent.id, "grant_id": grant_id, "object": "message"}
+        data["folders"] = ["SENT"]
+        custom = data.pop("custom_headers", None) or []
+        if "include_headers" in query.get("fields", []):
+            data["headers"] = [{"name": "Message-ID", "value": f"<{sent.id}@mail.nylas.test>"}, *custom]
+        return 200, {"request_id": f"req-{len(self.requests)}", "data": data}
+
     def _send(self, grant_id: str, request: ReceivedRequest) -> tuple[int, dict[str, Any]]:
         key = request.headers.get("idempotency-key", "")
         with self._lock:
@@ -184,6 +207,8 @@ class FakeNylas:
                 self._keys[(grant_id, key)] = (request.body, 200, json.dumps(document).encode())
         if self.on_send is not None:
             self.on_send(sent)
+        if self.behaviour == "lost_answer":
+            return 503, _error("service_unavailable", "the provider is not answering")
         return 200, document
 
     def _check(self, request: ReceivedRequest) -> str:

@@ -125,6 +125,11 @@ async def test_a_sent_reply_is_recorded_with_the_nylas_message_id(
         "cc": [{"email": "cc@example.com"}],
         "subject": "Re: Where is my order?",
         "body": "<p>It ships today.</p>",
+        # The claim's stamp (what settles the send from its sent copy) and RFC 3834's Auto-Submitted.
+        "custom_headers": [
+            {"name": "X-Inbox-Claim", "value": f"{key}.{status.fencing_token}"},
+            {"name": "Auto-Submitted", "value": "auto-replied"},
+        ],
     }
 
 

@@ -199,6 +199,12 @@ def agentmail_api() -> Iterator[tuple[FakeAgentMail, str]]:
         yield fake, url
 
 
+@pytest.fixture
+def blocking_http() -> Iterator[httpx.Client]:
+    with httpx.Client() as client:
+        yield client
+
+
 def environment(url: str) -> AgentMailEnvironment:
     return AgentMailEnvironment(http=url, websockets="ws://127.0.0.1:9")
 
@@ -227,10 +233,10 @@ async def test_agentmail_sdk_through_claim_send_carries_the_key_and_records_the_
 
 
 async def test_agentmail_sdk_4xx_frees_the_message_and_a_reply_outside_claim_send_is_refused(
-    coord: AsyncCoordinator, agentmail_api: tuple[FakeAgentMail, str]
+    coord: AsyncCoordinator, agentmail_api: tuple[FakeAgentMail, str], blocking_http: httpx.Client
 ) -> None:
     fake, url = agentmail_api
-    client = AgentMail(api_key=fake.api_key, environment=environment(url))
+    client = AgentMail(api_key=fake.api_key, environment=environment(url), httpx_client=blocking_http)
     message = fake.receive("bea@example.org", "Where is my order?", "thd-sdk2")
     what = Subject.message(fake.inbox, message["message_id"])
     fake.send_failure = "reject"  # 400

@@ -28,6 +28,7 @@ from typing import Any
 
 from ._current import CurrentClaim, current_claim_base
 from ._errors import InboxClaimsError, SendRejected
+from .providers._seam import AUTO_SUBMITTED, STAMP_HEADER
 
 __all__ = [
     "SdkSendOutcomeUnknown",
@@ -38,9 +39,6 @@ __all__ = [
     "resend_send",
     "watch",
 ]
-
-STAMP_HEADER = "X-Inbox-Claim"
-AUTO_SUBMITTED = ("Auto-Submitted", "auto-replied")
 
 
 class UnguardedSend(InboxClaimsError):

@@ -25,6 +25,7 @@ from urllib.parse import urlencode
 from .._effects import Effect, Invoke
 
 __all__ = [
+    "AUTO_SUBMITTED",
     "STAMP_HEADER",
     "Accepted",
     "Answer",
@@ -49,6 +50,9 @@ Flow: TypeAlias = Generator[Effect, Any, T]
 
 STAMP_HEADER = "X-Inbox-Claim"
 """The header a reply sent without an idempotency key carries: ``<idempotency key>.<fencing token>``."""
+AUTO_SUBMITTED = ("Auto-Submitted", "auto-replied")
+"""RFC 3834: what an agent's reply says it is (every provider's send carries it), so that the other side's
+auto-responders do not answer it."""
 _STAMP = re.compile(r"(ic1-[0-9a-f]{64})\.([1-9][0-9]{0,18})")
 
 

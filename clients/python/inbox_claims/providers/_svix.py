@@ -10,7 +10,7 @@ from typing import Any
 
 from .._errors import InboxClaimsError, SendRejected
 from .._webhooks import WebhookVerificationError, sign_standard_webhook, verify_standard_webhook
-from ._seam import Answer, HttpResponse, WebhookRequest
+from ._seam import AUTO_SUBMITTED, Answer, HttpResponse, WebhookRequest
 
 __all__ = [
     "AUTO_SUBMITTED",
@@ -21,8 +21,6 @@ __all__ = [
     "verify_svix",
 ]
 
-AUTO_SUBMITTED = ("Auto-Submitted", "auto-replied")
-"""RFC 3834: what an agent's reply says it is, so that the other side's auto-responders do not answer it."""
 _HEADERS = {"svix-id": "webhook-id", "svix-timestamp": "webhook-timestamp", "svix-signature": "webhook-signature"}
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self
@@ -34,6 +34,7 @@ from urllib.parse import parse_qs, quote
 
 import httpx
 
+from .._current import current_claim_base
 from .._envelope import Notification, NotificationError, parse_notification
 from .._errors import InboxClaimsError, SendRejected
 from .._webhooks import (
@@ -45,7 +46,25 @@ from .._webhooks import (
     verify_nylas_signature,
     verify_standard_webhook,
 )
-from ._seam import Accepted, Answer, Batch, Cursors, Flow, MessageFacts, ReplyContext, WebhookRequest, reply_subject
+from ._seam import (
+    AUTO_SUBMITTED,
+    STAMP_HEADER,
+    Accepted,
+    Answer,
+    Batch,
+    ClaimStamp,
+    Cursors,
+    Flow,
+    HttpRequest,
+    MessageFacts,
+    ProviderError,
+    ReplyContext,
+    WebhookRequest,
+    header,
+    http,
+    parse_stamp,
+    reply_subject,
+)
 
 __all__ = [
     "DEFAULT_API_BASE",
@@ -130,7 +149,14 @@ class NylasProvider:
         scheme: str = "nylas",
         tolerance: float = 300.0,
         mailbox_addresses: Sequence[str] = (),
+        api_key: str = "",
+        api_base: str = "https://api.us.nylas.com",
+        sent_folders: Sequence[str] = ("SENT",),
+        transport: Any = None,
     ) -> None:
+        """``api_key`` (with ``api_base``): a message the notification puts in one of ``sent_folders`` is read with
+        its headers, for the claim stamp its send carried: what settles an IN_DOUBT send (without it, none is
+        read and a person settles it)."""
         if scheme == "nylas":
             sign_nylas(b"", secret)  # raises on an empty or mistyped secret: at start, not on the first request
         elif scheme == "standard":
@@ -143,10 +169,25 @@ class NylasProvider:
         self.scheme = scheme
         self.tolerance = tolerance
         self.mailbox_addresses = tuple(mailbox_addresses)
+        self.api_key = api_key
+        self.api_base = api_base.rstrip("/")
+        self.sent_folders = frozenset(sent_folders)
+        if transport is None and api_key:
+            from ._httpx import AsyncHttp
+
+            transport = AsyncHttp()
+        self.transport = transport
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any], **_io: Any) -> NylasProvider:
-        return cls(settings["webhook_secret"], mailbox_addresses=settings.get("mailbox_addresses") or ())
+    def from_settings(cls, settings: Mapping[str, Any], **io: Any) -> NylasProvider:
+        reads = {"api_key": settings["api_key"], "api_base": settings["api_base"]} if settings.get("api_key") else {}
+        return cls(
+            settings["webhook_secret"],
+            mailbox_addresses=settings.get("mailbox_addresses") or (),
+            sent_folders=["SENT", *(settings.get("sent_folders") or ())],
+            transport=io.get("transport"),
+            **reads,
+        )
 
     def verify(self, request: WebhookRequest) -> Answer | Notification:
         """The challenge's answer, a refusal (401 signature, 400 envelope), or the notification (no I/O)."""
@@ -174,8 +215,29 @@ class NylasProvider:
 
     def open(self, accepted: Accepted, cursors: Cursors) -> Flow[Batch]:
         facts = facts_of(accepted.delivery)
-        return Batch(facts=(facts,) if facts is not None else ())
-        yield  # a flow with no effect
+        if facts is None:
+            return Batch()
+        if self.api_key and self.transport is not None and self.sent_folders & set(facts.folders):
+            stamp = yield from self._stamp_of(facts)
+            if stamp is not None:
+                facts = replace(facts, stamp=stamp)
+        return Batch(facts=(facts,))
+
+    def _stamp_of(self, facts: MessageFacts) -> Flow[ClaimStamp | None]:
+        """The claim stamp of a sent message: ``GET .../messages/{id}?fields=include_headers``."""
+        url = f"{self.api_base}/v3/grants/{quote(facts.mailbox, safe='')}/messages/{quote(facts.message_id, safe='')}"
+        request = HttpRequest(
+            "GET", url, (("fields", "include_headers"),), (("Authorization", f"Bearer {self.api_key}"),)
+        )
+        response = yield from http(self.transport, request)
+        if response.status == 404:
+            return None  # gone: nothing to settle with
+        document = response.json()
+        data = document.get("data") if isinstance(document, dict) else None
+        if response.status != 200 or not isinstance(data, dict):
+            raise ProviderError(f"reading sent message {facts.message_id!r} answered HTTP {response.status}")
+        headers = [(h.get("name"), h.get("value")) for h in data.get("headers") or () if isinstance(h, dict)]
+        return parse_stamp(header(headers, STAMP_HEADER))
 
     def acknowledge(self) -> Answer:
         return Answer(200, "ok")
@@ -506,12 +568,31 @@ Draft = NylasReply | Mapping[str, Any]
 
 def _payload(draft: Draft) -> bytes:
     if isinstance(draft, NylasReply):
-        return json.dumps(draft.payload()).encode("utf-8")
-    if not isinstance(draft, Mapping):
+        document = draft.payload()
+    elif isinstance(draft, Mapping):
+        document = dict(draft)
+    else:
         raise TypeError(
             f"draft must be a NylasReply or the send request's JSON body (a dict), not {type(draft).__name__}"
         )
-    return json.dumps(dict(draft)).encode("utf-8")
+    return json.dumps(_stamped(document)).encode("utf-8")
+
+
+def _stamped(document: dict[str, Any]) -> dict[str, Any]:
+    """Inside a guarded claim, the send carries the claim's stamp (``X-Inbox-Claim``, as a Nylas custom header) and
+    ``Auto-Submitted: auto-replied`` (RFC 3834): its copy in the sent folder, read with its headers, then settles an
+    IN_DOUBT send (docs/providers.md, "Sends that settle themselves"). Headers the draft sets are kept."""
+    claim = current_claim_base()
+    if claim is None:
+        return document
+    given = [h for h in document.get("custom_headers") or () if isinstance(h, Mapping)]
+    names = {str(h.get("name", "")).lower() for h in given}
+    added = [
+        {"name": name, "value": value}
+        for name, value in ((STAMP_HEADER, f"{claim.idempotency_key}.{claim.token}"), AUTO_SUBMITTED)
+        if name.lower() not in names
+    ]
+    return {**document, "custom_headers": [*given, *added]} if added else document
 
 
 def _post_sync(client: httpx.Client, request: SendRequest) -> str | None:
