@@ -1,8 +1,8 @@
 """The provider examples (examples/providers/<name>/) as a user runs them: ``./run`` (the guarded agent) and ``./run
 --unguarded`` (the same agent without the coordinator), two processes of each, configured only by the environment
-their README names, against each provider's double over real HTTP (tests/providers: Graph's and Gmail's, and the
-fake Nylas send endpoint) and a real coordinator on a real etcd. The same deliveries go to both pairs: one
-notification delivered three times over the two processes, the copy of the agent's own reply, and a customer's
+their README names, against each provider's double over real HTTP (tests/providers: Graph's, Gmail's, AgentMail's
+and Resend's, and the fake Nylas send endpoint) and a real coordinator on a real etcd. The same deliveries go to both
+pairs: one notification delivered three times over the two processes, the copy of the agent's own reply, and a customer's
 message that a person answers from the provider's own app while the agent drafts. Replies are counted at the double:
 the guarded pair sends one to the first message, none to its own reply's copy, none to the message the person
 answered; the unguarded pair sends at least two to the first, and answers the person's message too.
@@ -34,13 +34,15 @@ from coordinator.store.etcd.process import EtcdServer, free_port
 from examples.agent.fake_nylas import FakeNylas
 from inbox_claims.testing import RunningCoordinator, running_coordinator, sign_nylas
 from tests.client.test_guard_handlers import Worker, _wait_until_serving
+from tests.providers.fake_agentmail import FakeAgentMail
 from tests.providers.fake_gmail import AUDIENCE, JWKS_PATH, FakeGmail
 from tests.providers.fake_graph import FakeGraph
+from tests.providers.fake_resend import FakeResend
 from tests.providers.serving import served
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "providers"
-PROVIDERS = ("nylas", "graph", "gmail")
+PROVIDERS = ("nylas", "graph", "gmail", "agentmail", "resend")
 LLM_DELAY = "1.5"  # long enough for the person's reply to arrive while the agent drafts
 SHOP = "support@shop.example"
 
@@ -164,7 +166,67 @@ def gmail_double() -> Iterator[Mail]:
         )
 
 
-DOUBLES = {"nylas": nylas_double, "graph": graph_double, "gmail": gmail_double}
+@contextlib.contextmanager
+def agentmail_double() -> Iterator[Mail]:
+    fake = FakeAgentMail(SHOP)
+
+    def delivery(message_id: str) -> Delivery:
+        message = fake.messages[message_id]
+        body, headers = fake.sent(message) if "sent" in message["labels"] else fake.received(message)
+        return headers, body
+
+    with served(fake.answer) as url:
+        yield Mail(
+            env={
+                "AGENTMAIL_WEBHOOK_SECRET": fake.secret,
+                "AGENTMAIL_API_KEY": fake.api_key,
+                "AGENTMAIL_API_BASE": url,
+                "INBOX_MAILBOX_ADDRESSES": SHOP,
+            },
+            customer=lambda subject: fake.receive("bea@example.org", subject, f"thd-{uuid.uuid4().hex[:8]}")[
+                "message_id"
+            ],
+            delivery=delivery,
+            person_replies=lambda to: fake.person_replies(fake.messages[to])["message_id"],
+            copy_of_reply=lambda message_id: fake.sent_copy(message_id)["message_id"],
+            replies_to=fake.replies_to,
+        )
+
+
+@contextlib.contextmanager
+def resend_double() -> Iterator[Mail]:
+    fake = FakeResend(SHOP)
+
+    def delivery(email_id: str) -> Delivery:
+        email = fake.messages[email_id]
+        body, headers = fake.sent(email) if email["_kind"] == "sent" else fake.received(email)
+        return headers, body
+
+    with served(fake.answer) as url:
+        yield Mail(
+            env={
+                "RESEND_WEBHOOK_SECRET": fake.secret,
+                "RESEND_MAILBOX": SHOP,
+                "RESEND_API_KEY": fake.api_key,
+                "RESEND_FROM": f"Shop <{SHOP}>",
+                "RESEND_API_BASE": url,
+                "INBOX_MAILBOX_ADDRESSES": SHOP,
+            },
+            customer=lambda subject: fake.receive("bea@example.org", subject)["id"],
+            delivery=delivery,
+            person_replies=lambda to: fake.person_replies(fake.messages[to])["id"],
+            copy_of_reply=lambda email_id: fake.sent_copy(email_id)["id"],
+            replies_to=fake.replies_to,
+        )
+
+
+DOUBLES = {
+    "nylas": nylas_double,
+    "graph": graph_double,
+    "gmail": gmail_double,
+    "agentmail": agentmail_double,
+    "resend": resend_double,
+}
 
 
 @contextlib.contextmanager
