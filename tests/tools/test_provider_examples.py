@@ -1,11 +1,11 @@
 """The provider examples (examples/providers/<name>/) as a user runs them: ``./run`` (the guarded agent) and ``./run
 --unguarded`` (the same agent without the coordinator), two processes of each, configured only by the environment
 their README names, against each provider's double over real HTTP (tests/providers: Graph's, Gmail's, AgentMail's
-and Resend's, and the fake Nylas send endpoint) and a real coordinator on a real etcd. The same deliveries go to both
-pairs: one notification delivered three times over the two processes, the copy of the agent's own reply, and a customer's
-message that a person answers from the provider's own app while the agent drafts. Replies are counted at the double:
-the guarded pair sends one to the first message, none to its own reply's copy, none to the message the person
-answered; the unguarded pair sends at least two to the first, and answers the person's message too.
+and Resend's, and the fake Nylas send endpoint) and a real coordinator on a real etcd. The same deliveries go to
+both pairs: one notification delivered three times over the two processes, the copy of the agent's own reply, and a
+customer's message that a person answers from the provider's own app while the agent drafts. Replies are counted at
+the double: the guarded pair sends one to the first message, none to its own reply's copy, none to the message the
+person answered; the unguarded pair sends at least two to the first, and answers the person's message too.
 
 And docs/providers.md's "guarded handler in the fewest lines" is each example's handler, line for line, with the
 count it states."""
