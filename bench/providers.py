@@ -1,5 +1,5 @@
-"""python -m bench providers: what one customer message costs on each provider's path, Nylas's beside Graph's and
-Gmail's (docs/providers.md).
+"""python -m bench providers: what one customer message costs on each provider's path, Nylas's beside Graph's,
+Gmail's, AgentMail's and Resend's (docs/providers.md).
 
 One message's path, through the webhook adapter (``inbox_claims.asgi``) and a real coordinator in a process of its
 own on this run's etcd: the message arrives at the provider's double (tests/providers: Graph's and Gmail's; for
@@ -38,17 +38,23 @@ from inbox_claims import nylas as guarded_nylas
 from inbox_claims._effects import Effect, Rpc
 from inbox_claims.asgi import WebhookApp, webhook_app
 from inbox_claims.providers import HttpRequest, HttpResponse, MessageFacts
+from inbox_claims.providers.agentmail import AgentMailProvider
 from inbox_claims.providers.graph import GraphProvider
 from inbox_claims.providers.nylas import NylasProvider
+from inbox_claims.providers.resend import ResendProvider
 from inbox_claims.testing import sign_nylas
+from tests.providers.fake_agentmail import BASE as AGENTMAIL_BASE
+from tests.providers.fake_agentmail import FakeAgentMail
 from tests.providers.fake_gmail import FakeGmail
 from tests.providers.fake_graph import BASE as GRAPH_BASE
 from tests.providers.fake_graph import FakeGraph
+from tests.providers.fake_resend import BASE as RESEND_BASE
+from tests.providers.fake_resend import FakeResend
 from tests.providers.support import gmail_provider
 
 from ._common import CoordinatorProcess, Environment, process_cpu_seconds, run_id
 
-PROVIDERS = ("nylas", "graph", "gmail")
+PROVIDERS = ("nylas", "graph", "gmail", "agentmail", "resend")
 SHOP = "support@shop.example"
 
 
@@ -231,7 +237,72 @@ def gmail_lane(index: int, coordinator: AsyncCoordinator, aside: Aside) -> Lane:
     )
 
 
-LANES = {"nylas": nylas_lane, "graph": graph_lane, "gmail": gmail_lane}
+def agentmail_lane(index: int, coordinator: AsyncCoordinator, aside: Aside) -> Lane:
+    fake = FakeAgentMail(f"support{index}-{uuid.uuid4().hex[:6]}@shop.agentmail.to")
+    mail = AgentMailProvider(fake.secret, api_key=fake.api_key, api_base=AGENTMAIL_BASE, transport=_Timed(fake, aside))
+
+    async def send(message: MessageFacts, claim: AsyncClaim) -> None:
+        await claim.send(mail.reply, message, body="ok")
+
+    def event(made: tuple[bytes, dict[str, str]]) -> tuple[dict[str, str], bytes]:
+        return made[1], made[0]
+
+    def received(message_id: str) -> tuple[dict[str, str], bytes]:
+        with aside.timing():
+            return event(fake.received(fake.messages[message_id]))
+
+    def sent(message_id: str) -> tuple[dict[str, str], bytes]:
+        with aside.timing():
+            return event(fake.sent(fake.sent_copy(message_id)))
+
+    replied: dict[str, asyncio.Event] = {}
+    return Lane(
+        webhook_app(mail, _handler(send, replied), coordinator=coordinator),
+        lambda: fake.receive("bea@example.org", "Where is my order?", f"thd-{uuid.uuid4().hex[:8]}")["message_id"],
+        received,
+        sent,
+        lambda: fake.calls,
+        replied,
+    )
+
+
+def resend_lane(index: int, coordinator: AsyncCoordinator, aside: Aside) -> Lane:
+    fake = FakeResend(f"support{index}-{uuid.uuid4().hex[:6]}@shop.example")
+    mail = ResendProvider(
+        fake.secret, fake.mailbox, api_key=fake.api_key, api_base=RESEND_BASE, transport=_Timed(fake, aside)
+    )
+
+    async def send(message: MessageFacts, claim: AsyncClaim) -> None:
+        await claim.send(mail.reply, message, body="ok")
+
+    def received(email_id: str) -> tuple[dict[str, str], bytes]:
+        with aside.timing():
+            body, headers = fake.received(fake.messages[email_id])
+            return headers, body
+
+    def sent(email_id: str) -> tuple[dict[str, str], bytes]:
+        with aside.timing():
+            body, headers = fake.sent(fake.sent_copy(email_id))
+            return headers, body
+
+    replied: dict[str, asyncio.Event] = {}
+    return Lane(
+        webhook_app(mail, _handler(send, replied), coordinator=coordinator),
+        lambda: fake.receive("bea@example.org", "Where is my order?")["id"],
+        received,
+        sent,
+        lambda: fake.calls,
+        replied,
+    )
+
+
+LANES = {
+    "nylas": nylas_lane,
+    "graph": graph_lane,
+    "gmail": gmail_lane,
+    "agentmail": agentmail_lane,
+    "resend": resend_lane,
+}
 
 
 async def _deliver(lane: Lane, delivery: tuple[dict[str, str], bytes]) -> None:
