@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -128,6 +129,25 @@ async def test_nylas_sdk_send_inside_a_guarded_claim_but_not_through_claim_send_
     outside = {"headers": {"Idempotency-Key": "sent-outside-any-claim"}}
     sent = client.messages.send(identifier="grant-1", request_body=nylas_body(what.id), overrides=outside)
     assert sent.data.id == "sent-1"
+
+
+async def test_a_new_users_nylas_sdk_send_in_a_guard_decorated_handler_is_refused_before_nylas_hears_of_it(
+    coord: AsyncCoordinator, nylas: tuple[FakeNylas, Any]
+) -> None:
+    fake, client = nylas
+
+    @coord.guard
+    async def answer(event: dict[str, Any]) -> None:  # as the issue found it: the SDK's send, no claim.send
+        message = event["data"]["object"]
+        client.messages.send(identifier=message["grant_id"], request_body=nylas_body(message["id"]))
+
+    message: dict[str, Any] = {"id": "msg-guard-1", "grant_id": "grant-1", "thread_id": "t-1", "object": "message"}
+    message |= {"subject": "Hi", "from": [{"email": "bea@example.org"}], "folders": ["INBOX"], "date": int(time.time())}
+    event = {"specversion": "1.0", "type": "message.created", "id": "n-guard-1", "time": int(time.time())}
+    with pytest.raises(UnguardedSend, match=r"not through claim\.send"):
+        await answer({**event, "data": {"application_id": "app-1", "object": message}})
+    assert fake.requests == []
+    assert (await coord.status(Subject.message("grant-1", "msg-guard-1"))).state is SubjectState.FREE
 
 
 # -- Resend ------------------------------------------------------------------------------------------------------
