@@ -24,7 +24,7 @@ from nylas import Client as NylasClient  # type: ignore[import-untyped]
 
 from coordinator.ops.server import CoordinatorServer
 from examples.agent.fake_nylas import FakeNylas
-from inbox_claims import AsyncCoordinator, SendOutcomeUnknown, SendRejected, Subject, SubjectState
+from inbox_claims import AsyncCoordinator, Coordinator, SendOutcomeUnknown, SendRejected, Subject, SubjectState
 from inbox_claims.sdks import UnguardedSend, agentmail_reply, nylas_send, resend_send
 from tests.conftest import StartCoordinator
 from tests.providers.fake_agentmail import FakeAgentMail
@@ -207,6 +207,25 @@ async def test_resend_sdk_4xx_frees_the_message_and_a_send_outside_claim_send_is
             resend.Emails.send(resend_params(email))  # type: ignore[arg-type]
     assert resend_api.calls["emails.send"] == 1  # only the refused 422: the unguarded one never left
     assert resend_api.sends == []
+
+
+async def test_resend_sdk_in_a_blocking_claim_sends_at_once_with_the_key(
+    server: CoordinatorServer, coord: AsyncCoordinator, resend_api: FakeResend
+) -> None:
+    email = resend_api.receive("bea@example.org", "Where is my order?")
+    what = Subject.message(resend_api.mailbox, email["id"])
+
+    def blocking() -> str | None:
+        with (
+            Coordinator(server.address, principal="agent-a") as client,
+            client.reply_to(mailbox=what.mailbox, message_id=what.id) as claim,
+        ):
+            return claim.send(resend_send, resend_params(email))
+
+    sent_id = await asyncio.to_thread(blocking)
+    assert sent_id == resend_api.sent_copy(email["id"])["id"]
+    assert list(resend_api.keys) == [what.idempotency_key]
+    assert (await coord.status(what)).state is SubjectState.REPLIED
 
 
 # -- AgentMail ---------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import asyncio
 import functools
 import inspect
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,13 +82,14 @@ def _outcome(sdk: str, status: int | None, detail: str) -> InboxClaimsError:
 
 
 def _blocking(call: Callable[[], str | None]) -> Any:
-    """A blocking SDK's call: run at once outside an event loop; in one, a coroutine that runs it in a thread (the
-    claim, a context variable, goes with it), so that ``AsyncClaim.send`` awaits it without blocking the loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return call()
-    return asyncio.to_thread(call)
+    """A blocking SDK's call: run at once in a blocking claim (``Claim.send``); in an asyncio one, a coroutine that
+    runs it in a thread (the claim, a context variable, goes with it), so that ``AsyncClaim.send`` awaits it without
+    blocking the event loop."""
+    from ._async import AsyncClaim  # here: the guard imports this module
+
+    if isinstance(current_claim_base(), AsyncClaim):
+        return asyncio.to_thread(call)
+    return call()
 
 
 # -- Nylas ------------------------------------------------------------------------------------------------------
@@ -196,6 +198,7 @@ _HOW = {
     "agentmail": "await claim.send(sdks.agentmail_reply, agentmail_client, inbox_id, message_id, text=...)",
 }
 _WATCHED: set[str] = set()
+_WATCHING = threading.Lock()
 
 
 def _refuse_outside_send(sdk: str, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -228,6 +231,13 @@ def _refuse_outside_send(sdk: str, name: str, method: Callable[..., Any]) -> Cal
 def watch() -> None:
     """Refuses, inside a guarded claim, every send of an imported SDK that does not go through ``claim.send``
     (each SDK once, when it is imported; the guard calls this on entering a claim)."""
+    if {"nylas", "resend", "agentmail"} <= _WATCHED:
+        return
+    with _WATCHING:
+        _watch()
+
+
+def _watch() -> None:
     if "nylas" not in _WATCHED and "nylas.resources.messages" in sys.modules:
         _WATCHED.add("nylas")
         messages = sys.modules["nylas.resources.messages"].Messages

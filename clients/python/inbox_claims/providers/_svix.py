@@ -45,7 +45,10 @@ def check_secret(secret: str, provider: str) -> None:
     """Raises at start, not on the first request, for a secret that is not Svix's ``whsec_<base64>``."""
     if not isinstance(secret, str) or not secret:
         raise ValueError(f"the {provider} webhook secret is empty: set it to the endpoint's 'whsec_...' secret")
-    sign_standard_webhook(b"", msg_id="config-check", timestamp=0, secret=secret)
+    try:
+        sign_standard_webhook(b"", msg_id="config-check", timestamp=0, secret=secret)
+    except ValueError as error:
+        raise ValueError(f"the {provider} webhook secret is not a signing secret ('whsec_<base64>'): {error}") from None
 
 
 def verify_svix(
