@@ -186,3 +186,19 @@ async def test_a_wrong_signature_is_refused_and_nothing_is_recorded(clients: dic
     assert status.state is SubjectState.FREE
     assert sum(fake.calls.values()) == 0
     assert fake.sends == []
+
+
+async def test_many_messages_each_delivered_three_times_at_once_to_three_workers_get_one_reply_each(
+    clients: dict[str, AsyncCoordinator],
+) -> None:
+    fake = FakeAgentMail()
+    workers = apps(fake, [clients["a1"], clients["a2"], clients["b"]])
+    messages = [fake.receive(f"c{i}@example.org", f"Order {i}", f"thd-m{i}") for i in range(12)]
+    posts = [
+        delivered(workers[(i + k) % 3], fake.received(message, webhook=("inbox", "pod", "inbox")[k]))
+        for i, message in enumerate(messages)
+        for k in range(3)
+    ]
+    assert set(await asyncio.gather(*posts)) == {200}
+    await settle(workers)
+    assert [fake.replies_to(m["message_id"]) for m in messages] == [1] * len(messages)

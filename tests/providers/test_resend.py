@@ -175,3 +175,15 @@ async def test_a_wrong_signature_is_refused_and_nothing_is_recorded(clients: dic
     assert (await clients["a1"].status(Subject.message(fake.mailbox, email["id"]))).state is SubjectState.FREE
     assert sum(fake.calls.values()) == 0
     assert fake.sends == []
+
+
+async def test_many_emails_each_delivered_three_times_at_once_to_three_workers_get_one_reply_each(
+    clients: dict[str, AsyncCoordinator],
+) -> None:
+    fake = FakeResend()
+    workers = apps(fake, [clients["a1"], clients["a2"], clients["b"]])
+    emails = [fake.receive(f"c{i}@example.org", f"Order {i}") for i in range(12)]
+    posts = [delivered(workers[(i + k) % 3], fake.received(email)) for i, email in enumerate(emails) for k in range(3)]
+    assert set(await asyncio.gather(*posts)) == {200}
+    await settle(workers)
+    assert [fake.replies_to(e["id"]) for e in emails] == [1] * len(emails)
