@@ -85,9 +85,8 @@ def _blocking(call: Callable[[], str | None]) -> Any:
     """A blocking SDK's call: run at once in a blocking claim (``Claim.send``); in an asyncio one, a coroutine that
     runs it in a thread (the claim, a context variable, goes with it), so that ``AsyncClaim.send`` awaits it without
     blocking the event loop."""
-    from ._async import AsyncClaim  # here: the guard imports this module
-
-    if isinstance(current_claim_base(), AsyncClaim):
+    claim = current_claim_base()
+    if claim is not None and inspect.iscoroutinefunction(getattr(claim, "send", None)):  # an AsyncClaim
         return asyncio.to_thread(call)
     return call()
 
