@@ -156,7 +156,7 @@ QUICK: dict[str, list[str]] = {
         "--sessions",
         "3",
     ],
-    "providers": ["--messages", "5", "--lanes", "2", "--rounds", "1"],
+    "providers": ["--messages", "3", "--lanes", "2", "--rounds", "1"],  # five providers: the work of three at 5
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
 
