@@ -682,7 +682,7 @@ class AsyncClaim(ClaimBase):
         body, self._body = self._body, None  # from here on, a loss no longer cancels anything
         self._stop_being_current()
         await self._stop_renewal()
-        await self._client._drive(self._state.exit(failed=exc is not None))
+        await self._client._drive(self._state.exit(failed=exc is not None, error=exc))
         if (
             self._cancelled_body
             and body is not None

@@ -622,5 +622,5 @@ class Claim(ClaimBase):
     ) -> Literal[False]:
         self._stop.set()
         self._stop_being_current()
-        self._client._drive(self._state.exit(failed=exc is not None))
+        self._client._drive(self._state.exit(failed=exc is not None, error=exc))
         return False

@@ -36,6 +36,7 @@ import httpx
 
 from .._envelope import Notification, NotificationError, parse_notification
 from .._errors import InboxClaimsError, SendRejected
+from .._tracing import trace_headers
 from .._webhooks import (
     NYLAS_SIGNATURE_HEADER,
     WebhookVerificationError,
@@ -319,6 +320,9 @@ def _send_headers(idempotency_key: str, api_key: str | None) -> dict[str, str]:
             f"idempotency_key must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} ASCII characters (pass claim.idempotency_key)"
         )
     headers = {"Idempotency-Key": idempotency_key, "Content-Type": "application/json", "Accept": "application/json"}
+    # The reply's trace goes with it: Nylas ignores what it does not know, a proxy or a gateway in between can
+    # continue it (docs/operations.md#traces).
+    headers.update(trace_headers())
     if api_key is not None:
         if not api_key:
             raise ValueError("the Nylas API key is empty")
