@@ -320,9 +320,6 @@ def _send_headers(idempotency_key: str, api_key: str | None) -> dict[str, str]:
             f"idempotency_key must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} ASCII characters (pass claim.idempotency_key)"
         )
     headers = {"Idempotency-Key": idempotency_key, "Content-Type": "application/json", "Accept": "application/json"}
-    # The reply's trace goes with it: Nylas ignores what it does not know, a proxy or a gateway in between can
-    # continue it (docs/operations.md#traces).
-    headers.update(trace_headers())
     if api_key is not None:
         if not api_key:
             raise ValueError("the Nylas API key is empty")
@@ -518,9 +515,15 @@ def _payload(draft: Draft) -> bytes:
     return json.dumps(dict(draft)).encode("utf-8")
 
 
+def _headers_now(request: SendRequest) -> dict[str, str]:
+    """The send's headers and the trace context current as it goes out (the guard's ``inbox send`` span): Nylas
+    ignores a header it does not know; a proxy or gateway in between can continue the trace."""
+    return {**request.headers, **trace_headers()}
+
+
 def _post_sync(client: httpx.Client, request: SendRequest) -> str | None:
     try:
-        response = client.post(request.url, headers=dict(request.headers), content=request.content)
+        response = client.post(request.url, headers=_headers_now(request), content=request.content)
     except httpx.HTTPError as error:
         raise transport_failure(error) from error
     return interpret_send_response(response.status_code, response.content)
@@ -528,7 +531,7 @@ def _post_sync(client: httpx.Client, request: SendRequest) -> str | None:
 
 async def _post_async(client: httpx.AsyncClient, request: SendRequest) -> str | None:
     try:
-        response = await client.post(request.url, headers=dict(request.headers), content=request.content)
+        response = await client.post(request.url, headers=_headers_now(request), content=request.content)
     except httpx.HTTPError as error:
         raise transport_failure(error) from error
     return interpret_send_response(response.status_code, response.content)
