@@ -706,6 +706,12 @@ class ClaimBase:
             _tracing.detach(trace_context)
 
     @property
+    def _reply_span(self) -> _tracing.GuardSpan | None:
+        """The reply's span, once entered, when OpenTelemetry records one (docs/operations.md#traces): for the
+        MCP tools, which link a later call on the claim to it."""
+        return self._state.trace
+
+    @property
     def sending(self) -> bool:
         """True while ``send`` runs its send function (between BeginSend and ConfirmSent)."""
         return self._state.phase is Phase.SENDING

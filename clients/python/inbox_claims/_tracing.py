@@ -35,6 +35,7 @@ __all__ = [
     "CallSpan",
     "GuardSpan",
     "NotificationTrace",
+    "ToolTrace",
     "attach",
     "call_started",
     "child",
@@ -43,6 +44,7 @@ __all__ = [
     "reply_started",
     "trace_headers",
     "traced_notification",
+    "traced_tool",
 ]
 
 _SERVICE = "inbox.coordinator.v1.Coordinator"
@@ -237,13 +239,8 @@ def traced_notification(provider: str, method: str) -> Iterator[NotificationTrac
     if span is None:
         yield _UNTRACED
         return
-    try:
-        with span.current():
-            yield NotificationTrace(span)
-    except BaseException as error:
-        span.end("failed", error)
-        raise
-    span.end("no_answer")  # the client went away before the body was read
+    with _running(span, "no_answer"):  # unanswered: the client went away before the body was read
+        yield NotificationTrace(span)
 
 
 def trace_headers() -> dict[str, str]:
@@ -284,3 +281,62 @@ def child(parent: GuardSpan | None, name: str) -> Iterator[None]:
     finally:
         otel_context.detach(token)
         span.end()
+
+
+class ToolTrace:
+    """What an MCP tool call tells of itself: its span's link to the claim it acts on, its outcome."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, span: GuardSpan | None) -> None:
+        self.span = span
+
+    def acts_on(self, mailbox: str, subject_id: str, claim: GuardSpan | None) -> None:
+        """The message (or thread) the call is about, and the reply's span of a claim an earlier call took
+        (another trace, the earlier call's): linked, so that one leads to the other."""
+        if self.span is None:
+            return
+        self.span.set({"inbox.mailbox": mailbox, "inbox.subject.id": subject_id})
+        if claim is not None and claim.span is not self.span:
+            self.span.span.add_link(claim.span.get_span_context())
+
+    def answered(self, result: Any) -> None:
+        """The tool's result: its structured ``outcome`` (``granted``, ``sent``, ``held``, …), else ``error`` or
+        ``ok`` as the result says."""
+        if self.span is None:
+            return
+        document = result if isinstance(result, Mapping) else {}
+        structured = getattr(result, "structured_content", None) or document.get("structuredContent") or {}
+        failed = getattr(result, "is_error", None) or document.get("isError") is True
+        outcome = structured.get("outcome") if isinstance(structured, Mapping) else None
+        self.span.end(outcome if isinstance(outcome, str) else "error" if failed else "ok")
+
+
+_UNTRACED_TOOL = ToolTrace(None)
+
+
+@contextlib.contextmanager
+def traced_tool(tool: str, mailbox: str | None = None) -> Iterator[ToolTrace]:
+    """An MCP tool call's span (``inbox tool claim_message``), beneath the MCP SDK's span of the request (which
+    continues the caller's ``_meta.traceparent``), current in the block: the claim and the calls it makes, and
+    the guard's forwarded call, beneath it. Ended by ``answered``, or as ``failed`` by an exception."""
+    attributes = {"inbox.tool": tool, **({"inbox.mailbox": mailbox} if mailbox else {})}
+    span = _guard_span(f"inbox tool {tool}", attributes)
+    if span is None:
+        yield _UNTRACED_TOOL
+        return
+    with _running(span, "ok"):
+        yield ToolTrace(span)
+
+
+@contextlib.contextmanager
+def _running(span: GuardSpan, unreported: str) -> Iterator[None]:
+    """``span`` current in the block; ended as ``failed`` by an exception, as ``unreported`` when the block did
+    not end it itself (ended once: an outcome it reported stands)."""
+    try:
+        with span.current():
+            yield
+    except BaseException as error:
+        span.end("failed", error)
+        raise
+    span.end(unreported)
