@@ -10,7 +10,7 @@ import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-no
 import * as pb from "./gen/inbox/coordinator/v1/coordinator_pb.js";
 import { BATCH_MAX_CALLS, BATCHABLE, batchOf, answers, Coalescer, RESEND, type Rpc } from "./batch.js";
 import { RpcFailure } from "./rpc.js";
-import { callStarted } from "./tracing.js";
+import { callStarted, type GuardSpan } from "./tracing.js";
 import {
   callerFromPb,
   claimResultFromPb,
@@ -331,10 +331,10 @@ export class Coordinator {
 
   /**
    * Runs `op` with retries (the same request, so the same request id). `deadline` (a performance.now() value)
-   * bounds every attempt and the waits.
+   * bounds every attempt and the waits. `parent`: the guard's span the call is made for (else the active span).
    */
-  async call<R>(op: Op<R>, deadline?: number): Promise<R> {
-    const span = callStarted(op.method, op.request);
+  async call<R>(op: Op<R>, deadline?: number, parent?: GuardSpan): Promise<R> {
+    const span = callStarted(op.method, op.request, parent);
     try {
       for (let attempt = 1; ; attempt++) {
         let timeoutMs = this.timeoutMs;
