@@ -101,11 +101,21 @@ class CallSpan:
             self.span.end()
 
 
+def _nothing_to_do(parent: GuardSpan | None = None) -> bool:
+    """No tracer provider set up by the application and no trace to continue: every span would be a no-op, so
+    none is made (the cost of this check alone; docs/performance.md#traces)."""
+    return (
+        parent is None
+        and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+        and not trace.get_current_span().get_span_context().is_valid
+    )
+
+
 def call_started(method: str, request: Any, parent: GuardSpan | None = None) -> CallSpan | None:
     """The span of a call of ``method`` with ``request``, and its trace context for the wire; None without
     OpenTelemetry, or when there is neither a span to record nor a trace to continue. ``parent``: the guard's
     span the call is made for (a renewal runs in a thread or task of its own), else the current span."""
-    if trace is None:
+    if trace is None or _nothing_to_do(parent):
         return None
     tracer = _get_tracer()
     span = tracer.start_span(
@@ -164,7 +174,7 @@ class GuardSpan:
 
 
 def _guard_span(name: str, attributes: Mapping[str, str | int], kind: Any = None) -> GuardSpan | None:
-    if trace is None:
+    if trace is None or _nothing_to_do():
         return None
     span = _get_tracer().start_span(name, kind=kind or trace.SpanKind.INTERNAL)
     if not span.get_span_context().is_valid:
@@ -246,7 +256,7 @@ def traced_notification(provider: str, method: str) -> Iterator[NotificationTrac
 def trace_headers() -> dict[str, str]:
     """The current span's W3C trace context as HTTP headers (``traceparent``, ``tracestate``), for a request to a
     provider; empty without OpenTelemetry or a current span."""
-    if _propagator is None:
+    if _propagator is None or not trace.get_current_span().get_span_context().is_valid:
         return {}
     carrier: dict[str, str] = {}
     _propagator.inject(carrier)
