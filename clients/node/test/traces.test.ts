@@ -12,7 +12,7 @@ import { AsyncLocalStorageContextManager } from "@opentelemetry/context-async-ho
 import { OTLPTraceExporter } from "@opentelemetry/exporter-trace-otlp-proto";
 import { resourceFromAttributes } from "@opentelemetry/resources";
 import { BasicTracerProvider, SimpleSpanProcessor } from "@opentelemetry/sdk-trace-base";
-import { Cluster, PYTHON, REPO } from "../src/testing.js";
+import { Cluster, freePort, PYTHON, REPO } from "../src/testing.js";
 import { messageSubject, nylasWebhookListener, signNylas, type Coordinator } from "../src/index.js";
 import { Nylas, replyTo } from "../src/nylas.js";
 
@@ -198,9 +198,20 @@ function nylasSendApi(sends: { path: string; traceparent: string }[]): Server {
   });
 }
 
-test("a guarded reply through the Nylas webhook listener is one trace: notification, reply, the user's span, the calls, the send, the coordinator, etcd", async () => {
+test("a guarded reply through the Nylas webhook listener is one trace: notification, reply, the user's span, the calls, the send, the coordinator, etcd (gRPC)", async () => {
+  await assertGuardedReplyTrace(coord, "grpc");
+});
+
+test("the same over the coordinator's HTTP/JSON face (protocol: http-json)", async () => {
+  const httpPort = await freePort();
+  await cluster.addReplica(undefined, [`--http-listen=127.0.0.1:${httpPort}`]);
+  const overHttp = cluster.client("agent-1", { target: `127.0.0.1:${httpPort}`, protocol: "http-json" });
+  await assertGuardedReplyTrace(overHttp, "connect_rpc");
+});
+
+async function assertGuardedReplyTrace(coord: Coordinator, rpcSystem: string): Promise<void> {
   const mailbox = "node-guard-traces@shop.example";
-  const messageId = `node-guard-${Date.now()}`;
+  const messageId = `node-guard-${rpcSystem}-${Date.now()}`;
   const sends: { path: string; traceparent: string }[] = [];
   const api = nylasSendApi(sends);
   const nylas = new Nylas(API_KEY, { apiBase: await listen(api) });
@@ -283,6 +294,7 @@ test("a guarded reply through the Nylas webhook listener is one trace: notificat
     assert.equal(client.parent_span_id, reply.span_id);
     const server = one(client.name, client);
     assert.equal(server.service, "coordinator-under-test");
+    assert.equal(server.attributes["rpc.system"], rpcSystem);
     assert.ok(under(all, server).some((span) => span.name === "etcd transaction"), `${server.name} has no etcd transaction beneath it`);
   }
   // No summary, webhook secret or API key in any attribute or event of the trace; the fencing token only as itself.
@@ -292,4 +304,4 @@ test("a guarded reply through the Nylas webhook listener is one trace: notificat
       for (const secret of [SECRET, API_KEY, SUBJECT_LINE, SENDER]) assert.ok(!text.includes(secret), `${span.name} carries ${text}`);
     }
   }
-});
+}
