@@ -305,3 +305,27 @@ async function assertGuardedReplyTrace(coord: Coordinator, rpcSystem: string): P
     }
   }
 }
+
+test("a receiver stopped mid-run fails no reply: the guarded reply is sent and recorded", async () => {
+  const subject = messageSubject("node-guard-traces@shop.example", `node-stopped-${Date.now()}`);
+  await coord.replyTo({ mailbox: subject.mailbox, messageId: subject.id }, { ttl: 30 }, async (claim) => claim.send(() => "sent-before"));
+  receiver.kill(); // the agent's exporter and the coordinator's now send to a port nothing listens on
+  await new Promise((resolve) => (receiver.exitCode !== null ? resolve(undefined) : receiver.once("exit", resolve)));
+  for (const id of ["a", "b", "c"]) {
+    const after = messageSubject(subject.mailbox, `${subject.id}-${id}`);
+    const sent = await tracer().startActiveSpan(`answer ${id}`, async (span) => {
+      try {
+        return await coord.replyTo({ mailbox: after.mailbox, messageId: after.id }, { ttl: 30 }, async (claim) => {
+          const id = await claim.send(() => `sent-${after.id}`);
+          assert.ok(claim.replied);
+          return id;
+        });
+      } finally {
+        span.end();
+      }
+    });
+    assert.equal(sent, `sent-${after.id}`);
+    const status = await coord.status(after);
+    assert.equal(status.state, "REPLIED");
+  }
+});
