@@ -165,3 +165,39 @@ def test_a_receiver_stopped_mid_run_fails_no_reply(shared_etcd: EtcdServer) -> N
             for message_id in ("msg-1", "msg-2", "msg-3"):
                 status = coord.status(Subject.message(MAILBOX, message_id))
                 assert status.state is SubjectState.REPLIED, (message_id, status)
+
+
+def test_a_refusal_and_a_loss_are_the_reply_spans_outcomes(shared_etcd: EtcdServer, receiver: OtlpReceiver) -> None:
+    """A guard refused a message another agent holds ends its reply span ``held`` (no error); a claim a person
+    took over has a ``claim lost`` event with its reason and ends ``lost``, the renewal that found it beneath it
+    (answered stale_token; the send then never reached BeginSend)."""
+    with serve_traced(shared_etcd, f"test/guard-traces-{new_request_id()}/", {}) as (address, _http):
+        agent = run_agent(receiver, address, "outcomes")
+        stdout, stderr = agent.communicate(timeout=60)
+    assert agent.returncode == 0, stderr
+    out = json.loads(stdout)
+    assert out["held_answer"] is None  # the guard absorbed the refusal: the function never ran
+    assert out["noticed"] is True
+    assert out["loss"] == "taken_over"
+
+    def replies(trace_id: str, count: int) -> list[ReceivedSpan]:
+        spans = receiver.wait_for(
+            lambda spans: sum(s.trace_id == trace_id and s.name == "inbox reply" for s in spans) >= count
+        )
+        return [span for span in spans if span.trace_id == trace_id and span.name == "inbox reply"]
+
+    held = replies(out["held"], 2)
+    assert sorted(span.attributes["inbox.outcome"] for span in held) == ["held", "released"]
+    assert all(span.status != 2 for span in held)
+    (refused,) = [span for span in held if span.attributes["inbox.outcome"] == "held"]
+    assert "inbox.fencing_token" not in refused.attributes  # never granted
+
+    (lost,) = replies(out["lost"], 1)
+    assert lost.attributes["inbox.outcome"] == "lost"
+    assert lost.status != 2  # a loss is an outcome of the design, not a failure
+    assert ("claim lost", {"inbox.loss_reason": "taken_over"}) in lost.events
+    calls = [s for s in receiver.trace(out["lost"]) if s.parent_span_id == lost.span_id]
+    # The person's Takeover was made inside the block (the test's shortcut): a call in the block is the reply's child.
+    assert sorted(s.name.rpartition("/")[2] for s in calls) == ["ClaimReply", "RenewClaim", "Takeover"]
+    (renewal,) = [s for s in calls if s.name.endswith("/RenewClaim")]
+    assert renewal.attributes["inbox.result"] == "stale_token"

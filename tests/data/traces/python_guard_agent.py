@@ -6,7 +6,8 @@ Nylas's send endpoint is a small HTTP server on loopback answering as Nylas docu
 (``POST /v3/grants/{grant_id}/messages/send``: 200 with ``{"request_id", "data": {"id", ...}}``); it keeps the
 ``traceparent`` each send came with.
 
-Modes: ``reply`` delivers one signed notification under a web framework's span and prints its trace;
+Modes: ``outcomes`` claims a message another agent holds (refused: held) and loses a claim to a person's
+takeover; ``reply`` delivers one signed notification under a web framework's span and prints its trace;
 ``stop-mid-run`` delivers one, prints ``delivered`` and waits for a line on stdin (the test stops the receiver
 meanwhile), then delivers two more and prints every delivery's answer and the replies sent.
 """
@@ -148,7 +149,38 @@ async def main() -> dict[str, Any]:
     return out
 
 
-result = asyncio.run(main())
+def outcomes() -> dict[str, Any]:
+    """A claim refused because another holds it, and a claim lost to a person's takeover, each under a span."""
+    from inbox_claims import ClaimLost, Coordinator, Subject
+
+    out: dict[str, Any] = {}
+    with (
+        Coordinator(target, principal="agent-1") as one,
+        Coordinator(target, principal="agent-2") as other,
+        Coordinator(target, principal="ana", kind="human") as person,
+    ):
+        with tracer.start_as_current_span("agent turn: held") as turn:
+            out["held"] = f"{turn.get_span_context().trace_id:032x}"
+            with one.reply_to(mailbox=mailbox, message_id="o-1"):
+                answered = other.guard(lambda event: "drafted")(notification_event("o-1"))
+                out["held_answer"] = answered
+        with tracer.start_as_current_span("agent turn: lost") as turn:
+            out["lost"] = f"{turn.get_span_context().trace_id:032x}"
+            try:
+                with one.reply_to(mailbox=mailbox, message_id="o-2", ttl=5) as claim:
+                    person.takeover(Subject.message(mailbox, "o-2"), from_person="agent-1", note="I'll call her")
+                    out["noticed"] = claim.lost.wait(10)
+                    claim.send(lambda: "never")
+            except ClaimLost as lost:
+                out["loss"] = lost.reason.name.lower()
+    return out
+
+
+def notification_event(message_id: str) -> dict[str, Any]:
+    return json.loads(notification(message_id))
+
+
+result = asyncio.run(main()) if mode != "outcomes" else outcomes()
 provider.shutdown()
 api.shutdown()
 print(json.dumps(result), flush=True)
