@@ -85,18 +85,14 @@ def test_without_opentelemetry_the_client_sends_no_trace_context() -> None:
     """OpenTelemetry is an optional import: in a process where it cannot be imported, the client works and its
     calls carry only the client's own metadata."""
     script = (
-        "import sys; sys.modules['opentelemetry'] = None\n"
         "from inbox_claims import _tracing\n"
         "from inbox_claims import Coordinator, Subject\n"
         "assert _tracing.trace is None\n"
         "flow = Coordinator(principal='agent-1')._core.claim(Subject.message('m', 'x'))\n"
         "rpc = next(flow)\n"
         "assert rpc.metadata == (), rpc.metadata\n"
-        "print('untraced')\n"
     )
-    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
-    assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.strip() == "untraced"
+    assert_runs_untraced(script)
 
 
 def test_with_opentelemetry_and_no_trace_the_client_sends_none_either() -> None:
@@ -126,7 +122,6 @@ def test_without_opentelemetry_a_guarded_reply_and_its_adapters_work() -> None:
     """In a process where OpenTelemetry cannot be imported, the guard's cycle runs (no span, no context) and the
     providers' requests carry no trace header."""
     script = (
-        "import sys; sys.modules['opentelemetry'] = None\n"
         "from inbox_claims import Coordinator, _tracing\n"
         "from inbox_claims._guard import GuardState\n"
         "state = GuardState.for_reply(Coordinator(principal='a')._core, None, mailbox='m', message_id='x',\n"
@@ -136,8 +131,13 @@ def test_without_opentelemetry_a_guarded_reply_and_its_adapters_work() -> None:
         "assert _tracing.trace_headers() == {}\n"
         "with _tracing.traced_notification('nylas', 'POST') as note, _tracing.traced_tool('t') as tool:\n"
         "    note.verified(); note.answered(200); tool.answered({})\n"
-        "print('untraced')\n"
     )
-    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert_runs_untraced(script)
+
+
+def assert_runs_untraced(script: str) -> None:
+    """Runs ``script`` in a process where OpenTelemetry cannot be imported (as without the package)."""
+    untraced = "import sys; sys.modules['opentelemetry'] = None\n" + script + "print('untraced')\n"
+    ran = subprocess.run([sys.executable, "-c", untraced], capture_output=True, text=True, timeout=60, check=False)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "untraced"
