@@ -36,9 +36,9 @@ def receiver() -> Iterator[OtlpReceiver]:
         yield started
 
 
-def run_agent(receiver: OtlpReceiver, address: str, mode: str) -> subprocess.Popen[str]:
+def run_agent(receiver: OtlpReceiver, address: str, mode: str, protocol: str = "grpc") -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, str(AGENT), receiver.http_endpoint, address, MAILBOX, mode],
+        [sys.executable, str(AGENT), receiver.http_endpoint, address, MAILBOX, mode, protocol],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -69,12 +69,14 @@ def strings(values: Any) -> Iterator[str]:
             yield from strings(value)
 
 
+@pytest.mark.parametrize(("protocol", "rpc_system"), [("grpc", "grpc"), ("http-json", "connect_rpc")])
 def test_one_guarded_reply_is_one_trace_from_the_notification_to_etcd(
-    shared_etcd: EtcdServer, receiver: OtlpReceiver
+    shared_etcd: EtcdServer, receiver: OtlpReceiver, protocol: str, rpc_system: str
 ) -> None:
+    """Over gRPC, and over the coordinator's HTTP/JSON face (the client's ``protocol="http-json"``)."""
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
-    with serve_traced(shared_etcd, f"test/guard-traces-{new_request_id()}/", env) as (address, _http):
-        agent = run_agent(receiver, address, "reply")
+    with serve_traced(shared_etcd, f"test/guard-traces-{new_request_id()}/", env) as (address, http):
+        agent = run_agent(receiver, address if protocol == "grpc" else http, "reply", protocol)
         stdout, stderr = agent.communicate(timeout=60)
         assert agent.returncode == 0, stderr
         out = json.loads(stdout)
@@ -115,6 +117,7 @@ def test_one_guarded_reply_is_one_trace_from_the_notification_to_etcd(
         assert client.parent_span_id == reply.span_id
         server = one(mine, client.name, kind="SERVER", parent_span_id=client.span_id)
         assert server.service == COORDINATOR_SERVICE
+        assert server.attributes["rpc.system"] == rpc_system
         assert_store_beneath(spans, server)
     begin = one(mine, "inbox.coordinator.v1.Coordinator/BeginSend", kind="SERVER")
     confirm = one(mine, "inbox.coordinator.v1.Coordinator/ConfirmSent", kind="SERVER")

@@ -37,6 +37,7 @@ SUBJECT_LINE = "Where is my order 4411?"
 SENDER = "carla.customer@example.org"
 
 endpoint, target, mailbox, mode = sys.argv[1:5]
+protocol = sys.argv[5] if len(sys.argv) > 5 else "grpc"  # http-json: target is the coordinator's HTTP face
 provider = TracerProvider(resource=Resource.create({"service.name": "python-agent"}))
 # Short waits: a span reaches the receiver soon, and a receiver that went away costs the export thread only.
 provider.add_span_processor(
@@ -121,7 +122,7 @@ async def deliver(app: Any, body: bytes) -> int:
 async def main() -> dict[str, Any]:
     out: dict[str, Any] = {"statuses": []}
     async with (
-        AsyncCoordinator(target, principal="agent-1") as coord,
+        AsyncCoordinator(target, principal="agent-1", protocol=protocol) as coord,  # type: ignore[arg-type]
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{api.server_port}") as http,
     ):
 
