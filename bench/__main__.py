@@ -163,7 +163,7 @@ QUICK: dict[str, list[str]] = {
         "3",
     ],
     "providers": ["--messages", "5", "--lanes", "2", "--rounds", "1"],
-    "guard-traces": ["--replies", "200", "--rounds", "1"],
+    "guard-traces": ["--replies", "50", "--rounds", "1"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
 

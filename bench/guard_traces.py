@@ -175,6 +175,11 @@ def _rotated(names: Sequence[str], by: int) -> Iterator[str]:
 
 
 async def run(options: argparse.Namespace, env: Environment) -> int:
+    print(
+        f"== guard-traces: the client guard's CPU per reply, OpenTelemetry {', '.join(SETTINGS)}; "
+        f"{options.rounds} round(s) of {options.replies} replies, each setting in a process of its own",
+        flush=True,
+    )
     per_reply = measure(options.replies, options.rounds)
     base = statistics.median(per_reply["absent"])
     print(f"\nthe guard's cycle per reply, CPU µs, median (and least) of {options.rounds} rounds of {options.replies}:")
