@@ -1,5 +1,5 @@
 """python -m bench {claims,contended,dedup,cycle,outgoing,watch,slow-watchers,http,http-attacks,list-claims,
-fair-reads,memory,embedded-db,mcp,mcp-faults,providers,profile,all} [options]; each --help says more.
+fair-reads,memory,embedded-db,mcp,mcp-faults,providers,guard-traces,profile,all} [options]; each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
 temporary directory, measures a baseline in the same run, and prints ratios against it.
@@ -18,6 +18,7 @@ from . import (
     claims,
     embedded_db,
     fair_reads,
+    guard_traces,
     http,
     http_attacks,
     listing,
@@ -115,6 +116,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         providers.add_arguments,
         providers.run,
     ),
+    "guard-traces": (
+        "the client guard's cost per reply with OpenTelemetry absent, not set up, sampling 0 and 1 (no network)",
+        guard_traces.add_arguments,
+        guard_traces.run,
+    ),
     "profile": (
         "py-spy profile of the coordinator under ClaimReply load: where its CPU goes",
         profile.add_arguments,
@@ -157,6 +163,7 @@ QUICK: dict[str, list[str]] = {
         "3",
     ],
     "providers": ["--messages", "3", "--lanes", "2", "--rounds", "1"],  # five providers: the work of three at 5
+    "guard-traces": ["--replies", "50", "--rounds", "1"],
     "profile": ["--seconds", "1", "--clients", "16", "--top", "5"],
 }
 

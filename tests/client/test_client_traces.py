@@ -16,8 +16,9 @@ import pytest
 
 from coordinator.store.etcd.process import EtcdServer
 from coordinator.testing.otlp import OtlpReceiver, ReceivedSpan
-from inbox_claims import Coordinator, Subject
+from inbox_claims import Coordinator, Subject, _tracing
 from inbox_claims._effects import Rpc
+from inbox_claims._guard import GuardState
 from tests.helpers import new_request_id
 from tests.tracing import COORDINATOR_SERVICE, assert_store_beneath, calls_traced, links_arrived, serve_traced
 
@@ -84,18 +85,14 @@ def test_without_opentelemetry_the_client_sends_no_trace_context() -> None:
     """OpenTelemetry is an optional import: in a process where it cannot be imported, the client works and its
     calls carry only the client's own metadata."""
     script = (
-        "import sys; sys.modules['opentelemetry'] = None\n"
         "from inbox_claims import _tracing\n"
         "from inbox_claims import Coordinator, Subject\n"
         "assert _tracing.trace is None\n"
         "flow = Coordinator(principal='agent-1')._core.claim(Subject.message('m', 'x'))\n"
         "rpc = next(flow)\n"
         "assert rpc.metadata == (), rpc.metadata\n"
-        "print('untraced')\n"
     )
-    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
-    assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.strip() == "untraced"
+    assert_runs_untraced(script)
 
 
 def test_with_opentelemetry_and_no_trace_the_client_sends_none_either() -> None:
@@ -104,3 +101,43 @@ def test_with_opentelemetry_and_no_trace_the_client_sends_none_either() -> None:
     rpc = next(Coordinator(principal="agent-1")._core.claim(Subject.message("m", "x")))
     assert isinstance(rpc, Rpc)
     assert rpc.metadata == ()
+
+
+def test_a_guarded_reply_without_a_trace_opens_no_span_and_sends_no_context() -> None:
+    """OpenTelemetry installed, nothing set up and no span current: the guard's reply has no span, and its
+    calls carry only the client's own metadata (docs/performance.md#traces measures what the check costs)."""
+    state = GuardState.for_reply(
+        Coordinator(principal="agent-1")._core, None, mailbox="m", message_id="x", thread_id=None,
+        notification_id=None, scope="message", ttl=30, note="",
+    )  # fmt: skip
+    rpc = next(state.enter())
+    assert isinstance(rpc, Rpc)
+    assert rpc.method == "ClaimReply"
+    assert rpc.metadata == ()
+    assert state.trace is None
+    assert _tracing.trace_headers() == {}
+
+
+def test_without_opentelemetry_a_guarded_reply_and_its_adapters_work() -> None:
+    """In a process where OpenTelemetry cannot be imported, the guard's cycle runs (no span, no context) and the
+    providers' requests carry no trace header."""
+    script = (
+        "from inbox_claims import Coordinator, _tracing\n"
+        "from inbox_claims._guard import GuardState\n"
+        "state = GuardState.for_reply(Coordinator(principal='a')._core, None, mailbox='m', message_id='x',\n"
+        "    thread_id=None, notification_id=None, scope='message', ttl=30, note='')\n"
+        "rpc = next(state.enter())\n"
+        "assert rpc.metadata == () and state.trace is None, (rpc.metadata, state.trace)\n"
+        "assert _tracing.trace_headers() == {}\n"
+        "with _tracing.traced_notification('nylas', 'POST') as note, _tracing.traced_tool('t') as tool:\n"
+        "    note.verified(); note.answered(200); tool.answered({})\n"
+    )
+    assert_runs_untraced(script)
+
+
+def assert_runs_untraced(script: str) -> None:
+    """Runs ``script`` in a process where OpenTelemetry cannot be imported (as without the package)."""
+    untraced = "import sys; sys.modules['opentelemetry'] = None\n" + script + "print('untraced')\n"
+    ran = subprocess.run([sys.executable, "-c", untraced], capture_output=True, text=True, timeout=60, check=False)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "untraced"

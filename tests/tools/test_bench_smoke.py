@@ -26,6 +26,7 @@ EXPECTED = {
     "embedded-db": ("== embedded-db:", "growth per cycle:"),
     "mcp": ("== mcp:", "guarded/direct: median"),
     "providers": ("== providers:", "gmail    coordinator"),
+    "guard-traces": ("== guard-traces:", "| sampled-1 |"),
     "profile": ("== profile:", "by where the time was spent"),
 }
 

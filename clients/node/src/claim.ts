@@ -26,6 +26,7 @@ import {
   SentButUnconfirmed,
 } from "./errors.js";
 import type { OutgoingMatch } from "./outgoing.js";
+import { inChild, replyStarted, type GuardSpan } from "./tracing.js";
 import {
   idempotencyKey,
   messageSubject,
@@ -161,6 +162,8 @@ export class Claim {
   private readonly lostController = new AbortController();
   private readonly stopRenewal = new AbortController();
   private readonly claimOp;
+  /** @internal The reply's span (started on entering), when OpenTelemetry records one (docs/operations.md#traces). */
+  trace: GuardSpan | undefined;
   /** @internal Set when the notification's message is one the mailbox sent: entering reports it and refuses. */
   outgoing: { why: OutgoingMatch; report: Op<OutgoingResult> | undefined } | undefined;
 
@@ -258,18 +261,29 @@ export class Claim {
    */
   async enter(deadline?: number): Promise<void> {
     if (this.phase !== "claiming") throw new Error("a claim can be entered only once; call replyTo() again for a new one");
+    this.trace = replyStarted(this.subject, this.notificationId);
+    try {
+      await this.claim(deadline);
+    } catch (error) {
+      this.traceEnd(error);
+      throw error;
+    }
+  }
+
+  private async claim(deadline?: number): Promise<void> {
     if (this.outgoing !== undefined) {
       this.phase = "outgoing";
-      const recorded = this.outgoing.report === undefined ? undefined : await this.coordinator.call(this.outgoing.report, deadline);
+      const recorded = this.outgoing.report === undefined ? undefined : await this.call(this.outgoing.report, deadline);
       const refusal = new OutgoingMessage(this.subject, this.notificationId, this.outgoing.why, recorded);
       this.coordinator.logger.info(`inbox-claims: ${refusal.message}`);
       throw refusal;
     }
     const started = performance.now();
-    const result = await this.coordinator.call(this.claimOp, deadline);
+    const result = await this.call(this.claimOp, deadline);
     const status = grantedStatus(result, this.subject, this.notificationId);
     this.status_ = status;
     this.token_ = status.fencingToken;
+    this.trace?.set({ "inbox.fencing_token": Number(status.fencingToken) });
     this.ttl_ = status.ttlSeconds || this.ttl_;
     this.validUntil = started + this.ttl_ * 1000;
     this.phase = "claimed";
@@ -292,10 +306,11 @@ export class Claim {
       const deadline = this.validUntil > started ? this.validUntil : started + interval;
       let result;
       try {
-        result = await this.coordinator.call(op, deadline);
+        result = await this.call(op, deadline);
       } catch (error) {
         const now = performance.now();
         if (this.phase !== "claimed") return; // work ended (or the send began) meanwhile
+        this.trace?.event("renewal failed", { "error.type": error instanceof Error ? error.constructor.name : typeof error });
         if (now >= this.validUntil) return this.lose("renewal_failed", undefined, "claimed");
         process.emitWarning(`renewing claim ${this.token_} on ${this.subject.id} failed: ${String(error)}; trying again`);
         nextAt = now + Math.max(RENEWAL_RETRY_FLOOR_MS, Math.min(interval, (this.validUntil - now) / 3));
@@ -305,6 +320,7 @@ export class Claim {
       if (this.phase === "claimed") {
         this.status_ = result.status;
         this.validUntil = started + this.ttl_ * 1000;
+        this.trace?.event("renewed", { "inbox.ttl_seconds": this.ttl_ });
       }
       nextAt = started + interval;
     }
@@ -321,6 +337,7 @@ export class Claim {
     if (this.phase !== expected) return; // the send (or the end of work) got there first
     this.phase = "lost";
     this.loss_ = new ClaimLost(this.subject, this.token_, reason, status);
+    this.trace?.event("claim lost", { "inbox.loss_reason": reason });
     this.lostController.abort(this.loss_);
   }
 
@@ -341,7 +358,7 @@ export class Claim {
     if (this.phase !== "claimed") throw new Error(`claim.send() runs once, inside replyTo's work (this claim is ${this.phase})`);
     this.phase = "beginning"; // renewal stops acting; until BeginSend answers, the end of work aborts
     this.stopRenewal.abort();
-    const begin = await this.coordinator.call(this.coordinator.beginSendOp(this.subject, this.token_));
+    const begin = await this.call(this.coordinator.beginSendOp(this.subject, this.token_));
     if (!begin.ok) {
       this.lose(this.staleReason(begin.status), begin.status, "beginning");
       throw this.lostError();
@@ -350,7 +367,8 @@ export class Claim {
     this.phase = "sending";
     let sent: unknown;
     try {
-      sent = await fn(fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject));
+      const key = fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject);
+      sent = await inChild(this.trace, "inbox send", async () => fn(key));
       if (!this.keyTaken) warnNoIdempotencyKey(this.subject.id);
     } catch (error) {
       if (error instanceof SendRejected) {
@@ -377,7 +395,7 @@ export class Claim {
     const sentMessageId = options.sentMessageId ?? "";
     let result;
     try {
-      result = await this.coordinator.call(this.coordinator.markRepliedOp(this.subject, this.token_, sentMessageId, cleanText(options.note ?? "")));
+      result = await this.call(this.coordinator.markRepliedOp(this.subject, this.token_, sentMessageId, cleanText(options.note ?? "")));
     } catch (error) {
       this.phase = "claimed";
       throw error;
@@ -394,7 +412,7 @@ export class Claim {
   private async abort(rejected: SendRejected): Promise<void> {
     const op = this.coordinator.abortSendOp(this.subject, this.token_, cleanText(rejected.reason));
     try {
-      const result = await this.coordinator.call(op);
+      const result = await this.call(op);
       this.status_ = result.status;
       this.phase = result.ok ? "aborted" : "unknown";
     } catch (error) {
@@ -409,7 +427,7 @@ export class Claim {
     const sentId = typeof sent === "string" ? sent : undefined;
     let result;
     try {
-      result = await this.coordinator.call(this.coordinator.confirmSentOp(this.subject, this.token_, sentId ?? ""));
+      result = await this.call(this.coordinator.confirmSentOp(this.subject, this.token_, sentId ?? ""));
     } catch (error) {
       this.phase = "unknown";
       if (!(error instanceof InboxClaimsError)) throw error;
@@ -436,15 +454,35 @@ export class Claim {
    * redeliverable when `work` threw). Resolves to what `work` returned.
    */
   async run<T>(work: (claim: Claim) => Promise<T>): Promise<T> {
-    let failed = false;
+    let failed: { error: unknown } | undefined;
     try {
-      return await work(this);
+      // The reply's span is the active one in the work: the user's own spans and the send's request beneath it.
+      return await (this.trace === undefined ? work(this) : this.trace.active(() => work(this)));
     } catch (error) {
-      failed = true;
+      failed = { error };
       throw error;
     } finally {
-      await this.exit(failed);
+      try {
+        await this.exit(failed !== undefined);
+      } finally {
+        this.traceEnd(failed?.error);
+      }
     }
+  }
+
+  // -- the reply's span (docs/operations.md#traces) ----------------------------------------------------
+
+  private call<R>(op: Op<R>, deadline?: number): Promise<R> {
+    return this.coordinator.call(op, deadline, this.trace);
+  }
+
+  /** Ends the reply's span with the claim's outcome (a refusal on entering is an outcome, not a failure). */
+  private traceEnd(error: unknown): void {
+    if (this.trace === undefined) return;
+    const refusal = REFUSAL_OUTCOMES.find(([type]) => error instanceof type)?.[1];
+    if (refusal !== undefined) this.trace.end(refusal);
+    else if (this.phase === "claiming" || this.phase === "outgoing") this.trace.end("not_claimed", error);
+    else this.trace.end(this.phase, this.phase === "lost" ? undefined : error);
   }
 
   /**
@@ -463,7 +501,7 @@ export class Claim {
       } else if (phase === "beginning") {
         const reason = "BeginSend's answer was lost; the send function was never called";
         try {
-          await this.coordinator.call(this.coordinator.abortSendOp(this.subject, this.token_, reason, true));
+          await this.call(this.coordinator.abortSendOp(this.subject, this.token_, reason, true));
         } catch (error) {
           if (!(error instanceof FailedPrecondition)) throw error;
           await this.release(true); // BeginSend never committed: the subject is still CLAIMED
@@ -476,10 +514,17 @@ export class Claim {
   }
 
   private async release(redeliverable: boolean): Promise<void> {
-    const result = await this.coordinator.call(this.coordinator.releaseOp(this.subject, this.token_, redeliverable));
+    const result = await this.call(this.coordinator.releaseOp(this.subject, this.token_, redeliverable));
     this.status_ = result.status;
   }
 }
+
+const REFUSAL_OUTCOMES: [new (...args: never[]) => Error, string][] = [
+  [DuplicateDelivery, "duplicate_delivery"],
+  [ReplyHeld, "held"],
+  [AlreadyReplied, "already_replied"],
+  [OutgoingMessage, "outgoing"],
+];
 
 /** Resolves after `ms`, or at once when `signal` aborts. */
 function wait(ms: number, signal: AbortSignal): Promise<void> {

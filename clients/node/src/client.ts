@@ -6,11 +6,11 @@ import { setTimeout as sleep } from "node:timers/promises";
 import { create, type Message } from "@bufbuild/protobuf";
 import { timestampDate, timestampFromDate } from "@bufbuild/protobuf/wkt";
 import { createClient, type Client } from "@connectrpc/connect";
-import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
+import { createConnectTransport, createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
 import * as pb from "./gen/inbox/coordinator/v1/coordinator_pb.js";
 import { BATCH_MAX_CALLS, BATCHABLE, batchOf, answers, Coalescer, RESEND, type Rpc } from "./batch.js";
 import { RpcFailure } from "./rpc.js";
-import { callStarted } from "./tracing.js";
+import { callStarted, type GuardSpan } from "./tracing.js";
 import {
   callerFromPb,
   claimResultFromPb,
@@ -97,6 +97,12 @@ export interface CoordinatorOptions {
   mailboxAddresses?: string | readonly string[];
   /** Where the guard's log lines go (why a notification was not handed to your work); default: console. */
   logger?: { info(message: string): void };
+  /**
+   * "grpc" (default): gRPC over HTTP/2 to the coordinator's gRPC port. "http-json": the coordinator's HTTP/JSON
+   * face (its --http-listen port; the Connect protocol with JSON bodies over HTTP/1.1), where only HTTP/1.1 gets
+   * through (a proxy, a gateway). The same calls, errors and traces either way (docs/node.md#over-http-json).
+   */
+  protocol?: "grpc" | "http-json";
 }
 
 /** A raw Nylas envelope as JSON.parse gives it (replyTo parses it), told from a parsed Notification and a ReplyTarget. */
@@ -316,7 +322,13 @@ export class Coordinator {
     // on a connection without data by default and answers more with GOAWAY ENHANCE_YOUR_CALM, which would end
     // a quiet Watch stream.
     this.sessions = new Http2SessionManager(url, {}, nodeOptions);
-    const transport = createGrpcTransport({ baseUrl: url.toString().replace(/\/$/, ""), sessionManager: this.sessions });
+    const baseUrl = url.toString().replace(/\/$/, "");
+    const protocol = options.protocol ?? "grpc";
+    if (protocol !== "grpc" && protocol !== "http-json") throw new TypeError(`protocol must be "grpc" or "http-json", not ${JSON.stringify(protocol)}`);
+    const transport =
+      protocol === "grpc"
+        ? createGrpcTransport({ baseUrl, sessionManager: this.sessions })
+        : createConnectTransport({ baseUrl, httpVersion: "1.1", useBinaryFormat: false, nodeOptions });
     this.client = createClient(pb.Coordinator, transport);
     this.coalescer = new Coalescer(this.maxBatch);
   }
@@ -331,10 +343,10 @@ export class Coordinator {
 
   /**
    * Runs `op` with retries (the same request, so the same request id). `deadline` (a performance.now() value)
-   * bounds every attempt and the waits.
+   * bounds every attempt and the waits. `parent`: the guard's span the call is made for (else the active span).
    */
-  async call<R>(op: Op<R>, deadline?: number): Promise<R> {
-    const span = callStarted(op.method, op.request);
+  async call<R>(op: Op<R>, deadline?: number, parent?: GuardSpan): Promise<R> {
+    const span = callStarted(op.method, op.request, parent);
     try {
       for (let attempt = 1; ; attempt++) {
         let timeoutMs = this.timeoutMs;

@@ -19,6 +19,7 @@ import type { Claim, ReplyOptions } from "./claim.js";
 import type { Notification } from "./envelope.js";
 import { ClaimNotGranted, CoordinatorUnavailable, PermissionDenied, QuotaExceeded, Unauthenticated } from "./errors.js";
 import { NylasProvider } from "./providers/nylas.js";
+import { notificationOutcome, notificationStarted, type GuardSpan } from "./tracing.js";
 import { Accepted, ProviderError, RangesTaken, retryLater, type Answer, type Batch, type MessageFacts, type Provider } from "./providers/seam.js";
 
 export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
@@ -214,12 +215,22 @@ class Webhook implements WebhookHandler {
   }
 
   async handle(req: IncomingMessage, res: ServerResponse, parsedBody: unknown): Promise<void> {
-    const answer = await this.answer(req, parsedBody);
+    // A delivery's span (a POST's), active while it is checked and recorded: the claims it admits are beneath it.
+    const notification = req.method === "POST" ? notificationStarted(this.provider.name) : undefined;
+    let answer: Answer;
+    try {
+      answer = await (notification === undefined ? this.answer(req, parsedBody) : notification.active(() => this.answer(req, parsedBody, notification)));
+    } catch (error) {
+      notification?.end("failed", error);
+      throw error;
+    }
+    notification?.set({ "http.response.status_code": answer.status });
+    notification?.end(notificationOutcome(answer.status));
     res.writeHead(answer.status, { "content-type": answer.contentType ?? TEXT, ...answer.headers });
     res.end(req.method === "HEAD" ? undefined : answer.body);
   }
 
-  private async answer(req: IncomingMessage, parsedBody: unknown): Promise<Answer> {
+  private async answer(req: IncomingMessage, parsedBody: unknown, notification?: GuardSpan): Promise<Answer> {
     const method = req.method ?? "GET";
     const body = method === "POST" ? await rawBody(req, parsedBody, this.maxBodyBytes) : Buffer.alloc(0);
     if (body === undefined) return { status: 413, body: `request body over ${this.maxBodyBytes} bytes` };
@@ -232,7 +243,11 @@ class Webhook implements WebhookHandler {
     } catch (error) {
       return unrecorded(`a ${this.provider.name} webhook`, error); // the provider's keys could not be read
     }
-    return checked instanceof Accepted ? this.accept(checked) : checked;
+    if (!(checked instanceof Accepted)) return checked;
+    notification?.event("verified");
+    const answer = await this.accept(checked);
+    if (answer.status < 300) notification?.event("recorded");
+    return answer;
   }
 }
 

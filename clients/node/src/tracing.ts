@@ -103,20 +103,124 @@ export class CallSpan {
 
 let tracer: OtelApi.Tracer | undefined;
 
-/** The span of a call of `method` with `request`; undefined without @opentelemetry/api, or with nothing to record or continue. */
-export function callStarted(method: string, request: Message): CallSpan | undefined {
+// A proxy until the application registers its provider, and that provider's tracer afterwards.
+const getTracer = (api: typeof OtelApi): OtelApi.Tracer => (tracer ??= api.trace.getTracer("inbox-claims"));
+
+/** A span context's W3C trace context as headers (traceparent, and tracestate when it has one). */
+function contextHeaders(context: OtelApi.SpanContext): Record<string, string> {
+  const flags = (context.traceFlags & 0xff).toString(16).padStart(2, "0");
+  const headers: Record<string, string> = { traceparent: `00-${context.traceId}-${context.spanId}-${flags}` };
+  const state = context.traceState?.serialize();
+  if (state) headers["tracestate"] = state;
+  return headers;
+}
+
+/**
+ * The span of a call of `method` with `request`; undefined without @opentelemetry/api, or with nothing to record or
+ * continue. `parent`: the guard's span the call is made for (a renewal runs on its own), else the active span.
+ */
+export function callStarted(method: string, request: Message, parent?: GuardSpan): CallSpan | undefined {
   if (otel === undefined) return undefined;
-  // A proxy until the application registers its provider, and that provider's tracer afterwards.
-  tracer ??= otel.trace.getTracer("inbox-claims");
-  const span = tracer.startSpan(`${SERVICE}/${method}`, { kind: otel.SpanKind.CLIENT });
+  const span = getTracer(otel).startSpan(`${SERVICE}/${method}`, { kind: otel.SpanKind.CLIENT }, parent?.context);
   const context = span.spanContext();
   if (!otel.isSpanContextValid(context)) return undefined;
   if (span.isRecording()) {
     span.setAttributes({ "rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method, ...requestAttributes(request) });
   }
-  const flags = (context.traceFlags & 0xff).toString(16).padStart(2, "0");
-  const headers: Record<string, string> = { traceparent: `00-${context.traceId}-${context.spanId}-${flags}` };
-  const state = context.traceState?.serialize();
-  if (state) headers["tracestate"] = state;
-  return new CallSpan(span, headers);
+  return new CallSpan(span, contextHeaders(context));
+}
+
+// -- the guard's spans (docs/operations.md#traces, the Python client's inbox_claims._tracing) -----------------------
+
+/**
+ * A guard's span (a notification's, a reply's, an MCP tool call's) and the context that makes it the parent of what
+ * runs for it. Only identifiers and outcomes are set on it: never a summary, a credential or a header's value.
+ */
+export class GuardSpan {
+  private done = false;
+  readonly context: OtelApi.Context;
+
+  constructor(
+    private readonly api: typeof OtelApi,
+    readonly span: OtelApi.Span,
+  ) {
+    this.context = api.trace.setSpan(api.context.active(), span);
+  }
+
+  set(attributes: Record<string, string | number>): void {
+    if (this.span.isRecording()) this.span.setAttributes(attributes);
+  }
+
+  event(name: string, attributes?: Record<string, string | number>): void {
+    this.span.addEvent(name, attributes);
+  }
+
+  /** Runs `fn` with this span active (the user's spans, a provider's request beneath it). */
+  active<T>(fn: () => T): T {
+    return this.api.context.with(this.context, fn);
+  }
+
+  /** Ends the span, once, with its inbox.outcome; `error`: what ended it when it failed (its type only: a message may quote a summary). */
+  end(outcome: string, error?: unknown): void {
+    if (this.done) return;
+    this.done = true;
+    this.span.setAttribute("inbox.outcome", outcome);
+    if (error !== undefined) failedBy(this.span, error);
+    this.span.end();
+  }
+}
+
+function failedBy(span: OtelApi.Span, error: unknown): void {
+  const type = error instanceof Error ? error.constructor.name : typeof error;
+  span.setAttribute("error.type", type);
+  span.setStatus({ code: 2, message: type }); // SpanStatusCode.ERROR
+}
+
+function guardSpan(name: string, attributes: Record<string, string>): GuardSpan | undefined {
+  if (otel === undefined) return undefined;
+  const span = getTracer(otel).startSpan(name, { kind: otel.SpanKind.INTERNAL });
+  if (!otel.isSpanContextValid(span.spanContext())) return undefined; // nothing to record or continue
+  if (span.isRecording()) span.setAttributes(attributes);
+  return new GuardSpan(otel, span);
+}
+
+/** The span of one guarded reply ("inbox reply"), the child of the active span (the notification's in the webhook adapters). */
+export function replyStarted(subject: { mailbox: string; kind: string; id: string }, notificationId: string): GuardSpan | undefined {
+  const attributes: Record<string, string> = { "inbox.mailbox": subject.mailbox, "inbox.subject.kind": subject.kind, "inbox.subject.id": subject.id };
+  if (notificationId) attributes["inbox.notification_id"] = notificationId;
+  return guardSpan("inbox reply", attributes);
+}
+
+/** The span of one webhook delivery ("inbox notification"), the child of the active span (a web framework's). */
+export function notificationStarted(provider: string): GuardSpan | undefined {
+  return guardSpan("inbox notification", { "inbox.provider": provider });
+}
+
+/** A delivery's outcome by the answer the provider gets (as the Python adapters say it). */
+export function notificationOutcome(status: number): string {
+  if (status < 300) return "acknowledged";
+  if (status === 503) return "retry_later";
+  return status < 500 ? "refused" : "failed";
+}
+
+/** Runs `fn` in a span beneath `parent` ("inbox send"), active meanwhile; a throw marks it failed, by its type only. */
+export async function inChild<T>(parent: GuardSpan | undefined, name: string, fn: () => Promise<T>): Promise<T> {
+  if (parent === undefined || otel === undefined) return fn();
+  const api = otel;
+  const span = getTracer(api).startSpan(name, { kind: api.SpanKind.INTERNAL }, parent.context);
+  try {
+    return await api.context.with(api.trace.setSpan(parent.context, span), fn);
+  } catch (error) {
+    failedBy(span, error);
+    throw error;
+  } finally {
+    span.end();
+  }
+}
+
+/** The active span's W3C trace context as HTTP headers, for a request to a provider; empty without one. */
+export function traceHeaders(): Record<string, string> {
+  if (otel === undefined) return {};
+  const context = otel.trace.getActiveSpan()?.spanContext();
+  return context !== undefined && otel.isSpanContextValid(context) ? contextHeaders(context) : {};
 }

@@ -158,3 +158,8 @@ test("TLS with a private CA, and mutual TLS: a client without its certificate is
   const plaintext = cluster.client("agent-tls", { target: listen, retry: { attempts: 1 } });
   await assert.rejects(plaintext.claim(messageSubject("tls", "m3")));
 });
+
+test("protocol is grpc or http-json; anything else is refused, naming both", () => {
+  assert.throws(() => new Coordinator({ principal: "agent-1", protocol: "h3" as never }), /protocol must be "grpc" or "http-json", not "h3"/);
+  for (const protocol of ["grpc", "http-json"] as const) new Coordinator({ principal: "agent-1", protocol }).close();
+});

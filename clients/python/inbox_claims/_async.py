@@ -22,6 +22,7 @@ import grpc
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 from . import _batch
+from . import _http_json as http_json
 from ._base import ClientBase
 from ._batch import BATCHABLE, Coalescer
 from ._effects import Effect, Emit, Flow, Invoke, OpenStream, ReadStream, Rpc, RpcFailure, Runner, Sleep, Stream
@@ -75,6 +76,7 @@ class AsyncCoordinator(ClientBase):
     _coalescer: Coalescer[asyncio.Future[Any]] | None = None
     _sending: set[asyncio.Task[None]] | None = None
     _flush_scheduled = False
+    _http: Any = None
 
     # -- I/O ---------------------------------------------------------------------------------------------
 
@@ -88,6 +90,8 @@ class AsyncCoordinator(ClientBase):
     async def _perform(self, effect: Effect) -> Any:
         metadata = self._core.options.metadata
         if isinstance(effect, Rpc):
+            if self._core.options.protocol == "http-json":
+                return await self._over_http(effect)
             if effect.method in BATCHABLE and self._core.options.max_batch > 1:
                 return await self._batched(effect)
             return await self._unary(effect)
@@ -103,8 +107,23 @@ class AsyncCoordinator(ClientBase):
             result = effect.fn(*effect.args, **effect.kwargs)
             return await result if inspect.isawaitable(result) else result
         if isinstance(effect, OpenStream):
+            if self._core.options.protocol == "http-json":
+                raise RuntimeError(f"{effect.method} is a stream: it needs protocol='grpc' (the gRPC port)")
             return getattr(self._get_stub(), effect.method)(effect.request, metadata=metadata)
         raise TypeError(f"unknown effect {effect!r}")
+
+    async def _over_http(self, effect: Rpc) -> Any:
+        self._check_open()
+        if self._http is None:
+            self._http = http_json.httpx_module().AsyncClient(verify=self._core.options.http_tls or True)
+        url, headers, body = http_json.request(self._core.options, effect)
+        try:
+            response = await self._http.post(url, headers=headers, content=body, timeout=effect.timeout)
+        except Exception as error:
+            if isinstance(error, http_json.httpx_module().HTTPError):
+                raise http_json.failed(error) from None
+            raise
+        return http_json.answer(effect.method, response.status_code, response.headers, response.content)
 
     async def _unary(self, effect: Rpc) -> Any:
         method = getattr(self._get_stub(), effect.method)
@@ -205,11 +224,14 @@ class AsyncCoordinator(ClientBase):
     async def close(self) -> None:
         """Closes the channel. Claims still open stop renewing (their renewal fails) and expire by TTL."""
         channel, self._channel, self._stub = self._channel, None, None
+        http, self._http = self._http, None
         self._closed = True
         for task in tuple(self._sending or ()):
             task.cancel()
         if channel is not None:
             await channel.close()
+        if http is not None:
+            await http.aclose()
 
     async def __aenter__(self) -> Self:
         return self
@@ -682,7 +704,7 @@ class AsyncClaim(ClaimBase):
         body, self._body = self._body, None  # from here on, a loss no longer cancels anything
         self._stop_being_current()
         await self._stop_renewal()
-        await self._client._drive(self._state.exit(failed=exc is not None))
+        await self._client._drive(self._state.exit(failed=exc is not None, error=exc))
         if (
             self._cancelled_body
             and body is not None

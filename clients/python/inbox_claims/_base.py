@@ -44,6 +44,7 @@ class ClientBase:
         max_batch: int = 64,
         sent_folders: str | Iterable[str] | None = None,
         mailbox_addresses: str | Iterable[str] | None = None,
+        protocol: Literal["grpc", "http-json"] = "grpc",
     ) -> None:
         """Connects lazily to the coordinator at ``target`` (HOST:PORT, default ``127.0.0.1:50051``).
 
@@ -63,6 +64,9 @@ class ClientBase:
         received (docs/client.md, "Outgoing messages"): folder ids of sent mail besides Google's ``SENT`` (for
         Microsoft and IMAP: ``nylas.sent_folder_ids``), and the mailbox's own addresses. A notification about an
         outgoing message is never handed to your code: it is reported with ``record_outgoing``.
+        ``protocol``: ``"grpc"`` (default), or ``"http-json"`` to call the coordinator's HTTP/JSON face instead
+        (``target`` is its ``--http-listen`` address; where only HTTP/1.1 gets through): the same calls, answers,
+        errors and traces, each call a request of its own (no Batch RPC), and no ``watch`` (docs/client.md).
         """
         self._core = Core(
             make_options(
@@ -81,6 +85,7 @@ class ClientBase:
                 max_batch=max_batch,
                 sent_folders=sent_folders,
                 mailbox_addresses=mailbox_addresses,
+                protocol=protocol,
             )
         )
 

@@ -95,17 +95,25 @@ class Core:
 
     # -- the retry loop ----------------------------------------------------------------------------------
 
-    def call(self, op: Op[R], *, deadline: float | None = None, timeout: float | None = None) -> Flow[R]:
+    def call(
+        self,
+        op: Op[R],
+        *,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        parent: _tracing.GuardSpan | None = None,
+    ) -> Flow[R]:
         """Runs ``op`` with retries on UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED, and on RESOURCE_EXHAUSTED
         that comes with a retry hint (the same request, so the same request id). ``deadline`` (a
         ``time.monotonic()`` value) bounds every attempt and the waits; ``timeout`` (seconds, the caller's
-        per-call ``timeout=``) bounds them from when the call starts."""
+        per-call ``timeout=``) bounds them from when the call starts. ``parent``: the guard's span the call is made
+        for (its span's parent; else the current span)."""
         if timeout is not None:
             if not timeout > 0:
                 raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
             until = time.monotonic() + timeout
             deadline = until if deadline is None else min(deadline, until)
-        span = _tracing.call_started(op.method, op.request)
+        span = _tracing.call_started(op.method, op.request, parent)
         metadata = span.metadata if span is not None else ()
         attempt = 0
         try:

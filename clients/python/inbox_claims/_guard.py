@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, TypeAlias, TypedDict, TypeVar
 
+from . import _tracing
 from ._core import Core
 from ._current import current as _current
-from ._effects import Flow, Invoke, Op, Sleep
+from ._effects import Flow, Invoke, Op, R, Sleep
 from ._envelope import Notification, parse_notification
 from ._errors import (
     AlreadyReplied,
@@ -402,6 +403,8 @@ class GuardState:
         )
         self.outgoing = None
         self._outgoing_op = None
+        self.trace: _tracing.GuardSpan | None = None
+        """The reply's span (started on entering), when OpenTelemetry is there and a trace is recorded."""
 
     @property
     def token(self) -> int:
@@ -429,19 +432,31 @@ class GuardState:
         ``deadline`` (a ``time.monotonic()`` value) bounds the call with its retries."""
         if self.phase is not Phase.CLAIMING:
             raise RuntimeError("a claim can be entered only once; call reply_to() again for a new one")
+        self.trace = _tracing.reply_started(
+            self.subject.mailbox, self.subject.kind.name.lower(), self.subject.id, self.notification_id
+        )
+        try:
+            yield from self._claim(deadline)
+        except BaseException as error:
+            self._trace_end(error)
+            raise
+
+    def _claim(self, deadline: float | None) -> Flow[None]:
         if self.outgoing is not None:
             self.phase = Phase.OUTGOING
             recorded = None
             if self._outgoing_op is not None:
-                recorded = yield from self.core.call(self._outgoing_op, deadline=deadline)
+                recorded = yield from self._call(self._outgoing_op, deadline=deadline)
             refusal = OutgoingMessage(self.subject, self.notification_id, self.outgoing, recorded)
             log_refusal("%s", refusal)
             raise refusal
         started = time.monotonic()
-        result = yield from self.core.call(self._claim_op, deadline=deadline)
+        result = yield from self._call(self._claim_op, deadline=deadline)
         status = granted_status(result, self.subject, self.notification_id)
         self.status = status
         self._token = status.fencing_token
+        if self.trace is not None:
+            self.trace.set({"inbox.fencing_token": status.fencing_token})
         self.ttl = status.ttl_seconds or self.ttl
         self._valid_until = started + self.ttl
         self.phase = Phase.CLAIMED
@@ -466,11 +481,13 @@ class GuardState:
             # a normal deadline. The renewal is fenced, so an OK proves the claim still holds.
             deadline = self._valid_until if self._valid_until > started else started + interval
             try:
-                result: FenceResult = yield from self.core.call(op, deadline=deadline)
+                result: FenceResult = yield from self._call(op, deadline=deadline)
             except Exception as error:  # the coordinator is unreachable, or the client was closed
                 now = time.monotonic()
                 if self.phase is not Phase.CLAIMED:
                     return None  # the block was left (or the send began) meanwhile
+                if self.trace is not None:
+                    self.trace.event("renewal failed", {"error.type": type(error).__qualname__})
                 if now >= self._valid_until:
                     return self._lose(LossReason.RENEWAL_FAILED, None, Phase.CLAIMED)
                 log.warning("renewing claim %d on %s failed: %s; trying again", self.token, self.subject, error)
@@ -482,6 +499,8 @@ class GuardState:
                 if self.phase is Phase.CLAIMED:
                     self.status = result.status
                     self._valid_until = started + self.ttl
+                    if self.trace is not None:
+                        self.trace.event("renewed", {"inbox.ttl_seconds": self.ttl})
             next_at = started + interval
 
     def _stale_reason(self, status: SubjectStatus) -> LossReason:
@@ -499,6 +518,8 @@ class GuardState:
                 return None  # the send (or the exit) got there first: this answer no longer matters
             self.phase = Phase.LOST
             self.loss = ClaimLost(self.subject, self.token, reason, status)
+            if self.trace is not None:
+                self.trace.event("claim lost", {"inbox.loss_reason": reason.name.lower()})
             return self.loss
 
     # -- send --------------------------------------------------------------------------------------------
@@ -513,7 +534,7 @@ class GuardState:
                     f"claim.send() runs once, inside the claim's block (this claim is {self.phase.value})"
                 )
             self.phase = Phase.BEGINNING  # renewal stops; until BeginSend answers, the exit aborts
-        begin = yield from self.core.call(self.core.begin_send_op(self.subject, self.token))
+        begin = yield from self._call(self.core.begin_send_op(self.subject, self.token))
         if begin.stale:
             loss = self._lose(self._stale_reason(begin.status), begin.status, Phase.BEGINNING)
             assert loss is not None
@@ -521,7 +542,8 @@ class GuardState:
         self.status = begin.status
         self.phase = Phase.SENDING
         try:
-            sent = yield Invoke(fn, args, kwargs)
+            with _tracing.child(self.trace, "inbox send"):
+                sent = yield Invoke(fn, args, kwargs)
         except SendRejected as rejected:
             yield from self._abort(rejected)
             raise
@@ -544,7 +566,7 @@ class GuardState:
             self.phase = Phase.BEGINNING  # renewal stops; the exit releases if the answer never comes
         op = self.core.mark_replied_op(self.subject, self.token, sent_message_id, clean_text(note))
         try:
-            result = yield from self.core.call(op)
+            result = yield from self._call(op)
         except BaseException:
             self.phase = Phase.CLAIMED
             raise
@@ -558,7 +580,7 @@ class GuardState:
     def _abort(self, rejected: SendRejected) -> Flow[None]:
         op = self.core.abort_send_op(self.subject, self.token, clean_text(rejected.reason))
         try:
-            result = yield from self.core.call(op)
+            result = yield from self._call(op)
         except InboxClaimsError as error:
             self.phase = Phase.UNKNOWN
             log.warning(
@@ -572,7 +594,7 @@ class GuardState:
         wrong_type = sent is not None and not isinstance(sent, str)
         op = self.core.confirm_sent_op(self.subject, self.token, "" if wrong_type else (sent or ""))
         try:
-            result = yield from self.core.call(op)
+            result = yield from self._call(op)
         except InboxClaimsError as error:
             self.phase = Phase.UNKNOWN
             raise SentButUnconfirmed(self.subject, self.token, sent, f"ConfirmSent failed: {error}") from error
@@ -595,13 +617,20 @@ class GuardState:
 
     # -- leaving the block -------------------------------------------------------------------------------
 
-    def exit(self, failed: bool = False) -> Flow[None]:
+    def exit(self, failed: bool = False, error: BaseException | None = None) -> Flow[None]:
         """Best effort, never raises a coordinator error: release an unsent claim; abort a BeginSend whose
         answer was lost (the send function was never called, so nothing went out).
 
         ``failed``: the block ended with an exception. Then, as after a lost renewal or a lost BeginSend
         answer, giving the claim up is no decision about the message: it is released as redeliverable, so
-        that a redelivery of its notification may claim again (as after a crash)."""
+        that a redelivery of its notification may claim again (as after a crash). ``error``: that exception,
+        for the reply's span."""
+        try:
+            yield from self._leave(failed)
+        finally:
+            self._trace_end(error)
+
+    def _leave(self, failed: bool) -> Flow[None]:
         with self._lock:
             phase = self.phase
             unsure = phase is Phase.LOST and self.loss is not None and self.loss.reason is LossReason.RENEWAL_FAILED
@@ -613,9 +642,7 @@ class GuardState:
             elif phase is Phase.BEGINNING:
                 reason = "BeginSend's answer was lost; the send function was never called"
                 try:
-                    yield from self.core.call(
-                        self.core.abort_send_op(self.subject, self.token, reason, redeliverable=True)
-                    )
+                    yield from self._call(self.core.abort_send_op(self.subject, self.token, reason, redeliverable=True))
                 except FailedPrecondition:  # BeginSend never committed: the subject is still CLAIMED
                     yield from self._release(redeliverable=True)
         except InboxClaimsError as error:
@@ -623,8 +650,34 @@ class GuardState:
 
     def _release(self, *, redeliverable: bool) -> Flow[None]:
         op: Op[FenceResult] = self.core.release_op(self.subject, self.token, redeliverable=redeliverable)
-        result = yield from self.core.call(op)
+        result = yield from self._call(op)
         self.status = result.status
+
+    # -- the reply's span (docs/operations.md#traces) ----------------------------------------------------
+
+    def _call(self, op: Op[R], deadline: float | None = None) -> Flow[R]:
+        """A call of this claim: its span beneath the reply's, from whichever thread or task makes it."""
+        return self.core.call(op, deadline=deadline, parent=self.trace)
+
+    def _trace_end(self, error: BaseException | None) -> None:
+        """Ends the reply's span with the claim's outcome (a refusal on entering is an outcome, not a failure)."""
+        if self.trace is None:
+            return
+        outcome = _REFUSAL_OUTCOMES.get(type(error)) if error is not None else None
+        if outcome is not None:
+            self.trace.end(outcome)
+        elif self.phase is Phase.CLAIMING:
+            self.trace.end("not_claimed", error)  # the coordinator could not be asked, or the caller cancelled
+        else:
+            self.trace.end(self.phase.value, error if self.phase is not Phase.LOST else None)
+
+
+_REFUSAL_OUTCOMES: dict[type[BaseException], str] = {
+    DuplicateDelivery: "duplicate_delivery",
+    ReplyHeld: "held",
+    AlreadyReplied: "already_replied",
+    OutgoingMessage: "outgoing",
+}
 
 
 class ClaimBase:
@@ -633,21 +686,33 @@ class ClaimBase:
     def __init__(self, state: GuardState) -> None:
         self._state = state
         self._context: contextvars.Token[Any] | None = None
+        self._trace_context: object = None
 
     def _make_current(self) -> None:
-        """Entered: ``current_claim()`` (and so ``inbox_claims.nylas.send``) finds this claim from now on, and a
-        mail SDK's send that bypasses ``claim.send`` is refused (docs/providers.md, "The SDKs")."""
+        """Entered: ``current_claim()`` (and so ``inbox_claims.nylas.send``) finds this claim from now on, a mail
+        SDK's send that bypasses ``claim.send`` is refused (docs/providers.md, "The SDKs"), and the reply's span is the
+        current span in the block (the parent of the user's own spans)."""
         watch_sdks()
         self._context = _current.set(self)
+        self._trace_context = _tracing.attach(self._state.trace)
 
     def _stop_being_current(self) -> None:
         context, self._context = self._context, None
+        trace_context, self._trace_context = self._trace_context, None
         if context is None:
             return
         try:
             _current.reset(context)
         except ValueError:  # left in another context than entered (a task that entered, another that exits)
             _current.set(None)
+        else:
+            _tracing.detach(trace_context)
+
+    @property
+    def _reply_span(self) -> _tracing.GuardSpan | None:
+        """The reply's span, once entered, when OpenTelemetry records one (docs/operations.md#traces): for the
+        MCP tools, which link a later call on the claim to it."""
+        return self._state.trace
 
     @property
     def sending(self) -> bool:

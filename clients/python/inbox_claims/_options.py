@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import ssl
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -48,6 +49,14 @@ class ClientOptions:
     """Concurrent calls sent together in one Batch RPC, at most; 1: every call alone."""
     outgoing: OutgoingRules = field(default_factory=OutgoingRules)
     """How the guard tells a message the mailbox sent (never answered) from one it received."""
+    protocol: Literal["grpc", "http-json"] = "grpc"
+    """``http-json``: the calls go to the coordinator's HTTP/JSON face (``target`` is its address)."""
+    http_tls: ssl.SSLContext | None = None
+    """With ``http-json`` and TLS: how the face's certificate is checked."""
+
+    @property
+    def http_base_url(self) -> str:
+        return f"{'https' if self.http_tls is not None else 'http'}://{self.target}"
 
     def open_channel(self, insecure: Callable[..., T], secure: Callable[..., T]) -> T:
         """A channel from ``grpc`` or ``grpc.aio``: plaintext without credentials, else secure."""
@@ -79,6 +88,7 @@ def make_options(
     max_batch: int = 64,
     sent_folders: str | Iterable[str] | None = None,
     mailbox_addresses: str | Iterable[str] | None = None,
+    protocol: Literal["grpc", "http-json"] = "grpc",
 ) -> ClientOptions:
     if not target:
         raise ValueError("target must be HOST:PORT (or any gRPC target), e.g. '127.0.0.1:50051'")
@@ -88,7 +98,18 @@ def make_options(
         raise ValueError("pass either credentials= or tls=/root_certificates=/client_certificate=/client_key=")
     if (client_certificate is None) != (client_key is None):
         raise ValueError("mutual TLS needs both client_certificate= and client_key= (PEM bytes)")
-    if wants_tls:
+    if protocol not in ("grpc", "http-json"):
+        raise ValueError(f"protocol must be 'grpc' or 'http-json', not {protocol!r}")
+    http_tls = None
+    if protocol == "http-json":
+        if credentials is not None or client_certificate is not None:
+            raise ValueError(
+                "protocol='http-json' takes tls=True or root_certificates=, not credentials= or a client "
+                "certificate (mutual TLS): use protocol='grpc' for those"
+            )
+        if wants_tls:
+            http_tls = ssl.create_default_context(cadata=root_certificates.decode() if root_certificates else None)
+    elif wants_tls:
         credentials = grpc.ssl_channel_credentials(root_certificates, client_key, client_certificate)
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
@@ -124,6 +145,8 @@ def make_options(
         channel_options=tuple(defaults.items()),
         max_batch=max_batch,
         outgoing=OutgoingRules.of(sent_folders, mailbox_addresses),
+        protocol=protocol,
+        http_tls=http_tls,
     )
 
 

@@ -18,6 +18,7 @@ import grpc
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
 
 from . import _batch
+from . import _http_json as http_json
 from ._base import ClientBase
 from ._batch import BATCHABLE, Coalescer
 from ._effects import Effect, Emit, Flow, Invoke, OpenStream, ReadStream, Rpc, RpcFailure, Runner, Sleep, Stream
@@ -82,6 +83,7 @@ class Coordinator(ClientBase):
 
     _channel: grpc.Channel | None = None
     _stub: pb_grpc.CoordinatorStub | None = None
+    _http: Any = None
     _opening = threading.Lock()
     _coalescer: Coalescer[_Waiter] | None = None
     _batching: threading.Lock
@@ -99,6 +101,8 @@ class Coordinator(ClientBase):
     def _perform(self, effect: Effect, sleep: Callable[[float], Any]) -> Any:
         metadata = self._core.options.metadata
         if isinstance(effect, Rpc):
+            if self._core.options.protocol == "http-json":
+                return self._over_http(effect)
             if effect.method in BATCHABLE and self._core.options.max_batch > 1:
                 return self._batched(effect)
             return self._unary(effect)
@@ -119,8 +123,24 @@ class Coordinator(ClientBase):
                 )
             return result
         if isinstance(effect, OpenStream):
+            if self._core.options.protocol == "http-json":
+                raise RuntimeError(f"{effect.method} is a stream: it needs protocol='grpc' (the gRPC port)")
             return getattr(self._get_stub(), effect.method)(effect.request, metadata=metadata)
         raise TypeError(f"unknown effect {effect!r}")
+
+    def _over_http(self, effect: Rpc) -> Any:
+        with self._opening:
+            self._check_open()
+            if self._http is None:
+                self._http = http_json.httpx_module().Client(verify=self._core.options.http_tls or True)
+        url, headers, body = http_json.request(self._core.options, effect)
+        try:
+            response = self._http.post(url, headers=headers, content=body, timeout=effect.timeout)
+        except Exception as error:
+            if isinstance(error, http_json.httpx_module().HTTPError):
+                raise http_json.failed(error) from None
+            raise
+        return http_json.answer(effect.method, response.status_code, response.headers, response.content)
 
     def _unary(self, effect: Rpc) -> Any:
         method = getattr(self._get_stub(), effect.method)
@@ -222,7 +242,9 @@ class Coordinator(ClientBase):
         with self._opening:
             if self._channel is not None:
                 self._channel.close()
-            self._channel = self._stub = None
+            if self._http is not None:
+                self._http.close()
+            self._channel = self._stub = self._http = None
             self._closed = True
 
     def __enter__(self) -> Self:
@@ -622,5 +644,5 @@ class Claim(ClaimBase):
     ) -> Literal[False]:
         self._stop.set()
         self._stop_being_current()
-        self._client._drive(self._state.exit(failed=exc is not None))
+        self._client._drive(self._state.exit(failed=exc is not None, error=exc))
         return False

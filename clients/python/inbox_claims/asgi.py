@@ -58,6 +58,7 @@ from ._envelope import Notification
 from ._errors import CoordinatorUnavailable, PermissionDenied, QuotaExceeded, Unauthenticated
 from ._guard import ANSWERED_EVENTS, ReplyPolicy, outgoing_of
 from ._outgoing import OutgoingRules
+from ._tracing import NotificationTrace, traced_notification
 from .providers._seam import (
     Accepted,
     Answer,
@@ -235,20 +236,32 @@ class WebhookApp:
         if scope["type"] != "http":
             raise RuntimeError(f"the webhook app serves HTTP, not {scope['type']}")
         self._start_periodic()  # where the app's lifespan was not run, from its first request
-        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         method = scope["method"]
+        with traced_notification(self.gate.provider.name, method) as notification:
+            answer = await self._answer(scope, receive, method, notification)
+            if answer is None:
+                return  # the client went away
+            notification.answered(answer.status)
+            await _respond(send, answer, head=method == "HEAD")
+
+    async def _answer(
+        self, scope: AsgiScope, receive: Receive, method: str, notification: NotificationTrace
+    ) -> Answer | None:
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         answer: Answer | Accepted | WebhookRequest | None
         answer = self.gate.too_large(headers.get("content-length")) if method == "POST" else None
         if answer is None:
             body = await self._read_body(receive) if method == "POST" else b""
             if body is None:
-                return  # the client went away
+                return None
             answer = self.gate.request(method, scope.get("query_string", b"").decode("latin-1"), headers, body)
             if isinstance(answer, WebhookRequest):
                 answer = checked(await self._checked(answer), self.gate.provider)
         if isinstance(answer, Accepted):
+            notification.verified()
             answer = closing_answer() if self._closing else await self._accept(answer)
-        await _respond(send, answer, head=method == "HEAD")
+            notification.recorded(self.admission is not None and answer.status < 300)
+        return answer
 
     async def _checked(self, request: WebhookRequest) -> Answer | Accepted:
         if self._check is not None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Unpack, overload
 
 from ._envelope import Notification
 from ._sync import Claim, Coordinator
+from ._tracing import NotificationTrace, traced_notification
 from .asgi import (
     ReplyPolicy,
     WebhookGate,
@@ -159,6 +160,16 @@ class WebhookWSGIApp:
     def __call__(self, environ: Mapping[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         self.start_periodic()
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
+        with traced_notification(self.gate.provider.name, method) as notification:
+            answer = self._answer(environ, method, notification)
+            notification.answered(answer.status)
+        payload = answer.body.encode("utf-8")
+        status = f"{answer.status} {_REASONS.get(answer.status, '')}".rstrip()
+        response_headers = [("Content-Type", answer.content_type), ("Content-Length", str(len(payload)))]
+        start_response(status, response_headers + list(answer.headers))
+        return [b"" if method == "HEAD" else payload]
+
+    def _answer(self, environ: Mapping[str, Any], method: str, notification: NotificationTrace) -> Answer:
         headers = _headers(environ)
         body = b""
         answer: Answer | Accepted | WebhookRequest | None
@@ -172,12 +183,10 @@ class WebhookWSGIApp:
                 answer = self._check(request) if self._check is not None else plain(self.gate.provider.check(request))
                 answer = checked(answer, self.gate.provider)
         if isinstance(answer, Accepted):
+            notification.verified()
             answer = self._accept(answer)
-        payload = answer.body.encode("utf-8")
-        status = f"{answer.status} {_REASONS.get(answer.status, '')}".rstrip()
-        response_headers = [("Content-Type", answer.content_type), ("Content-Length", str(len(payload)))]
-        start_response(status, response_headers + list(answer.headers))
-        return [b"" if method == "HEAD" else payload]
+            notification.recorded(self.admission is not None and answer.status < 300)
+        return answer
 
     def _accept(self, accepted: Accepted) -> Answer:
         """Records the delivery (with ``admission``, in this request's thread) and queues its work."""

@@ -13,6 +13,7 @@
 //
 // send() never retries by itself: a second attempt is a decision for whoever resolves the subject.
 import { InboxClaimsError, SendRejected } from "../errors.js";
+import { traceHeaders } from "../tracing.js";
 import { EnvelopeError, parseNotification, type Notification } from "../envelope.js";
 import { NYLAS_SIGNATURE_HEADER, nylasChallengeResponse, signNylas, signStandardWebhook, verifyNylasSignature, verifyStandardWebhook, WebhookVerificationError } from "../webhooks.js";
 import { Accepted, batchOf, isRecord, replySubject, str, type Answer, type Batch, type MessageFacts, type Provider, type WebhookRequest } from "./seam.js";
@@ -295,7 +296,9 @@ export class Nylas {
     let status: number;
     let text: string;
     try {
-      const response = await fetch(request.url, { method: "POST", headers: request.headers, body: request.body, signal: AbortSignal.timeout(this.timeoutMs) });
+      // The send's trace context goes with it (Nylas ignores a header it does not know; a proxy may continue it).
+      const headers = { ...request.headers, ...traceHeaders() };
+      const response = await fetch(request.url, { method: "POST", headers, body: request.body, signal: AbortSignal.timeout(this.timeoutMs) });
       status = response.status;
       text = await response.text();
     } catch (error) {

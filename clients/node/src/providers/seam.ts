@@ -11,6 +11,7 @@
 // Where Python runs one flow of effects under a blocking and an asyncio client, Node has one kind of I/O: a provider's
 // steps are async functions over an injected Transport (fetch by default, a double in tests).
 import type { OutgoingMatch } from "../outgoing.js";
+import { traceHeaders } from "../tracing.js";
 
 /** The header a reply sent without an idempotency key carries: `<idempotency key>.<fencing token>`. */
 export const STAMP_HEADER = "X-Inbox-Claim";
@@ -158,7 +159,8 @@ export function jsonOf(response: HttpResponse): unknown {
 export function fetchTransport(options: { timeoutMs?: number } = {}): Transport {
   const timeoutMs = options.timeoutMs ?? 30_000;
   return async (request) => {
-    const headers = new Headers(request.headers as [string, string][]);
+    // Every request to Graph or Gmail carries the active span's trace context (a reply's, beneath "inbox send").
+    const headers = new Headers([...(request.headers as [string, string][]), ...Object.entries(traceHeaders())]);
     let body: string | undefined;
     if (request.json !== undefined) {
       body = JSON.stringify(request.json);

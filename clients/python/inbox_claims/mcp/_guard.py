@@ -38,6 +38,7 @@ from mcp_types.methods import CacheableMethod
 
 from .._async import AsyncClaim
 from .._errors import CoordinatorError, SendRejected
+from .._tracing import ToolTrace, traced_tool
 from .._types import Subject
 from ._answers import Answer, Outcome
 from ._session import AgentSession, NotHandedOver, fingerprint
@@ -353,7 +354,14 @@ class Guard:
         return listed
 
     async def call_tool(self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams) -> Any:
-        params = _own_params(params)
+        with traced_tool(params.name, self._mailbox) as traced:
+            result = await self._call_tool(ctx, _own_params(params), traced)
+            traced.answered(result)
+            return result
+
+    async def _call_tool(
+        self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams, traced: ToolTrace
+    ) -> Any:
         tool = self._send_tools.get(params.name)
         if tool is None:
             if params.name in self._unfenced and not self._allow_unfenced:
@@ -366,6 +374,7 @@ class Guard:
             subject = tool.subject(arguments, mailbox=self._mailbox, scope=self._scope)
         except PathError as wrong:
             return tool_error(f"Invalid arguments for {tool.name}: {wrong}")
+        traced.acts_on(subject.mailbox, subject.id, None)
         try:
             async with self._session_for(ctx, None, False) as session:
                 return await self._send(session, tool, subject, params)

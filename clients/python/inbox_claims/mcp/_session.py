@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from .._async import AsyncClaim, AsyncCoordinator
 from .._errors import AlreadyReplied, ClaimLost, ReplyHeld, SendOutcomeUnknown, SendRejected, SentButUnconfirmed
+from .._tracing import GuardSpan
 from .._types import MessageSummary, Subject, SubjectKind, SubjectState, SubjectStatus
 from . import _answers as answers
 from ._answers import Answer, Outcome
@@ -170,6 +171,11 @@ class AgentSession:
     def held(self) -> tuple[Subject, ...]:
         """The subjects this session holds now."""
         return tuple(self._claims)
+
+    def claim_trace(self, subject: Subject) -> GuardSpan | None:
+        """The reply's span of the claim this session holds on ``subject`` (docs/mcp.md#traces)."""
+        claim = self._claims.get(subject)
+        return claim._reply_span if claim is not None else None
 
     async def principal(self) -> str:
         """Who this session's claims are held by (asked of the coordinator once when a token says it)."""

@@ -18,6 +18,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationErro
 from .._errors import CoordinatorError, CoordinatorUnavailable, InvalidRequest, PermissionDenied, Unauthenticated
 from .._guard import summary_of
 from .._message_ids import canonical_message_id
+from .._tracing import ToolTrace, traced_tool
 from .._types import MessageSummary, Subject
 from ..nylas import AsyncNylas, NylasReply
 from ..providers import MessageFacts
@@ -361,8 +362,20 @@ class ClaimTools:
         except ValidationError as error:
             return tool_error(argument_error(error))
         handle = arguments.claim_handle if isinstance(arguments, Message) else None
+        mailbox = arguments.mailbox if isinstance(arguments, Message | MailboxArguments) else None
+        with traced_tool(tool.name, mailbox) as traced:
+            result = await self._traced_call(ctx, arguments, handle, traced)
+            traced.answered(result)
+            return result
+
+    async def _traced_call(
+        self, ctx: ServerRequestContext[Any, Any], arguments: _Arguments, handle: str | None, traced: ToolTrace
+    ) -> types.CallToolResult:
         try:
             async with self._session_for(ctx, handle, isinstance(arguments, ClaimArguments)) as session:
+                subject = self._subject(arguments.facts()) if isinstance(arguments, Message) else None
+                if isinstance(subject, Subject):
+                    traced.acts_on(subject.mailbox, subject.id, session.claim_trace(subject))
                 return await self._call(session, arguments)
         except SessionCapReached as cap:
             return tool_error(str(cap))

@@ -10,6 +10,7 @@ import httpx
 
 from .._current import current_claim_base
 from .._effects import Invoke
+from .._tracing import trace_headers
 from ._seam import ClaimStamp, Flow, HttpRequest, HttpResponse, ProviderError
 
 T = TypeVar("T")
@@ -28,11 +29,13 @@ class HttpTransport(Protocol):
 
 
 def _request(request: HttpRequest) -> dict[str, Any]:
+    # Every request to Graph or Gmail carries the current span's trace context (the reply's send, beneath the
+    # reply's span): Google's and Microsoft's front ends accept a W3C traceparent, and ignore it otherwise.
     return {
         "method": request.method,
         "url": request.url,
         "params": list(request.params) or None,
-        "headers": dict(request.headers),
+        "headers": {**dict(request.headers), **trace_headers()},
         "json": request.json_body,
     }
 

@@ -37,6 +37,7 @@ import httpx
 from .._current import current_claim_base
 from .._envelope import Notification, NotificationError, parse_notification
 from .._errors import InboxClaimsError, SendRejected
+from .._tracing import trace_headers
 from .._webhooks import (
     NYLAS_SIGNATURE_HEADER,
     WebhookVerificationError,
@@ -595,9 +596,15 @@ def _stamped(document: dict[str, Any]) -> dict[str, Any]:
     return {**document, "custom_headers": [*given, *added]} if added else document
 
 
+def _headers_now(request: SendRequest) -> dict[str, str]:
+    """The send's headers and the trace context current as it goes out (the guard's ``inbox send`` span): Nylas
+    ignores a header it does not know; a proxy or gateway in between can continue the trace."""
+    return {**request.headers, **trace_headers()}
+
+
 def _post_sync(client: httpx.Client, request: SendRequest) -> str | None:
     try:
-        response = client.post(request.url, headers=dict(request.headers), content=request.content)
+        response = client.post(request.url, headers=_headers_now(request), content=request.content)
     except httpx.HTTPError as error:
         raise transport_failure(error) from error
     return interpret_send_response(response.status_code, response.content)
@@ -605,7 +612,7 @@ def _post_sync(client: httpx.Client, request: SendRequest) -> str | None:
 
 async def _post_async(client: httpx.AsyncClient, request: SendRequest) -> str | None:
     try:
-        response = await client.post(request.url, headers=dict(request.headers), content=request.content)
+        response = await client.post(request.url, headers=_headers_now(request), content=request.content)
     except httpx.HTTPError as error:
         raise transport_failure(error) from error
     return interpret_send_response(response.status_code, response.content)
