@@ -2,8 +2,10 @@
 value the guard, the webhook adapters, the outgoing rules and the MCP tools read.
 
 One module per provider: :mod:`~inbox_claims.providers.nylas`, :mod:`~inbox_claims.providers.graph` (the ``graph``
-extra), :mod:`~inbox_claims.providers.gmail` (the ``gmail`` extra). The webhook adapters take any of them:
-``inbox_claims.asgi.webhook_app(provider, handle, coordinator=...)`` and ``inbox_claims.wsgi.webhook_wsgi``.
+extra), :mod:`~inbox_claims.providers.gmail` (the ``gmail`` extra),
+:mod:`~inbox_claims.providers.imap` (the ``imap`` extra). The webhook adapters take any of them:
+``inbox_claims.asgi.webhook_app(provider, handle, coordinator=...)`` and ``inbox_claims.wsgi.webhook_wsgi``; an IMAP
+mailbox has no webhook: its ``ImapWatcher`` watches it, through the same admission.
 """
 
 from ._seam import (
@@ -29,6 +31,7 @@ PROVIDERS = {
     "nylas": "inbox_claims.providers.nylas:NylasProvider",
     "graph": "inbox_claims.providers.graph:GraphProvider",
     "gmail": "inbox_claims.providers.gmail:GmailProvider",
+    "imap": "inbox_claims.providers.imap:ImapProvider",
 }
 """Each provider's class by name, imported when asked for (Graph and Gmail need their extras)."""
 
