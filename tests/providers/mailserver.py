@@ -35,6 +35,14 @@ PASSWORD = "secret-password"
 DOMAIN = "example.test"
 
 
+EX_TEMPFAIL = 75
+"""dovecot-lda's exit status for "try again later" (Dovecot's auth is down): an MTA queues the message."""
+
+
+class TempFail(Exception):
+    pass
+
+
 def installed() -> bool:
     return os.access(DOVECOT, os.X_OK) and os.access(LDA, os.X_OK)
 
@@ -156,14 +164,17 @@ class Dovecot:
         client.login(user, PASSWORD)
         return client
 
-    def deliver(self, recipient: str, raw: bytes) -> None:
-        """``dovecot-lda``: the message into ``recipient``'s INBOX, as the MTA's local delivery does."""
+    def deliver(self, recipient: str, raw: bytes, folder: str = "INBOX") -> None:
+        """``dovecot-lda``: the message into ``recipient``'s ``folder``, as the MTA's local delivery does (it writes
+        the mail store itself: it delivers while Dovecot is stopped, too)."""
         done = subprocess.run(
-            [LDA, "-c", str(self.config), "-d", recipient, "-f", "postmaster@" + DOMAIN],
+            [LDA, "-c", str(self.config), "-d", recipient, "-f", "postmaster@" + DOMAIN, "-m", folder],
             input=raw,
             capture_output=True,
             timeout=30,
         )
+        if done.returncode == EX_TEMPFAIL:
+            raise TempFail(f"dovecot-lda for {recipient}: {done.stderr.decode()}")
         if done.returncode != 0:
             raise RuntimeError(f"dovecot-lda for {recipient} exited {done.returncode}: {done.stderr.decode()}")
 
@@ -182,6 +193,20 @@ class Delivering:
 
     dovecot: Dovecot
     received: list[tuple[str, list[str]]] = field(default_factory=list)
+    files_sent: bool = False
+    """File a copy of each message a local user submits in their Sent folder, as Gmail's and Microsoft 365's SMTP
+    submission do (the copy that settles a send whose answer was lost)."""
+    lose_answers: float = 0.0
+    """Seconds to wait, after delivering, before answering DATA: longer than the client waits, its answer is lost."""
+    queued: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def _retry(self, recipient: str, raw: bytes, folder: str) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            try:
+                return await asyncio.to_thread(self.dovecot.deliver, recipient, raw, folder)
+            except TempFail:
+                continue
 
     async def handle_RCPT(
         self, server: SMTP, session: Session, envelope: Envelope, address: str, options: list[str]
@@ -193,9 +218,20 @@ class Delivering:
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         raw = envelope.original_content or b""
-        for recipient in envelope.rcpt_tos:
-            await asyncio.to_thread(self.dovecot.deliver, recipient, raw)
-        self.received.append((str(envelope.mail_from), list(envelope.rcpt_tos)))
+        sender = str(envelope.mail_from).lower()
+        targets = [(recipient, "INBOX") for recipient in envelope.rcpt_tos]
+        if self.files_sent and sender in self.dovecot.users:
+            targets.append((sender, "Sent"))
+        for recipient, folder in targets:
+            try:
+                await asyncio.to_thread(self.dovecot.deliver, recipient, raw, folder)
+            except TempFail:  # Dovecot is down: queued, delivered once it is back, as an MTA's queue does
+                task = asyncio.get_running_loop().create_task(self._retry(recipient, raw, folder))
+                self.queued.add(task)
+                task.add_done_callback(self.queued.discard)
+        self.received.append((sender, list(envelope.rcpt_tos)))
+        if self.lose_answers:
+            await asyncio.sleep(self.lose_answers)
         return "250 2.0.0 delivered"
 
 

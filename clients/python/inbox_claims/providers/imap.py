@@ -148,6 +148,7 @@ class ImapProvider:
         mailbox_addresses: Sequence[str] = (),
         idle_seconds: float = IDLE_SECONDS,
         check_every: float = CHECK_EVERY,
+        smtp_timeout: float = 30.0,
         ssl_context: ssl_module.SSLContext | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -161,7 +162,7 @@ class ImapProvider:
         self.host, self.port, self.tls = host, port, tls
         self.username, self.password = username, password
         self.smtp_host = smtp_host or host
-        self.smtp_port, self.smtp_tls = smtp_port, smtp_tls
+        self.smtp_port, self.smtp_tls, self.smtp_timeout = smtp_port, smtp_tls, smtp_timeout
         self.smtp_username = username if smtp_username is None else smtp_username
         self.smtp_password = password if smtp_password is None else smtp_password
         self.inbox = inbox
@@ -180,7 +181,8 @@ class ImapProvider:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ImapProvider:
         """From ``IMAP_ADDRESS``, ``IMAP_HOST``, ``IMAP_USERNAME``, ``IMAP_PASSWORD``, ``IMAP_PORT`` (993),
         ``IMAP_TLS`` (``yes``), ``SMTP_HOST`` (the IMAP host), ``SMTP_PORT`` (587), ``SMTP_TLS`` (``starttls``,
-        ``tls`` or ``none``) and ``INBOX_MAILBOX_ADDRESSES``."""
+        ``tls`` or ``none``), ``IMAP_CHECK_EVERY`` (the periodic check, seconds: 300), ``IMAP_IDLE_SECONDS`` (1740)
+        and ``INBOX_MAILBOX_ADDRESSES``."""
         env = os.environ if environ is None else environ
         for name in ("IMAP_ADDRESS", "IMAP_HOST", "IMAP_USERNAME", "IMAP_PASSWORD"):
             if not env.get(name):
@@ -194,6 +196,8 @@ class ImapProvider:
             "smtp_host": env.get("SMTP_HOST") or None,
             "smtp_port": int(env.get("SMTP_PORT") or 587),
             "smtp_tls": env.get("SMTP_TLS") or "starttls",
+            "check_every": float(env.get("IMAP_CHECK_EVERY") or CHECK_EVERY),
+            "idle_seconds": float(env.get("IMAP_IDLE_SECONDS") or IDLE_SECONDS),
             "mailbox_addresses": [a.strip() for a in env.get("INBOX_MAILBOX_ADDRESSES", "").split(",") if a.strip()],
         }
         arguments.update(overrides)
@@ -410,9 +414,11 @@ class ImapProvider:
 
     def _smtp(self) -> smtplib.SMTP:
         if self.smtp_tls == "tls":
-            smtp: smtplib.SMTP = smtplib.SMTP_SSL(self.smtp_host, self.smtp_port, timeout=30, context=self.ssl_context)
+            smtp: smtplib.SMTP = smtplib.SMTP_SSL(
+                self.smtp_host, self.smtp_port, timeout=self.smtp_timeout, context=self.ssl_context
+            )
         else:
-            smtp = smtplib.SMTP(self.smtp_host, self.smtp_port, timeout=30)
+            smtp = smtplib.SMTP(self.smtp_host, self.smtp_port, timeout=self.smtp_timeout)
             if self.smtp_tls == "starttls":
                 smtp.starttls(context=self.ssl_context)
         if self.smtp_username and "auth" in (smtp.ehlo_resp or b"").decode(errors="replace").lower():
@@ -453,6 +459,7 @@ class ImapWatcher:
         self._wanted = asyncio.Event()
         self._stopping = threading.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._threads: list[threading.Thread] = []
         self.checks = 0
         """Deliveries opened so far (each wake, each periodic check)."""
 
@@ -470,10 +477,14 @@ class ImapWatcher:
         await self._deliver(Wake(recover=True))
         self._tasks.append(loop.create_task(self._checks(), name="imap checks"))
         for folder in await asyncio.to_thread(self.provider.folders):
-            wake = _threadsafe(loop, self._wanted.set)
-            self._tasks.append(
-                loop.create_task(asyncio.to_thread(self._idle, folder, wake), name=f"imap idle {folder}")
+            # A thread of its own: an IDLE waits for as long as the watcher runs, and would hold one of the few
+            # workers of asyncio's default pool that every read and send runs in.
+            thread = threading.Thread(
+                target=self._idle, args=(folder, _threadsafe(loop, self._wanted.set)), name=f"imap idle {folder}"
             )
+            thread.daemon = True
+            thread.start()
+            self._threads.append(thread)
 
     async def _deliver(self, wake: Wake) -> Answer:
         self.checks += 1
@@ -520,11 +531,13 @@ class ImapWatcher:
         """Stops watching, lets running work finish (``shutdown_grace``), closes the connections."""
         self._stopping.set()
         for task in self._tasks:
-            if task.get_name() == "imap checks":
-                task.cancel()
+            task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         await self.app.aclose(grace)
+        for thread in self._threads:  # each looks up from its IDLE every IDLE_POLL_S
+            await asyncio.to_thread(thread.join, 30)
+        self._threads.clear()
         await asyncio.to_thread(self.provider.close)
 
 
