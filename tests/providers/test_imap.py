@@ -167,7 +167,9 @@ async def test_three_customers_two_agents_three_watchers_one_reply_each(
         assert (status.state, status.sent_message_id) == (SubjectState.REPLIED, reply["Message-ID"])
     # One copy of each reply in Sent (appended once), each the agent's own when read back: none answered.
     sent = [headers(item) for item in mail.dovecot.messages(SUPPORT, "Sent")]
-    assert sorted(str(h["Message-ID"]) for h in sent) == sorted(str(replies(mail, c)[0]["Message-ID"]) for c in CUSTOMERS)
+    assert sorted(str(h["Message-ID"]) for h in sent) == sorted(
+        str(replies(mail, c)[0]["Message-ID"]) for c in CUSTOMERS
+    )
     # The originals are flagged answered, as a mail client flags what it answered.
     assert all(b"\\Answered" in item[b"FLAGS"] for item in mail.dovecot.messages(SUPPORT))
 
@@ -262,8 +264,9 @@ async def test_dovecot_restarted_under_the_watchers_they_reconnect_and_miss_noth
 
 
 async def test_a_watcher_killed_mid_message_and_restarted_loses_none_and_answers_none_twice(
-    mail: MailServer, server: CoordinatorServer, clients: dict[str, AsyncCoordinator]
+    mail: MailServer, server: CoordinatorServer, clients: dict[str, AsyncCoordinator], tmp_path: Path
 ) -> None:
+    log = (tmp_path / "agents.log").open("ab")
     env = {
         **os.environ,
         "PYTHON": sys.executable,
@@ -281,25 +284,33 @@ async def test_a_watcher_killed_mid_message_and_restarted_loses_none_and_answers
         "IMAP_CHECK_EVERY": "1",
     }
     run = [str(ROOT / "examples" / "providers" / "imap" / "run")]
-    drafting_forever = subprocess.Popen(run, env={**env, "LLM_DELAY": "600"}, stdout=subprocess.PIPE)
+    drafting_forever = subprocess.Popen(run, env={**env, "LLM_DELAY": "600"}, stdout=subprocess.PIPE, stderr=log)
     try:
         assert drafting_forever.stdout is not None
-        assert drafting_forever.stdout.readline().startswith(b"watching")
+        # Every wait of this test leaves its event loop free: the coordinator the agents talk to runs in it.
+        assert (await asyncio.to_thread(drafting_forever.stdout.readline)).startswith(b"watching")
         mail.send("bea@example.test", SUPPORT, "First", "One.")
         await eventually(lambda: len(mail.dovecot.messages(SUPPORT)) == 1)
         first, _ = original(mail, "bea@example.test", "First")
         await eventually(_state(clients["a1"], first, SubjectState.CLAIMED), within=20)
     finally:
         drafting_forever.send_signal(signal.SIGKILL)  # mid-message: its claim is held, nothing sent
-        drafting_forever.wait()
+        await asyncio.to_thread(drafting_forever.wait)
+        assert drafting_forever.stdout is not None
+        drafting_forever.stdout.close()
     mail.send("carl@example.test", SUPPORT, "While it was dead", "Two.")
-    restarted = subprocess.Popen(run, env={**env, "LLM_DELAY": "0.2"}, stdout=subprocess.PIPE)
+    restarted = subprocess.Popen(run, env={**env, "LLM_DELAY": "0.2"}, stdout=subprocess.PIPE, stderr=log)
     try:
         await eventually(lambda: counts(mail, CUSTOMERS[:2]) == [1, 1], within=40)
         mail.send("dan@example.test", SUPPORT, "After", "Three.")
         await eventually(lambda: counts(mail, CUSTOMERS) == [1, 1, 1], within=30)
     finally:
         restarted.send_signal(signal.SIGTERM)
-        assert restarted.wait(timeout=30) == 0
+        exited = await asyncio.to_thread(restarted.wait, 30)
+        assert restarted.stdout is not None
+        restarted.stdout.close()
+        log.close()
+        print((tmp_path / "agents.log").read_text())
+    assert exited == 0
     assert counts(mail, CUSTOMERS) == [1, 1, 1]
     assert (await clients["a1"].status(first)).state is SubjectState.REPLIED
