@@ -121,7 +121,8 @@ async def run_flow(flow: Flow[Any]) -> Any:
         if isinstance(effect, Invoke):
             answer = await effect.fn(*effect.args, **effect.kwargs)
         elif isinstance(effect, Sleep):
-            answer = await asyncio.sleep(effect.seconds)
+            await asyncio.sleep(effect.seconds)
+            answer = None
         else:
             raise AssertionError(f"an unguarded flow performs no {effect!r}")
 
@@ -283,32 +284,32 @@ async def test_a_watcher_killed_mid_message_and_restarted_loses_none_and_answers
         "SMTP_TLS": "none",
         "IMAP_CHECK_EVERY": "1",
     }
-    run = [str(ROOT / "examples" / "providers" / "imap" / "run")]
-    drafting_forever = subprocess.Popen(run, env={**env, "LLM_DELAY": "600"}, stdout=subprocess.PIPE, stderr=log)
+    run = str(ROOT / "examples" / "providers" / "imap" / "run")
+    # asyncio's subprocesses: every wait of this test leaves the event loop free (the coordinator runs in it).
+    drafting_forever = await asyncio.create_subprocess_exec(
+        run, env={**env, "LLM_DELAY": "600"}, stdout=subprocess.PIPE, stderr=log
+    )
     try:
         assert drafting_forever.stdout is not None
-        # Every wait of this test leaves its event loop free: the coordinator the agents talk to runs in it.
-        assert (await asyncio.to_thread(drafting_forever.stdout.readline)).startswith(b"watching")
+        assert (await drafting_forever.stdout.readline()).startswith(b"watching")
         mail.send("bea@example.test", SUPPORT, "First", "One.")
         await eventually(lambda: len(mail.dovecot.messages(SUPPORT)) == 1)
         first, _ = original(mail, "bea@example.test", "First")
         await eventually(_state(clients["a1"], first, SubjectState.CLAIMED), within=20)
     finally:
-        drafting_forever.send_signal(signal.SIGKILL)  # mid-message: its claim is held, nothing sent
-        await asyncio.to_thread(drafting_forever.wait)
-        assert drafting_forever.stdout is not None
-        drafting_forever.stdout.close()
+        drafting_forever.kill()  # mid-message: its claim is held, nothing sent
+        await drafting_forever.wait()
     mail.send("carl@example.test", SUPPORT, "While it was dead", "Two.")
-    restarted = subprocess.Popen(run, env={**env, "LLM_DELAY": "0.2"}, stdout=subprocess.PIPE, stderr=log)
+    restarted = await asyncio.create_subprocess_exec(
+        run, env={**env, "LLM_DELAY": "0.2"}, stdout=subprocess.DEVNULL, stderr=log
+    )
     try:
         await eventually(lambda: counts(mail, CUSTOMERS[:2]) == [1, 1], within=40)
         mail.send("dan@example.test", SUPPORT, "After", "Three.")
         await eventually(lambda: counts(mail, CUSTOMERS) == [1, 1, 1], within=30)
     finally:
         restarted.send_signal(signal.SIGTERM)
-        exited = await asyncio.to_thread(restarted.wait, 30)
-        assert restarted.stdout is not None
-        restarted.stdout.close()
+        exited = await asyncio.wait_for(restarted.wait(), 30)
         log.close()
         print((tmp_path / "agents.log").read_text())
     assert exited == 0
