@@ -264,15 +264,13 @@ async def test_dovecot_restarted_under_the_watchers_they_reconnect_and_miss_noth
     assert counts(mail, CUSTOMERS) == [1, 1, 1]
 
 
-async def test_a_watcher_killed_mid_message_and_restarted_loses_none_and_answers_none_twice(
-    mail: MailServer, server: CoordinatorServer, clients: dict[str, AsyncCoordinator], tmp_path: Path
-) -> None:
-    log = (tmp_path / "agents.log").open("ab")
-    env = {
+def agent_env(mail: MailServer, server: CoordinatorServer, principal: str = "agent-a") -> dict[str, str]:
+    """The environment examples/providers/imap/README.md names, for this mail server and coordinator."""
+    return {
         **os.environ,
         "PYTHON": sys.executable,
         "INBOX_COORDINATOR_TARGET": server.address,
-        "INBOX_PRINCIPAL": "agent-a",
+        "INBOX_PRINCIPAL": principal,
         "INBOX_CLAIM_TTL": "5",
         "IMAP_ADDRESS": SUPPORT,
         "IMAP_HOST": "127.0.0.1",
@@ -283,7 +281,103 @@ async def test_a_watcher_killed_mid_message_and_restarted_loses_none_and_answers
         "SMTP_PORT": str(mail.smtp_port),
         "SMTP_TLS": "none",
         "IMAP_CHECK_EVERY": "1",
+        "LLM_DELAY": "1",
     }
+
+
+async def test_the_example_two_guarded_processes_reply_once_two_unguarded_at_least_twice(
+    mail: MailServer, server: CoordinatorServer, tmp_path: Path
+) -> None:
+    run = str(ROOT / "examples" / "providers" / "imap" / "run")
+
+    async def pair(*arguments: str) -> list[asyncio.subprocess.Process]:
+        with (tmp_path / "agents.log").open("ab") as log:
+            return [
+                await asyncio.create_subprocess_exec(
+                    run, *arguments, env=agent_env(mail, server, f"agent-{n}"), stdout=subprocess.PIPE, stderr=log
+                )
+                for n in (1, 2)
+            ]
+
+    async def stop(processes: list[asyncio.subprocess.Process]) -> None:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            await asyncio.wait_for(process.wait(), 30)
+
+    guarded = await pair()
+    try:
+        for process in guarded:
+            assert process.stdout is not None
+            assert (await process.stdout.readline()).startswith(b"watching")
+        mail.send("bea@example.test", SUPPORT, "Where is my order?", "Order 1042.")
+        await eventually(lambda: counts(mail, ["bea@example.test"]) == [1], within=30)
+    finally:
+        await stop(guarded)
+    assert counts(mail, ["bea@example.test"]) == [1], (tmp_path / "agents.log").read_text()
+
+    unguarded = await pair("--unguarded")
+    try:
+        await asyncio.sleep(1.0)  # both poll the Inbox (the guarded pair flagged bea's message answered)
+        mail.send("carl@example.test", SUPPORT, "Where is my order?", "Order 1043.")
+        await eventually(lambda: counts(mail, ["carl@example.test"])[0] >= 2, within=30)
+    finally:
+        await stop(unguarded)
+
+
+def facts_of(raw: str, folder: str = "INBOX") -> MessageFacts:
+    mailbox = ImapProvider(SUPPORT, host="imap.example.test", username=SUPPORT, password="x", sent_folder="Sent")
+    return mailbox.facts(folder, 7, 42, {b"BODY[HEADER]": raw.replace("\n", "\r\n").encode(), b"FLAGS": ()})
+
+
+def test_the_facts_of_a_message_thread_on_its_root_and_answer_its_reply_to() -> None:
+    facts = facts_of(
+        "From: Bea <bea@example.test>\nReply-To: orders@example.test\nSubject: Re: Order\n"
+        "Message-ID: <c@example.test>\nIn-Reply-To: <b@example.test>\nReferences: <a@example.test> <b@example.test>\n"
+        "Date: Fri, 04 Dec 2026 04:00:00 +0000\n\n"
+    )
+    assert (facts.dedup_key, facts.message_id, facts.thread_id) == (
+        "imap:INBOX:7:42",
+        "<c@example.test>",
+        "<a@example.test>",
+    )
+    assert (facts.sender, facts.from_addresses, facts.folders) == (
+        "Bea <bea@example.test>",
+        ("bea@example.test",),
+        ("INBOX",),
+    )
+    assert facts.reply.to == ("orders@example.test",)
+    assert facts.reply.references == ("<a@example.test>", "<b@example.test>")
+    assert facts.received_at is not None
+    assert facts.received_at.hour == 4
+    assert facts.stamp is None
+
+
+def test_a_reply_in_sent_is_outgoing_and_its_derived_message_id_is_the_stamp() -> None:
+    key = "ic1-" + "ab" * 32
+    facts = facts_of(f"From: support@example.test\nMessage-ID: <{key}.17@example.test>\nIn-Reply-To: <a@x>\n\n", "Sent")
+    assert facts.folders == ("Sent", "SENT")
+    assert facts.stamp is not None
+    assert (facts.stamp.key, facts.stamp.token) == (key, 17)
+    assert facts.thread_id == "<a@x>"
+    first = facts_of("From: dan@example.test\nSubject: Hi\n\n")  # no Message-ID: its UID names it
+    assert (first.message_id, first.thread_id) == ("imap:INBOX:7:42", None)
+
+
+def test_bad_settings_are_refused_with_what_to_set() -> None:
+    with pytest.raises(ValueError, match="the mailbox's email address"):
+        ImapProvider("support", host="h", username="u", password="p")
+    with pytest.raises(ValueError, match="RFC 2177"):
+        ImapProvider(SUPPORT, host="h", username="u", password="p", idle_seconds=30 * 60)
+    with pytest.raises(ValueError, match="set IMAP_HOST"):
+        ImapProvider.from_env({"IMAP_ADDRESS": SUPPORT})
+
+
+async def test_a_watcher_killed_mid_message_and_restarted_loses_none_and_answers_none_twice(
+    mail: MailServer, server: CoordinatorServer, clients: dict[str, AsyncCoordinator], tmp_path: Path
+) -> None:
+    log = (tmp_path / "agents.log").open("ab")
+    env = agent_env(mail, server)
     run = str(ROOT / "examples" / "providers" / "imap" / "run")
     # asyncio's subprocesses: every wait of this test leaves the event loop free (the coordinator runs in it).
     drafting_forever = await asyncio.create_subprocess_exec(
