@@ -149,6 +149,7 @@ class ImapProvider:
         idle_seconds: float = IDLE_SECONDS,
         check_every: float = CHECK_EVERY,
         smtp_timeout: float = 30.0,
+        imap_timeout: float = 30.0,
         ssl_context: ssl_module.SSLContext | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -163,6 +164,7 @@ class ImapProvider:
         self.username, self.password = username, password
         self.smtp_host = smtp_host or host
         self.smtp_port, self.smtp_tls, self.smtp_timeout = smtp_port, smtp_tls, smtp_timeout
+        self.imap_timeout = imap_timeout
         self.smtp_username = username if smtp_username is None else smtp_username
         self.smtp_password = password if smtp_password is None else smtp_password
         self.inbox = inbox
@@ -207,7 +209,9 @@ class ImapProvider:
 
     def connect(self) -> IMAPClient:
         """A new logged-in connection (the watcher's IDLE connections, one per folder)."""
-        client = IMAPClient(self.host, port=self.port, ssl=self.tls, ssl_context=self.ssl_context, timeout=30)
+        client = IMAPClient(
+            self.host, port=self.port, ssl=self.tls, ssl_context=self.ssl_context, timeout=self.imap_timeout
+        )
         try:
             client.login(self.username, self.password)
         except BaseException:
