@@ -134,8 +134,9 @@ async def unguarded_replies(mail: MailServer, customer: str, agents: int = 2) ->
     each reading the mailbox with its own memory of it."""
     mailboxes = [provider(mail) for _ in range(agents)]
     asked = mail.send(customer, SUPPORT, "Is it in stock?", "Item 7, please.")
-    for mailbox in mailboxes:
-        batch = await run_flow(mailbox.open(Accepted(Wake()), LocalCursors()))
+    # Both read the Inbox before either answers, as two copies polling it do while either drafts.
+    batches = [await run_flow(mailbox.open(Accepted(Wake()), LocalCursors())) for mailbox in mailboxes]
+    for mailbox, batch in zip(mailboxes, batches, strict=True):
         for facts in batch.facts:
             if "SENT" not in facts.folders and facts.from_addresses != (SUPPORT,):
                 await asyncio.to_thread(mailbox.send_reply, facts, BODY, UNCLAIMED)

@@ -250,7 +250,8 @@ class ImapProvider:
         return self.sent_folder
 
     def folders(self) -> tuple[str, str]:
-        return self.inbox, self.sent()
+        """Sent first: a person's reply of a batch is recorded before the work on what it answered starts."""
+        return self.sent(), self.inbox
 
     def _status(self, folder: str) -> tuple[int, int]:
         with self._session() as client:
@@ -258,14 +259,15 @@ class ImapProvider:
         return int(status[b"UIDVALIDITY"]), int(status[b"UIDNEXT"])
 
     def _read(self, folder: str, validity: int, after: int, first: bool, recover: bool) -> dict[int, dict[bytes, Any]]:
-        """The headers and flags of ``folder``'s messages past UID ``after`` (a first round: of the last day), and
-        with ``recover`` the unanswered ones of the last day at or before it."""
+        """The headers and flags of ``folder``'s messages past UID ``after`` (a first round: the last day's
+        unanswered ones), and with ``recover`` the unanswered ones of the last day at or before it."""
         since = date.fromtimestamp(self.clock() - RESYNC_SECONDS)
         with self._session() as client:
             selected = client.select_folder(folder, readonly=True)
             if int(selected[b"UIDVALIDITY"]) != validity:
                 raise ProviderError(f"{folder}'s UIDVALIDITY changed while it was read; read again")
-            uids = [u for u in client.search(["SINCE", since]) if u > after] if first else []
+            # A first round leaves what a mail client already flagged answered: someone did answer it.
+            uids = [u for u in client.search(["UNANSWERED", "SINCE", since]) if u > after] if first else []
             if not first:
                 # "N:*" answers the last message even when its UID is below N (RFC 3501 6.4.8).
                 uids = [u for u in client.search(["UID", f"{after + 1}:*"]) if u > after]
@@ -301,7 +303,8 @@ class ImapProvider:
             found = yield _io(self._read, folder, validity, range_.position, not range_.value, recover)
             for uid, item in sorted(found.items()):
                 facts.append(self.facts(folder, validity, uid, item))
-            end = max([range_.position, *(uid for uid in found if uid > range_.position)])
+            # Past every UID the read covered: what it left (older than a day, answered, expunged) it left for good.
+            end = max([range_.position, next_uid - 1, *(uid for uid in found if uid > range_.position)])
             moves.append((name, range_, end))
 
         def commit() -> Flow[None]:
