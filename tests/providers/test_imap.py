@@ -267,6 +267,23 @@ async def test_dovecot_restarted_under_the_watchers_they_reconnect_and_miss_noth
     assert counts(mail, CUSTOMERS) == [1, 1, 1]
 
 
+async def test_a_first_watcher_answers_the_unanswered_mail_of_the_last_day_and_moves_past_the_rest(
+    mail: MailServer, watch: Callable[..., Any], clients: dict[str, AsyncCoordinator]
+) -> None:
+    answered = mail.send("bea@example.test", SUPPORT, "Answered already", "One.")
+    mail.send("carl@example.test", SUPPORT, "Not answered yet", "Two.")
+    with mail.dovecot.imap(SUPPORT) as client:  # a person answered the first from a mail client before
+        client.select_folder("INBOX")
+        client.add_flags(client.search(["HEADER", "Message-ID", answered]), [b"\\Answered"])
+    watcher = await watch(clients["a1"])
+    await eventually(lambda: counts(mail, ["carl@example.test"]) == [1], within=30)
+    await quiet([watcher])
+    assert counts(mail, ["bea@example.test", "carl@example.test"]) == [0, 1]
+    with mail.dovecot.imap(SUPPORT) as client:
+        validity = client.folder_status("INBOX", [b"UIDVALIDITY"])[b"UIDVALIDITY"]
+    assert await clients["a1"].get_cursor(SUPPORT, f"imap:INBOX:{validity}") == ("2", 2)
+
+
 def agent_env(mail: MailServer, server: CoordinatorServer, principal: str = "agent-a") -> dict[str, str]:
     """The environment examples/providers/imap/README.md names, for this mail server and coordinator."""
     return {
