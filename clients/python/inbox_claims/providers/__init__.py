@@ -31,9 +31,10 @@ PROVIDERS = {
     "nylas": "inbox_claims.providers.nylas:NylasProvider",
     "graph": "inbox_claims.providers.graph:GraphProvider",
     "gmail": "inbox_claims.providers.gmail:GmailProvider",
-    "imap": "inbox_claims.providers.imap:ImapProvider",
 }
-"""Each provider's class by name, imported when asked for (Graph and Gmail need their extras)."""
+"""Each webhook provider's class by name, imported when asked for (Graph and Gmail need their extras); each has its
+vectors in conformance/providers/<name>/. IMAP has no webhook to replay: inbox_claims.providers.imap, tested against a
+real Dovecot (tests/providers/test_imap.py)."""
 
 __all__ = [
     "PROVIDERS",
