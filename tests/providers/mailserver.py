@@ -10,6 +10,7 @@ everything runs as that user. Dovecot's log is kept in the server's directory an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pwd
 import shutil
@@ -17,7 +18,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from email.message import EmailMessage
 from email.utils import formatdate, make_msgid
@@ -163,6 +164,10 @@ class Dovecot:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else "(no log)"
 
+    def logins(self, user: str) -> int:
+        """How many times ``user`` logged in so far (Dovecot's log)."""
+        return self.log_text().count(f"Login: user=<{user}>")
+
     def imap(self, user: str) -> IMAPClient:
         """A logged-in IMAP connection of ``user`` (what a person's mail client or the test reads with)."""
         client = IMAPClient("127.0.0.1", port=self.port, ssl=False, timeout=10)
@@ -272,6 +277,42 @@ class MailServer:
         with smtplib.SMTP("127.0.0.1", self.smtp_port, timeout=10) as smtp:
             smtp.send_message(message)
         return str(message["Message-ID"])
+
+
+@contextlib.asynccontextmanager
+async def quiet_cutting_proxy(port: int, cutoff: float) -> AsyncIterator[int]:
+    """A TCP proxy to ``127.0.0.1:port`` that cuts a connection quiet for ``cutoff`` seconds in either direction, as
+    a NAT or a server's idle timeout does; its own port."""
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await asyncio.wait_for(reader.read(65536), cutoff):
+                writer.write(data)
+                await writer.drain()
+        except (TimeoutError, OSError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def serve(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", port)
+        up = asyncio.ensure_future(pump(client_reader, server_writer))
+        down = asyncio.ensure_future(pump(server_reader, client_writer))
+        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        server_writer.close()
+        client_writer.close()
+        await asyncio.gather(up, down, return_exceptions=True)
+
+    listening = free_port()
+    server = await asyncio.start_server(serve, "127.0.0.1", listening)
+    try:
+        yield listening
+    finally:
+        server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 5)
 
 
 def mail_server(users: list[str]) -> Iterator[MailServer]:

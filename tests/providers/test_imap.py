@@ -29,7 +29,7 @@ from inbox_claims._effects import Invoke, Sleep
 from inbox_claims.providers import Accepted, MessageFacts
 from inbox_claims.providers._seam import Flow
 from inbox_claims.providers.imap import ImapProvider, ImapWatcher, Wake
-from tests.providers.mailserver import MailServer, mail_server
+from tests.providers.mailserver import MailServer, mail_server, quiet_cutting_proxy
 from tests.providers.support import UNCLAIMED, LocalCursors, eventually, settled_by_its_copy
 
 pytestmark = pytest.mark.etcd
@@ -282,6 +282,28 @@ async def test_a_first_watcher_answers_the_unanswered_mail_of_the_last_day_and_m
     with mail.dovecot.imap(SUPPORT) as client:
         validity = client.folder_status("INBOX", [b"UIDVALIDITY"])[b"UIDVALIDITY"]
     assert await clients["a1"].get_cursor(SUPPORT, f"imap:INBOX:{validity}") == ("2", 2)
+
+
+async def test_idle_is_issued_again_before_a_connection_quiet_too_long_is_cut(
+    mail: MailServer, watch: Callable[..., Any], clients: dict[str, AsyncCoordinator]
+) -> None:
+    # Between the watchers and Dovecot, what a NAT (or a server's IDLE timeout) does: cut a connection quiet for 2 s.
+    async with quiet_cutting_proxy(mail.dovecot.port, cutoff=2.0) as port:
+        watcher = await watch(clients["a1"], port=port, idle_seconds=0.5)
+        await eventually(lambda: len(watcher.idling) == 2)
+        logins = mail.dovecot.logins(SUPPORT)
+        await asyncio.sleep(5)  # more than two cutoffs
+        assert mail.dovecot.logins(SUPPORT) == logins  # IDLE again every 0.5 s: nothing cut, no new login
+        mail.send("bea@example.test", SUPPORT, "Still there?", "One.")
+        await eventually(lambda: counts(mail, ["bea@example.test"]) == [1], within=30)
+        await quiet([watcher])
+        # The same watcher issuing IDLE again less often than the cutoff is cut, and logs in again.
+        lazy = await watch(clients["a1"], port=port, idle_seconds=4.0)
+        await eventually(lambda: len(lazy.idling) == 2)
+        logins = mail.dovecot.logins(SUPPORT)
+        await asyncio.sleep(5)
+        assert mail.dovecot.logins(SUPPORT) >= logins + 2  # both IDLE connections cut, made again
+        await quiet([lazy])
 
 
 def agent_env(mail: MailServer, server: CoordinatorServer, principal: str = "agent-a") -> dict[str, str]:

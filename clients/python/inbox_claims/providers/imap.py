@@ -83,6 +83,10 @@ RECONNECT_MAX_S = 10.0
 IDLE_POLL_S = 1.0
 """How often an IDLE connection looks up from its wait: how soon a watcher closing is heard."""
 _FETCH = [b"BODY.PEEK[HEADER]", b"FLAGS"]
+QUIET_S = 1.0
+"""A command connection unused for longer is tried (NOOP) before it is used."""
+RETRY_MAX_S = 30.0
+"""The longest wait before a watcher's failed read is tried again."""
 _IMAP_ERRORS = (OSError, IMAPClientError, socket.timeout)
 
 
@@ -101,6 +105,15 @@ class Wake:
     Inbox's unanswered messages behind the cursor, whose claims may have lapsed)."""
 
     recover: bool = False
+
+
+def _drop(client: IMAPClient) -> None:
+    """Closes a connection, whatever state it is in (its socket too when the logout or shutdown fails)."""
+    try:
+        client.shutdown()
+    except _IMAP_ERRORS:
+        with contextlib.suppress(OSError):
+            client.socket().close()
 
 
 def _threaded(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
@@ -178,6 +191,7 @@ class ImapProvider:
         self.domain = self.address.rpartition("@")[2]
         self._lock = threading.Lock()
         self._client: IMAPClient | None = None
+        self._used = 0.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ImapProvider:
@@ -222,17 +236,25 @@ class ImapProvider:
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[IMAPClient]:
-        """The one command connection (reads, APPEND, flags), made again after any failure."""
+        """The one command connection (reads, APPEND, flags), made again after any failure. One quiet for a while is
+        tried with a NOOP first: a NAT or the server may have cut it, and an APPEND is not one to try twice."""
         with self._lock:
+            if self._client is not None and time.monotonic() - self._used > QUIET_S:
+                try:
+                    self._client.noop()
+                except _IMAP_ERRORS:
+                    _drop(self._client)
+                    self._client = None
             if self._client is None:
                 self._client = self.connect()
             try:
                 yield self._client
             except _IMAP_ERRORS:
                 client, self._client = self._client, None
-                with contextlib.suppress(*_IMAP_ERRORS):
-                    client.shutdown()
+                _drop(client)
                 raise
+            finally:
+                self._used = time.monotonic()
 
     def close(self) -> None:
         with self._lock:
@@ -467,8 +489,14 @@ class ImapWatcher:
         self._stopping = threading.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._threads: list[threading.Thread] = []
+        self._idling: set[str] = set()
         self.checks = 0
         """Deliveries opened so far (each wake, each periodic check)."""
+
+    @property
+    def idling(self) -> frozenset[str]:
+        """The folders whose IDLE connection is up now."""
+        return frozenset(self._idling)
 
     async def __aenter__(self) -> ImapWatcher:
         await self.start()
@@ -501,10 +529,18 @@ class ImapWatcher:
         return answer
 
     async def _checks(self) -> None:
+        retry = 0.5
         while True:
             await self._wanted.wait()
             self._wanted.clear()
-            await self._deliver(Wake())
+            answer = await self._deliver(Wake())
+            if answer.status < 300:
+                retry = 0.5
+                continue
+            # Nothing else may wake the watcher for a long time (the next mail, the periodic check): read again.
+            await asyncio.sleep(retry)
+            retry = min(retry * 2, RETRY_MAX_S)
+            self._wanted.set()
 
     def _idle(self, folder: str, wake: Callable[[], None]) -> None:
         """One folder's IDLE, in a thread: wakes the watcher on new mail and after every (re)connection."""
@@ -523,6 +559,7 @@ class ImapWatcher:
                 wake()  # what arrived while this connection was down
                 while not self._stopping.is_set():
                     client.idle()
+                    self._idling.add(folder)
                     began = time.monotonic()
                     while not self._stopping.is_set() and time.monotonic() - began < self.provider.idle_seconds:
                         if any(b"EXISTS" in response for response in client.idle_check(timeout=IDLE_POLL_S)):
@@ -531,8 +568,8 @@ class ImapWatcher:
             except _IMAP_ERRORS as error:
                 log.warning("imap: the IDLE connection on %s dropped (%s); reconnecting", folder, error)
             finally:
-                with contextlib.suppress(*_IMAP_ERRORS):
-                    client.shutdown()
+                self._idling.discard(folder)
+                _drop(client)
 
     async def aclose(self, grace: float | None = None) -> None:
         """Stops watching, lets running work finish (``shutdown_grace``), closes the connections."""
