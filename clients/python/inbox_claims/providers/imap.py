@@ -75,7 +75,10 @@ log = logging.getLogger("inbox_claims.providers.imap")
 IDLE_SECONDS = 29 * 60
 """RFC 2177: a client re-issues IDLE at least every 29 minutes, as servers may log it off after 30."""
 CHECK_EVERY = 300.0
-RANGE_TTL = 60
+RANGE_TTL = 10
+"""A folder's range lease: one read of what is new and its admission take well under a second; a watcher killed while
+holding one leaves the folder to the others after this. A range that lapses under a slow holder is read twice, and
+the second reading's claims are refused as duplicate deliveries."""
 RESYNC_SECONDS = 24 * 3600
 BUSY_WAIT_S = 0.25
 BUSY_LOOKS = 16
