@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from aiosmtpd.controller import Controller
-from aiosmtpd.smtp import SMTP, Envelope, Session
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 from imapclient import IMAPClient
 
 from coordinator.store.etcd.ports import free_port
@@ -202,7 +202,8 @@ class Delivering:
     """The SMTP server's handler: each accepted message into every local recipient's mailbox."""
 
     dovecot: Dovecot
-    received: list[tuple[str, list[str]]] = field(default_factory=list)
+    received: list[tuple[str, list[str], str]] = field(default_factory=list)
+    """Each message accepted: its sender, its recipients and who logged in to submit it ("": nobody)."""
     files_sent: bool = False
     """File a copy of each message a local user submits in their Sent folder, as Gmail's and Microsoft 365's SMTP
     submission do (the copy that settles a send whose answer was lost)."""
@@ -239,7 +240,8 @@ class Delivering:
                 task = asyncio.get_running_loop().create_task(self._retry(recipient, raw, folder))
                 self.queued.add(task)
                 task.add_done_callback(self.queued.discard)
-        self.received.append((sender, list(envelope.rcpt_tos)))
+        login = session.auth_data if session.authenticated and isinstance(session.auth_data, str) else ""
+        self.received.append((sender, list(envelope.rcpt_tos), login))
         if self.lose_answers:
             await asyncio.sleep(self.lose_answers)
         return "250 2.0.0 delivered"
@@ -252,7 +254,21 @@ class MailServer:
         self.dovecot = Dovecot(users)
         self.smtp_port = free_port()
         self.handler = Delivering(self.dovecot)
-        self.smtp = Controller(self.handler, hostname="127.0.0.1", port=self.smtp_port)
+        # AUTH offered (PLAIN, LOGIN) without TLS on loopback; a customer's mail is sent without it, as from outside.
+        self.smtp = Controller(
+            self.handler,
+            hostname="127.0.0.1",
+            port=self.smtp_port,
+            authenticator=self._authenticate,
+            auth_require_tls=False,
+        )
+
+    def _authenticate(
+        self, server: SMTP, session: Session, envelope: Envelope, mechanism: str, data: object
+    ) -> AuthResult:
+        login = data.login.decode().lower() if isinstance(data, LoginPassword) else ""
+        good = isinstance(data, LoginPassword) and login in self.dovecot.users and data.password.decode() == PASSWORD
+        return AuthResult(success=good, handled=False, auth_data=login)
 
     def start(self) -> None:
         self.dovecot.start()

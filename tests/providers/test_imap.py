@@ -28,7 +28,7 @@ from inbox_claims import AsyncClaim, AsyncCoordinator, Subject, SubjectState
 from inbox_claims._effects import Invoke, Sleep
 from inbox_claims.providers import Accepted, MessageFacts
 from inbox_claims.providers._seam import Flow
-from inbox_claims.providers.imap import ImapProvider, ImapWatcher, Wake
+from inbox_claims.providers.imap import ImapProvider, ImapSendRejected, ImapWatcher, Wake
 from tests.providers.mailserver import MailServer, mail_server, quiet_cutting_proxy
 from tests.providers.support import UNCLAIMED, LocalCursors, eventually, settled_by_its_copy
 
@@ -174,6 +174,10 @@ async def test_three_customers_two_agents_three_watchers_one_reply_each(
     assert sorted(str(h["Message-ID"]) for h in sent) == sorted(
         str(replies(mail, c)[0]["Message-ID"]) for c in CUSTOMERS
     )
+    # Each reply was submitted logged in as the mailbox (the server offers AUTH).
+    assert sorted(r for r in mail.handler.received if r[0] == SUPPORT) == sorted(
+        (SUPPORT, [customer], SUPPORT) for customer in CUSTOMERS
+    )
     # The originals are flagged answered, as a mail client flags what it answered.
     assert all(b"\\Answered" in item[b"FLAGS"] for item in mail.dovecot.messages(SUPPORT))
 
@@ -249,6 +253,29 @@ async def test_a_send_whose_smtp_answer_was_lost_is_settled_by_the_copy_the_serv
     (copy,) = [headers(item) for item in mail.dovecot.messages(SUPPORT, "Sent")]
     await settled_by_its_copy(clients["a1"], subject, str(copy["Message-ID"]), "agent-a")
     assert len(replies(mail, customer)) == 1
+
+
+async def test_a_send_the_smtp_server_refuses_frees_the_message_and_reaches_no_one(
+    mail: MailServer, watch: Callable[..., Any], clients: dict[str, AsyncCoordinator]
+) -> None:
+    mailbox = provider(mail, smtp_password="not-the-password")  # the server refuses its login
+    refused: list[BaseException] = []
+
+    async def answer(message: MessageFacts, claim: AsyncClaim) -> None:
+        try:
+            await claim.send(mailbox.reply, message, body=BODY)
+        except ImapSendRejected as error:
+            refused.append(error)
+
+    watcher = await watch(clients["a1"], answer)
+    mail.send("bea@example.test", SUPPORT, "Where is my order?", "Order 9.")
+    await eventually(lambda: len(refused) == 1, within=20)
+    await quiet([watcher])
+    assert "log in to the SMTP server, nothing was sent" in str(refused[0])
+    subject, _ = original(mail, "bea@example.test", "Where is my order?")
+    assert (await clients["a1"].status(subject)).state is SubjectState.FREE  # another agent (or a person) may answer
+    assert counts(mail, ["bea@example.test"]) == [0]
+    assert [r for r in mail.handler.received if r[0] == SUPPORT] == []
 
 
 async def test_dovecot_restarted_under_the_watchers_they_reconnect_and_miss_nothing(

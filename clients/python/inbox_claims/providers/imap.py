@@ -433,7 +433,9 @@ class ImapProvider:
         try:
             smtp = self._smtp()
         except (OSError, smtplib.SMTPException) as error:
-            raise ImapSendRejected(f"could not reach the SMTP server, nothing was sent: {error}") from error
+            raise ImapSendRejected(
+                f"could not reach or log in to the SMTP server, nothing was sent: {error}"
+            ) from error
         with smtp:
             try:
                 smtp.send_message(mail)
@@ -445,16 +447,25 @@ class ImapProvider:
                 ) from error
 
     def _smtp(self) -> smtplib.SMTP:
+        """A connection to the submission server, encrypted as ``smtp_tls`` says and logged in where it offers AUTH.
+        The certificate is verified (``ssl_context``, else the system's): smtplib's own STARTTLS context does not."""
+        context = self.ssl_context or ssl_module.create_default_context()
         if self.smtp_tls == "tls":
             smtp: smtplib.SMTP = smtplib.SMTP_SSL(
-                self.smtp_host, self.smtp_port, timeout=self.smtp_timeout, context=self.ssl_context
+                self.smtp_host, self.smtp_port, timeout=self.smtp_timeout, context=context
             )
         else:
             smtp = smtplib.SMTP(self.smtp_host, self.smtp_port, timeout=self.smtp_timeout)
+        try:
+            smtp.ehlo()
             if self.smtp_tls == "starttls":
-                smtp.starttls(context=self.ssl_context)
-        if self.smtp_username and "auth" in (smtp.ehlo_resp or b"").decode(errors="replace").lower():
-            smtp.login(self.smtp_username, self.smtp_password)
+                smtp.starttls(context=context)
+                smtp.ehlo()
+            if self.smtp_username and smtp.has_extn("auth"):
+                smtp.login(self.smtp_username, self.smtp_password)
+        except BaseException:
+            smtp.close()
+            raise
         return smtp
 
     def file_copy(self, mail: EmailMessage) -> None:
