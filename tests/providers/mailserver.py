@@ -312,8 +312,12 @@ async def quiet_cutting_proxy(port: int, cutoff: float) -> AsyncIterator[int]:
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
 
+    open_writers: set[asyncio.StreamWriter] = set()
+
     async def serve(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        open_writers.add(client_writer)
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", port)
+        open_writers.add(server_writer)
         up = asyncio.ensure_future(pump(client_reader, server_writer))
         down = asyncio.ensure_future(pump(server_reader, client_writer))
         await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
@@ -327,6 +331,10 @@ async def quiet_cutting_proxy(port: int, cutoff: float) -> AsyncIterator[int]:
         yield listening
     finally:
         server.close()
+        for writer in open_writers:  # what is still connected: the proxy's end of it closed
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server.wait_closed(), 5)
 

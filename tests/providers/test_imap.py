@@ -442,6 +442,18 @@ def test_bad_settings_are_refused_with_what_to_set() -> None:
         ImapProvider.from_env({"IMAP_ADDRESS": SUPPORT})
 
 
+async def test_watchers_started_while_dovecot_is_down_answer_what_arrived_once_it_is_up(
+    mail: MailServer, watch: Callable[..., Any], clients: dict[str, AsyncCoordinator]
+) -> None:
+    mail.dovecot.stop()
+    mail.send("bea@example.test", SUPPORT, "Sent while the server was down", "One.")  # queued by the SMTP server
+    watchers = [await watch(clients["a1"]), await watch(clients["b"])]  # their first read fails; they start anyway
+    mail.dovecot.start()
+    await eventually(lambda: counts(mail, ["bea@example.test"]) == [1], within=60)
+    await quiet(watchers)
+    assert counts(mail, ["bea@example.test"]) == [1]
+
+
 async def test_a_watcher_killed_mid_message_and_restarted_loses_none_and_answers_none_twice(
     mail: MailServer, server: CoordinatorServer, clients: dict[str, AsyncCoordinator], tmp_path: Path
 ) -> None:

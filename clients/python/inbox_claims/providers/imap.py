@@ -525,11 +525,12 @@ class ImapWatcher:
         self.app.start()
         await self._deliver(Wake(recover=True))
         self._tasks.append(loop.create_task(self._checks(), name="imap checks"))
-        for folder in await asyncio.to_thread(self.provider.folders):
+        for sent in (True, False):
             # A thread of its own: an IDLE waits for as long as the watcher runs, and would hold one of the few
-            # workers of asyncio's default pool that every read and send runs in.
+            # workers of asyncio's default pool that every read and send runs in. It finds its folder once connected:
+            # a watcher started while the server is down waits for it, and reads what it missed once it is up.
             thread = threading.Thread(
-                target=self._idle, args=(folder, _threadsafe(loop, self._wanted.set)), name=f"imap idle {folder}"
+                target=self._idle, args=(sent, _threadsafe(loop, self._wanted.set)), name="imap idle"
             )
             thread.daemon = True
             thread.start()
@@ -556,11 +557,14 @@ class ImapWatcher:
             retry = min(retry * 2, RETRY_MAX_S)
             self._wanted.set()
 
-    def _idle(self, folder: str, wake: Callable[[], None]) -> None:
-        """One folder's IDLE, in a thread: wakes the watcher on new mail and after every (re)connection."""
+    def _idle(self, sent: bool, wake: Callable[[], None]) -> None:
+        """IDLE on the Sent folder or the Inbox, in a thread: wakes the watcher on new mail and after every
+        (re)connection."""
         backoff = 0.5
+        folder = "Sent" if sent else self.provider.inbox
         while not self._stopping.is_set():
             try:
+                folder = self.provider.sent() if sent else self.provider.inbox
                 client = self.provider.connect()
             except _IMAP_ERRORS as error:
                 log.warning("imap: cannot connect for IDLE on %s (%s); again in %.1f s", folder, error, backoff)
@@ -569,8 +573,9 @@ class ImapWatcher:
                 continue
             backoff = 0.5
             try:
-                client.select_folder(folder, readonly=True)
+                selected = client.select_folder(folder, readonly=True)
                 wake()  # what arrived while this connection was down
+                seen = selected.get(b"UIDNEXT")
                 while not self._stopping.is_set():
                     client.idle()
                     self._idling.add(folder)
@@ -579,6 +584,12 @@ class ImapWatcher:
                         if any(b"EXISTS" in response for response in client.idle_check(timeout=IDLE_POLL_S)):
                             wake()
                     client.idle_done()  # re-issued before the server's timeout (RFC 2177)
+                    # An EXISTS the server sent as IDLE began (before its "+") is not one idle_check returns: the
+                    # folder's next UID, between two IDLEs, tells of any mail that came since the last look.
+                    now = client.folder_status(folder, [b"UIDNEXT"]).get(b"UIDNEXT")
+                    if now != seen:
+                        wake()
+                    seen = now
             except _IMAP_ERRORS as error:
                 log.warning("imap: the IDLE connection on %s dropped (%s); reconnecting", folder, error)
             finally:
