@@ -294,6 +294,16 @@ class WebhookApp:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
+    def start(self) -> None:
+        """Schedules the provider's periodic check now (an app run without its lifespan: a watcher's)."""
+        self._closing = False
+        self._start_periodic()
+
+    async def deliver(self, accepted: Accepted) -> Answer:
+        """A delivery a watcher opened itself (IMAP's IDLE): admitted as a webhook's, its work started; the answer a
+        webhook would have had (a 503 when nothing was recorded)."""
+        return closing_answer() if self._closing else await self._accept(accepted)
+
     def _start_periodic(self) -> None:
         if self._periodic is None or self._periodic_task is not None or self._closing:
             return
@@ -442,7 +452,8 @@ def admission_timeout(options: WebhookOptions, provider: str = "nylas") -> float
 
 # How long each provider waits for an answer: Nylas 10 s; Graph wants its 202 within 3 s; Pub/Sub's push
 # acknowledgement deadline is 10 s by default; Svix (AgentMail, Resend) waits 15 s.
-_PROVIDER_WAIT = {"nylas": 10.0, "graph": 3.0, "gmail": 10.0, "agentmail": 15.0, "resend": 15.0}
+# An IMAP watcher has no one waiting: its bound only keeps a stuck read from holding the cursor's range.
+_PROVIDER_WAIT = {"nylas": 10.0, "graph": 3.0, "gmail": 10.0, "agentmail": 15.0, "resend": 15.0, "imap": 60.0}
 
 
 def with_outgoing(rules: OutgoingRules, provider: Provider, facts: MessageFacts) -> MessageFacts:

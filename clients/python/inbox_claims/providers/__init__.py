@@ -3,8 +3,10 @@ value the guard, the webhook adapters, the outgoing rules and the MCP tools read
 
 One module per provider: :mod:`~inbox_claims.providers.nylas`, :mod:`~inbox_claims.providers.graph` (the ``graph``
 extra), :mod:`~inbox_claims.providers.gmail` (the ``gmail`` extra), :mod:`~inbox_claims.providers.agentmail` and
-:mod:`~inbox_claims.providers.resend` (Svix-signed; httpx for their APIs). The webhook adapters take any of them:
-``inbox_claims.asgi.webhook_app(provider, handle, coordinator=...)`` and ``inbox_claims.wsgi.webhook_wsgi``.
+:mod:`~inbox_claims.providers.resend` (Svix-signed; httpx for their APIs), :mod:`~inbox_claims.providers.imap` (the
+``imap`` extra). The webhook adapters take any of them:
+``inbox_claims.asgi.webhook_app(provider, handle, coordinator=...)`` and ``inbox_claims.wsgi.webhook_wsgi``; an IMAP
+mailbox has no webhook: its ``ImapWatcher`` watches it, through the same admission.
 """
 
 from ._seam import (
@@ -33,7 +35,9 @@ PROVIDERS = {
     "agentmail": "inbox_claims.providers.agentmail:AgentMailProvider",
     "resend": "inbox_claims.providers.resend:ResendProvider",
 }
-"""Each provider's class by name, imported when asked for (Graph and Gmail need their extras)."""
+"""Each webhook provider's class by name, imported when asked for (Graph and Gmail need their extras); each has its
+vectors in conformance/providers/<name>/. IMAP has no webhook to replay: inbox_claims.providers.imap, tested against a
+real Dovecot (tests/providers/test_imap.py)."""
 
 __all__ = [
     "PROVIDERS",
