@@ -172,7 +172,7 @@ class Webhook implements WebhookHandler {
         const facts = { ...found, outgoing: found.outgoing ?? coordinator.outgoing.judge(found.folders, found.fromAddresses, this.provider.mailboxAddresses) };
         if (!this.events.has(facts.event)) continue;
         try {
-          granted.push([facts, await coordinator.admit(facts, { ttl, scope, note, mailbox }, deadline)]);
+          granted.push([facts, await coordinator.admit(facts, { ttl, scope, note, mailbox, provider: this.provider }, deadline)]);
         } catch (error) {
           if (!(error instanceof ClaimNotGranted)) throw error;
           this.refused(error, facts); // recorded: a redelivery, a message someone else answers, an outgoing message

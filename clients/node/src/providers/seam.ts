@@ -41,7 +41,7 @@ export function parseStamp(value: string | undefined | null): ClaimStamp | undef
   return match ? { key: match[1]!, token: BigInt(match[2]!) } : undefined;
 }
 
-/** Whether a message is automated mail and why; every provider leaves MessageFacts.automated undefined (not known) for now. */
+/** Whether a message is automated mail and why (the rule and value: "Auto-Submitted: auto-replied"), by judgeAutomated. */
 export interface Automated {
   readonly automated: boolean;
   readonly why: string;
@@ -74,7 +74,10 @@ export interface MessageFacts {
   readonly folders: readonly string[];
   /** Why the mailbox sent it, as the client's outgoing rules decide; undefined: incoming (or not judged yet). */
   readonly outgoing: OutgoingMatch | undefined;
-  /** Undefined: not known (every provider, until the reply-storm rules fill it). */
+  /**
+   * Whether it is automated mail agents leave (src/automated.ts, conformance/automated.json), judged on its headers;
+   * undefined: not known (a provider that could not read them).
+   */
   readonly automated: Automated | undefined;
   readonly stamp: ClaimStamp | undefined;
   readonly reply: ReplyContext;
@@ -266,6 +269,11 @@ export interface Provider {
    */
   periodic?(): Accepted;
   readonly periodicIntervalMs?: number;
+  /**
+   * The messages of `message`'s thread received after it, as facts (the look before a send, docs/node.md): one or a
+   * few API requests. A ProviderError when the provider's API cannot answer.
+   */
+  since?(message: MessageFacts): Promise<MessageFacts[]>;
 }
 
 // -- helpers the providers share ---------------------------------------------------------------------------
