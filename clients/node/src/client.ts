@@ -44,6 +44,7 @@ import { AUTOMATED_REASON_MAX_BYTES, Claim, cleanText, resolveSubject, SUMMARY_T
 import { parseNotification, type Notification } from "./envelope.js";
 import { factsOf } from "./providers/nylas.js";
 import { isMessageFacts, type CursorRange, type Cursors, type MessageFacts } from "./providers/seam.js";
+import { judgeAutomated } from "./automated.js";
 import { MAILBOX_ADDRESSES_ENV, OutgoingRules, SENT_FOLDERS_ENV } from "./outgoing.js";
 
 export const DEFAULT_TARGET = "127.0.0.1:50051";
@@ -807,6 +808,8 @@ export class Coordinator {
     const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "", summary, threadId, receivedAt, correspondent);
     if (facts !== undefined && options.provider !== undefined) claim.look = { facts, provider: options.provider };
     const why = facts === undefined ? undefined : (facts.outgoing ?? this.outgoing.judge(facts.folders, facts.fromAddresses));
+    // A provider that could not read the headers (a Nylas notification without the API key): the sender's rules alone.
+    const automated = facts === undefined ? undefined : (facts.automated ?? judgeAutomated(undefined, facts.fromAddresses[0]));
     if (facts !== undefined && why !== undefined) {
       const report =
         facts.messageId && threadId && receivedAt
@@ -819,17 +822,17 @@ export class Coordinator {
             })
           : undefined;
       claim.outgoing = { why, report };
-    } else if (facts?.automated?.automated) {
+    } else if (facts !== undefined && automated?.automated) {
       // Automated mail is recorded for the people watching (a person may still answer it), never claimed by an agent.
       const report =
         facts.messageId && threadId && receivedAt
           ? this.recordIncomingOp(subject.mailbox, facts.messageId, threadId, receivedAt, {
               notificationId,
               summary,
-              automated: cleanText(facts.automated.why, AUTOMATED_REASON_MAX_BYTES),
+              automated: cleanText(automated.why, AUTOMATED_REASON_MAX_BYTES),
             })
           : undefined;
-      claim.automated = { why: facts.automated.why, report };
+      claim.automated = { why: automated.why, report };
     }
     await claim.enter(deadline);
     return claim;

@@ -17,7 +17,8 @@
 //
 // A notification carries no headers: with the API key (NylasProviderOptions.apiKey) open() reads the message with
 // its headers (GET .../messages/{id}?fields=include_headers, one request per message notification) for the
-// automated-mail rules; without it only the sender is judged (no-reply, mailer-daemon). The same key lets the send
+// automated-mail rules; without it MessageFacts.automated is undefined (not known) and the guard judges the sender
+// alone (no-reply, mailer-daemon). The same key lets the send
 // path look at the thread first (since(): GET .../messages?thread_id=&received_after=, one request per send).
 import { AUTO_SUBMITTED_HEADER, AUTO_SUBMITTED_VALUE, judgeAutomated } from "../automated.js";
 import { InboxClaimsError, SendRejected } from "../errors.js";
@@ -92,8 +93,9 @@ function messageFacts(
     fromAddresses: emails(senders),
     folders: Array.isArray(message.folders) ? message.folders.filter((f): f is string => typeof f === "string") : [],
     outgoing: undefined,
-    // `headers` only when the message was read with fields=include_headers; else the sender alone is judged.
-    automated: judgeAutomated(Array.isArray(message.headers) ? (message.headers as { name: string; value: string }[]) : undefined, email),
+    // `headers` only when the message was read with fields=include_headers; without them: not known (the guard then
+    // applies the sender's rules).
+    automated: Array.isArray(message.headers) ? judgeAutomated(message.headers as { name: string; value: string }[], email) : undefined,
     stamp: undefined,
     reply: { to: emails(replyTo).filter((address) => address), subject: replySubject(subject), internetMessageId: undefined, references: [] },
     source: known.source,
@@ -185,7 +187,7 @@ export class NylasProvider implements Provider {
     if (facts === undefined || !this.apiKey) return batchOf(facts === undefined ? [] : [facts]);
     // The notification has no headers: the message as the API gives it, with them, for the automated-mail rules.
     const response = await this.transport(this.api(`messages/${encodeURIComponent(facts.messageId)}`, facts.mailbox, [["fields", "include_headers"]]));
-    if (response.status === 404) return batchOf(); // deleted before it was read: nothing to answer
+    if (response.status === 404) return batchOf([facts]); // deleted since: the facts as notified (automated not known)
     const document = jsonOf(response);
     const data = isRecord(document) ? document.data : undefined;
     if (response.status !== 200 || !isRecord(data)) throw new ProviderError(`reading message ${JSON.stringify(facts.messageId)} with its headers answered HTTP ${response.status}`);
