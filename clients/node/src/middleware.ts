@@ -62,8 +62,16 @@ export interface WebhookOptions extends ReplyOptions {
   admissionTimeoutMs?: number;
   /** Called with what the background work threw (default: a process warning); refusals are not errors. */
   onError?: (error: unknown, notification: Notification) => void;
-  /** Called when the claim was refused (a redelivery, a message someone else answers...). */
+  /** Called when the claim was refused (a redelivery, a message someone else answers, automated mail...). */
   onRefused?: (refusal: ClaimNotGranted, notification: Notification) => void;
+  /**
+   * The Nylas API key: with it each message is read with its headers for the automated-mail rules (one GET per
+   * message notification) and the thread is looked at right before each send (one GET per send); without it only
+   * the sender's address tells automated mail (docs/node.md, "Reply storms").
+   */
+  apiKey?: string;
+  /** The Nylas API's base URL (default https://api.us.nylas.com). */
+  apiBase?: string;
 }
 
 const TEXT = "text/plain; charset=utf-8";
@@ -309,9 +317,9 @@ function nylasWebhookOf(options: WebhookOptions): Webhook {
   if (typeof options.secret === "string" ? !options.secret : options.secret.length === 0) {
     throw new TypeError("webhook secret is empty: check the server's configuration");
   }
-  const { secret, work, onError, onRefused, ...rest } = options;
+  const { secret, work, onError, onRefused, apiKey, apiBase, ...rest } = options;
   const source = (facts: MessageFacts): Notification => facts.source as Notification;
-  return new Webhook(new NylasProvider(secret), {
+  return new Webhook(new NylasProvider(secret, { apiKey, apiBase }), {
     ...rest,
     work: (facts, claim) => work(source(facts), claim),
     onError: onError && ((error, facts) => onError(error, source(facts))),

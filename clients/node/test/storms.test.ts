@@ -1,0 +1,416 @@
+// Reply storms (docs/design.md#reply-storms) through the Node client, against a real coordinator pair on a real etcd
+// (the coordinator's own tests: tests/server/test_reply_storms.py): the agents' reply budget per thread and per
+// correspondent refused at the commit point with its own exception (and across both replicas exactly one agent gets
+// the last unit), a conversation that moved on, automated mail recorded for people and never handed to the work,
+// and the look before a send (Nylas, on a Nylas API double following the documented endpoints) that finds the
+// customer's newer message or a person's reply first. People are never refused.
+import { after, before, test } from "node:test";
+import assert from "node:assert/strict";
+import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
+import type { AddressInfo } from "node:net";
+import { Cluster } from "../src/testing.js";
+import { Nylas, replyTo as nylasReply } from "../src/nylas.js";
+import {
+  AutomatedMessage,
+  ClaimLost,
+  ConversationMovedOn,
+  Coordinator,
+  messageSubject,
+  nylasWebhookListener,
+  ReplyBudgetSpent,
+  ReplyRefused,
+  signNylas,
+  type Claim,
+  type Envelope,
+  type Notification,
+} from "../src/index.js";
+
+let cluster: Cluster;
+before(async () => {
+  cluster = await Cluster.start({ replicas: 2, minTtl: 2 });
+});
+after(async () => {
+  await cluster?.stop();
+});
+
+let counter = 0;
+const unique = (name: string): string => `${name}-${process.pid}-${++counter}`;
+const ASKED = 1_796_220_000; // a message's date, unix seconds
+
+interface Person {
+  name?: string;
+  email: string;
+}
+
+/** A Nylas message object as the API and the notifications give it (`headers` only read with fields=include_headers). */
+interface NylasMessage {
+  id: string;
+  grant_id: string;
+  thread_id: string;
+  object: "message";
+  subject: string;
+  from: Person[];
+  reply_to: Person[];
+  to: Person[];
+  date: number;
+  folders: string[];
+  headers?: { name: string; value: string }[];
+}
+
+function message(grant: string, id: string, thread: string, options: { date?: number; from?: Person; folders?: string[]; headers?: Record<string, string> } = {}): NylasMessage {
+  return {
+    id,
+    grant_id: grant,
+    thread_id: thread,
+    object: "message",
+    subject: "Where is my order?",
+    from: [options.from ?? { name: "Bea Costa", email: "bea@example.org" }],
+    reply_to: [],
+    to: [{ email: "support@shop.example" }],
+    date: options.date ?? ASKED,
+    folders: options.folders ?? ["INBOX"],
+    headers: Object.entries({ "Message-ID": `<${id}@mail.example>`, ...options.headers }).map(([name, value]) => ({ name, value })),
+  };
+}
+
+/** The message.created notification of `m`: as Nylas sends it, without the message's headers. */
+function notificationOf(m: NylasMessage): Envelope {
+  const { headers: _headers, ...object } = m;
+  return { specversion: "1.0", type: "message.created", id: unique("notif"), time: m.date + 2, data: { application_id: "app-1", object } };
+}
+
+/**
+ * The Nylas API for one API key, as documented (developer.nylas.com: Get Message with fields=include_headers, Get
+ * Messages with thread_id / received_after, Send Message with custom_headers and reply_to_message_id): `messages` is
+ * the mailbox, `sent` what was sent through it.
+ */
+class NylasApi {
+  readonly messages = new Map<string, NylasMessage>();
+  readonly sent: Record<string, unknown>[] = [];
+  readonly calls: string[] = [];
+  url = "";
+  private server: Server | undefined;
+
+  constructor(readonly apiKey: string) {}
+
+  async start(): Promise<this> {
+    this.server = createServer((req, res) => void this.answer(req, res));
+    await new Promise<void>((ok) => this.server!.listen(0, "127.0.0.1", ok));
+    this.server.unref();
+    this.url = `http://127.0.0.1:${(this.server.address() as AddressInfo).port}`;
+    return this;
+  }
+
+  stop(): void {
+    this.server?.closeAllConnections();
+    this.server?.close();
+  }
+
+  private async answer(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const chunks: Buffer[] = [];
+    for await (const chunk of req) chunks.push(chunk as Buffer);
+    const url = new URL(req.url ?? "/", this.url);
+    const reply = (status: number, body: unknown): void => void res.writeHead(status, { "content-type": "application/json" }).end(JSON.stringify({ request_id: "req-1", ...(body as object) }));
+    if (req.headers.authorization !== `Bearer ${this.apiKey}`) return reply(401, { error: { type: "unauthorized", message: "bad API key" } });
+    const path = url.pathname.split("/").map(decodeURIComponent); // ["", "v3", "grants", grant, "messages", ...]
+    this.calls.push(`${req.method} ${path.slice(4).join("/")}`);
+    const withHeaders = url.searchParams.get("fields") === "include_headers";
+    const shown = (m: NylasMessage): Partial<NylasMessage> => (withHeaders ? m : { ...m, headers: undefined });
+    if (req.method === "GET" && path.length === 6) {
+      const found = this.messages.get(path[5]!);
+      return found === undefined || found.grant_id !== path[3] ? reply(404, { error: { type: "not_found_error", message: "message not found" } }) : reply(200, { data: shown(found) });
+    }
+    if (req.method === "GET" && path.length === 5) {
+      const thread = url.searchParams.get("thread_id");
+      const after = Number(url.searchParams.get("received_after") ?? "0");
+      const data = [...this.messages.values()]
+        .filter((m) => m.grant_id === path[3] && (thread === null || m.thread_id === thread) && m.date > after)
+        .sort((a, b) => b.date - a.date) // newest first, as Nylas lists them
+        .map(shown);
+      return reply(200, { data });
+    }
+    if (req.method === "POST" && path[5] === "send") {
+      const body = JSON.parse(Buffer.concat(chunks).toString("utf8")) as Record<string, unknown>;
+      this.sent.push(body);
+      return reply(200, { data: { id: `sent-${this.sent.length}`, grant_id: path[3] } });
+    }
+    return reply(404, { error: { type: "not_found_error", message: "no such endpoint" } });
+  }
+}
+
+/** One agent's reply to a message of `thread` through replyTo and claim.send; what its send function was given. */
+async function agentReply(
+  agent: Coordinator,
+  mailbox: string,
+  messageId: string,
+  thread: string,
+  options: { date?: number; correspondent?: string; beforeSend?: () => Promise<void> } = {},
+): Promise<string | undefined> {
+  const target = { mailbox, messageId, threadId: thread, receivedAt: new Date((options.date ?? ASKED) * 1000), notificationId: unique("n"), correspondent: options.correspondent };
+  return agent.replyTo(target, { ttl: 30 }, async (claim) => {
+    await options.beforeSend?.();
+    return claim.send(() => `sent-${messageId}`);
+  });
+}
+
+test("a thread's fourth agent reply within the hour is refused at the commit point: ReplyBudgetSpent, nothing sent, the claim released; a person still answers", async () => {
+  const mailbox = unique("budget");
+  const thread = unique("thread");
+  const agents = [cluster.client("agent-a"), cluster.client("agent-b", { replica: 1 })];
+  for (let i = 1; i <= 3; i++) assert.equal(await agentReply(agents[i % 2]!, mailbox, `m-${i}`, thread, { date: ASKED + i }), `sent-m-${i}`);
+  let called = false;
+  let claimed: Claim | undefined;
+  const refused = await agents[0]!
+    .replyTo({ mailbox, messageId: "m-4", threadId: thread, receivedAt: new Date((ASKED + 4) * 1000), notificationId: unique("n") }, { ttl: 30 }, async (claim) => {
+      claimed = claim;
+      await claim.send(() => ((called = true), "never"));
+    })
+    .then(
+      () => undefined,
+      (error: unknown) => error,
+    );
+  assert.ok(refused instanceof ReplyBudgetSpent, String(refused));
+  assert.ok(refused instanceof ReplyRefused);
+  assert.equal(called, false, "the send function ran");
+  assert.equal(refused.kind, "REPLY_BUDGET_SPENT");
+  assert.equal(refused.scope, "thread");
+  assert.equal(refused.limit, 3);
+  assert.equal(refused.windowSeconds, 3600);
+  assert.equal(refused.counted, 3);
+  assert.ok(refused.freesAt instanceof Date);
+  assert.match(refused.reason, /^agents stopped: 3 agent replies to this conversation in the last hour — a person should look$/);
+  assert.match(refused.message, /agents stopped/);
+  // Released, not left held: the other agent is granted the message at once, and refused the same way.
+  const subject = messageSubject(mailbox, "m-4");
+  const status = await agents[1]!.status(subject);
+  assert.notEqual(status.state, "CLAIMED");
+  assert.ok(claimed !== undefined && claimed.token > 0n);
+  // The refusal is on the claim while it is held (for the people watching), as BeginSend answered it.
+  assert.equal(refused.status?.agentsStopped?.kind, "REPLY_BUDGET_SPENT");
+  assert.match(refused.status?.agentsStopped?.reason ?? "", /a person should look/);
+  await assert.rejects(agentReply(agents[1]!, mailbox, "m-4", thread, { date: ASKED + 4 }), ReplyBudgetSpent);
+  // A person's claim and send are never refused, nor counted.
+  const person = cluster.client("ana@shop.example", { kind: "human", replica: 1 });
+  assert.equal(await agentReply(person, mailbox, "m-4", thread, { date: ASKED + 4 }), "sent-m-4");
+  assert.equal((await person.status(subject)).state, "REPLIED");
+});
+
+test("24 agents on two replicas race the thread budget's last unit: exactly one sends, the others get ReplyBudgetSpent", async () => {
+  const mailbox = unique("race");
+  const thread = unique("thread");
+  const agents = Array.from({ length: 24 }, (_, i) => cluster.client(`agent-${i}`, { replica: i % 2 }));
+  for (let i = 1; i <= 2; i++) await agentReply(agents[i]!, mailbox, `m-${i}`, thread, { date: ASKED + i });
+  // Every agent holds its claim on a message of the same burst (same date: none moved on) before any sends.
+  let claimed = 0;
+  let release!: () => void;
+  const allClaimed = new Promise<void>((ok) => (release = ok));
+  const outcomes = await Promise.allSettled(
+    agents.map((agent, i) =>
+      agentReply(agent, mailbox, `burst-${i}`, thread, {
+        date: ASKED + 10,
+        beforeSend: async () => {
+          if (++claimed === agents.length) release();
+          await allClaimed;
+        },
+      }),
+    ),
+  );
+  const sent = outcomes.filter((o) => o.status === "fulfilled");
+  const refusals = outcomes.filter((o): o is PromiseRejectedResult => o.status === "rejected").map((o) => o.reason as Error);
+  assert.equal(sent.length, 1, refusals.map(String).join("\n"));
+  assert.equal(refusals.length, 23);
+  for (const refusal of refusals) assert.ok(refusal instanceof ReplyBudgetSpent && refusal.scope === "thread", String(refusal));
+});
+
+test("the correspondent's budget spans threads: the eleventh agent reply to one sender in a day is refused, the address compared without case", async () => {
+  const mailbox = unique("correspondent");
+  const agent = cluster.client("agent-c");
+  for (let i = 1; i <= 10; i++) {
+    const m = message(mailbox, `c-${i}`, unique("t"), { from: { email: i % 2 ? "Carl@Example.net" : "carl@example.net" } });
+    assert.equal(await agent.replyTo(notificationOf(m), { ttl: 30 }, (claim) => claim.send(() => `sent-${i}`)), `sent-${i}`);
+  }
+  const eleventh = message(mailbox, "c-11", unique("t"), { from: { email: "CARL@example.NET" } });
+  const refused = await agent.replyTo(notificationOf(eleventh), { ttl: 30 }, (claim) => claim.send(() => "never")).catch((error: unknown) => error);
+  assert.ok(refused instanceof ReplyBudgetSpent, String(refused));
+  assert.equal(refused.scope, "correspondent");
+  assert.equal(refused.limit, 10);
+  assert.equal(refused.windowSeconds, 86400);
+  assert.match(refused.reason, /^agents stopped: 10 agent replies to carl@example\.net in the last day — a person should look$/);
+});
+
+test("the customer wrote again while the agent drafted: its send is ConversationMovedOn, the claim released; the newer message's claim sends", async () => {
+  const mailbox = unique("moved");
+  const thread = unique("thread");
+  const first = cluster.client("agent-first");
+  const second = cluster.client("agent-second", { replica: 1 });
+  let drafted!: () => void;
+  const drafting = new Promise<void>((ok) => (drafted = ok));
+  let called = false;
+  const stale = first
+    .replyTo({ mailbox, messageId: "m-1", threadId: thread, receivedAt: new Date(ASKED * 1000), notificationId: unique("n") }, { ttl: 30 }, async (claim) => {
+      await drafting;
+      await claim.send(() => ((called = true), "never"));
+    })
+    .catch((error: unknown) => error);
+  await new Promise((ok) => setTimeout(ok, 200)); // the first agent holds m-1 and drafts
+  // The customer's second message arrives and is claimed by another agent: the thread's newest inbound message.
+  const newer = second.replyTo({ mailbox, messageId: "m-2", threadId: thread, receivedAt: new Date((ASKED + 60) * 1000), notificationId: unique("n") }, { ttl: 30 }, async (claim) => {
+    drafted();
+    const refused = await stale;
+    assert.ok(refused instanceof ConversationMovedOn, String(refused));
+    return claim.send(() => "sent-m-2");
+  });
+  assert.equal(await newer, "sent-m-2");
+  const refused = (await stale) as ConversationMovedOn;
+  assert.equal(called, false, "the stale draft was sent");
+  assert.equal(refused.newerMessageId, "m-2");
+  assert.equal(refused.newerReceivedAt?.getTime(), (ASKED + 60) * 1000);
+  assert.match(refused.reason, /the customer wrote again; draft again with the new message/);
+  assert.equal((await first.status(messageSubject(mailbox, "m-1"))).state, "FREE");
+  // RecordIncoming (a message nobody claims) moves the conversation on just the same.
+  await first.recordIncoming(mailbox, "m-3", thread, new Date((ASKED + 120) * 1000));
+  await assert.rejects(agentReply(first, mailbox, "m-2b", thread, { date: ASKED + 90 }), (error: unknown) => error instanceof ConversationMovedOn && error.newerMessageId === "m-3");
+});
+
+/** The guarded Nylas endpoint of one agent on node:http; `replies` what its work sent through the Nylas API double. */
+async function nylasAgent(api: NylasApi, coordinator: Coordinator, secret: string, options: { apiKey?: boolean; draft?: () => Promise<void> } = {}) {
+  const nylas = new Nylas(api.apiKey, { apiBase: api.url });
+  const ran: string[] = [];
+  const refused: Error[] = [];
+  const failed: unknown[] = [];
+  const listener = nylasWebhookListener({
+    secret,
+    coordinator,
+    ...(options.apiKey === false ? {} : { apiKey: api.apiKey, apiBase: api.url }),
+    onRefused: (refusal) => void refused.push(refusal),
+    onError: (error) => void failed.push(error),
+    work: async (notification: Notification, claim: Claim) => {
+      ran.push(notification.messageId ?? "");
+      await options.draft?.();
+      await claim.send((key) => nylas.send(notification.grantId!, nylasReply(notification, { body: "Here it is." }), { idempotencyKey: key }));
+    },
+  });
+  const server = createServer(listener);
+  await new Promise<void>((ok) => server.listen(0, "127.0.0.1", ok));
+  server.unref();
+  const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/webhooks/nylas`;
+  const deliver = async (envelope: Envelope): Promise<number> => {
+    const body = Buffer.from(JSON.stringify(envelope));
+    return (await fetch(url, { method: "POST", body, headers: { "x-nylas-signature": signNylas(body, secret) } })).status;
+  };
+  const stop = async (): Promise<void> => {
+    await listener.drain();
+    server.closeAllConnections();
+    server.close();
+  };
+  return { ran, refused, failed, deliver, listener, stop };
+}
+
+test("nylas: an out-of-office (Auto-Submitted in the headers read with the API key) is recorded for people and never handed to the work; a person can answer it", async () => {
+  const api = await new NylasApi("nyk-1").start();
+  const mailbox = unique("grant");
+  const agent = await nylasAgent(api, cluster.client("agent-n"), "nylas-secret");
+  try {
+    const ooo = message(mailbox, "ooo-1", unique("t"), { from: { name: "Bea Costa", email: "bea@example.org" }, headers: { "Auto-Submitted": "auto-replied", Subject: "Out of office" } });
+    api.messages.set(ooo.id, ooo);
+    const delivered = notificationOf(ooo);
+    assert.equal(await agent.deliver(delivered), 200);
+    await agent.listener.drain();
+    assert.deepEqual(agent.ran, []);
+    assert.equal(api.sent.length, 0);
+    assert.deepEqual(api.calls, ["GET messages/ooo-1"]); // the one read of its headers
+    assert.ok(agent.refused[0] instanceof AutomatedMessage, String(agent.refused[0]));
+    assert.match(agent.refused[0]!.message, /automated message \(Auto-Submitted: auto-replied\): agents leave it/);
+    const recorded = (agent.refused[0] as AutomatedMessage).result;
+    assert.equal(recorded?.outcome, "RECORDED");
+    assert.equal(recorded?.status?.automated, "Auto-Submitted: auto-replied");
+    const person = cluster.client("ana@shop.example", { kind: "human", replica: 1 });
+    // A redelivery of its notification is a duplicate: recorded once.
+    assert.equal(await agent.deliver(delivered), 200);
+    await agent.listener.drain();
+    assert.equal((agent.refused[1] as AutomatedMessage).result?.outcome, "DUPLICATE_DELIVERY");
+    assert.deepEqual(agent.ran, []);
+    assert.equal(await person.replyTo({ mailbox, messageId: "ooo-1" }, { ttl: 30 }, (claim) => claim.send(() => "by-hand")), "by-hand");
+    // The same message from an ordinary customer is answered, and the agent's reply is marked Auto-Submitted.
+    const asked = message(mailbox, "q-1", unique("t"));
+    api.messages.set(asked.id, asked);
+    assert.equal(await agent.deliver(notificationOf(asked)), 200);
+    await agent.listener.drain();
+    assert.deepEqual(agent.ran, ["q-1"]);
+    assert.deepEqual(agent.failed, []);
+    assert.equal(api.sent.length, 1);
+    assert.deepEqual(api.sent[0]!["custom_headers"], [{ name: "Auto-Submitted", value: "auto-replied" }]);
+    assert.equal(api.sent[0]!["reply_to_message_id"], "q-1"); // Nylas writes In-Reply-To and References from it
+  } finally {
+    await agent.stop();
+    api.stop();
+  }
+});
+
+test("nylas without the API key: a no-reply sender is still left (the sender's rules), a customer answered", async () => {
+  const api = await new NylasApi("nyk-2").start();
+  const mailbox = unique("grant");
+  const agent = await nylasAgent(api, cluster.client("agent-k"), "nylas-secret", { apiKey: false });
+  try {
+    const notice = message(mailbox, "nr-1", unique("t"), { from: { name: "Shop Orders", email: "no-reply@orders.example" } });
+    assert.equal(await agent.deliver(notificationOf(notice)), 200);
+    await agent.listener.drain();
+    assert.deepEqual(agent.ran, []);
+    assert.deepEqual(api.calls, []);
+    assert.ok(agent.refused[0] instanceof AutomatedMessage, String(agent.refused[0]));
+    assert.equal(agent.refused[0].why, "no-reply sender no-reply@orders.example");
+    assert.equal(agent.refused[0].result?.status?.automated, "no-reply sender no-reply@orders.example");
+    const asked = message(mailbox, "q-1", unique("t"));
+    assert.equal(await agent.deliver(notificationOf(asked)), 200);
+    await agent.listener.drain();
+    assert.deepEqual(agent.ran, ["q-1"]);
+    assert.equal(api.sent.length, 1);
+  } finally {
+    await agent.stop();
+    api.stop();
+  }
+});
+
+test("nylas, look before you send: the customer's newer message found in the thread is recorded and the stale draft refused; a person's reply found there stops the agent", async () => {
+  const api = await new NylasApi("nyk-3").start();
+  const mailbox = unique("grant");
+  const thread = unique("t");
+  let arrive: () => void = () => undefined;
+  const agent = await nylasAgent(api, cluster.client("agent-l"), "nylas-secret", {
+    // While the agent drafts, the customer writes again; its notification has not come (Nylas's delay).
+    draft: async () => arrive(),
+  });
+  try {
+    const asked = message(mailbox, "m-1", thread);
+    api.messages.set(asked.id, asked);
+    arrive = () => void api.messages.set("m-2", message(mailbox, "m-2", thread, { date: ASKED + 30 }));
+    assert.equal(await agent.deliver(notificationOf(asked)), 200);
+    await agent.listener.drain();
+    assert.deepEqual(agent.ran, ["m-1"]);
+    assert.equal(api.sent.length, 0, "the stale draft was sent");
+    assert.equal(agent.failed.length, 1);
+    assert.ok(agent.failed[0] instanceof ConversationMovedOn, String(agent.failed[0]));
+    assert.equal((agent.failed[0] as ConversationMovedOn).newerMessageId, "m-2");
+    assert.ok(api.calls.includes("GET messages"), api.calls.join(", "));
+    // When m-2's notification comes, it is answered: one reply for the burst.
+    arrive = () => undefined;
+    assert.equal(await agent.deliver(notificationOf(api.messages.get("m-2")!)), 200);
+    await agent.listener.drain();
+    assert.equal(api.sent.length, 1);
+    assert.equal(api.sent[0]!["reply_to_message_id"], "m-2");
+
+    // A person answers from their mail client while the agent drafts the next one: the reply, in the sent folder,
+    // is found before the send and recorded; the agent's claim ends and nothing goes out.
+    const next = message(mailbox, "m-3", thread, { date: ASKED + 600 });
+    api.messages.set(next.id, next);
+    arrive = () => void api.messages.set("r-1", message(mailbox, "r-1", thread, { date: ASKED + 630, from: { name: "Ana", email: "support@shop.example" }, folders: ["SENT"] }));
+    assert.equal(await agent.deliver(notificationOf(next)), 200);
+    await agent.listener.drain();
+    assert.equal(api.sent.length, 1, "the agent sent after a person answered");
+    const lost = agent.failed[1];
+    assert.ok(lost instanceof ClaimLost && lost.reason === "answered_outside", String(lost));
+  } finally {
+    await agent.stop();
+    api.stop();
+  }
+});
