@@ -63,7 +63,9 @@ test("graph: the reply is createReply with the stamp, then send: 202 gives the d
   assert.equal(await graph.reply(facts(), { body: "Ships today.", stamp: STAMP }), "AAMk-draft=");
   const [draft, send] = ok.requests;
   assert.equal(draft!.url, "https://graph.test/v1.0/users/u-1/messages/AAMk-1=/createReply");
-  assert.deepEqual(draft!.json, { message: { internetMessageHeaders: [{ name: "X-Inbox-Claim", value: formatStamp(STAMP) }] }, comment: "Ships today." });
+  // Graph takes only X- headers on a draft: the agent's reply says X-Auto-Response-Suppress (docs/node.md, "Reply storms").
+  const headers = [{ name: "X-Inbox-Claim", value: formatStamp(STAMP) }, { name: "X-Auto-Response-Suppress", value: "All" }];
+  assert.deepEqual(draft!.json, { message: { internetMessageHeaders: headers }, comment: "Ships today." });
   assert.deepEqual(draft!.headers, [["Authorization", "Bearer tok"], ["Prefer", 'IdType="ImmutableId"']]);
   assert.equal(send!.url, "https://graph.test/v1.0/users/u-1/messages/AAMk-draft=/send");
   const cases: [(HttpResponse | Error)[], new (...args: never[]) => Error][] = [
@@ -97,6 +99,7 @@ test("gmail: the raw reply answers the sender in the thread (In-Reply-To, Refere
   assert.equal(headers["In-Reply-To"], "<orig@mail.example>");
   assert.equal(headers["References"], "<a@x.example> <orig@mail.example>");
   assert.equal(headers["X-Inbox-Claim"], formatStamp(STAMP));
+  assert.equal(headers["Auto-Submitted"], "auto-replied"); // an agent's reply (RFC 3834), threaded as above
   assert.deepEqual(parseStamp(headers["Message-ID"]), STAMP);
   assert.equal(headers["Subject"], `=?UTF-8?B?${Buffer.from("Re: Où est ma commande ?").toString("base64")}?=`);
   assert.equal(Buffer.from(body!.replaceAll("\r\n", ""), "base64").toString("utf8"), "Elle part aujourd'hui.");
