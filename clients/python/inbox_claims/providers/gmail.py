@@ -24,9 +24,9 @@ from typing import Any
 
 import jwt
 
+from .._current import agent_headers
 from .._effects import Sleep
 from .._errors import InboxClaimsError, SendRejected
-from .._current import agent_headers
 from ._httpx import AsyncHttp, HttpTransport, current_stamp, drive
 from ._seam import (
     STAMP_HEADER,
