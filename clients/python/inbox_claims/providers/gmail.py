@@ -19,7 +19,6 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from email.message import EmailMessage
 from typing import Any
 
 import jwt
@@ -31,6 +30,7 @@ from ._seam import (
     STAMP_HEADER,
     Accepted,
     Answer,
+    Automated,
     Batch,
     ClaimStamp,
     CursorRange,
@@ -45,6 +45,7 @@ from ._seam import (
     http,
     message_ids,
     parse_stamp,
+    reply_mime,
     reply_subject,
     split_address,
 )
@@ -66,6 +67,15 @@ METADATA_HEADERS = (
     "In-Reply-To",
     "Reply-To",
     STAMP_HEADER,
+    # The automated-mail rules' headers (conformance/automated.json): in the same messages.get, no extra call.
+    "Auto-Submitted",
+    "Precedence",
+    "List-Id",
+    "List-Unsubscribe",
+    "X-Autoreply",
+    "X-Autorespond",
+    "X-Auto-Response-Suppress",
+    "Content-Type",
 )
 RESYNC_QUERY = "newer_than:1d"
 RESYNC_MAX = 500
@@ -353,6 +363,7 @@ class GmailProvider:
             subject_line=subject,
             from_addresses=(address,) if address else (),
             folders=tuple(label for label in message.get("labelIds") or [] if isinstance(label, str)),
+            automated=Automated.of(headers, address),
             stamp=parse_stamp(header(headers, STAMP_HEADER)),
             reply=ReplyContext(
                 to=(split_address(reply_to)[1],) if reply_to else ((address,) if address else ()),
@@ -374,16 +385,9 @@ class GmailProvider:
 
     def raw_reply(self, message: MessageFacts, body: str, stamp: ClaimStamp) -> bytes:
         """The RFC 2822 reply: ``To`` the sender (its ``Reply-To``), ``In-Reply-To`` and ``References``, the stamp."""
-        reply = EmailMessage()
+        reply = reply_mime(message, body, stamp)
         reply["From"] = self.user
-        reply["To"] = ", ".join(message.reply.to)
-        reply["Subject"] = message.reply.subject
         reply["Message-ID"] = stamp.message_id(self.user.rpartition("@")[2])
-        if message.reply.internet_message_id:
-            reply["In-Reply-To"] = message.reply.internet_message_id
-            reply["References"] = " ".join((*message.reply.references, message.reply.internet_message_id))
-        reply[STAMP_HEADER] = str(stamp)
-        reply.set_content(body)
         return bytes(reply)
 
     def _reply(self, message: MessageFacts, body: str, stamp: ClaimStamp) -> Flow[str]:
