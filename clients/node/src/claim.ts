@@ -12,6 +12,7 @@
 // Renewal only ever acts in CLAIMED: a renewal answer that arrives after send() started is ignored, so the
 // renewal can never declare a loss the commit point has already settled.
 import type { Coordinator, Op } from "./client.js";
+import { sendingAs } from "./current.js";
 import type { Notification } from "./envelope.js";
 import { factsOf } from "./providers/nylas.js";
 import { isMessageFacts, ProviderError, type ClaimStamp, type MessageFacts, type Provider } from "./providers/seam.js";
@@ -396,7 +397,9 @@ export class Claim {
     this.phase = "sending";
     let sent: unknown;
     try {
-      sent = await fn(fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject));
+      const key = fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject);
+      // The send paths mark an agent's reply Auto-Submitted, never a person's (current.ts).
+      sent = await sendingAs(this.status_?.holderKind === "human", () => fn(key));
       if (!this.keyTaken) warnNoIdempotencyKey(this.subject.id);
     } catch (error) {
       if (error instanceof SendRejected) {

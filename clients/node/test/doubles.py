@@ -78,7 +78,7 @@ def main() -> None:
                 result = getattr(double, order["get"])
             return HttpResponse(200, json.dumps(result, default=_plain).encode(), {"content-type": "application/json"})
         url = origin + request.url[len(served) :]
-        asked = HttpRequest(request.method, url, request.params, request.headers, request.json_body)
+        asked = HttpRequest(request.method, url, request.params, request.headers, request.json_body, request.content)
         given = double.answer(asked)
         return HttpResponse(given.status, given.content.replace(origin.encode(), served.encode()), dict(given.headers))
 

@@ -63,10 +63,17 @@ test("graph: the reply is createReply with the stamp, then send: 202 gives the d
   assert.equal(await graph.reply(facts(), { body: "Ships today.", stamp: STAMP }), "AAMk-draft=");
   const [draft, send] = ok.requests;
   assert.equal(draft!.url, "https://graph.test/v1.0/users/u-1/messages/AAMk-1=/createReply");
-  // Graph takes only X- headers on a draft: the agent's reply says X-Auto-Response-Suppress (docs/node.md, "Reply storms").
-  const headers = [{ name: "X-Inbox-Claim", value: formatStamp(STAMP) }, { name: "X-Auto-Response-Suppress", value: "All" }];
-  assert.deepEqual(draft!.json, { message: { internetMessageHeaders: headers }, comment: "Ships today." });
-  assert.deepEqual(draft!.headers, [["Authorization", "Bearer tok"], ["Prefer", 'IdType="ImmutableId"']]);
+  // In MIME (JSON internetMessageHeaders take only X- headers): threaded, stamped, and marked as an agent's reply.
+  assert.equal(draft!.json, undefined);
+  assert.deepEqual(draft!.headers, [["Authorization", "Bearer tok"], ["Prefer", 'IdType="ImmutableId"'], ["Content-Type", "text/plain"]]);
+  const mime = Buffer.from(draft!.content!.toString("ascii"), "base64").toString("utf8");
+  const [head, body] = mime.split("\r\n\r\n");
+  const headers = Object.fromEntries(head!.split("\r\n").map((line) => [line.slice(0, line.indexOf(":")), line.slice(line.indexOf(":") + 2)]));
+  assert.equal(headers["X-Inbox-Claim"], formatStamp(STAMP));
+  assert.equal(headers["Auto-Submitted"], "auto-replied");
+  assert.equal(headers["To"], facts().reply.to.join(", "));
+  assert.equal(headers["Subject"], facts().reply.subject);
+  assert.equal(Buffer.from(body!, "base64").toString("utf8"), "Ships today.");
   assert.equal(send!.url, "https://graph.test/v1.0/users/u-1/messages/AAMk-draft=/send");
   const cases: [(HttpResponse | Error)[], new (...args: never[]) => Error][] = [
     [[json(404, { error: {} })], GraphSendRejected], // the message is gone: no draft, nothing sent

@@ -17,6 +17,7 @@ import {
   Coordinator,
   messageSubject,
   nylasWebhookListener,
+  parseNotification,
   ReplyBudgetSpent,
   ReplyRefused,
   signNylas,
@@ -414,3 +415,25 @@ test("nylas, look before you send: the customer's newer message found in the thr
     api.stop();
   }
 });
+
+test("a person's reply is never marked Auto-Submitted; an agent's is (the same Nylas.send, under each one's claim)", async () => {
+  const api = await new NylasApi("nyk-4").start();
+  const nylas = new Nylas(api.apiKey, { apiBase: api.url });
+  const mailbox = unique("grant");
+  try {
+    for (const [who, client] of [["agent", cluster.client("agent-m")], ["person", cluster.client("ana@shop.example", { kind: "human", replica: 1 })]] as const) {
+      const asked = message(mailbox, `${who}-q`, unique("t"));
+      const notification = notificationOf(asked);
+      await client.replyTo(notification, { ttl: 30 }, (claim) =>
+        claim.send((key) => nylas.send(mailbox, nylasReply(parseNotification(notification), { body: "Hi" }), { idempotencyKey: key })),
+      );
+    }
+    assert.equal(api.sent.length, 2);
+    assert.deepEqual(api.sent[0]!["custom_headers"], [{ name: "Auto-Submitted", value: "auto-replied" }]);
+    assert.equal(api.sent[1]!["custom_headers"], undefined);
+    assert.equal(api.sent[1]!["reply_to_message_id"], "person-q");
+  } finally {
+    api.stop();
+  }
+});
+

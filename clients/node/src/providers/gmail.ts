@@ -14,20 +14,20 @@
 // * The look before a send: the thread (threads.get, format=metadata), its messages after the claim's (one request).
 import { createPublicKey, verify, type KeyObject } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
-import { AUTO_SUBMITTED_HEADER, AUTO_SUBMITTED_VALUE, judgeAutomated } from "../automated.js";
+import { judgeAutomated } from "../automated.js";
 import { InboxClaimsError, SendRejected } from "../errors.js";
 import {
   Accepted,
   batchOf,
   bearer,
   fetchTransport,
-  formatStamp,
   header,
   isRecord,
   jsonOf,
   messageIds,
   parseStamp,
   ProviderError,
+  replyMime,
   replySubject,
   requireEnv,
   splitAddress,
@@ -390,20 +390,12 @@ export class GmailProvider implements Provider {
 
   // -- send -------------------------------------------------------------------------------------------------
 
-  /** The RFC 2822 reply: To the sender (its Reply-To), In-Reply-To and References, the stamp and a Message-ID from it. */
+  /** The RFC 2822 reply (replyMime): From the mailbox, a Message-ID from the stamp, To the sender, threaded, stamped, marked. */
   rawReply(message: MessageFacts, body: string, stamp: ClaimStamp): Buffer {
-    const lines: [string, string][] = [
+    return replyMime(message, body, stamp, [
       ["From", this.user],
-      ["To", message.reply.to.join(", ")],
-      ["Subject", message.reply.subject],
       ["Message-ID", stampMessageId(stamp, this.user.split("@").pop()!)],
-    ];
-    if (message.reply.internetMessageId) {
-      lines.push(["In-Reply-To", message.reply.internetMessageId], ["References", [...message.reply.references, message.reply.internetMessageId].join(" ")]);
-    }
-    lines.push([STAMP_HEADER, formatStamp(stamp)], [AUTO_SUBMITTED_HEADER, AUTO_SUBMITTED_VALUE], ["MIME-Version", "1.0"], ["Content-Type", 'text/plain; charset="utf-8"'], ["Content-Transfer-Encoding", "base64"]);
-    const encoded = Buffer.from(body, "utf8").toString("base64").replace(/.{76}/g, "$&\r\n");
-    return Buffer.from(lines.map(([key, value]) => `${key}: ${encodedWord(value)}`).join("\r\n") + "\r\n\r\n" + encoded + "\r\n", "utf8");
+    ]);
   }
 
   /**
@@ -431,9 +423,4 @@ export class GmailProvider implements Provider {
 /** A message's read (format=metadata) with the headers the facts need. */
 function metadataParams(): [string, string][] {
   return [["format", "metadata"], ...METADATA_HEADERS.map((name): [string, string] => ["metadataHeaders", name])];
-}
-
-/** A header value as RFC 2047 wants it: ASCII as it is, anything else as one UTF-8 encoded word. */
-function encodedWord(value: string): string {
-  return /^[\x20-\x7e]*$/.test(value) ? value : `=?UTF-8?B?${Buffer.from(value, "utf8").toString("base64")}?=`;
 }

@@ -7,11 +7,9 @@
 // * Lifecycle: reauthorizationRequired renews, subscriptionRemoved subscribes again, missed reads the Inbox and Sent
 //   Items by delta query from the delta links the coordinator keeps as cursors (graph-delta:<folder>); a first round
 //   (no link yet, or an expired one: 410) reads only the last day's messages.
-// * Send: createReply (the draft carries the claim's stamp, X-Inbox-Claim; its immutable id is the id of its copy
-//   in Sent Items), then send (202). Graph takes only X- headers on a message it makes (createReply keeps the
-//   thread's In-Reply-To and References itself), so an agent's reply cannot say Auto-Submitted: auto-replied there;
-//   it says X-Auto-Response-Suppress: All, which Exchange honours (no out-of-office or auto-reply to it) and which
-//   the automated-mail rules of both clients read as automated (docs/design.md#reply-storms).
+// * Send: createReply in MIME (base64, Content-Type: text/plain: JSON internetMessageHeaders take only X- headers, and
+//   an agent's reply says Auto-Submitted: auto-replied; the draft carries In-Reply-To, References and the claim's
+//   stamp, X-Inbox-Claim; its immutable id is the id of its copy in Sent Items), then send (202).
 // * Automated mail: read from the message's internetMessageHeaders (selected with it: no request more).
 // * The look before a send: the conversation's messages received after the claim's (one request).
 import { timingSafeEqual } from "node:crypto";
@@ -23,13 +21,13 @@ import {
   bearer,
   display,
   fetchTransport,
-  formatStamp,
   header,
   isRecord,
   jsonOf,
   messageIds,
   parseStamp,
   ProviderError,
+  replyMime,
   replySubject,
   requireEnv,
   STAMP_HEADER,
@@ -58,8 +56,7 @@ const SUBSCRIPTION_SECONDS = 3 * 24 * 3600;
 const RANGE_TTL = 60;
 /** The look before a send reads one page of the conversation's newer messages: one is enough to refuse. */
 const SINCE_TOP = 50;
-/** What an agent's reply carries on Graph, which takes only X- headers (see the top of this module). */
-export const AGENT_REPLY_HEADER = { name: "X-Auto-Response-Suppress", value: "All" } as const;
+
 /** A first delta round (no link yet, or an expired one) reads only the messages of the last day. */
 const RESYNC_SECONDS = 24 * 3600;
 const EVENTS: Record<string, string> = { created: "message.created", updated: "message.updated" };
@@ -423,10 +420,11 @@ export class GraphProvider implements Provider {
   async reply(message: MessageFacts, options: { body: string; stamp: ClaimStamp }): Promise<string> {
     if (options.stamp === undefined) throw new TypeError("reply needs the claim's stamp: graph.reply(message, { body, stamp: claim.stamp })");
     const id = (value: string): string => encodeURIComponent(value).replaceAll("%3D", "=");
-    const draft = { message: { internetMessageHeaders: [{ name: STAMP_HEADER, value: formatStamp(options.stamp) }, AGENT_REPLY_HEADER] }, comment: options.body };
+    const draft = this.request("POST", this.userUrl(`messages/${id(message.messageId)}/createReply`));
+    const mime = Buffer.from(replyMime(message, options.body, options.stamp).toString("base64"), "ascii");
     let created: HttpResponse;
     try {
-      created = await this.call(this.request("POST", this.userUrl(`messages/${id(message.messageId)}/createReply`), { json: draft }));
+      created = await this.call({ ...draft, headers: [...draft.headers, ["Content-Type", "text/plain"]], content: mime });
     } catch (error) {
       throw new GraphSendRejected(`the reply's draft could not be made, nothing was sent: ${(error as Error).message}`);
     }

@@ -20,7 +20,8 @@
 // automated-mail rules; without it MessageFacts.automated is undefined (not known) and the guard judges the sender
 // alone (no-reply, mailer-daemon). The same key lets the send
 // path look at the thread first (since(): GET .../messages?thread_id=&received_after=, one request per send).
-import { AUTO_SUBMITTED_HEADER, AUTO_SUBMITTED_VALUE, judgeAutomated } from "../automated.js";
+import { judgeAutomated } from "../automated.js";
+import { agentHeaders } from "../current.js";
 import { InboxClaimsError, SendRejected } from "../errors.js";
 import { EnvelopeError, parseNotification, type Notification } from "../envelope.js";
 import { NYLAS_SIGNATURE_HEADER, nylasChallengeResponse, signNylas, signStandardWebhook, verifyNylasSignature, verifyStandardWebhook, WebhookVerificationError } from "../webhooks.js";
@@ -320,11 +321,13 @@ export function buildSendRequest(apiBase: string, apiKey: string, grantId: strin
   if (!idempotencyKey || idempotencyKey.length > MAX_IDEMPOTENCY_KEY_LENGTH || ![...idempotencyKey].every((ch) => ch.charCodeAt(0) < 0x80)) {
     throw new TypeError(`idempotencyKey must be 1 to ${MAX_IDEMPOTENCY_KEY_LENGTH} ASCII characters (pass claim.idempotencyKey)`);
   }
-  const given = Array.isArray(reply.fields?.["custom_headers"]) ? (reply.fields["custom_headers"] as { name?: unknown }[]) : [];
+  // An agent's reply says so (RFC 3834: machines that honour it do not answer it), a person's never (agentHeaders);
+  // custom headers given are kept.
+  const given = Array.isArray(reply.fields?.["custom_headers"]) ? (reply.fields["custom_headers"] as unknown[]) : [];
+  const marks = agentHeaders().map(([name, value]) => ({ name, value }));
   const document: Record<string, unknown> = {
     ...reply.fields,
-    // An agent's reply (RFC 3834): machines that honour it do not answer it. Any header of that name given is replaced.
-    custom_headers: [...given.filter((h) => typeof h?.name !== "string" || h.name.toLowerCase() !== AUTO_SUBMITTED_HEADER.toLowerCase()), { name: AUTO_SUBMITTED_HEADER, value: AUTO_SUBMITTED_VALUE }],
+    ...(given.length + marks.length > 0 ? { custom_headers: [...given, ...marks] } : {}),
     reply_to_message_id: reply.replyToMessageId,
     to: participants(reply.to, "to"),
     subject: reply.subject,

@@ -10,6 +10,7 @@
 //   reply(...)              a send function for claim.send: with the claim's idempotency key, or stamped from the claim.
 // Where Python runs one flow of effects under a blocking and an asyncio client, Node has one kind of I/O: a provider's
 // steps are async functions over an injected Transport (fetch by default, a double in tests).
+import { agentHeaders } from "../current.js";
 import type { OutgoingMatch } from "../outgoing.js";
 
 /** The header a reply sent without an idempotency key carries: `<idempotency key>.<fencing token>`. */
@@ -132,6 +133,8 @@ export interface HttpRequest {
   readonly params: readonly (readonly [string, string])[];
   readonly headers: readonly (readonly [string, string])[];
   readonly json?: unknown;
+  /** A body that is not JSON (Graph's base64 MIME), sent as it is; its Content-Type is in `headers`. */
+  readonly content?: Buffer;
 }
 
 export interface HttpResponse {
@@ -162,7 +165,7 @@ export function fetchTransport(options: { timeoutMs?: number } = {}): Transport 
   const timeoutMs = options.timeoutMs ?? 30_000;
   return async (request) => {
     const headers = new Headers(request.headers as [string, string][]);
-    let body: string | undefined;
+    let body: string | Buffer | undefined = request.content;
     if (request.json !== undefined) {
       body = JSON.stringify(request.json);
       if (!headers.has("content-type")) headers.set("content-type", "application/json");
@@ -301,6 +304,27 @@ export function splitAddress(text: string): [string, string] {
 /** The sender as people read it: `Name <address>`, or whichever half is there. */
 export function display(name: string, address: string): string {
   return name && address ? `${name} <${address}>` : name || address;
+}
+
+/**
+ * A reply as MIME (Gmail's raw send, Graph's MIME createReply), as the Python client's reply_mime: `first` (Gmail's
+ * From and Message-ID), To the sender (its Reply-To), the subject, In-Reply-To and References, the claim's stamp, and
+ * an agent's Auto-Submitted: auto-replied (agentHeaders: never on a person's reply); the body as UTF-8 in base64.
+ */
+export function replyMime(message: MessageFacts, body: string, stamp: ClaimStamp, first: readonly (readonly [string, string])[] = []): Buffer {
+  const lines: (readonly [string, string])[] = [...first, ["To", message.reply.to.join(", ")], ["Subject", message.reply.subject]];
+  if (message.reply.internetMessageId) {
+    lines.push(["In-Reply-To", message.reply.internetMessageId], ["References", [...message.reply.references, message.reply.internetMessageId].join(" ")]);
+  }
+  lines.push([STAMP_HEADER, formatStamp(stamp)], ...agentHeaders());
+  lines.push(["MIME-Version", "1.0"], ["Content-Type", 'text/plain; charset="utf-8"'], ["Content-Transfer-Encoding", "base64"]);
+  const encoded = Buffer.from(body, "utf8").toString("base64").replace(/.{76}/g, "$&\r\n");
+  return Buffer.from(lines.map(([key, value]) => `${key}: ${encodedWord(value)}`).join("\r\n") + "\r\n\r\n" + encoded + "\r\n", "utf8");
+}
+
+/** A header value as RFC 2047 wants it: ASCII as it is, anything else as one UTF-8 encoded word. */
+function encodedWord(value: string): string {
+  return /^[\x20-\x7e]*$/.test(value) ? value : `=?UTF-8?B?${Buffer.from(value, "utf8").toString("base64")}?=`;
 }
 
 export function replySubject(subject: string): string {
