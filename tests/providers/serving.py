@@ -22,7 +22,8 @@ Scope = MutableMapping[str, Any]
 
 def asgi_of(answer: Answerer) -> Callable[[Scope, Any, Any], Awaitable[None]]:
     """An ASGI app that hands every request to ``answer`` as the providers' ``HttpRequest`` (the URL as requested,
-    the query as parameters, the JSON body decoded, any other body as its bytes) and writes back its ``HttpResponse``."""
+    the query as parameters, the JSON body decoded, any other body as its bytes) and writes back its
+    ``HttpResponse``."""
 
     async def app(scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
