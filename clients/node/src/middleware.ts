@@ -17,7 +17,7 @@ import type { IncomingMessage, ServerResponse } from "node:http";
 import type { Coordinator } from "./client.js";
 import type { Claim, ReplyOptions } from "./claim.js";
 import type { Notification } from "./envelope.js";
-import { ClaimNotGranted, CoordinatorUnavailable, PermissionDenied, QuotaExceeded, Unauthenticated } from "./errors.js";
+import { ClaimNotGranted, CoordinatorUnavailable, PermissionDenied, QuotaExceeded, ReplyRefused, Unauthenticated } from "./errors.js";
 import { NylasProvider } from "./providers/nylas.js";
 import { Accepted, ProviderError, RangesTaken, retryLater, type Answer, type Batch, type MessageFacts, type Provider } from "./providers/seam.js";
 
@@ -212,6 +212,8 @@ class Webhook implements WebhookHandler {
       .then(
         () => undefined,
         (error: unknown) => {
+          // BeginSend refused by the reply rules: expected, and said in the one line claim.send logged (as Python's guard).
+          if (error instanceof ReplyRefused) return;
           if (error instanceof ClaimNotGranted) this.refused(error, facts);
           else if (this.options.onError) this.options.onError(error, facts);
           else process.emitWarning(`the work on message ${facts.messageId} (notification ${facts.dedupKey}) failed: ${String(error)}`);

@@ -274,7 +274,7 @@ test("the customer wrote again while the agent drafted: its send is Conversation
 });
 
 /** The guarded Nylas endpoint of one agent on node:http; `replies` what its work sent through the Nylas API double. */
-async function nylasAgent(api: NylasApi, coordinator: Coordinator, secret: string, options: { apiKey?: boolean; draft?: () => Promise<void> } = {}) {
+async function nylasAgent(api: NylasApi, coordinator: Coordinator, secret: string, options: { apiKey?: boolean; draft?: () => Promise<void>; lines?: string[] } = {}) {
   const nylas = new Nylas(api.apiKey, { apiBase: api.url });
   const ran: string[] = [];
   const refused: Error[] = [];
@@ -377,7 +377,8 @@ test("nylas, look before you send: the customer's newer message found in the thr
   const mailbox = unique("grant");
   const thread = unique("t");
   let arrive: () => void = () => undefined;
-  const agent = await nylasAgent(api, cluster.client("agent-l"), "nylas-secret", {
+  const lines: string[] = [];
+  const agent = await nylasAgent(api, cluster.client("agent-l", { logger: { info: (line: string) => void lines.push(line) } }), "nylas-secret", {
     // While the agent drafts, the customer writes again; its notification has not come (Nylas's delay).
     draft: async () => arrive(),
   });
@@ -389,9 +390,12 @@ test("nylas, look before you send: the customer's newer message found in the thr
     await agent.listener.drain();
     assert.deepEqual(agent.ran, ["m-1"]);
     assert.equal(api.sent.length, 0, "the stale draft was sent");
-    assert.equal(agent.failed.length, 1);
-    assert.ok(agent.failed[0] instanceof ConversationMovedOn, String(agent.failed[0]));
-    assert.equal((agent.failed[0] as ConversationMovedOn).newerMessageId, "m-2");
+    // Expected, not an error: the adapter leaves it at the one line claim.send logged.
+    assert.equal(agent.failed.length, 0, String(agent.failed[0]));
+    assert.deepEqual(
+      lines.filter((line) => line.includes("the customer wrote again")),
+      [`inbox-claims: not sending the reply to message "m-1" of mailbox ${JSON.stringify(mailbox)}: the customer wrote again; draft again with the new message`],
+    );
     assert.ok(api.calls.includes("GET messages"), api.calls.join(", "));
     // When m-2's notification comes, it is answered: one reply for the burst.
     arrive = () => undefined;
@@ -408,7 +412,7 @@ test("nylas, look before you send: the customer's newer message found in the thr
     assert.equal(await agent.deliver(notificationOf(next)), 200);
     await agent.listener.drain();
     assert.equal(api.sent.length, 1, "the agent sent after a person answered");
-    const lost = agent.failed[1];
+    const lost = agent.failed[0];
     assert.ok(lost instanceof ClaimLost && lost.reason === "answered_outside", String(lost));
   } finally {
     await agent.stop();
