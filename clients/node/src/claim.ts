@@ -371,7 +371,8 @@ export class Claim {
   async send(fn: (idempotencyKey: string) => Promise<string | null | undefined> | string | null | undefined): Promise<string | undefined> {
     if (this.phase === "lost") throw this.lostError();
     if (this.phase !== "claimed") throw new Error(`claim.send() runs once, inside replyTo's work (this claim is ${this.phase})`);
-    if (this.look !== undefined) await this.lookBeforeSend(this.look.facts, this.look.provider);
+    // A person's send is never refused by the reply rules: nothing to look for on their behalf.
+    if (this.look !== undefined && this.status_?.holderKind !== "human") await this.lookBeforeSend(this.look.facts, this.look.provider);
     this.phase = "beginning"; // renewal stops acting; until BeginSend answers, the end of work aborts
     this.stopRenewal.abort();
     const begin = await this.coordinator.call(this.coordinator.beginSendOp(this.subject, this.token_));
