@@ -3,11 +3,11 @@ alternating in the same run. Each operation claims a message of a thread of its 
 own (so no budget is ever spent and nothing is refused: the cost measured is the rules' reads and writes, not a
 refusal), then calls BeginSend:
 
-- ``claim+BeginSend, no rules (baseline)``: no thread, no correspondent: the send path as it was before the rules: BeginSend reads and writes
-  the subject alone (answered from the replica's memory of its last write: one etcd request).
-- ``budgets off``: moved-on check only: the mailbox's budgets are off; BeginSend still reads the thread's
-  newest inbound message and compares it in its transaction.
-- ``budgets on``: thread and correspondent: the default budgets: BeginSend reads both windows and the newest
+- ``claim+BeginSend, no rules (baseline)``: no thread, no correspondent, the send path as before the rules:
+  BeginSend reads and writes the subject alone (from the replica's memory of its last write: one etcd request).
+- ``budgets off``: the mailbox's budgets are off (the moved-on check only): BeginSend still reads the thread's
+  newest inbound message (one more etcd request) and compares it in its transaction.
+- ``budgets on``: the default budgets, thread and correspondent: BeginSend reads both windows and the newest
   inbound message (one more etcd request), and writes two more keys on their leases.
 
 and the ClaimReply alone, without and with a thread and correspondent (a claim with a thread records the thread's
