@@ -441,3 +441,19 @@ test("a person's reply is never marked Auto-Submitted; an agent's is (the same N
   }
 });
 
+
+test("the limits: a sender address over 320 bytes claims without a correspondent (not refused); an automated reason over 256 bytes is cut, still recorded", async () => {
+  const agent = cluster.client("agent-limits");
+  const mailbox = unique("limits");
+  const long = `${"b".repeat(330)}@example.org`; // no address (RFC 5321: 254 at most), so no correspondent budget
+  const asked = message(mailbox, "l-1", unique("t"), { from: { email: long } });
+  assert.equal(await agent.replyTo(notificationOf(asked), { ttl: 30 }, (claim) => claim.send(() => "sent-l-1")), "sent-l-1");
+  const noReply = `no-reply.${"x".repeat(300)}@example.org`;
+  const automated = message(mailbox, "l-2", unique("t"), { from: { email: noReply } });
+  const refused = await agent.replyTo(notificationOf(automated), { ttl: 30 }, async () => "ran").catch((error: unknown) => error);
+  assert.ok(refused instanceof AutomatedMessage, String(refused));
+  assert.equal(refused.why, `no-reply sender ${noReply}`);
+  assert.equal(refused.result?.outcome, "RECORDED");
+  assert.equal(Buffer.byteLength(refused.result?.status?.automated ?? ""), 256);
+  assert.ok(refused.why.startsWith(refused.result!.status!.automated));
+});
