@@ -72,6 +72,8 @@ test("graph: the reply is createReply with the stamp, then send: 202 gives the d
   const headers = Object.fromEntries(head!.split("\r\n").map((line) => [line.slice(0, line.indexOf(":")), line.slice(line.indexOf(":") + 2)]));
   assert.equal(headers["X-Inbox-Claim"], formatStamp(STAMP));
   assert.equal(headers["Auto-Submitted"], "auto-replied");
+  assert.equal(headers["In-Reply-To"], "<orig@mail.example>");
+  assert.equal(headers["References"], "<a@x.example> <orig@mail.example>");
   assert.equal(headers["To"], facts().reply.to.join(", "));
   assert.equal(headers["Subject"], facts().reply.subject);
   assert.equal(Buffer.from(body!, "base64").toString("utf8"), "Ships today.");
