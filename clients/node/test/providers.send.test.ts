@@ -4,6 +4,7 @@
 // what each provider asks for the look before a send.
 import { test } from "node:test";
 import assert from "node:assert/strict";
+import { sendingAs } from "../src/current.js";
 import { SendRejected } from "../src/errors.js";
 import { GmailProvider, GmailSendOutcomeUnknown, GmailSendRejected } from "../src/providers/gmail.js";
 import { GraphProvider, GraphSendOutcomeUnknown, GraphSendRejected } from "../src/providers/graph.js";
@@ -207,4 +208,14 @@ test("gmail: since() reads the thread (threads.get, metadata) and keeps its mess
   assert.deepEqual(await new GmailProvider("a", "support@shop.example", { token: "t", apiBase: "https://gmail.test", transport: scripted(json(404, {})).transport }).since(facts({ receivedAt: CLAIMED })), []);
   const failing = new GmailProvider("a", "support@shop.example", { token: "t", apiBase: "https://gmail.test", transport: scripted(json(500, {})).transport });
   await assert.rejects(failing.since(facts({ receivedAt: CLAIMED })), ProviderError);
+});
+
+test("a person's reply is never marked: the same MIME under a person's claim has no Auto-Submitted; outside any claim, an agent's", () => {
+  const gmail = new GmailProvider("https://agent.example/webhook", "support@shop.example", { token: "tok", apiBase: "https://gmail.test" });
+  const headerNames = (raw: Buffer): string[] => raw.toString("utf8").split("\r\n\r\n")[0]!.split("\r\n").map((line) => line.slice(0, line.indexOf(":")));
+  assert.ok(headerNames(gmail.rawReply(facts(), "Hi", STAMP)).includes("Auto-Submitted"));
+  assert.ok(headerNames(sendingAs(false, () => gmail.rawReply(facts(), "Hi", STAMP))).includes("Auto-Submitted"));
+  const byPerson = sendingAs(true, () => gmail.rawReply(facts(), "Hi", STAMP));
+  assert.ok(!headerNames(byPerson).includes("Auto-Submitted"));
+  assert.ok(headerNames(byPerson).includes("In-Reply-To"));
 });
