@@ -65,9 +65,14 @@ class FakeNylasApi(Outbox):
             self.messages[message_id] = message
             return message
 
-    def receive(self, sender: str, subject: str, thread_id: str = "") -> dict[str, Any]:
-        """A customer's mail arriving in the Inbox."""
-        result: dict[str, Any] = self._add(thread_id, ("Bea Costa", sender), subject, ["INBOX", "UNREAD"])
+    def receive(
+        self, sender: str, subject: str, thread_id: str = "", *, headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """A mail arriving in the Inbox, with ``headers`` of its own (an auto-reply's ``Auto-Submitted``...)."""
+        listed = [{"name": name, "value": value} for name, value in (headers or {}).items()]
+        result: dict[str, Any] = self._add(
+            thread_id, ("Bea Costa", sender), subject, ["INBOX", "UNREAD"], headers=listed
+        )
         return result
 
     def customer_writes_again(self, to: dict[str, Any]) -> dict[str, Any]:
