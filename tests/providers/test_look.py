@@ -1,4 +1,4 @@
-"""Look before you send (docs/design.md#reply-storms), through the Gmail and Graph providers and their doubles,
+"""Look before you send (docs/design.md#reply-storms), through the Gmail, Graph and Nylas providers and their doubles,
 against a real coordinator on a real etcd: right before the commit point, ``claim.send(provider.reply, message,
 ...)`` asks the provider for the thread's messages received since the claimed one, and records what it finds as its
 notification would have been. A person's reply from the mail client that no notification has brought yet stops the
@@ -22,10 +22,15 @@ from inbox_claims.providers._httpx import HttpTransport, drive
 from inbox_claims.providers._seam import Flow
 from inbox_claims.providers.gmail import GmailProvider
 from inbox_claims.providers.graph import GraphProvider
+from inbox_claims.providers.nylas import NylasProvider
+from inbox_claims.providers.nylas import facts_of as nylas_facts
 from inbox_claims.types import LossReason
+from inbox_claims.webhooks import parse_notification
 from tests.conftest import StartCoordinator
 from tests.providers.fake_gmail import FakeGmail
 from tests.providers.fake_graph import BASE, FakeGraph
+from tests.providers.fake_nylas_api import BASE as NYLAS_BASE
+from tests.providers.fake_nylas_api import FakeNylasApi
 from tests.providers.support import gmail_provider
 
 pytestmark = pytest.mark.etcd
@@ -78,8 +83,31 @@ class Graph:
         return self.fake.receive("bea@example.org", "Where is my order?", "conv-look", at="2020-01-01T00:00:00Z")
 
 
-Mail = Gmail | Graph
-MAILS: dict[str, Callable[[], Mail]] = {"gmail": Gmail, "graph": Graph}
+class Nylas:
+    """The Nylas API double on a clock the test moves, and the Nylas provider given an API key."""
+
+    def __init__(self) -> None:
+        minutes = itertools.count()
+        self.fake = FakeNylasApi(clock=lambda: 1_796_220_000 + 60 * next(minutes))
+        self.provider = NylasProvider(
+            "nylas-secret",
+            api_key=self.fake.api_key,
+            api_base=NYLAS_BASE,
+            transport=self.fake,
+            mailbox_addresses=[SHOP],
+        )
+
+    async def facts(self, document: dict[str, Any]) -> MessageFacts:
+        facts = nylas_facts(parse_notification(self.fake.notification(document)))
+        assert facts is not None
+        return facts
+
+    def customer(self) -> dict[str, Any]:
+        return self.fake.receive("bea@example.org", "Where is my order?")
+
+
+Mail = Gmail | Graph | Nylas
+MAILS: dict[str, Callable[[], Mail]] = {"gmail": Gmail, "graph": Graph, "nylas": Nylas}
 
 
 async def ran(flow: Flow[T], transport: HttpTransport) -> T:
@@ -95,13 +123,22 @@ def person_replies(mail: Mail, to: dict[str, Any]) -> None:
 
 
 def customer_writes_again(mail: Mail, to: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(mail, Gmail):
+    if isinstance(mail, Gmail | Nylas):
         return mail.fake.customer_writes_again(to)
     return mail.fake.receive("bea@example.org", "RE: Where is my order?", to["conversationId"])
 
 
 def looks(mail: Mail) -> int:
     return mail.fake.calls["threads.get" if isinstance(mail, Gmail) else "messages.list"]
+
+
+def sent_headers(mail: Mail, to: dict[str, Any]) -> dict[str, str]:
+    """The headers of the agent's reply to ``to``, as the provider keeps its sent copy."""
+    copy = mail.fake.sent_copy(to["id"])
+    if isinstance(mail, Gmail):
+        return {name: str(value) for name, value in mail.fake.parsed(copy["id"]).items()}
+    listed = copy["internetMessageHeaders"] if isinstance(mail, Graph) else copy["headers"]
+    return {h["name"]: h["value"] for h in listed}
 
 
 @pytest.mark.parametrize("name", sorted(MAILS))
@@ -123,9 +160,7 @@ async def test_a_persons_reply_from_the_mail_client_found_by_the_look_stops_the_
     assert lost.value.reason is LossReason.ANSWERED_OUTSIDE
     assert mail.fake.replies_to(document["id"]) == 0  # the agent sent nothing
     assert mail.fake.replies_to(document["id"], by="person") == 1
-    status = await agent.status(
-        Subject.message(mail.fake.address if isinstance(mail, Gmail) else mail.fake.user, message.message_id)
-    )
+    status = await agent.status(Subject.message(message.mailbox, message.message_id))
     assert status.state is SubjectState.REPLIED
     assert status.replied_outside
     assert looks(mail) == 1
@@ -160,3 +195,4 @@ async def test_with_nothing_new_the_reply_goes_out_after_one_look(name: str, age
         await claim.send(mail.provider.reply, message, body=BODY)
     assert mail.fake.replies_to(document["id"]) == 1
     assert looks(mail) == 1
+    assert sent_headers(mail, document)["Auto-Submitted"] == "auto-replied"

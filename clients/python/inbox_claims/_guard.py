@@ -64,7 +64,7 @@ from ._types import (
     SubjectState,
     SubjectStatus,
 )
-from .providers._seam import MessageFacts, ProviderError
+from .providers._seam import MessageFacts, ProviderError, split_address
 from .providers.nylas import facts_of as nylas_facts
 
 log = logging.getLogger("inbox_claims")
@@ -172,6 +172,12 @@ def correspondent_of(facts: MessageFacts) -> str:
     takes (over its byte limit)."""
     address = facts.from_addresses[0].strip() if facts.from_addresses else ""
     return address if len(address.encode("utf-8")) <= CORRESPONDENT_MAX_BYTES else ""
+
+
+def correspondent_in(summary: MessageSummary | None) -> str:
+    """A claim made without its notification (the MCP tools) knows its sender from the summary, if at all."""
+    address = split_address(summary.sender)[1] if summary is not None else ""
+    return address if "@" in address and len(address.encode("utf-8")) <= CORRESPONDENT_MAX_BYTES else ""
 
 
 def outgoing_of(
@@ -369,7 +375,7 @@ class GuardState:
             summary=summary,
             thread_id=thread or "",
             received_at=date,
-            correspondent=correspondent_of(facts) if facts is not None else "",
+            correspondent=correspondent_of(facts) if facts is not None else correspondent_in(summary),
         )
         if facts is not None:
             state.outgoing_check(facts, mailbox, thread, date)

@@ -235,8 +235,11 @@ class EtcdStore:
         thread: ThreadLink | None = None,
         thread_expires_ms: int = 0,
         outside_revision: int = 0,
+        inbound: tuple[Inbound, int] | None = None,
     ) -> ClaimAttempt:
-        """Create-if-absent in one transaction; on failure the same round trip reads what is in the way."""
+        """Create-if-absent in one transaction; on failure the same round trip reads what is in the way. The
+        thread's newest inbound message is written by a transaction nested in it, compared with what this replica
+        last knew of it (none: a new thread); when that guess was wrong the nested one fails alone."""
         subject_key = self.keys.subject(subject)
         delivery_key = self.keys.delivery(delivery.mailbox, delivery.notification_id) if delivery is not None else None
         mark_key = self.keys.thread_mark(subject.mailbox, thread.thread_id) if thread is not None else None
@@ -253,6 +256,13 @@ class EtcdStore:
             # The mark too, though only compared: a RecordOutgoing writing it must not share this group commit,
             # where both compares would see the state before either write.
             writes |= {entry_key, mark_key}
+        inbound_key = self.keys.thread_inbound(subject.mailbox, thread.thread_id) if thread is not None else None
+        inbound_guess: int | None = None  # the revision the nested transaction compares with (0: absent)
+        if inbound is not None and inbound_key is not None:
+            known, known_revision = self._guards.inbound(inbound_key)
+            if known is None or known.received_ms < inbound[0].received_ms:
+                inbound_guess = known_revision
+                writes.add(inbound_key)
 
         async def attempt() -> Any:
             compare = [_absent(subject_key)]
@@ -269,6 +279,10 @@ class EtcdStore:
                 )
                 entry = _codec.encode_thread_entry(thread)
                 success.append(_op_put(entry_key, entry, await self._lease(thread_expires_ms)))
+            if inbound is not None and inbound_key is not None and inbound_guess is not None:
+                guessed = _unchanged_since(inbound_key, inbound_guess) if inbound_guess else _absent(inbound_key)
+                put = _op_put(inbound_key, _codec.encode_inbound(inbound[0]), await self._lease(inbound[1]))
+                success.append(rpc.RequestOp(request_txn=rpc.TxnRequest(compare=[guessed], success=[put])))
             return await self._txn(compare, success, [_op_get(key) for key in reads], frozenset(writes))
 
         wrote = True
@@ -288,7 +302,10 @@ class EtcdStore:
             revision = response.header.revision
             created = Stored(record, token=revision, revision=revision)
             self._remember(subject_key, created)
-            return ClaimAttempt(created, None, None)
+            recorded = inbound_guess is not None and bool(response.responses[-1].response_txn.succeeded)
+            if recorded and inbound is not None and inbound_key is not None:
+                self._guards.saw_inbound(inbound_key, inbound[0], int(revision))
+            return ClaimAttempt(created, None, None, inbound_recorded=recorded)
         found = dict(zip(reads, (_first_kv(answer) for answer in response.responses), strict=True))
         subject_kv = found[subject_key]
         delivery_kv = found[delivery_key] if delivery_key is not None else None
