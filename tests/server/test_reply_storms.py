@@ -266,8 +266,12 @@ async def test_record_incoming_answers_duplicates_and_retries_and_marks_automate
     error = await rpc_error(worker.stub.RecordIncoming(reused, metadata=worker.metadata))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error_reason(error)[0] == "REQUEST_ID_REUSED"
-    ana = replicas.human("ana@shop.example")
+    # A person asking about it later (inboxctl status) is told why agents leave it, through either replica.
     subject = message(mailbox, "ooo-1")
+    asked = await second_worker.status(subject)
+    assert (asked.state, asked.automated) == (pb.SUBJECT_STATE_FREE, "Auto-Submitted: auto-replied")
+    assert (await worker.status(message(mailbox, "never-recorded"))).automated == ""
+    ana = replicas.human("ana@shop.example")
     assert (await reply(ana, subject, "t-1")).result == OK
     # In a Batch too.
     (batched,) = await worker.batch(pb.BatchCall(record_incoming=incoming(mailbox, "ooo-2", "t-1", ASKED + 1)))
