@@ -326,6 +326,8 @@ test("nylas: an out-of-office (Auto-Submitted in the headers read with the API k
     assert.equal(recorded?.outcome, "RECORDED");
     assert.equal(recorded?.status?.automated, "Auto-Submitted: auto-replied");
     const person = cluster.client("ana@shop.example", { kind: "human", replica: 1 });
+    // What the people watching see, through the other replica: agents leave it.
+    assert.equal((await person.status(messageSubject(mailbox, "ooo-1"))).automated, "Auto-Submitted: auto-replied");
     // A redelivery of its notification is a duplicate: recorded once.
     assert.equal(await agent.deliver(delivered), 200);
     await agent.listener.drain();
