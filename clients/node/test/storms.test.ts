@@ -2,13 +2,14 @@
 // (the coordinator's own tests: tests/server/test_reply_storms.py): the agents' reply budget per thread and per
 // correspondent refused at the commit point with its own exception (and across both replicas exactly one agent gets
 // the last unit), a conversation that moved on, automated mail recorded for people and never handed to the work,
-// and the look before a send (Nylas, on a Nylas API double following the documented endpoints) that finds the
-// customer's newer message or a person's reply first. People are never refused.
+// and the look before a send (Nylas, on the repository's Nylas API double, tests/providers/fake_nylas_api.py) that
+// finds the customer's newer message or a person's reply first. People are never refused.
 import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
-import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
+import { createServer } from "node:http";
 import type { AddressInfo } from "node:net";
 import { Cluster } from "../src/testing.js";
+import { Double } from "./doubles.js";
 import { Nylas, replyTo as nylasReply } from "../src/nylas.js";
 import {
   AutomatedMessage,
@@ -80,63 +81,26 @@ function notificationOf(m: NylasMessage): Envelope {
   return { specversion: "1.0", type: "message.created", id: unique("notif"), time: m.date + 2, data: { application_id: "app-1", object } };
 }
 
-/**
- * The Nylas API for one API key, as documented (developer.nylas.com: Get Message with fields=include_headers, Get
- * Messages with thread_id / received_after, Send Message with custom_headers and reply_to_message_id): `messages` is
- * the mailbox, `sent` what was sent through it.
- */
-class NylasApi {
-  readonly messages = new Map<string, NylasMessage>();
-  readonly sent: Record<string, unknown>[] = [];
-  readonly calls: string[] = [];
-  url = "";
-  private server: Server | undefined;
+const KEY = "nylas-key";
+type Doc = Record<string, unknown> & { id: string; thread_id: string };
+interface Sent { by: "agent" | "person"; id: string; in_reply_to: string }
 
-  constructor(readonly apiKey: string) {}
+/** The repository's Nylas API double (tests/providers/fake_nylas_api.py, run by test/doubles.py) for a grant of its own. */
+async function nylasDouble(): Promise<{ double: Double; grant: string }> {
+  const grant = unique("grant");
+  return { double: await Double.start("nylas", { grant_id: grant, api_key: KEY }), grant };
+}
 
-  async start(): Promise<this> {
-    this.server = createServer((req, res) => void this.answer(req, res));
-    await new Promise<void>((ok) => this.server!.listen(0, "127.0.0.1", ok));
-    this.server.unref();
-    this.url = `http://127.0.0.1:${(this.server.address() as AddressInfo).port}`;
-    return this;
-  }
+/** A message arriving in the double's mailbox (with `headers` of its own), dated `date` (the double's clock is now). */
+async function arrives(double: Double, date: number, sender: string, subject: string, thread = "", headers: Record<string, string> = {}): Promise<Doc> {
+  const found = await double.callWith<Doc>("receive", [sender, subject, thread], { headers });
+  return dated(double, found, date);
+}
 
-  stop(): void {
-    this.server?.closeAllConnections();
-    this.server?.close();
-  }
-
-  private async answer(req: IncomingMessage, res: ServerResponse): Promise<void> {
-    const chunks: Buffer[] = [];
-    for await (const chunk of req) chunks.push(chunk as Buffer);
-    const url = new URL(req.url ?? "/", this.url);
-    const reply = (status: number, body: unknown): void => void res.writeHead(status, { "content-type": "application/json" }).end(JSON.stringify({ request_id: "req-1", ...(body as object) }));
-    if (req.headers.authorization !== `Bearer ${this.apiKey}`) return reply(401, { error: { type: "unauthorized", message: "bad API key" } });
-    const path = url.pathname.split("/").map(decodeURIComponent); // ["", "v3", "grants", grant, "messages", ...]
-    this.calls.push(`${req.method} ${path.slice(4).join("/")}`);
-    const withHeaders = url.searchParams.get("fields") === "include_headers";
-    const shown = (m: NylasMessage): Partial<NylasMessage> => (withHeaders ? m : { ...m, headers: undefined });
-    if (req.method === "GET" && path.length === 6) {
-      const found = this.messages.get(path[5]!);
-      return found === undefined || found.grant_id !== path[3] ? reply(404, { error: { type: "not_found_error", message: "message not found" } }) : reply(200, { data: shown(found) });
-    }
-    if (req.method === "GET" && path.length === 5) {
-      const thread = url.searchParams.get("thread_id");
-      const after = Number(url.searchParams.get("received_after") ?? "0");
-      const data = [...this.messages.values()]
-        .filter((m) => m.grant_id === path[3] && (thread === null || m.thread_id === thread) && m.date > after)
-        .sort((a, b) => b.date - a.date) // newest first, as Nylas lists them
-        .map(shown);
-      return reply(200, { data });
-    }
-    if (req.method === "POST" && path[5] === "send") {
-      const body = JSON.parse(Buffer.concat(chunks).toString("utf8")) as Record<string, unknown>;
-      this.sent.push(body);
-      return reply(200, { data: { id: `sent-${this.sent.length}`, grant_id: path[3] } });
-    }
-    return reply(404, { error: { type: "not_found_error", message: "no such endpoint" } });
-  }
+/** `message` in the double dated `date`: the look's received_after is in seconds, and a test is quicker than one. */
+async function dated(double: Double, message: Doc, date: number): Promise<Doc> {
+  await double.callAt(["messages", message.id], "__setitem__", "date", date);
+  return { ...message, date };
 }
 
 /** One agent's reply to a message of `thread` through replyTo and claim.send; what its send function was given. */
@@ -273,16 +237,16 @@ test("the customer wrote again while the agent drafted: its send is Conversation
   await assert.rejects(agentReply(first, mailbox, "m-2b", thread, { date: ASKED + 90 }), (error: unknown) => error instanceof ConversationMovedOn && error.newerMessageId === "m-3");
 });
 
-/** The guarded Nylas endpoint of one agent on node:http; `replies` what its work sent through the Nylas API double. */
-async function nylasAgent(api: NylasApi, coordinator: Coordinator, secret: string, options: { apiKey?: boolean; draft?: () => Promise<void>; lines?: string[] } = {}) {
-  const nylas = new Nylas(api.apiKey, { apiBase: api.url });
+/** The guarded Nylas endpoint of one agent on node:http, sending through the double's API. */
+async function nylasAgent(double: Double, coordinator: Coordinator, secret: string, options: { apiKey?: boolean; draft?: () => Promise<void> } = {}) {
+  const nylas = new Nylas(KEY, { apiBase: double.url });
   const ran: string[] = [];
   const refused: Error[] = [];
   const failed: unknown[] = [];
   const listener = nylasWebhookListener({
     secret,
     coordinator,
-    ...(options.apiKey === false ? {} : { apiKey: api.apiKey, apiBase: api.url }),
+    ...(options.apiKey === false ? {} : { apiKey: KEY, apiBase: double.url }),
     onRefused: (refusal) => void refused.push(refusal),
     onError: (error) => void failed.push(error),
     work: async (notification: Notification, claim: Claim) => {
@@ -295,8 +259,8 @@ async function nylasAgent(api: NylasApi, coordinator: Coordinator, secret: strin
   await new Promise<void>((ok) => server.listen(0, "127.0.0.1", ok));
   server.unref();
   const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/webhooks/nylas`;
-  const deliver = async (envelope: Envelope): Promise<number> => {
-    const body = Buffer.from(JSON.stringify(envelope));
+  const deliver = async (message: Doc): Promise<number> => {
+    const body = Buffer.from(JSON.stringify(await double.call<Envelope>("notification", message)));
     return (await fetch(url, { method: "POST", body, headers: { "x-nylas-signature": signNylas(body, secret) } })).status;
   };
   const stop = async (): Promise<void> => {
@@ -307,142 +271,135 @@ async function nylasAgent(api: NylasApi, coordinator: Coordinator, secret: strin
   return { ran, refused, failed, deliver, listener, stop };
 }
 
+const calls = async (double: Double): Promise<Record<string, number>> => double.get<Record<string, number>>("calls");
+const sends = async (double: Double): Promise<Sent[]> => double.get<Sent[]>("sends");
+const headersOf = (copy: Record<string, unknown>): Record<string, string> =>
+  Object.fromEntries((copy.headers as { name: string; value: string }[]).map(({ name, value }) => [name, value]));
+
 test("nylas: an out-of-office (Auto-Submitted in the headers read with the API key) is recorded for people and never handed to the work; a person can answer it", async () => {
-  const api = await new NylasApi("nyk-1").start();
-  const mailbox = unique("grant");
-  const agent = await nylasAgent(api, cluster.client("agent-n"), "nylas-secret");
+  const { double, grant } = await nylasDouble();
+  const agent = await nylasAgent(double, cluster.client("agent-n"), "nylas-secret");
   try {
-    const ooo = message(mailbox, "ooo-1", unique("t"), { from: { name: "Bea Costa", email: "bea@example.org" }, headers: { "Auto-Submitted": "auto-replied", Subject: "Out of office" } });
-    api.messages.set(ooo.id, ooo);
-    const delivered = notificationOf(ooo);
-    assert.equal(await agent.deliver(delivered), 200);
+    const ooo = await arrives(double, ASKED, "bea@example.org", "Out of office", "", { "Auto-Submitted": "auto-replied" });
+    assert.equal(await agent.deliver(ooo), 200);
     await agent.listener.drain();
     assert.deepEqual(agent.ran, []);
-    assert.equal(api.sent.length, 0);
-    assert.deepEqual(api.calls, ["GET messages/ooo-1"]); // the one read of its headers
+    assert.deepEqual(await sends(double), []);
+    assert.deepEqual(await calls(double), { "messages.get": 1 }); // the one read of its headers
     assert.ok(agent.refused[0] instanceof AutomatedMessage, String(agent.refused[0]));
-    assert.match(agent.refused[0]!.message, /automated message \(Auto-Submitted: auto-replied\): agents leave it/);
-    const recorded = (agent.refused[0] as AutomatedMessage).result;
+    assert.match(agent.refused[0].message, /automated message \(Auto-Submitted: auto-replied\): agents leave it/);
+    const recorded = agent.refused[0].result;
     assert.equal(recorded?.outcome, "RECORDED");
     assert.equal(recorded?.status?.automated, "Auto-Submitted: auto-replied");
     const person = cluster.client("ana@shop.example", { kind: "human", replica: 1 });
     // What the people watching see, through the other replica: agents leave it.
-    assert.equal((await person.status(messageSubject(mailbox, "ooo-1"))).automated, "Auto-Submitted: auto-replied");
+    assert.equal((await person.status(messageSubject(grant, ooo.id))).automated, "Auto-Submitted: auto-replied");
     // A redelivery of its notification is a duplicate: recorded once.
-    assert.equal(await agent.deliver(delivered), 200);
+    assert.equal(await agent.deliver(ooo), 200);
     await agent.listener.drain();
     assert.equal((agent.refused[1] as AutomatedMessage).result?.outcome, "DUPLICATE_DELIVERY");
     assert.deepEqual(agent.ran, []);
-    assert.equal(await person.replyTo({ mailbox, messageId: "ooo-1" }, { ttl: 30 }, (claim) => claim.send(() => "by-hand")), "by-hand");
-    // The same message from an ordinary customer is answered, and the agent's reply is marked Auto-Submitted.
-    const asked = message(mailbox, "q-1", unique("t"));
-    api.messages.set(asked.id, asked);
-    assert.equal(await agent.deliver(notificationOf(asked)), 200);
+    assert.equal(await person.replyTo({ mailbox: grant, messageId: ooo.id }, { ttl: 30 }, (claim) => claim.send(() => "by-hand")), "by-hand");
+    // An ordinary customer's message is answered, and the agent's reply is marked Auto-Submitted, in its thread.
+    const asked = await arrives(double, ASKED + 60, "carl@example.net", "Where is my order?");
+    assert.equal(await agent.deliver(asked), 200);
     await agent.listener.drain();
-    assert.deepEqual(agent.ran, ["q-1"]);
+    assert.deepEqual(agent.ran, [asked.id]);
     assert.deepEqual(agent.failed, []);
-    assert.equal(api.sent.length, 1);
-    assert.deepEqual(api.sent[0]!["custom_headers"], [{ name: "Auto-Submitted", value: "auto-replied" }]);
-    assert.equal(api.sent[0]!["reply_to_message_id"], "q-1"); // Nylas writes In-Reply-To and References from it
+    assert.deepEqual((await sends(double)).map((sent) => [sent.by, sent.in_reply_to]), [["agent", asked.id]]);
+    const copy = await double.call<Doc>("sent_copy", asked.id);
+    assert.equal(headersOf(copy)["Auto-Submitted"], "auto-replied");
+    assert.equal(copy.thread_id, asked.thread_id); // reply_to_message_id threads it (Nylas writes In-Reply-To, References)
   } finally {
     await agent.stop();
-    api.stop();
+    await double.stop();
   }
 });
 
 test("nylas without the API key: a no-reply sender is still left (the sender's rules), a customer answered", async () => {
-  const api = await new NylasApi("nyk-2").start();
-  const mailbox = unique("grant");
-  const agent = await nylasAgent(api, cluster.client("agent-k"), "nylas-secret", { apiKey: false });
+  const { double } = await nylasDouble();
+  const agent = await nylasAgent(double, cluster.client("agent-k"), "nylas-secret", { apiKey: false });
   try {
-    const notice = message(mailbox, "nr-1", unique("t"), { from: { name: "Shop Orders", email: "no-reply@orders.example" } });
-    assert.equal(await agent.deliver(notificationOf(notice)), 200);
+    const notice = await arrives(double, ASKED, "no-reply@orders.example", "Your order shipped");
+    assert.equal(await agent.deliver(notice), 200);
     await agent.listener.drain();
     assert.deepEqual(agent.ran, []);
-    assert.deepEqual(api.calls, []);
+    assert.deepEqual(await calls(double), {}); // nothing read without the key
     assert.ok(agent.refused[0] instanceof AutomatedMessage, String(agent.refused[0]));
     assert.equal(agent.refused[0].why, "no-reply sender no-reply@orders.example");
     assert.equal(agent.refused[0].result?.status?.automated, "no-reply sender no-reply@orders.example");
-    const asked = message(mailbox, "q-1", unique("t"));
-    assert.equal(await agent.deliver(notificationOf(asked)), 200);
+    const asked = await arrives(double, ASKED + 60, "carl@example.net", "Where is my order?");
+    assert.equal(await agent.deliver(asked), 200);
     await agent.listener.drain();
-    assert.deepEqual(agent.ran, ["q-1"]);
-    assert.equal(api.sent.length, 1);
+    assert.deepEqual(agent.ran, [asked.id]);
+    assert.equal((await sends(double)).length, 1);
   } finally {
     await agent.stop();
-    api.stop();
+    await double.stop();
   }
 });
 
 test("nylas, look before you send: the customer's newer message found in the thread is recorded and the stale draft refused; a person's reply found there stops the agent", async () => {
-  const api = await new NylasApi("nyk-3").start();
-  const mailbox = unique("grant");
-  const thread = unique("t");
-  let arrive: () => void = () => undefined;
+  const { double, grant } = await nylasDouble();
+  let arrive: () => Promise<unknown> = async () => undefined;
   const lines: string[] = [];
-  const agent = await nylasAgent(api, cluster.client("agent-l", { logger: { info: (line: string) => void lines.push(line) } }), "nylas-secret", {
+  const agent = await nylasAgent(double, cluster.client("agent-l", { logger: { info: (line: string) => void lines.push(line) } }), "nylas-secret", {
     // While the agent drafts, the customer writes again; its notification has not come (Nylas's delay).
-    draft: async () => arrive(),
+    draft: async () => void (await arrive()),
   });
   try {
-    const asked = message(mailbox, "m-1", thread);
-    api.messages.set(asked.id, asked);
-    arrive = () => void api.messages.set("m-2", message(mailbox, "m-2", thread, { date: ASKED + 30 }));
-    assert.equal(await agent.deliver(notificationOf(asked)), 200);
+    const asked = await arrives(double, ASKED, "bea@example.org", "Where is my order?");
+    let newer: Doc | undefined;
+    arrive = async () => (newer = await dated(double, await double.call<Doc>("customer_writes_again", asked), ASKED + 30));
+    assert.equal(await agent.deliver(asked), 200);
     await agent.listener.drain();
-    assert.deepEqual(agent.ran, ["m-1"]);
-    assert.equal(api.sent.length, 0, "the stale draft was sent");
+    assert.deepEqual(agent.ran, [asked.id]);
+    assert.deepEqual(await sends(double), [], "the stale draft was sent");
     // Expected, not an error: the adapter leaves it at the one line claim.send logged.
     assert.equal(agent.failed.length, 0, String(agent.failed[0]));
     assert.deepEqual(
       lines.filter((line) => line.includes("the customer wrote again")),
-      [`inbox-claims: not sending the reply to message "m-1" of mailbox ${JSON.stringify(mailbox)}: the customer wrote again; draft again with the new message`],
+      [`inbox-claims: not sending the reply to message ${JSON.stringify(asked.id)} of mailbox ${JSON.stringify(grant)}: the customer wrote again; draft again with the new message`],
     );
-    assert.ok(api.calls.includes("GET messages"), api.calls.join(", "));
-    // When m-2's notification comes, it is answered: one reply for the burst.
-    arrive = () => undefined;
-    assert.equal(await agent.deliver(notificationOf(api.messages.get("m-2")!)), 200);
+    assert.equal((await calls(double))["messages.list"], 1); // the one look
+    // When the newer message's notification comes, it is answered: one reply for the burst.
+    arrive = async () => undefined;
+    assert.equal(await agent.deliver(newer!), 200);
     await agent.listener.drain();
-    assert.equal(api.sent.length, 1);
-    assert.equal(api.sent[0]!["reply_to_message_id"], "m-2");
+    assert.deepEqual((await sends(double)).map((sent) => [sent.by, sent.in_reply_to]), [["agent", newer!.id]]);
 
     // A person answers from their mail client while the agent drafts the next one: the reply, in the sent folder,
     // is found before the send and recorded; the agent's claim ends and nothing goes out.
-    const next = message(mailbox, "m-3", thread, { date: ASKED + 600 });
-    api.messages.set(next.id, next);
-    arrive = () => void api.messages.set("r-1", message(mailbox, "r-1", thread, { date: ASKED + 630, from: { name: "Ana", email: "support@shop.example" }, folders: ["SENT"] }));
-    assert.equal(await agent.deliver(notificationOf(next)), 200);
+    const next = await arrives(double, ASKED + 600, "bea@example.org", "One more thing", asked.thread_id);
+    arrive = async () => dated(double, await double.call<Doc>("person_replies", next), ASKED + 630);
+    assert.equal(await agent.deliver(next), 200);
     await agent.listener.drain();
-    assert.equal(api.sent.length, 1, "the agent sent after a person answered");
+    assert.deepEqual((await sends(double)).map((sent) => sent.by), ["agent", "person"], "the agent sent after a person answered");
     const lost = agent.failed[0];
     assert.ok(lost instanceof ClaimLost && lost.reason === "answered_outside", String(lost));
   } finally {
     await agent.stop();
-    api.stop();
+    await double.stop();
   }
 });
 
 test("a person's reply is never marked Auto-Submitted; an agent's is (the same Nylas.send, under each one's claim)", async () => {
-  const api = await new NylasApi("nyk-4").start();
-  const nylas = new Nylas(api.apiKey, { apiBase: api.url });
-  const mailbox = unique("grant");
+  const { double, grant } = await nylasDouble();
+  const nylas = new Nylas(KEY, { apiBase: double.url });
   try {
-    for (const [who, client] of [["agent", cluster.client("agent-m")], ["person", cluster.client("ana@shop.example", { kind: "human", replica: 1 })]] as const) {
-      const asked = message(mailbox, `${who}-q`, unique("t"));
-      const notification = notificationOf(asked);
-      await client.replyTo(notification, { ttl: 30 }, (claim) =>
-        claim.send((key) => nylas.send(mailbox, nylasReply(parseNotification(notification), { body: "Hi" }), { idempotencyKey: key })),
-      );
+    const clients = { agent: cluster.client("agent-m"), person: cluster.client("ana@shop.example", { kind: "human", replica: 1 }) };
+    const asked: Record<string, Doc> = {};
+    for (const [who, client] of Object.entries(clients)) {
+      asked[who] = await arrives(double, ASKED, "bea@example.org", `A question for the ${who}`);
+      const notification = parseNotification(await double.call<Envelope>("notification", asked[who]));
+      await client.replyTo(notification, { ttl: 30 }, (claim) => claim.send((key) => nylas.send(grant, nylasReply(notification, { body: "Hi" }), { idempotencyKey: key })));
     }
-    assert.equal(api.sent.length, 2);
-    assert.deepEqual(api.sent[0]!["custom_headers"], [{ name: "Auto-Submitted", value: "auto-replied" }]);
-    assert.equal(api.sent[1]!["custom_headers"], undefined);
-    assert.equal(api.sent[1]!["reply_to_message_id"], "person-q");
+    assert.equal(headersOf(await double.call<Doc>("sent_copy", asked["agent"]!.id))["Auto-Submitted"], "auto-replied");
+    assert.equal(headersOf(await double.call<Doc>("sent_copy", asked["person"]!.id))["Auto-Submitted"], undefined);
   } finally {
-    api.stop();
+    await double.stop();
   }
 });
-
 
 test("the limits: a sender address over 320 bytes claims without a correspondent (not refused); an automated reason over 256 bytes is cut, still recorded", async () => {
   const agent = cluster.client("agent-limits");
