@@ -69,6 +69,9 @@ class Coordinator(Protocol):
     async def record_outgoing(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
+    async def record_incoming(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+
     async def get_cursor(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
 
@@ -256,6 +259,16 @@ class CoordinatorASGIApplication(ConnectASGIApplication[Coordinator]):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=svc.record_outgoing,
+                ),
+                "/inbox.coordinator.v1.Coordinator/RecordIncoming": Endpoint.unary(
+                    method=MethodInfo(
+                        name="RecordIncoming",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=svc.record_incoming,
                 ),
                 "/inbox.coordinator.v1.Coordinator/GetCursor": Endpoint.unary(
                     method=MethodInfo(
@@ -650,6 +663,26 @@ class CoordinatorClient(ConnectClient):
             timeout_ms=timeout_ms,
         )
 
+    async def record_incoming(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse:
+        return await self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="RecordIncoming",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
     async def get_cursor(
         self,
         request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest,
@@ -765,6 +798,8 @@ class CoordinatorSync(Protocol):
     def get_caller(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCallerResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def record_outgoing(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
+    def record_incoming(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
     def get_cursor(self, request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest, ctx: RequestContext) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "Not implemented")
@@ -949,6 +984,16 @@ class CoordinatorWSGIApplication(ConnectWSGIApplication):
                         idempotency_level=IdempotencyLevel.UNKNOWN,
                     ),
                     function=service.record_outgoing,
+                ),
+                "/inbox.coordinator.v1.Coordinator/RecordIncoming": EndpointSync.unary(
+                    method=MethodInfo(
+                        name="RecordIncoming",
+                        service_name="inbox.coordinator.v1.Coordinator",
+                        input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest,
+                        output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse,
+                        idempotency_level=IdempotencyLevel.UNKNOWN,
+                    ),
+                    function=service.record_incoming,
                 ),
                 "/inbox.coordinator.v1.Coordinator/GetCursor": EndpointSync.unary(
                     method=MethodInfo(
@@ -1337,6 +1382,26 @@ class CoordinatorClientSync(ConnectClientSync):
                 service_name="inbox.coordinator.v1.Coordinator",
                 input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest,
                 output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse,
+                idempotency_level=IdempotencyLevel.UNKNOWN,
+            ),
+            headers=headers,
+            timeout_ms=timeout_ms,
+        )
+
+    def record_incoming(
+        self,
+        request: inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest,
+        *,
+        headers: Headers | Mapping[str, str] | None = None,
+        timeout_ms: int | None = None,
+    ) -> inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse:
+        return self.execute_unary(
+            request=request,
+            method=MethodInfo(
+                name="RecordIncoming",
+                service_name="inbox.coordinator.v1.Coordinator",
+                input=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest,
+                output=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse,
                 idempotency_level=IdempotencyLevel.UNKNOWN,
             ),
             headers=headers,

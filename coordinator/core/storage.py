@@ -39,6 +39,10 @@ from coordinator.core.domain import (
 )
 from coordinator.core.errors import InvalidArgument
 from coordinator.core.limits import PAGE_TOKEN_MAX_BYTES
+from coordinator.core.storms import GuardView, Inbound
+
+# A decision on a subject, its last end mark and its guard records (None: not an agent's guarded claim).
+GuardedDecide = Callable[[Stored | None, EndMark | None, GuardView | None], Transition]
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,9 @@ class ClaimAttempt:
     # With a thread link: the thread's latest reply written outside, and the revision it was written at (0: none).
     outside: OutsideReply | None = None
     outside_revision: int = 0
+    # With ``inbound``: whether the claim's transaction recorded it as the thread's newest inbound message (False:
+    # not tried, or another was there; the caller records it on its own).
+    inbound_recorded: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,10 +159,13 @@ class Store(Protocol):
         thread: ThreadLink | None = None,
         thread_expires_ms: int = 0,
         outside_revision: int = 0,
+        inbound: tuple[Inbound, int] | None = None,
     ) -> ClaimAttempt:
         """Create-if-absent (with the delivery record, if given, in the same transaction). With ``thread``: only
         while the thread's latest outside reply is the one written at ``outside_revision`` (0: none), and the
-        subject is entered in the thread (until ``thread_expires_ms``) in the same transaction."""
+        subject is entered in the thread (until ``thread_expires_ms``) in the same transaction. With ``inbound``
+        (the message, and when its record expires), a store may record it as the thread's newest inbound message
+        in the same transaction, when it can tell cheaply that no later one is recorded."""
 
     async def read_thread(self, mailbox: str, thread_id: str, notification_id: str | None) -> ThreadView:
         """The thread's claimed subjects (each as it is now), its latest outside reply and, with
@@ -189,7 +199,32 @@ class Store(Protocol):
     ) -> tuple[Transition, Stored | None]:
         """Reads, decides, and writes only if nothing changed in between; decides again if something did."""
 
+    async def apply_guarded(
+        self,
+        subject: Subject,
+        decide: GuardedDecide,
+        end_mark_expires_ms: int,
+        *,
+        send_marker_expires_ms: int = 0,
+        from_recent_write: bool = False,
+    ) -> tuple[Transition, Stored | None]:
+        """``apply``, deciding also on the guard records of an agent's claim (docs/design.md#reply-storms); the
+        transition's ``counting`` is written with it, only while the guard records are as read."""
+
+    async def read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
+        """A thread's and a correspondent's sends still in their windows, and the thread's newest inbound message
+        (a name empty: not read), at one revision."""
+
+    async def record_inbound(self, mailbox: str, thread_id: str, inbound: Inbound, expires_ms: int) -> None:
+        """The thread's newest inbound message becomes ``inbound``, unless one received later is recorded."""
+
     async def status(self, subject: Subject) -> Stored | None: ...
+
+    async def record_automated(self, subject: Subject, reason: str, expires_ms: int) -> None:
+        """Why agents leave this message (RecordIncoming's ``automated``), until ``expires_ms``."""
+
+    async def automated(self, subject: Subject) -> str:
+        """What ``record_automated`` recorded for the message, while it lives; empty: nothing."""
 
     async def read_cursor(self, mailbox: str, name: str) -> CursorView:
         """A mailbox's cursor and its range in progress, read together (docs/design.md#cursors)."""

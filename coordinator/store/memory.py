@@ -37,18 +37,23 @@ from coordinator.core.domain import (
     ThreadView,
     Transition,
 )
+from coordinator.core.domain import (
+    guarded as is_guarded,
+)
 from coordinator.core.errors import InvalidArgument, StoreConflict
 from coordinator.core.storage import (
     Change,
     ClaimAttempt,
     FeedLost,
     FeedQueue,
+    GuardedDecide,
     Listing,
     StoreStatistics,
     decode_cursor,
     encode_cursor,
     subject_order,
 )
+from coordinator.core.storms import Counting, GuardView, Inbound, Send
 
 V = TypeVar("V")
 
@@ -93,6 +98,10 @@ class MemoryStore:
         self._threads: dict[tuple[str, str], _Thread] = {}
         self._cursors: dict[tuple[str, str], _Leased[CursorRecord]] = {}
         self._ranges: dict[tuple[str, str], _Leased[CursorRange]] = {}
+        # Counted sends by (mailbox, "t" or "c", thread or correspondent) and token; each thread's newest inbound.
+        self._counted: dict[tuple[str, str, str], dict[int, _Leased[int]]] = {}
+        self._inbound: dict[tuple[str, str], _Leased[Inbound]] = {}
+        self._automated: dict[Subject, _Leased[str]] = {}
 
     # --- the write path ------------------------------------------------------------------------------------
 
@@ -114,6 +123,11 @@ class MemoryStore:
             del self._send_markers[subject]
         for key in [k for k, leased in self._ranges.items() if leased.expired(now)]:
             del self._ranges[key]
+        for sends in self._counted.values():
+            for token in [t for t, leased in sends.items() if leased.expired(now)]:
+                del sends[token]
+        for key in [k for k, leased in self._inbound.items() if leased.expired(now)]:
+            del self._inbound[key]
         for thread in self._threads.values():
             for subject in [s for s, leased in thread.entries.items() if leased.expired(now)]:
                 del thread.entries[subject]
@@ -193,6 +207,7 @@ class MemoryStore:
         thread: ThreadLink | None = None,
         thread_expires_ms: int = 0,
         outside_revision: int = 0,
+        inbound: tuple[Inbound, int] | None = None,
     ) -> ClaimAttempt:
         self._expire()
         current = self._subjects.get(subject)
@@ -212,7 +227,9 @@ class MemoryStore:
                 linked.entries[subject] = _Leased(thread, revision, thread_expires_ms)
                 linked.changed = revision
             self._publish(Change(subject, None, created, None, revision))
-            return ClaimAttempt(created, None, None)
+            if inbound is not None and thread is not None:
+                await self.record_inbound(subject.mailbox, thread.thread_id, *inbound)
+            return ClaimAttempt(created, None, None, inbound_recorded=inbound is not None and thread is not None)
         end = self._ends.get(subject) if delivery is not None else None
         return ClaimAttempt(
             None,
@@ -295,16 +312,93 @@ class MemoryStore:
         marker_gone: bool = False,
         from_recent_write: bool = False,
     ) -> tuple[Transition, Stored | None]:
+        return self._apply(
+            subject,
+            lambda current, end, _guard: decide(current, end),
+            end_mark_expires_ms,
+            send_marker_expires_ms=send_marker_expires_ms,
+            marker_gone=marker_gone,
+        )
+
+    async def apply_guarded(
+        self,
+        subject: Subject,
+        decide: GuardedDecide,
+        end_mark_expires_ms: int,
+        *,
+        send_marker_expires_ms: int = 0,
+        from_recent_write: bool = False,
+    ) -> tuple[Transition, Stored | None]:
+        return self._apply(
+            subject, decide, end_mark_expires_ms, send_marker_expires_ms=send_marker_expires_ms, guarded=True
+        )
+
+    def _read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
+        self._expire()
+
+        def sends(scope: str, name: str) -> tuple[Send, ...]:
+            counted = self._counted.get((mailbox, scope, name), {}) if name else {}
+            return tuple((leased.value, token) for token, leased in counted.items())
+
+        inbound = self._inbound.get((mailbox, thread_id)) if thread_id else None
+        return GuardView(
+            thread_id,
+            correspondent,
+            sends("t", thread_id),
+            sends("c", correspondent),
+            inbound.value if inbound is not None else None,
+            inbound.revision if inbound is not None else 0,
+        )
+
+    async def read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
+        return self._read_guard(mailbox, thread_id, correspondent)
+
+    async def record_inbound(self, mailbox: str, thread_id: str, inbound: Inbound, expires_ms: int) -> None:
+        self._expire()
+        known = self._inbound.get((mailbox, thread_id))
+        if known is not None and known.value.received_ms >= inbound.received_ms:
+            return
+        self._inbound[(mailbox, thread_id)] = _Leased(inbound, self._next_revision(), expires_ms)
+
+    def _count(self, mailbox: str, guard: GuardView, counting: Counting, revision: int) -> None:
+        for scope, name, expires_ms in (
+            ("t", guard.thread_id, counting.thread_expires_ms),
+            ("c", guard.correspondent, counting.correspondent_expires_ms),
+        ):
+            if not name:
+                continue
+            counted = self._counted.setdefault((mailbox, scope, name), {})
+            if counting.give_back:
+                counted.pop(counting.give_back, None)
+            elif counting.send is not None and expires_ms:
+                began, token = counting.send
+                counted[token] = _Leased(began, revision, expires_ms)
+
+    def _apply(
+        self,
+        subject: Subject,
+        decide: GuardedDecide,
+        end_mark_expires_ms: int,
+        *,
+        send_marker_expires_ms: int = 0,
+        marker_gone: bool = False,
+        guarded: bool = False,
+    ) -> tuple[Transition, Stored | None]:
         self._expire()
         current = self._subjects.get(subject)
         end = self._ends.get(subject)
-        transition = decide(current, end.value if end is not None else None)
+        guard = None
+        if guarded and current is not None and is_guarded(current.record):
+            guard = self._read_guard(subject.mailbox, current.record.thread_id, current.record.correspondent)
+        transition = decide(current, end.value if end is not None else None, guard)
         if transition.write is None and transition.end is None:
             return transition, current
         assert current is not None, "a transition always starts from a stored subject"
         if marker_gone and subject in self._send_markers:
             raise StoreConflict("the send marker is still there; retry it")
         revision = self._next_revision()
+        if transition.counting is not None and guard is not None:
+            self._count(subject.mailbox, guard, transition.counting, revision)
         was_sending = current.record.state is State.SENDING
         will_send = transition.write is not None and transition.write.state is State.SENDING
         if was_sending and not will_send:
@@ -340,6 +434,13 @@ class MemoryStore:
         found = [leased.value for leased in sorted(mine, key=lambda leased: -leased.revision)[:limit]]
         work.spend(len(found))
         return found
+
+    async def record_automated(self, subject: Subject, reason: str, expires_ms: int) -> None:
+        self._automated[subject] = _Leased(reason, self._next_revision(), expires_ms)
+
+    async def automated(self, subject: Subject) -> str:
+        known = self._automated.get(subject)
+        return known.value if known is not None and not known.expired(self._clock()) else ""
 
     async def status(self, subject: Subject) -> Stored | None:
         self._expire()

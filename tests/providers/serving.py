@@ -22,7 +22,8 @@ Scope = MutableMapping[str, Any]
 
 def asgi_of(answer: Answerer) -> Callable[[Scope, Any, Any], Awaitable[None]]:
     """An ASGI app that hands every request to ``answer`` as the providers' ``HttpRequest`` (the URL as requested,
-    the query as parameters, the JSON body decoded) and writes back its ``HttpResponse``."""
+    the query as parameters, the JSON body decoded, and the body's bytes as sent) and writes back its
+    ``HttpResponse``."""
 
     async def app(scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -48,6 +49,7 @@ def asgi_of(answer: Answerer) -> Callable[[Scope, Any, Any], Awaitable[None]]:
             tuple(parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)),
             headers,
             document,
+            body or None,  # the body's bytes as sent (Graph's base64 MIME, an idempotency key's payload)
         )
         response = answer(request)
         out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()]

@@ -1,26 +1,32 @@
 // The send-path guard, the phases of the Python client's inbox_claims._guard:
 //
 //   CLAIMING --the message is outgoing, RecordOutgoing--> OUTGOING (refused: the work never runs)
+//   CLAIMING --the message is automated mail, RecordIncoming--> AUTOMATED (refused: the work never runs)
 //   CLAIMING --ClaimReply GRANTED--> CLAIMED --renewal finds it gone--> LOST
 //   CLAIMED --send()--> BEGINNING --BeginSend OK--> SENDING --fn returned, ConfirmSent--> REPLIED
 //                                 --BeginSend STALE--> LOST        --fn threw SendRejected, AbortSend--> ABORTED
+//                                 --BeginSend REFUSED, released--> RELEASED (ReplyRefused thrown)
 //                                                                  --fn threw anything else--> UNKNOWN (left SENDING)
 //   CLAIMED (or LOST after failed renewals, or BEGINNING with an unknown answer) --work ends--> RELEASED
 //
 // Renewal only ever acts in CLAIMED: a renewal answer that arrives after send() started is ignored, so the
 // renewal can never declare a loss the commit point has already settled.
 import type { Coordinator, Op } from "./client.js";
+import { sendingAs } from "./current.js";
 import type { Notification } from "./envelope.js";
 import { factsOf } from "./providers/nylas.js";
-import { isMessageFacts, type ClaimStamp, type MessageFacts } from "./providers/seam.js";
+import { isMessageFacts, ProviderError, type ClaimStamp, type MessageFacts, type Provider } from "./providers/seam.js";
 import {
   AlreadyReplied,
+  AutomatedMessage,
   ClaimLost,
+  ClaimNotGranted,
   DuplicateDelivery,
   FailedPrecondition,
   InboxClaimsError,
   OutgoingMessage,
   ReplyHeld,
+  ReplyRefused,
   SendOutcomeUnknown,
   SendRejected,
   SentButUnconfirmed,
@@ -31,6 +37,7 @@ import {
   idempotencyKey,
   messageSubject,
   type ClaimResult,
+  type IncomingResult,
   type LossReason,
   type MessageSummary,
   type OutgoingResult,
@@ -63,6 +70,8 @@ export interface ReplyTarget {
    * threadId, a reply written from the mailbox in that thread ends the claim, as it does a notification's.
    */
   receivedAt?: Date;
+  /** The sender's address, for the agents' reply budget per correspondent (a notification's facts carry it). */
+  correspondent?: string;
 }
 
 export interface ReplyOptions {
@@ -79,11 +88,19 @@ export interface ReplyOptions {
   mailbox?: string;
   /** Which email it is, for the people watching the mailbox; default: taken from the notification (summaryOf). */
   summary?: MessageSummary;
+  /**
+   * The provider the message came from, to look at its thread right before the send (docs/node.md, "Look before
+   * you send"): a person's reply or a customer's newer message found there is recorded as if its notification had
+   * arrived, so that BeginSend refuses. The webhook adapters pass theirs; needs MessageFacts as the target.
+   */
+  provider?: Provider;
 }
 
-type Phase = "claiming" | "outgoing" | "claimed" | "lost" | "beginning" | "sending" | "replied" | "aborted" | "unknown" | "released";
+type Phase = "claiming" | "outgoing" | "automated" | "claimed" | "lost" | "beginning" | "sending" | "replied" | "aborted" | "unknown" | "released";
 
 export const REASON_MAX_BYTES = 1024;
+/** The coordinator's limit on RecordIncoming's `automated` (AUTOMATED_REASON_MAX_BYTES). */
+export const AUTOMATED_REASON_MAX_BYTES = 256;
 // After a failed renewal, try again after a third of the time left, but not more often than this.
 const RENEWAL_RETRY_FLOOR_MS = 200;
 
@@ -166,6 +183,10 @@ export class Claim {
   trace: GuardSpan | undefined;
   /** @internal Set when the notification's message is one the mailbox sent: entering reports it and refuses. */
   outgoing: { why: OutgoingMatch; report: Op<OutgoingResult> | undefined } | undefined;
+  /** @internal Set when the message is automated mail: entering records it for people (RecordIncoming) and refuses. */
+  automated: { why: string; report: Op<IncomingResult> | undefined } | undefined;
+  /** @internal The message and its provider, for the look at its thread right before the send. */
+  look: { facts: MessageFacts; provider: Provider } | undefined;
 
   constructor(
     private readonly coordinator: Coordinator,
@@ -178,10 +199,11 @@ export class Claim {
     summary?: MessageSummary,
     threadId?: string,
     receivedAt?: Date,
+    correspondent?: string,
   ) {
     this.ttl_ = ttl;
     const thread = threadId && receivedAt ? { threadId, receivedAt } : {};
-    this.claimOp = coordinator.claimOp(subject, { ttl, notificationId, note: cleanText(note), summary, ...thread });
+    this.claimOp = coordinator.claimOp(subject, { ttl, notificationId, note: cleanText(note), summary, correspondent: correspondent ?? "", ...thread });
   }
 
   /** The fencing token (0n until the claim is granted). */
@@ -271,12 +293,12 @@ export class Claim {
   }
 
   private async claim(deadline?: number): Promise<void> {
-    if (this.outgoing !== undefined) {
-      this.phase = "outgoing";
-      const recorded = this.outgoing.report === undefined ? undefined : await this.call(this.outgoing.report, deadline);
-      const refusal = new OutgoingMessage(this.subject, this.notificationId, this.outgoing.why, recorded);
-      this.coordinator.logger.info(`inbox-claims: ${refusal.message}`);
-      throw refusal;
+    const { outgoing, automated } = this;
+    if (outgoing !== undefined) {
+      await this.leave("outgoing", outgoing.report, deadline, (recorded) => new OutgoingMessage(this.subject, this.notificationId, outgoing.why, recorded));
+    }
+    if (automated !== undefined) {
+      await this.leave("automated", automated.report, deadline, (recorded) => new AutomatedMessage(this.subject, this.notificationId, automated.why, recorded));
     }
     const started = performance.now();
     const result = await this.call(this.claimOp, deadline);
@@ -288,6 +310,14 @@ export class Claim {
     this.validUntil = started + this.ttl_ * 1000;
     this.phase = "claimed";
     void this.renewal().catch((error: unknown) => process.emitWarning(`the renewal of ${this.toString()} stopped: ${String(error)}`));
+  }
+
+  /** A message an agent never answers: reported (when it can be), one log line says why, the refusal thrown. */
+  private async leave<R>(phase: Phase, report: Op<R> | undefined, deadline: number | undefined, refusal: (recorded: R | undefined) => ClaimNotGranted): Promise<never> {
+    this.phase = phase;
+    const error = refusal(report === undefined ? undefined : await this.call(report, deadline));
+    this.coordinator.logger.info(`inbox-claims: ${error.message}`);
+    throw error;
   }
 
   // -- renewal -----------------------------------------------------------------------------------------
@@ -344,8 +374,10 @@ export class Claim {
   // -- send --------------------------------------------------------------------------------------------
 
   /**
-   * Sends the reply through the fenced commit point, once: BeginSend (refused: ClaimLost, and `fn` is never
-   * called), then `fn(idempotencyKey)`, which must send with that key as the mail API's Idempotency-Key header
+   * Sends the reply through the fenced commit point, once: with a provider to look at (ReplyOptions.provider), the
+   * thread's newer messages are recorded first; then BeginSend (a stale token: ClaimLost; refused by the mailbox's
+   * reply rules: the claim is released and ReplyBudgetSpent or ConversationMovedOn thrown; `fn` is never called),
+   * then `fn(idempotencyKey)`, which must send with that key as the mail API's Idempotency-Key header
    * and return the sent message's id (a string) or undefined/null, then ConfirmSent. If `fn` throws
    * SendRejected, AbortSend frees the subject and the error is rethrown; any other error leaves the subject
    * SENDING (reported IN_DOUBT later) and throws SendOutcomeUnknown (its cause). Resolves to what `fn` returned.
@@ -356,9 +388,25 @@ export class Claim {
   async send(fn: (idempotencyKey: string) => Promise<string | null | undefined> | string | null | undefined): Promise<string | undefined> {
     if (this.phase === "lost") throw this.lostError();
     if (this.phase !== "claimed") throw new Error(`claim.send() runs once, inside replyTo's work (this claim is ${this.phase})`);
+    // A person's send is never refused by the reply rules: nothing to look for on their behalf.
+    if (this.look !== undefined && this.status_?.holderKind !== "human") await this.lookBeforeSend(this.look.facts, this.look.provider);
     this.phase = "beginning"; // renewal stops acting; until BeginSend answers, the end of work aborts
     this.stopRenewal.abort();
     const begin = await this.call(this.coordinator.beginSendOp(this.subject, this.token_));
+    if (begin.refusal !== undefined) {
+      // Nothing was sent or counted and the claim is still ours: give it up for good, since a redelivery of this
+      // notification would be refused the same way (the newer message has its own claim; a spent budget, a person).
+      this.phase = "released";
+      const refused = ReplyRefused.of(this.subject, begin.refusal, begin.status);
+      this.coordinator.logger.info(`inbox-claims: ${refused.message}`);
+      try {
+        await this.release(false);
+      } catch (error) {
+        if (!(error instanceof InboxClaimsError)) throw error;
+        process.emitWarning(`could not release ${this.subject.id} after its send was refused (${error.message}); it frees when its TTL runs out`);
+      }
+      throw refused;
+    }
     if (!begin.ok) {
       this.lose(this.staleReason(begin.status), begin.status, "beginning");
       throw this.lostError();
@@ -368,7 +416,8 @@ export class Claim {
     let sent: unknown;
     try {
       const key = fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject);
-      sent = await inChild(this.trace, "inbox send", async () => fn(key));
+      // The send paths mark an agent's reply Auto-Submitted, never a person's (current.ts).
+      sent = await inChild(this.trace, "inbox send", async () => sendingAs(this.status_?.holderKind === "human", () => fn(key)));
       if (!this.keyTaken) warnNoIdempotencyKey(this.subject.id);
     } catch (error) {
       if (error instanceof SendRejected) {
@@ -407,6 +456,39 @@ export class Claim {
     this.status_ = result.status;
     this.sentMessageId_ = sentMessageId || undefined;
     this.phase = "replied";
+  }
+
+  /**
+   * The "double-check inside the lock": asks the provider for the thread's messages received after the claim's and
+   * records each as its notification would have been (a reply the mailbox sent: RecordOutgoing, which ends this
+   * claim when written outside; anything else: RecordIncoming, so that BeginSend refuses as the conversation moved
+   * on). With no notification id: each message's own notification still comes, and is claimed (or refused) then. A
+   * provider that cannot answer (a ProviderError) does not stop the send: the commit point's rules still hold for
+   * every notification that arrived; it is warned about.
+   */
+  private async lookBeforeSend(facts: MessageFacts, provider: Provider): Promise<void> {
+    if (provider.since === undefined || facts.receivedAt === undefined || !facts.threadId) return;
+    let newer: readonly MessageFacts[];
+    try {
+      newer = await provider.since(facts);
+    } catch (error) {
+      if (!(error instanceof ProviderError)) throw error;
+      process.emitWarning(`looking at thread ${facts.threadId} before the send failed (${error.message}); sending on what the notifications said`);
+      return;
+    }
+    const mailbox = this.subject.mailbox;
+    for (const found of newer) {
+      if (found.messageId === facts.messageId || !found.threadId || found.receivedAt === undefined) continue;
+      const why = found.outgoing ?? this.coordinator.outgoing.judge(found.folders, found.fromAddresses, provider.mailboxAddresses);
+      const sender = cleanText(found.sender, SUMMARY_TEXT_MAX_BYTES);
+      if (why !== undefined) {
+        const claimToken = why.rule === "sent_folder" ? (found.stamp?.token ?? 0n) : 0n;
+        await this.coordinator.call(this.coordinator.recordOutgoingOp(mailbox, found.messageId, found.threadId, found.receivedAt, { sender, claimToken }));
+      } else {
+        const automated = found.automated?.automated ? cleanText(found.automated.why, AUTOMATED_REASON_MAX_BYTES) : "";
+        await this.coordinator.call(this.coordinator.recordIncomingOp(mailbox, found.messageId, found.threadId, found.receivedAt, { summary: summaryOf(found), automated }));
+      }
+    }
   }
 
   private async abort(rejected: SendRejected): Promise<void> {

@@ -16,6 +16,7 @@ import {
   claimResultFromPb,
   deliveryResultFromPb,
   fenceFromPb,
+  incomingFromPb,
   outgoingFromPb,
   pageFromPb,
   stateToPb,
@@ -30,6 +31,7 @@ import {
   type DeliveryResult,
   type FenceResult,
   type HolderKind,
+  type IncomingResult,
   type MessageSummary,
   type OutgoingResult,
   type Subject,
@@ -38,10 +40,11 @@ import {
   type TakeoverResult,
   type WatchItem,
 } from "./types.js";
-import { Claim, cleanText, resolveSubject, SUMMARY_TEXT_MAX_BYTES, summaryOf, type ReplyOptions, type ReplyTarget } from "./claim.js";
+import { AUTOMATED_REASON_MAX_BYTES, Claim, cleanText, resolveSubject, SUMMARY_TEXT_MAX_BYTES, summaryOf, type ReplyOptions, type ReplyTarget } from "./claim.js";
 import { parseNotification, type Notification } from "./envelope.js";
 import { factsOf } from "./providers/nylas.js";
 import { isMessageFacts, type CursorRange, type Cursors, type MessageFacts } from "./providers/seam.js";
+import { judgeAutomated } from "./automated.js";
 import { MAILBOX_ADDRESSES_ENV, OutgoingRules, SENT_FOLDERS_ENV } from "./outgoing.js";
 
 export const DEFAULT_TARGET = "127.0.0.1:50051";
@@ -123,6 +126,21 @@ export interface ClaimOptions {
    */
   threadId?: string;
   receivedAt?: Date;
+  /**
+   * The sender's address (`ana@example.com`), for the agents' reply budget per correspondent
+   * (docs/design.md#reply-storms); compared without case, up to 320 bytes. Empty: only the thread's budget applies.
+   */
+  correspondent?: string;
+}
+
+/** RecordIncoming's options. */
+export interface IncomingOptions {
+  /** The delivery's dedup key (the notification id). */
+  notificationId?: string;
+  /** Which email it is, shown to people. */
+  summary?: MessageSummary;
+  /** Why agents leave it ("Auto-Submitted: auto-replied"); empty: a customer's message (found by looking before a send). */
+  automated?: string;
 }
 
 /** RecordOutgoing's options. */
@@ -207,6 +225,9 @@ export const ENVIRONMENT = {
 } as const;
 
 /** The per-call timeout fromEnv() gives when INBOX_CALL_TIMEOUT is unset (the Python client's from_env default). */
+/** The coordinator's limit on ClaimReply's correspondent (CORRESPONDENT_MAX_BYTES). */
+export const CORRESPONDENT_MAX_BYTES = 320;
+
 export const ENV_DEFAULT_TIMEOUT_MS = 5_000;
 
 function readPem(path: string, variable: string): Buffer {
@@ -455,6 +476,7 @@ export class Coordinator {
       summary: summaryToPb(options.summary),
       threadId: options.threadId ?? "",
       receivedAt: options.receivedAt === undefined ? undefined : timestampFromDate(options.receivedAt),
+      correspondent: options.correspondent ?? "",
     });
     return { method: "ClaimReply", request, decode: (r) => claimResultFromPb(r as pb.ClaimReplyResponse), subject };
   }
@@ -471,6 +493,20 @@ export class Coordinator {
       claimToken: options.claimToken ?? 0n,
     });
     return { method: "RecordOutgoing", request, decode: (r) => outgoingFromPb(r as pb.RecordOutgoingResponse) };
+  }
+
+  recordIncomingOp(mailbox: string, messageId: string, threadId: string, receivedAt: Date, options: IncomingOptions = {}): Op<IncomingResult> {
+    const request = create(pb.RecordIncomingRequestSchema, {
+      requestId: newRequestId(),
+      mailbox,
+      notificationId: options.notificationId ?? "",
+      messageId,
+      threadId,
+      receivedAt: timestampFromDate(receivedAt),
+      summary: summaryToPb(options.summary),
+      automated: options.automated ?? "",
+    });
+    return { method: "RecordIncoming", request, decode: (r) => incomingFromPb(r as pb.RecordIncomingResponse) };
   }
 
   renewOp(subject: Subject, token: bigint, ttl = 0): Op<FenceResult> {
@@ -551,6 +587,16 @@ export class Coordinator {
    */
   recordOutgoing(mailbox: string, messageId: string, threadId: string, sentAt: Date, options: OutgoingOptions = {}): Promise<OutgoingResult> {
     return this.call(this.recordOutgoingOp(mailbox, messageId, threadId, sentAt, options));
+  }
+
+  /**
+   * RecordIncoming (role `report`): an inbound message nobody claims (docs/design.md#reply-storms): automated mail
+   * agents leave (`automated` says why, shown to people), or a customer's newer message found by looking at the
+   * thread before a send. A claim on an older message of the thread then gets BeginSend REFUSED
+   * (ConversationMovedOn). replyTo calls it for you on every automated message.
+   */
+  recordIncoming(mailbox: string, messageId: string, threadId: string, receivedAt: Date, options: IncomingOptions = {}): Promise<IncomingResult> {
+    return this.call(this.recordIncomingOp(mailbox, messageId, threadId, receivedAt, options));
   }
 
   renew(subject: Subject, token: bigint, ttl = 0): Promise<FenceResult> {
@@ -768,8 +814,14 @@ export class Coordinator {
     // date, neither is sent (the coordinator needs both).
     const receivedAt = facts !== undefined ? facts.receivedAt : explicit!.receivedAt;
     const threadId = receivedAt === undefined ? undefined : (facts ?? explicit!).threadId;
-    const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "", summary, threadId, receivedAt);
+    // An address over the coordinator's 320 bytes is no address (RFC 5321 allows 254): only the thread's budget then.
+    const sender = facts !== undefined ? (facts.fromAddresses[0] ?? "") : (explicit!.correspondent ?? "");
+    const correspondent = Buffer.byteLength(sender, "utf8") <= CORRESPONDENT_MAX_BYTES ? sender : "";
+    const claim = new Claim(this, subject, notificationId, options.ttl ?? 60, options.note ?? "", summary, threadId, receivedAt, correspondent);
+    if (facts !== undefined && options.provider !== undefined) claim.look = { facts, provider: options.provider };
     const why = facts === undefined ? undefined : (facts.outgoing ?? this.outgoing.judge(facts.folders, facts.fromAddresses));
+    // A provider that could not read the headers (a Nylas notification without the API key): the sender's rules alone.
+    const automated = facts === undefined ? undefined : (facts.automated ?? judgeAutomated(undefined, facts.fromAddresses[0]));
     if (facts !== undefined && why !== undefined) {
       const report =
         facts.messageId && threadId && receivedAt
@@ -782,6 +834,17 @@ export class Coordinator {
             })
           : undefined;
       claim.outgoing = { why, report };
+    } else if (facts !== undefined && automated?.automated) {
+      // Automated mail is recorded for the people watching (a person may still answer it), never claimed by an agent.
+      const report =
+        facts.messageId && threadId && receivedAt
+          ? this.recordIncomingOp(subject.mailbox, facts.messageId, threadId, receivedAt, {
+              notificationId,
+              summary,
+              automated: cleanText(automated.why, AUTOMATED_REASON_MAX_BYTES),
+            })
+          : undefined;
+      claim.automated = { why: automated.why, report };
     }
     await claim.enter(deadline);
     return claim;

@@ -5,8 +5,12 @@
 //   │   ├── DuplicateDelivery      this notification id was seen before
 //   │   ├── ReplyHeld              someone else holds the subject now
 //   │   ├── AlreadyReplied         a reply was sent, is being sent, or is in doubt
-//   │   └── OutgoingMessage        the message is one the mailbox sent: never answered (recorded instead)
+//   │   ├── OutgoingMessage        the message is one the mailbox sent: never answered (recorded instead)
+//   │   └── AutomatedMessage       automated mail (an auto-reply, a list, a bounce): agents leave it (recorded for people)
 //   ├── ClaimLost                  you held the claim and no longer do (fenced): never send
+//   ├── ReplyRefused               BeginSend REFUSED: the mailbox's reply rules stop this send (the claim was released)
+//   │   ├── ReplyBudgetSpent       the agents' reply budget of the thread or correspondent is spent: a person should look
+//   │   └── ConversationMovedOn    the customer wrote again: draft again with the newest message
 //   ├── SendRejected               thrown BY YOU from a send function: "the mail API refused, nothing went out"
 //   ├── SendOutcomeUnknown         the send function threw something else: it may have gone out (IN_DOUBT)
 //   ├── SentButUnconfirmed         the reply went out but the coordinator could not record it
@@ -18,8 +22,10 @@ import {
   describe,
   type DeliveryRecord,
   type HolderKind,
+  type IncomingResult,
   type LossReason,
   type OutgoingResult,
+  type SendRefusal,
   type Subject,
   type SubjectState,
   type SubjectStatus,
@@ -114,6 +120,30 @@ export class OutgoingMessage extends ClaimNotGranted {
   }
 }
 
+/**
+ * The message is automated mail (`why`: the rule and value, "Auto-Submitted: auto-replied", "List-Id", "no-reply
+ * sender noreply@shop.example"): agents never answer it (docs/design.md#reply-storms). replyTo recorded it for the
+ * people watching the mailbox with RecordIncoming (`result`; undefined when it could not be recorded: no thread id
+ * or date); a person can still claim and answer it.
+ */
+export class AutomatedMessage extends ClaimNotGranted {
+  override name = "AutomatedMessage";
+  constructor(
+    subject: Subject,
+    readonly notificationId: string,
+    readonly why: string,
+    readonly result: IncomingResult | undefined,
+  ) {
+    const recorded =
+      result === undefined
+        ? "it was not recorded (the notification has no thread id or date)"
+        : result.outcome === "DUPLICATE_DELIVERY"
+          ? "its notification was delivered before"
+          : "recorded for the people watching the mailbox";
+    super(`not answering ${describe(subject)} (notification ${JSON.stringify(notificationId)}): automated message (${why}): agents leave it; ${recorded}`, subject);
+  }
+}
+
 const LOSS_DETAIL: Record<Exclude<LossReason, "answered_outside">, string> = {
   taken_over: "taken over",
   expired: "its TTL ran out before it was renewed",
@@ -148,6 +178,54 @@ export class ClaimLost extends InboxClaimsError {
           : LOSS_DETAIL[reason];
     super(`claim ${token} on ${describe(subject)} was lost: ${detail}`);
   }
+}
+
+/**
+ * BeginSend refused this agent's send (docs/design.md#reply-storms): nothing was sent or counted, the send function
+ * was never called, and the claim was released (not redeliverable: a redelivery would be refused the same way).
+ * `reason` is for a person, as the coordinator wrote it; the other fields are the SendRefusal's. Catch the base
+ * class to handle both kinds alike.
+ */
+// The SendRefusal's fields (kind, reason, scope, limit, windowSeconds, counted, freesAt, newerMessageId,
+// newerReceivedAt) are the error's own, copied in by the constructor: one list of them, types.ts's.
+// eslint-disable-next-line @typescript-eslint/no-unsafe-declaration-merging, @typescript-eslint/no-empty-object-type
+export interface ReplyRefused extends SendRefusal {}
+// eslint-disable-next-line @typescript-eslint/no-unsafe-declaration-merging
+export class ReplyRefused extends InboxClaimsError {
+  override name = "ReplyRefused";
+  constructor(
+    readonly subject: Subject,
+    readonly refusal: SendRefusal,
+    readonly status: SubjectStatus | undefined,
+  ) {
+    super(`not sending the reply to ${describe(subject)}: ${refusal.reason || refusal.kind}`);
+    Object.assign(this, refusal);
+  }
+
+  /** The error for a refusal of this kind. */
+  static of(subject: Subject, refusal: SendRefusal, status: SubjectStatus | undefined): ReplyRefused {
+    if (refusal.kind === "REPLY_BUDGET_SPENT") return new ReplyBudgetSpent(subject, refusal, status);
+    if (refusal.kind === "CONVERSATION_MOVED_ON") return new ConversationMovedOn(subject, refusal, status);
+    return new ReplyRefused(subject, refusal, status);
+  }
+}
+
+/**
+ * The agents' reply budget is spent: `scope` "thread" (this conversation) or "correspondent" (this sender), `limit`
+ * replies in `windowSeconds`, `counted` so far; `freesAt` when the oldest leaves the window. Agents stop; a person
+ * should look (the board lists the conversation).
+ */
+export class ReplyBudgetSpent extends ReplyRefused {
+  override name = "ReplyBudgetSpent";
+}
+
+/**
+ * The customer wrote again in the thread after the claim's message (`newerMessageId`, received `newerReceivedAt`):
+ * this draft answers a conversation that moved on. The newer message has (or gets) its own notification and claim,
+ * which drafts with the whole conversation: drop this draft (docs/node.md, "Reply storms").
+ */
+export class ConversationMovedOn extends ReplyRefused {
+  override name = "ConversationMovedOn";
 }
 
 /**

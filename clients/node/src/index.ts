@@ -1,4 +1,5 @@
-export { Coordinator, DEFAULT_RETRY, DEFAULT_TARGET, ENV_DEFAULT_TIMEOUT_MS, ENVIRONMENT, newRequestId, optionsFromEnv, type ClaimOptions, type CoordinatorOptions, type Envelope, type OutgoingOptions, type RetryPolicy } from "./client.js";
+export { Coordinator, DEFAULT_RETRY, DEFAULT_TARGET, ENV_DEFAULT_TIMEOUT_MS, ENVIRONMENT, newRequestId, optionsFromEnv, type ClaimOptions, type CoordinatorOptions, CORRESPONDENT_MAX_BYTES, type Envelope, type IncomingOptions, type OutgoingOptions, type RetryPolicy } from "./client.js";
+export { AUTO_SUBMITTED_HEADER, AUTO_SUBMITTED_VALUE, judgeAutomated, NOT_AUTOMATED, type HeaderSource } from "./automated.js";
 export { DEFAULT_SENT_FOLDERS, OutgoingRules, type OutgoingMatch } from "./outgoing.js";
 export { Claim, cleanText, NO_IDEMPOTENCY_KEY_WARNING, summaryOf, type ReplyOptions, type ReplyTarget, type Scope } from "./claim.js";
 export * from "./errors.js";
@@ -26,4 +27,4 @@ export {
   type WebhookHandler,
   type WebhookOptions,
 } from "./middleware.js";
-export type { ClaimStamp, Cursors, CursorRange, MessageFacts, Provider } from "./providers/seam.js";
+export type { Automated, ClaimStamp, Cursors, CursorRange, MessageFacts, Provider } from "./providers/seam.js";

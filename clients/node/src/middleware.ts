@@ -17,7 +17,7 @@ import type { IncomingMessage, ServerResponse } from "node:http";
 import type { Coordinator } from "./client.js";
 import type { Claim, ReplyOptions } from "./claim.js";
 import type { Notification } from "./envelope.js";
-import { ClaimNotGranted, CoordinatorUnavailable, PermissionDenied, QuotaExceeded, Unauthenticated } from "./errors.js";
+import { ClaimNotGranted, CoordinatorUnavailable, PermissionDenied, QuotaExceeded, ReplyRefused, Unauthenticated } from "./errors.js";
 import { NylasProvider } from "./providers/nylas.js";
 import { notificationOutcome, notificationStarted, type GuardSpan } from "./tracing.js";
 import { Accepted, ProviderError, RangesTaken, retryLater, type Answer, type Batch, type MessageFacts, type Provider } from "./providers/seam.js";
@@ -63,8 +63,16 @@ export interface WebhookOptions extends ReplyOptions {
   admissionTimeoutMs?: number;
   /** Called with what the background work threw (default: a process warning); refusals are not errors. */
   onError?: (error: unknown, notification: Notification) => void;
-  /** Called when the claim was refused (a redelivery, a message someone else answers...). */
+  /** Called when the claim was refused (a redelivery, a message someone else answers, automated mail...). */
   onRefused?: (refusal: ClaimNotGranted, notification: Notification) => void;
+  /**
+   * The Nylas API key: with it each message is read with its headers for the automated-mail rules (one GET per
+   * message notification) and the thread is looked at right before each send (one GET per send); without it only
+   * the sender's address tells automated mail (docs/node.md, "Reply storms").
+   */
+  apiKey?: string;
+  /** The Nylas API's base URL (default https://api.us.nylas.com). */
+  apiBase?: string;
 }
 
 const TEXT = "text/plain; charset=utf-8";
@@ -173,7 +181,7 @@ class Webhook implements WebhookHandler {
         const facts = { ...found, outgoing: found.outgoing ?? coordinator.outgoing.judge(found.folders, found.fromAddresses, this.provider.mailboxAddresses) };
         if (!this.events.has(facts.event)) continue;
         try {
-          granted.push([facts, await coordinator.admit(facts, { ttl, scope, note, mailbox }, deadline)]);
+          granted.push([facts, await coordinator.admit(facts, { ttl, scope, note, mailbox, provider: this.provider }, deadline)]);
         } catch (error) {
           if (!(error instanceof ClaimNotGranted)) throw error;
           this.refused(error, facts); // recorded: a redelivery, a message someone else answers, an outgoing message
@@ -205,6 +213,8 @@ class Webhook implements WebhookHandler {
       .then(
         () => undefined,
         (error: unknown) => {
+          // BeginSend refused by the reply rules: expected, and said in the one line claim.send logged (as Python's guard).
+          if (error instanceof ReplyRefused) return;
           if (error instanceof ClaimNotGranted) this.refused(error, facts);
           else if (this.options.onError) this.options.onError(error, facts);
           else process.emitWarning(`the work on message ${facts.messageId} (notification ${facts.dedupKey}) failed: ${String(error)}`);
@@ -324,9 +334,9 @@ function nylasWebhookOf(options: WebhookOptions): Webhook {
   if (typeof options.secret === "string" ? !options.secret : options.secret.length === 0) {
     throw new TypeError("webhook secret is empty: check the server's configuration");
   }
-  const { secret, work, onError, onRefused, ...rest } = options;
+  const { secret, work, onError, onRefused, apiKey, apiBase, ...rest } = options;
   const source = (facts: MessageFacts): Notification => facts.source as Notification;
-  return new Webhook(new NylasProvider(secret), {
+  return new Webhook(new NylasProvider(secret, { apiKey, apiBase }), {
     ...rest,
     work: (facts, claim) => work(source(facts), claim),
     onError: onError && ((error, facts) => onError(error, source(facts))),

@@ -114,6 +114,32 @@ export interface SubjectStatus {
   readonly outsideReply: OutsideReply | undefined;
   /** REPLIED by ResolveInDoubt (sent): the person who settled it; `holder` is whose send it was. */
   readonly settledBy: string;
+  /**
+   * Automated mail agents leave (recorded by RecordIncoming): why, for people ("Auto-Submitted: auto-replied");
+   * empty otherwise. A person can still claim and answer it.
+   */
+  readonly automated: string;
+  /** While agents are stopped on this subject's conversation (its reply budget spent): the refusal they were given. */
+  readonly agentsStopped: SendRefusal | undefined;
+}
+
+/**
+ * Why BeginSend refused an agent's send (docs/design.md#reply-storms): the reply budget of the thread or of the
+ * correspondent is spent, or the customer wrote again after the claim's message.
+ */
+export interface SendRefusal {
+  readonly kind: "REPLY_BUDGET_SPENT" | "CONVERSATION_MOVED_ON";
+  /** For a person: "agents stopped: 3 agent replies to this conversation in the last hour — a person should look". */
+  readonly reason: string;
+  /** REPLY_BUDGET_SPENT: "thread" or "correspondent", its limit, window, the replies counted, when the oldest leaves it. */
+  readonly scope: string;
+  readonly limit: number;
+  readonly windowSeconds: number;
+  readonly counted: number;
+  readonly freesAt: Date | undefined;
+  /** CONVERSATION_MOVED_ON: the newer message and when it was received. */
+  readonly newerMessageId: string;
+  readonly newerReceivedAt: Date | undefined;
 }
 
 /** A reply written outside the coordinator in a subject's thread (a person in Gmail, Outlook, a helpdesk). */
@@ -154,9 +180,18 @@ export interface ClaimResult {
 }
 
 export interface FenceResult {
-  /** False: the fencing token is stale (the claim is gone); never send. */
+  /** False: the fencing token is stale (the claim is gone), or (BeginSend) the send is refused; never send. */
   readonly ok: boolean;
   readonly status: SubjectStatus;
+  /** BeginSend REFUSED: why (the claim is still held: release it). Undefined otherwise. */
+  readonly refusal?: SendRefusal;
+}
+
+/** The answer to recordIncoming: RECORDED (also to a retry) or DUPLICATE_DELIVERY, and the message's subject now. */
+export interface IncomingResult {
+  readonly outcome: "RECORDED" | "DUPLICATE_DELIVERY";
+  readonly status: SubjectStatus | undefined;
+  readonly delivery: DeliveryRecord | undefined;
 }
 
 export interface DeliveryResult {
@@ -288,6 +323,31 @@ export function statusFromPb(message: pb.SubjectStatus | undefined): SubjectStat
     repliedOutside: message.repliedOutside,
     outsideReply: outsideReplyFromPb(message.outsideReply),
     settledBy: message.settledBy,
+    automated: message.automated,
+    agentsStopped: refusalFromPb(message.agentsStopped),
+  };
+}
+
+export function refusalFromPb(message: pb.SendRefusal | undefined): SendRefusal | undefined {
+  if (message === undefined || message.kind === pb.SendRefusal_Kind.KIND_UNSPECIFIED) return undefined;
+  return {
+    kind: enumName(pb.SendRefusal_Kind, message.kind, "", "SendRefusal.Kind") as SendRefusal["kind"],
+    reason: message.reason,
+    scope: message.scope,
+    limit: message.limit,
+    windowSeconds: message.windowSeconds,
+    counted: message.counted,
+    freesAt: date(message.freesAt),
+    newerMessageId: message.newerMessageId,
+    newerReceivedAt: date(message.newerReceivedAt),
+  };
+}
+
+export function incomingFromPb(response: pb.RecordIncomingResponse): IncomingResult {
+  return {
+    outcome: enumName(pb.RecordIncomingResponse_Result, response.result, "", "RecordIncomingResponse.Result") as IncomingResult["outcome"],
+    status: response.status === undefined ? undefined : statusFromPb(response.status),
+    delivery: deliveryFromPb(response.delivery),
   };
 }
 
@@ -344,8 +404,9 @@ export function claimResultFromPb(response: pb.ClaimReplyResponse): ClaimResult 
   };
 }
 
-export function fenceFromPb(response: { result: pb.FenceResult; status?: pb.SubjectStatus | undefined }): FenceResult {
-  return { ok: response.result === pb.FenceResult.OK, status: statusFromPb(response.status) };
+export function fenceFromPb(response: { result: pb.FenceResult; status?: pb.SubjectStatus | undefined; refusal?: pb.SendRefusal | undefined }): FenceResult {
+  const refusal = response.result === pb.FenceResult.REFUSED ? refusalFromPb(response.refusal) : undefined;
+  return { ok: response.result === pb.FenceResult.OK, status: statusFromPb(response.status), ...(refusal === undefined ? {} : { refusal }) };
 }
 
 export function deliveryResultFromPb(response: pb.RecordDeliveryResponse): DeliveryResult {

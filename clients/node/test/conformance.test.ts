@@ -28,6 +28,7 @@ import {
   EnvelopeError,
   IDEMPOTENCY_KEY_PREFIX,
   idempotencyKey,
+  judgeAutomated,
   MESSAGE_ID_WHITESPACE,
   messageSubject,
   NYLAS_SIGNATURE_HEADER,
@@ -378,7 +379,20 @@ function messageIds(c: { whitespace?: string[]; id?: string; canonical?: string 
 
 // -- the runner -------------------------------------------------------------------------------------------
 
+// -- automated.json ----------------------------------------------------------------------------------------
+
+interface AutomatedCase { headers: Record<string, string>; sender: string | null; content_type?: string; expect: { automated: boolean; reason: string | null } }
+
+function automated(c: AutomatedCase): void {
+  const verdict = judgeAutomated(c.headers, c.sender, "content_type" in c ? c.content_type : undefined);
+  assert.deepEqual({ automated: verdict.automated, reason: verdict.automated ? verdict.why : null }, c.expect);
+  // Headers as a provider lists them ({name, value}, Graph's and Gmail's shape) are judged alike.
+  const listed = judgeAutomated(Object.entries(c.headers).map(([name, value]) => ({ name, value })), c.sender, c.content_type);
+  assert.deepEqual(listed, verdict);
+}
+
 const RUNNERS: Record<string, (c: never) => void> = {
+  "automated.json": automated,
   "backoff.json": backoff,
   "idempotency_keys.json": idempotencyKeys,
   "message_ids.json": messageIds,

@@ -1,8 +1,7 @@
-"""Serves one of the repository's provider doubles (tests/providers/fake_graph.py, fake_gmail.py: they follow the
-providers' documented behaviour, never our code) over real HTTP for the Node client's scenario tests, which start it
-as a process: ``$PYTHON clients/node/test/doubles.py gmail '{"address": "a@b.example"}'`` (the double's settings)
-prints ``listening on http://127.0.0.1:<port>`` and
-serves until stdin closes.
+"""Serves one of the repository's provider doubles (tests/providers/fake_graph.py, fake_gmail.py, fake_nylas_api.py:
+they follow the providers' documented behaviour, never our code) over real HTTP for the Node client's scenario tests,
+which start it as a process: ``$PYTHON clients/node/test/doubles.py gmail '{"address": "a@b.example"}'`` (the
+double's settings) prints ``listening on http://127.0.0.1:<port>`` and serves until stdin closes.
 
 * Every request but ``/_double`` goes to the double's ``answer(HttpRequest)``, with the double's own origin in the
   URL (``https://graph.test``, ``https://gmail.test``) and the served origin in its answer (Graph's delta links).
@@ -43,7 +42,11 @@ def _double(name: str, settings: dict[str, Any]) -> tuple[Any, str]:
         from tests.providers import fake_gmail
 
         return fake_gmail.FakeGmail(**settings), fake_gmail.BASE
-    raise SystemExit(f"no double called {name!r}: graph or gmail")
+    if name == "nylas":
+        from tests.providers import fake_nylas_api
+
+        return fake_nylas_api.FakeNylasApi(**settings), fake_nylas_api.BASE
+    raise SystemExit(f"no double called {name!r}: graph, gmail or nylas")
 
 
 def _plain(value: Any) -> Any:
@@ -78,7 +81,7 @@ def main() -> None:
                 result = getattr(double, order["get"])
             return HttpResponse(200, json.dumps(result, default=_plain).encode(), {"content-type": "application/json"})
         url = origin + request.url[len(served) :]
-        asked = HttpRequest(request.method, url, request.params, request.headers, request.json_body)
+        asked = HttpRequest(request.method, url, request.params, request.headers, request.json_body, request.content)
         given = double.answer(asked)
         return HttpResponse(given.status, given.content.replace(origin.encode(), served.encode()), dict(given.headers))
 

@@ -24,8 +24,8 @@ export class Double {
     readonly url: string,
   ) {}
 
-  /** Starts `graph` or `gmail` with its settings (the double's keyword arguments); resolves once it listens. */
-  static async start(name: "graph" | "gmail", settings: Record<string, unknown> = {}): Promise<Double> {
+  /** Starts `graph`, `gmail` or `nylas` with its settings (the double's keyword arguments); resolves once it listens. */
+  static async start(name: "graph" | "gmail" | "nylas", settings: Record<string, unknown> = {}): Promise<Double> {
     const child = spawn(PYTHON, [join(REPO, "clients", "node", "test", "doubles.py"), name, JSON.stringify(settings)], { stdio: ["pipe", "pipe", "inherit"] });
     const lines = createInterface({ input: child.stdout! });
     const url = await new Promise<string>((ok, fail) => {

@@ -66,7 +66,8 @@ function factsJson(facts: MessageFacts): Json {
     from_addresses: [...facts.fromAddresses],
     folders: [...facts.folders],
     outgoing: facts.outgoing === undefined ? null : { rule: facts.outgoing.rule, value: facts.outgoing.value },
-    automated: facts.automated ?? null,
+    // The rule and value that make it automated mail (src/automated.ts), or null: an agent may answer it.
+    automated: facts.automated?.automated ? facts.automated.why : null,
     stamp: facts.stamp === undefined ? null : { key: facts.stamp.key, token: Number(facts.stamp.token) },
     reply: {
       to: [...facts.reply.to],

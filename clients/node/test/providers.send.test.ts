@@ -1,8 +1,10 @@
 // The providers' sends without a network (the vectors pin what comes in; this, what goes out): the stamp's format,
 // Graph's createReply + send and what each answer means for claim.send, Gmail's raw reply (threading headers, the
-// stamp and a Message-ID from it, a subject in another script) and its answers, and the settings a provider refuses.
+// stamp and a Message-ID from it, a subject in another script) and its answers, the settings a provider refuses, and
+// what each provider asks for the look before a send.
 import { test } from "node:test";
 import assert from "node:assert/strict";
+import { sendingAs } from "../src/current.js";
 import { SendRejected } from "../src/errors.js";
 import { GmailProvider, GmailSendOutcomeUnknown, GmailSendRejected } from "../src/providers/gmail.js";
 import { GraphProvider, GraphSendOutcomeUnknown, GraphSendRejected } from "../src/providers/graph.js";
@@ -63,8 +65,19 @@ test("graph: the reply is createReply with the stamp, then send: 202 gives the d
   assert.equal(await graph.reply(facts(), { body: "Ships today.", stamp: STAMP }), "AAMk-draft=");
   const [draft, send] = ok.requests;
   assert.equal(draft!.url, "https://graph.test/v1.0/users/u-1/messages/AAMk-1=/createReply");
-  assert.deepEqual(draft!.json, { message: { internetMessageHeaders: [{ name: "X-Inbox-Claim", value: formatStamp(STAMP) }] }, comment: "Ships today." });
-  assert.deepEqual(draft!.headers, [["Authorization", "Bearer tok"], ["Prefer", 'IdType="ImmutableId"']]);
+  // In MIME (JSON internetMessageHeaders take only X- headers): threaded, stamped, and marked as an agent's reply.
+  assert.equal(draft!.json, undefined);
+  assert.deepEqual(draft!.headers, [["Authorization", "Bearer tok"], ["Prefer", 'IdType="ImmutableId"'], ["Content-Type", "text/plain"]]);
+  const mime = Buffer.from(draft!.content!.toString("ascii"), "base64").toString("utf8");
+  const [head, body] = mime.split("\r\n\r\n");
+  const headers = Object.fromEntries(head!.split("\r\n").map((line) => [line.slice(0, line.indexOf(":")), line.slice(line.indexOf(":") + 2)]));
+  assert.equal(headers["X-Inbox-Claim"], formatStamp(STAMP));
+  assert.equal(headers["Auto-Submitted"], "auto-replied");
+  assert.equal(headers["In-Reply-To"], "<orig@mail.example>");
+  assert.equal(headers["References"], "<a@x.example> <orig@mail.example>");
+  assert.equal(headers["To"], facts().reply.to.join(", "));
+  assert.equal(headers["Subject"], facts().reply.subject);
+  assert.equal(Buffer.from(body!, "base64").toString("utf8"), "Ships today.");
   assert.equal(send!.url, "https://graph.test/v1.0/users/u-1/messages/AAMk-draft=/send");
   const cases: [(HttpResponse | Error)[], new (...args: never[]) => Error][] = [
     [[json(404, { error: {} })], GraphSendRejected], // the message is gone: no draft, nothing sent
@@ -97,6 +110,7 @@ test("gmail: the raw reply answers the sender in the thread (In-Reply-To, Refere
   assert.equal(headers["In-Reply-To"], "<orig@mail.example>");
   assert.equal(headers["References"], "<a@x.example> <orig@mail.example>");
   assert.equal(headers["X-Inbox-Claim"], formatStamp(STAMP));
+  assert.equal(headers["Auto-Submitted"], "auto-replied"); // an agent's reply (RFC 3834), threaded as above
   assert.deepEqual(parseStamp(headers["Message-ID"]), STAMP);
   assert.equal(headers["Subject"], `=?UTF-8?B?${Buffer.from("Re: Où est ma commande ?").toString("base64")}?=`);
   assert.equal(Buffer.from(body!.replaceAll("\r\n", ""), "base64").toString("utf8"), "Elle part aujourd'hui.");
@@ -120,4 +134,88 @@ test("settings a provider refuses at start, naming what to set", () => {
   assert.throws(() => GmailProvider.fromEnv({ ...env, GMAIL_HISTORY_CHECK_SECONDS: "soon" }), /GMAIL_HISTORY_CHECK_SECONDS/);
   assert.equal(GmailProvider.fromEnv({ ...env, GMAIL_HISTORY_CHECK_SECONDS: "0" }).periodicIntervalMs, 0);
   assert.equal(GmailProvider.fromEnv(env).periodicIntervalMs, 60_000);
+});
+
+// -- the look before a send (Provider.since): what each provider asks, and what it makes of the answer ----------
+
+const CLAIMED = new Date("2026-12-02T14:03:00Z");
+
+test("graph: since() lists the conversation's messages received after the claim's, with the facts' fields; a failure is a ProviderError", async () => {
+  const newer = {
+    id: "AAMk-2=",
+    changeKey: "ck2",
+    conversationId: "thread-1",
+    receivedDateTime: "2026-12-02T14:05:00Z",
+    subject: "Re: Where is my order?",
+    from: { emailAddress: { name: "Bea Costa", address: "bea@example.org" } },
+    replyTo: [],
+    parentFolderId: "AAMk-inbox=",
+    internetMessageId: "<m2@mail.example>",
+    internetMessageHeaders: [{ name: "Message-ID", value: "<m2@mail.example>" }],
+  };
+  const ok = scripted(json(200, { value: [newer] }));
+  const graph = new GraphProvider("state", "u-1", { token: "tok", apiBase: "https://graph.test/v1.0", sentItemsFolderId: "AAMk-sent=", transport: ok.transport });
+  const found = await graph.since(facts({ receivedAt: CLAIMED }));
+  const asked = ok.requests[0]!;
+  assert.equal(asked.url, "https://graph.test/v1.0/users/u-1/messages");
+  const params = Object.fromEntries(asked.params);
+  assert.equal(params["$filter"], "conversationId eq 'thread-1' and receivedDateTime gt 2026-12-02T14:03:00.000Z");
+  assert.equal(params["$select"], "id,changeKey,conversationId,receivedDateTime,subject,from,replyTo,parentFolderId,internetMessageId,internetMessageHeaders");
+  assert.deepEqual(
+    found.map((f) => [f.messageId, f.threadId, f.receivedAt?.toISOString(), f.fromAddresses, f.automated?.automated]),
+    [["AAMk-2=", "thread-1", "2026-12-02T14:05:00.000Z", ["bea@example.org"], false]],
+  );
+  // A quote in the conversation id is doubled (OData), no thread or date asks nothing, an error is the provider's.
+  const quoted = scripted(json(200, { value: [] }));
+  await new GraphProvider("state", "u-1", { token: "tok", apiBase: "https://graph.test/v1.0", transport: quoted.transport }).since(facts({ threadId: "a'b", receivedAt: CLAIMED }));
+  assert.match(Object.fromEntries(quoted.requests[0]!.params)["$filter"]!, /^conversationId eq 'a''b' and/);
+  assert.deepEqual(await graph.since(facts()), []);
+  const failing = new GraphProvider("state", "u-1", { token: "tok", apiBase: "https://graph.test/v1.0", transport: scripted(json(503, { error: {} })).transport });
+  await assert.rejects(failing.since(facts({ receivedAt: CLAIMED })), ProviderError);
+});
+
+test("gmail: since() reads the thread (threads.get, metadata) and keeps its messages after the claim's, a person's reply from Gmail with its SENT label", async () => {
+  const at = (iso: string): string => String(Date.parse(iso));
+  const gmailMessage = (id: string, when: string, from: string, labels: string[]) => ({
+    id,
+    threadId: "thread-1",
+    labelIds: labels,
+    internalDate: at(when),
+    payload: { mimeType: "text/plain", headers: [{ name: "From", value: from }, { name: "Subject", value: "Re: Where is my order?" }] },
+  });
+  const thread = {
+    id: "thread-1",
+    messages: [
+      gmailMessage("AAMk-1=", "2026-12-02T14:03:00Z", "Bea Costa <bea@example.org>", ["INBOX"]),
+      gmailMessage("older", "2026-12-02T14:01:00Z", "Bea Costa <bea@example.org>", ["INBOX"]),
+      gmailMessage("by-ana", "2026-12-02T14:04:00Z", "Ana <support@shop.example>", ["SENT"]),
+      gmailMessage("again", "2026-12-02T14:06:00Z", "Bea Costa <bea@example.org>", ["INBOX", "UNREAD"]),
+    ],
+  };
+  const ok = scripted(json(200, thread));
+  const gmail = new GmailProvider("https://agent.example/webhook", "support@shop.example", { token: "tok", apiBase: "https://gmail.test", transport: ok.transport });
+  const found = await gmail.since(facts({ receivedAt: CLAIMED }));
+  assert.equal(ok.requests[0]!.url, "https://gmail.test/gmail/v1/users/me/threads/thread-1");
+  assert.equal(Object.fromEntries(ok.requests[0]!.params)["format"], "metadata");
+  assert.ok(ok.requests[0]!.params.some(([name, value]) => name === "metadataHeaders" && value === "Auto-Submitted"));
+  assert.deepEqual(
+    found.map((f) => [f.messageId, f.folders]),
+    [
+      ["by-ana", ["SENT"]],
+      ["again", ["INBOX", "UNREAD"]],
+    ],
+  );
+  assert.deepEqual(await new GmailProvider("a", "support@shop.example", { token: "t", apiBase: "https://gmail.test", transport: scripted(json(404, {})).transport }).since(facts({ receivedAt: CLAIMED })), []);
+  const failing = new GmailProvider("a", "support@shop.example", { token: "t", apiBase: "https://gmail.test", transport: scripted(json(500, {})).transport });
+  await assert.rejects(failing.since(facts({ receivedAt: CLAIMED })), ProviderError);
+});
+
+test("a person's reply is never marked: the same MIME under a person's claim has no Auto-Submitted; outside any claim, an agent's", () => {
+  const gmail = new GmailProvider("https://agent.example/webhook", "support@shop.example", { token: "tok", apiBase: "https://gmail.test" });
+  const headerNames = (raw: Buffer): string[] => raw.toString("utf8").split("\r\n\r\n")[0]!.split("\r\n").map((line) => line.slice(0, line.indexOf(":")));
+  assert.ok(headerNames(gmail.rawReply(facts(), "Hi", STAMP)).includes("Auto-Submitted"));
+  assert.ok(headerNames(sendingAs(false, () => gmail.rawReply(facts(), "Hi", STAMP))).includes("Auto-Submitted"));
+  const byPerson = sendingAs(true, () => gmail.rawReply(facts(), "Hi", STAMP));
+  assert.ok(!headerNames(byPerson).includes("Auto-Submitted"));
+  assert.ok(headerNames(byPerson).includes("In-Reply-To"));
 });

@@ -111,7 +111,9 @@ test("the Nylas send helper: 2xx returns the id, 409 is unknown (never 'not sent
     assert.equal(await nylas.send("grant/1", reply, { idempotencyKey: "ic1-abc" }), "sent-1");
     assert.equal(seen[0]!.key, "ic1-abc");
     assert.equal(seen[0]!.auth, "Bearer api-key");
-    assert.deepEqual(JSON.parse(seen[0]!.body), { reply_to_message_id: "m1", to: [{ email: "customer@example.com" }], subject: "Re: Hi", body: "Hello" });
+    // An agent's reply, marked so (RFC 3834); reply_to_message_id makes Nylas write In-Reply-To and References.
+    const sentBody = { custom_headers: [{ name: "Auto-Submitted", value: "auto-replied" }], reply_to_message_id: "m1", to: [{ email: "customer@example.com" }], subject: "Re: Hi", body: "Hello" };
+    assert.deepEqual(JSON.parse(seen[0]!.body), sentBody);
     answer = { status: 409, body: '{"error":{"type":"idempotency_key_conflict","message":"in flight"}}' };
     await assert.rejects(nylas.send("g", reply, { idempotencyKey: "k" }), (e: unknown) => e instanceof NylasDuplicateSend && e.statusCode === 409);
     for (const status of [400, 401, 404, 422, 429]) {

@@ -13,6 +13,11 @@ Under the deployment prefix P:
     P t/<mailbox>/<thread>/r        the latest reply written outside the coordinator in the thread
     P c/<mailbox>/<name>            a cursor (docs/design.md#cursors): its value and position
     P c/<mailbox>/<name>/r          its range in progress, on an etcd lease of the range's TTL
+    P g/<mailbox>/t/<thread>/s/<token>   an agent's send counted in the thread's reply budget
+                                    (docs/design.md#reply-storms), on an etcd lease of the budget's window
+    P g/<mailbox>/t/<thread>/i      the thread's newest inbound message (moved on?)
+    P g/<mailbox>/c/<address>/s/<token>  an agent's send counted in the correspondent's budget, the same way
+    P g/<mailbox>/a/<kind>/<id>     why agents leave this message (RecordIncoming's automated reason)
 
 One thread's keys share the prefix ``P t/<mailbox>/<thread>/``: RecordOutgoing reads them with one range and
 compares that range unchanged when it writes.
@@ -36,6 +41,7 @@ _SENDING_INDEX = _SENDING_FAMILY + b"s/"
 _SEND_MARKERS = _SENDING_FAMILY + b"l/"
 _THREADS = b"t/"
 _CURSORS = b"c/"
+_GUARDS = b"g/"
 
 # The families counted for operators (the etcd_keys metric, docs/operations.md). "sending" counts the SENDING
 # index (one key per send begun and not settled), not the send markers beside it.
@@ -112,6 +118,27 @@ class Keys:
         if len(parts) != 3 or parts[0] != "s":
             return None
         return Subject(mailbox, SubjectKind(parts[1]), unquote(parts[2]))
+
+    def automated(self, subject: Subject) -> bytes:
+        return self._root + _GUARDS + f"{_enc(subject.mailbox)}/a/{subject.kind.value}/{_enc(subject.id)}".encode()
+
+    def thread_sends(self, mailbox: str, thread_id: str) -> bytes:
+        return self._root + _GUARDS + f"{_enc(mailbox)}/t/{_enc(thread_id)}/s/".encode()
+
+    def thread_inbound(self, mailbox: str, thread_id: str) -> bytes:
+        return self._root + _GUARDS + f"{_enc(mailbox)}/t/{_enc(thread_id)}/i".encode()
+
+    def correspondent_sends(self, mailbox: str, correspondent: str) -> bytes:
+        return self._root + _GUARDS + f"{_enc(mailbox)}/c/{_enc(correspondent)}/s/".encode()
+
+    @staticmethod
+    def counted_send(sends: bytes, token: int) -> bytes:
+        """One send's key under a ``thread_sends`` or ``correspondent_sends`` prefix."""
+        return sends + str(token).encode()
+
+    @staticmethod
+    def counted_token(sends: bytes, key: bytes) -> int:
+        return int(key[len(sends) :])
 
     def cursor(self, mailbox: str, name: str) -> bytes:
         return self._root + _CURSORS + f"{_enc(mailbox)}/{_enc(name)}".encode()

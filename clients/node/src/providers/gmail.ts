@@ -8,22 +8,26 @@
 //   cursor in the coordinator, reads the history since it (messageAdded), reads each message and hands the batch
 //   back; the cursor advances only once every message was recorded (docs/design.md#cursors).
 // * A history id too old (404): a bounded resync of the last day's messages, the cursor set to the profile's.
-// * Send: a raw RFC 2822 reply with threadId, In-Reply-To and References, stamped with the claim.
+// * Send: a raw RFC 2822 reply with threadId, In-Reply-To and References, stamped with the claim, marked
+//   Auto-Submitted: auto-replied (an agent's reply, RFC 3834: machines that honour it leave it).
+// * Automated mail: the rules' headers are among those a message is read with (no request more).
+// * The look before a send: the thread (threads.get, format=metadata), its messages after the claim's (one request).
 import { createPublicKey, verify, type KeyObject } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
+import { judgeAutomated } from "../automated.js";
 import { InboxClaimsError, SendRejected } from "../errors.js";
 import {
   Accepted,
   batchOf,
   bearer,
   fetchTransport,
-  formatStamp,
   header,
   isRecord,
   jsonOf,
   messageIds,
   parseStamp,
   ProviderError,
+  replyMime,
   replySubject,
   requireEnv,
   splitAddress,
@@ -50,7 +54,26 @@ const ISSUERS = new Set(["https://accounts.google.com", "accounts.google.com"]);
 export const CURSOR = "gmail-history";
 const RANGE_TTL = 60;
 /** The headers a message is read with (format=metadata). */
-export const METADATA_HEADERS = ["From", "To", "Subject", "Date", "Message-ID", "References", "In-Reply-To", "Reply-To", STAMP_HEADER];
+export const METADATA_HEADERS = [
+  "From",
+  "To",
+  "Subject",
+  "Date",
+  "Message-ID",
+  "References",
+  "In-Reply-To",
+  "Reply-To",
+  STAMP_HEADER,
+  // The automated-mail rules' (src/automated.ts).
+  "Auto-Submitted",
+  "Precedence",
+  "List-Id",
+  "List-Unsubscribe",
+  "X-Autoreply",
+  "X-Autorespond",
+  "X-Auto-Response-Suppress",
+  "Content-Type",
+];
 /** The bounded resync after a 404: the last day's messages, at most this many. */
 export const RESYNC_QUERY = "newer_than:1d";
 export const RESYNC_MAX = 500;
@@ -306,8 +329,25 @@ export class GmailProvider implements Provider {
     return { ids, end };
   }
 
+  /**
+   * The messages of `message`'s thread received after it (threads.get with format=metadata, one request), for the
+   * look before a send.
+   */
+  async since(message: MessageFacts): Promise<MessageFacts[]> {
+    if (!message.threadId || message.receivedAt === undefined) return [];
+    const response = await this.transport(this.api("GET", `threads/${encodeURIComponent(message.threadId)}`, metadataParams()));
+    if (response.status === 404) return []; // the thread is gone: nothing newer in it
+    const document = jsonOf(response);
+    if (response.status !== 200 || !isRecord(document)) throw new ProviderError(`threads.get ${JSON.stringify(message.threadId)} answered HTTP ${response.status}`);
+    const after = message.receivedAt.getTime();
+    return (Array.isArray(document.messages) ? document.messages : [])
+      .filter(isRecord)
+      .map((found) => this.facts(found))
+      .filter((facts) => facts.messageId !== message.messageId && facts.receivedAt !== undefined && facts.receivedAt.getTime() > after);
+  }
+
   private async message(id: string): Promise<Record<string, unknown> | undefined> {
-    const params: [string, string][] = [["format", "metadata"], ...METADATA_HEADERS.map((name): [string, string] => ["metadataHeaders", name])];
+    const params = metadataParams();
     const response = await this.transport(this.api("GET", `messages/${id}`, params));
     if (response.status === 404) return undefined; // deleted since the history named it
     const document = jsonOf(response);
@@ -336,7 +376,7 @@ export class GmailProvider implements Provider {
       fromAddresses: address ? [address] : [],
       folders: Array.isArray(message.labelIds) ? message.labelIds.filter((label): label is string => typeof label === "string") : [],
       outgoing: undefined,
-      automated: undefined,
+      automated: judgeAutomated(Array.isArray(headers) ? (headers as { name: string; value: string }[]) : undefined, address, isRecord(message.payload) ? str(message.payload.mimeType) || undefined : undefined),
       stamp: parseStamp(header(headers, STAMP_HEADER)),
       reply: {
         to: replyTo ? [splitAddress(replyTo)[1]] : address ? [address] : [],
@@ -350,20 +390,12 @@ export class GmailProvider implements Provider {
 
   // -- send -------------------------------------------------------------------------------------------------
 
-  /** The RFC 2822 reply: To the sender (its Reply-To), In-Reply-To and References, the stamp and a Message-ID from it. */
+  /** The RFC 2822 reply (replyMime): From the mailbox, a Message-ID from the stamp, To the sender, threaded, stamped, marked. */
   rawReply(message: MessageFacts, body: string, stamp: ClaimStamp): Buffer {
-    const lines: [string, string][] = [
+    return replyMime(message, body, stamp, [
       ["From", this.user],
-      ["To", message.reply.to.join(", ")],
-      ["Subject", message.reply.subject],
       ["Message-ID", stampMessageId(stamp, this.user.split("@").pop()!)],
-    ];
-    if (message.reply.internetMessageId) {
-      lines.push(["In-Reply-To", message.reply.internetMessageId], ["References", [...message.reply.references, message.reply.internetMessageId].join(" ")]);
-    }
-    lines.push([STAMP_HEADER, formatStamp(stamp)], ["MIME-Version", "1.0"], ["Content-Type", 'text/plain; charset="utf-8"'], ["Content-Transfer-Encoding", "base64"]);
-    const encoded = Buffer.from(body, "utf8").toString("base64").replace(/.{76}/g, "$&\r\n");
-    return Buffer.from(lines.map(([key, value]) => `${key}: ${encodedWord(value)}`).join("\r\n") + "\r\n\r\n" + encoded + "\r\n", "utf8");
+    ]);
   }
 
   /**
@@ -388,7 +420,7 @@ export class GmailProvider implements Provider {
   }
 }
 
-/** A header value as RFC 2047 wants it: ASCII as it is, anything else as one UTF-8 encoded word. */
-function encodedWord(value: string): string {
-  return /^[\x20-\x7e]*$/.test(value) ? value : `=?UTF-8?B?${Buffer.from(value, "utf8").toString("base64")}?=`;
+/** A message's read (format=metadata) with the headers the facts need. */
+function metadataParams(): [string, string][] {
+  return [["format", "metadata"], ...METADATA_HEADERS.map((name): [string, string] => ["metadataHeaders", name])];
 }

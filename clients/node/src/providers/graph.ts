@@ -7,9 +7,13 @@
 // * Lifecycle: reauthorizationRequired renews, subscriptionRemoved subscribes again, missed reads the Inbox and Sent
 //   Items by delta query from the delta links the coordinator keeps as cursors (graph-delta:<folder>); a first round
 //   (no link yet, or an expired one: 410) reads only the last day's messages.
-// * Send: createReply (the draft carries the claim's stamp, X-Inbox-Claim; its immutable id is the id of its copy
-//   in Sent Items), then send (202).
+// * Send: createReply in MIME (base64, Content-Type: text/plain: JSON internetMessageHeaders take only X- headers, and
+//   an agent's reply says Auto-Submitted: auto-replied; the draft carries In-Reply-To, References and the claim's
+//   stamp, X-Inbox-Claim; its immutable id is the id of its copy in Sent Items), then send (202).
+// * Automated mail: read from the message's internetMessageHeaders (selected with it: no request more).
+// * The look before a send: the conversation's messages received after the claim's (one request).
 import { timingSafeEqual } from "node:crypto";
+import { judgeAutomated } from "../automated.js";
 import { InboxClaimsError, SendRejected } from "../errors.js";
 import {
   Accepted,
@@ -17,13 +21,13 @@ import {
   bearer,
   display,
   fetchTransport,
-  formatStamp,
   header,
   isRecord,
   jsonOf,
   messageIds,
   parseStamp,
   ProviderError,
+  replyMime,
   replySubject,
   requireEnv,
   STAMP_HEADER,
@@ -50,6 +54,9 @@ export const FOLDERS = ["inbox", "sentitems"] as const;
 // Outlook message subscriptions last at most 7 days; renewed for 3, well inside it.
 const SUBSCRIPTION_SECONDS = 3 * 24 * 3600;
 const RANGE_TTL = 60;
+/** The look before a send reads one page of the conversation's newer messages: one is enough to refuse. */
+const SINCE_TOP = 50;
+
 /** A first delta round (no link yet, or an expired one) reads only the messages of the last day. */
 const RESYNC_SECONDS = 24 * 3600;
 const EVENTS: Record<string, string> = { created: "message.created", updated: "message.updated" };
@@ -299,7 +306,7 @@ export class GraphProvider implements Provider {
       fromAddresses: address ? [address] : [],
       folders,
       outgoing: undefined,
-      automated: undefined,
+      automated: judgeAutomated(Array.isArray(headers) ? (headers as { name: string; value: string }[]) : undefined, address),
       stamp: parseStamp(header(headers, STAMP_HEADER)),
       reply: {
         to: replyTo.length > 0 ? replyTo : address ? [address] : [],
@@ -309,6 +316,23 @@ export class GraphProvider implements Provider {
       },
       source: message,
     };
+  }
+
+  /**
+   * The messages of `message`'s conversation received after it (GET /users/{user}/messages?$filter=conversationId eq
+   * '...' and receivedDateTime gt ..., one page), for the look before a send.
+   */
+  async since(message: MessageFacts): Promise<MessageFacts[]> {
+    if (!message.threadId || message.receivedAt === undefined) return [];
+    const filter = `conversationId eq '${message.threadId.replaceAll("'", "''")}' and receivedDateTime gt ${message.receivedAt.toISOString()}`;
+    const response = await this.call(this.request("GET", this.userUrl("messages"), { params: [["$filter", filter], ["$select", SELECT], ["$top", String(SINCE_TOP)]] }));
+    const document = jsonOf(response);
+    if (response.status !== 200 || !isRecord(document) || !Array.isArray(document.value)) {
+      throw new ProviderError(`listing conversation ${JSON.stringify(message.threadId)} answered HTTP ${response.status}`);
+    }
+    const found: MessageFacts[] = [];
+    for (const item of document.value) if (isRecord(item) && typeof item.id === "string" && item.id !== message.messageId) found.push(await this.facts(item, "message.created"));
+    return found;
   }
 
   /** A delta query of `folder` from its delta link, every page (after a `missed` lifecycle notification). */
@@ -396,10 +420,11 @@ export class GraphProvider implements Provider {
   async reply(message: MessageFacts, options: { body: string; stamp: ClaimStamp }): Promise<string> {
     if (options.stamp === undefined) throw new TypeError("reply needs the claim's stamp: graph.reply(message, { body, stamp: claim.stamp })");
     const id = (value: string): string => encodeURIComponent(value).replaceAll("%3D", "=");
-    const draft = { message: { internetMessageHeaders: [{ name: STAMP_HEADER, value: formatStamp(options.stamp) }] }, comment: options.body };
+    const draft = this.request("POST", this.userUrl(`messages/${id(message.messageId)}/createReply`));
+    const mime = Buffer.from(replyMime(message, options.body, options.stamp).toString("base64"), "ascii");
     let created: HttpResponse;
     try {
-      created = await this.call(this.request("POST", this.userUrl(`messages/${id(message.messageId)}/createReply`), { json: draft }));
+      created = await this.call({ ...draft, headers: [...draft.headers, ["Content-Type", "text/plain"]], content: mime });
     } catch (error) {
       throw new GraphSendRejected(`the reply's draft could not be made, nothing was sent: ${(error as Error).message}`);
     }

@@ -11,12 +11,39 @@
 //   any other 4xx                         throws NylasSendRejected (a SendRejected): nothing went out; FREE again
 //   5xx, timeout, connection error        throws NylasSendUnknown: it may have gone out: SENDING, then IN_DOUBT
 //
-// send() never retries by itself: a second attempt is a decision for whoever resolves the subject.
+// send() never retries by itself: a second attempt is a decision for whoever resolves the subject. Every send is an
+// agent's reply, marked Auto-Submitted: auto-replied (a custom header; Nylas's reply_to_message_id writes
+// In-Reply-To and References), so that other machines leave it (docs/design.md#reply-storms).
+//
+// A notification carries no headers: with the API key (NylasProviderOptions.apiKey) open() reads the message with
+// its headers (GET .../messages/{id}?fields=include_headers, one request per message notification) for the
+// automated-mail rules; without it MessageFacts.automated is undefined (not known) and the guard judges the sender
+// alone (no-reply, mailer-daemon). The same key lets the send
+// path look at the thread first (since(): GET .../messages?thread_id=&received_after=, one request per send).
+import { judgeAutomated } from "../automated.js";
+import { agentHeaders } from "../current.js";
 import { InboxClaimsError, SendRejected } from "../errors.js";
 import { traceHeaders } from "../tracing.js";
 import { EnvelopeError, parseNotification, type Notification } from "../envelope.js";
 import { NYLAS_SIGNATURE_HEADER, nylasChallengeResponse, signNylas, signStandardWebhook, verifyNylasSignature, verifyStandardWebhook, WebhookVerificationError } from "../webhooks.js";
-import { Accepted, batchOf, isRecord, replySubject, str, type Answer, type Batch, type MessageFacts, type Provider, type WebhookRequest } from "./seam.js";
+import {
+  Accepted,
+  batchOf,
+  bearer,
+  fetchTransport,
+  isRecord,
+  jsonOf,
+  ProviderError,
+  replySubject,
+  str,
+  type Answer,
+  type Batch,
+  type HttpRequest,
+  type MessageFacts,
+  type Provider,
+  type Transport,
+  type WebhookRequest,
+} from "./seam.js";
 
 // Unix seconds of the year 10000: a later "date" is not a time the coordinator can store.
 const LAST_DATE_SECONDS = 253402300800;
@@ -39,7 +66,22 @@ const emails = (participants: unknown): string[] =>
  */
 export function factsOf(notification: Notification): MessageFacts | undefined {
   if (!notification.isMessageEvent || notification.messageId === undefined) return undefined;
-  const message = notification.object;
+  return messageFacts(notification.object, {
+    event: notification.baseType,
+    mailbox: notification.grantId ?? "",
+    dedupKey: notification.notificationId,
+    messageId: notification.messageId,
+    threadId: notification.threadId,
+    receivedAt: dateOf(notification),
+    source: notification,
+  });
+}
+
+/** The facts of a Nylas message object (a notification's, or one the API answered), with what only its envelope says. */
+function messageFacts(
+  message: Readonly<Record<string, unknown>>,
+  known: { event: string; mailbox: string; dedupKey: string; messageId: string; threadId: string | undefined; receivedAt: Date | undefined; source: unknown },
+): MessageFacts {
   const senders = Array.isArray(message.from) ? (message.from as unknown[]) : [];
   const first = isRecord(senders[0]) ? senders[0] : {};
   const name = str(first.name), email = str(first.email);
@@ -47,21 +89,18 @@ export function factsOf(notification: Notification): MessageFacts | undefined {
   const replyTo = Array.isArray(message.reply_to) && message.reply_to.length > 0 ? message.reply_to : senders;
   return {
     provider: "nylas",
-    event: notification.baseType,
-    mailbox: notification.grantId ?? "",
-    dedupKey: notification.notificationId,
-    messageId: notification.messageId,
-    threadId: notification.threadId,
-    receivedAt: dateOf(notification),
+    ...known,
     sender: name && email ? `${name} <${email}>` : name || email,
     subjectLine: subject,
     fromAddresses: emails(senders),
     folders: Array.isArray(message.folders) ? message.folders.filter((f): f is string => typeof f === "string") : [],
     outgoing: undefined,
-    automated: undefined,
+    // `headers` only when the message was read with fields=include_headers; without them: not known (the guard then
+    // applies the sender's rules).
+    automated: Array.isArray(message.headers) ? judgeAutomated(message.headers as { name: string; value: string }[], email) : undefined,
     stamp: undefined,
     reply: { to: emails(replyTo).filter((address) => address), subject: replySubject(subject), internetMessageId: undefined, references: [] },
-    source: notification,
+    source: known.source,
   };
 }
 
@@ -71,6 +110,14 @@ export interface NylasProviderOptions {
   /** Standard Webhooks: how far webhook-timestamp may be from now, in seconds (default 300). */
   toleranceSeconds?: number;
   mailboxAddresses?: readonly string[];
+  /**
+   * The Nylas API key: with it, each message is read with its headers for the automated-mail rules (one request per
+   * message notification) and the send path looks at the thread before sending (one request per send).
+   */
+  apiKey?: string;
+  /** Default https://api.us.nylas.com. */
+  apiBase?: string;
+  transport?: Transport;
 }
 
 /** Nylas webhooks behind the seam. `secret`: the webhook secret Nylas showed when the webhook was created. */
@@ -80,11 +127,17 @@ export class NylasProvider implements Provider {
   readonly scheme: "nylas" | "standard";
   readonly toleranceSeconds: number;
   readonly mailboxAddresses: readonly string[];
+  readonly apiBase: string;
+  private readonly apiKey: string;
+  private readonly transport: Transport;
 
   constructor(
     readonly secret: string | Buffer,
     options: NylasProviderOptions = {},
   ) {
+    this.apiKey = options.apiKey ?? "";
+    this.apiBase = (options.apiBase || DEFAULT_API_BASE).replace(/\/+$/, "");
+    this.transport = options.transport ?? fetchTransport();
     this.scheme = options.scheme ?? "nylas";
     this.toleranceSeconds = options.toleranceSeconds ?? 300;
     this.mailboxAddresses = options.mailboxAddresses ?? [];
@@ -97,8 +150,13 @@ export class NylasProvider implements Provider {
   }
 
   /** From a vector file's settings (conformance/providers/nylas). */
-  static fromSettings(settings: Record<string, unknown>): NylasProvider {
-    return new NylasProvider(str(settings.webhook_secret), { mailboxAddresses: (settings.mailbox_addresses as string[] | undefined) ?? [] });
+  static fromSettings(settings: Record<string, unknown>, io: Pick<NylasProviderOptions, "transport"> = {}): NylasProvider {
+    return new NylasProvider(str(settings.webhook_secret), {
+      mailboxAddresses: (settings.mailbox_addresses as string[] | undefined) ?? [],
+      apiKey: str(settings.api_key),
+      apiBase: str(settings.api_base),
+      ...io,
+    });
   }
 
   /** The challenge's answer, a refusal (401 signature, 400 envelope), or the notification (no I/O). */
@@ -126,8 +184,42 @@ export class NylasProvider implements Provider {
   }
 
   async open(accepted: Accepted): Promise<Batch> {
-    const facts = factsOf(accepted.delivery as Notification);
-    return batchOf(facts === undefined ? [] : [facts]);
+    const notification = accepted.delivery as Notification;
+    const facts = factsOf(notification);
+    if (facts === undefined || !this.apiKey) return batchOf(facts === undefined ? [] : [facts]);
+    // The notification has no headers: the message as the API gives it, with them, for the automated-mail rules.
+    const response = await this.transport(this.api(`messages/${encodeURIComponent(facts.messageId)}`, facts.mailbox, [["fields", "include_headers"]]));
+    if (response.status === 404) return batchOf([facts]); // deleted since: the facts as notified (automated not known)
+    const document = jsonOf(response);
+    const data = isRecord(document) ? document.data : undefined;
+    if (response.status !== 200 || !isRecord(data)) throw new ProviderError(`reading message ${JSON.stringify(facts.messageId)} with its headers answered HTTP ${response.status}`);
+    const { event, mailbox, dedupKey, messageId, threadId, receivedAt, source } = facts;
+    return batchOf([messageFacts({ ...notification.object, ...data }, { event, mailbox, dedupKey, messageId, threadId, receivedAt, source })]);
+  }
+
+  private api(path: string, grantId: string, params: [string, string][]): HttpRequest {
+    return { method: "GET", url: `${this.apiBase}/v3/grants/${encodeURIComponent(grantId)}/${path}`, params, headers: [bearer(this.apiKey), ["Accept", "application/json"]] };
+  }
+
+  /**
+   * The messages of `message`'s thread received since it (GET /v3/grants/{grant}/messages?thread_id=&received_after=,
+   * with their headers), for the look before a send; none without an API key.
+   */
+  async since(message: MessageFacts): Promise<MessageFacts[]> {
+    if (!this.apiKey || !message.threadId || message.receivedAt === undefined) return [];
+    const after = String(Math.floor(message.receivedAt.getTime() / 1000));
+    const params: [string, string][] = [["thread_id", message.threadId], ["received_after", after], ["fields", "include_headers"], ["limit", String(SINCE_LIMIT)]];
+    const response = await this.transport(this.api("messages", message.mailbox, params));
+    const document = jsonOf(response);
+    const data = isRecord(document) ? document.data : undefined;
+    if (response.status !== 200 || !Array.isArray(data)) throw new ProviderError(`listing thread ${JSON.stringify(message.threadId)} answered HTTP ${response.status}`);
+    return data.filter(isRecord).flatMap((found) => {
+      const id = str(found.id);
+      const date = typeof found.date === "number" && found.date >= 0 && found.date < LAST_DATE_SECONDS ? new Date(found.date * 1000) : undefined;
+      if (!id || id === message.messageId) return [];
+      const known = { event: "message.created", mailbox: message.mailbox, dedupKey: "", messageId: id, threadId: str(found.thread_id) || message.threadId, receivedAt: date, source: found };
+      return [messageFacts(found, known)];
+    });
   }
 
   acknowledge(): Answer {
@@ -146,6 +238,8 @@ function challenge(query: string): Answer {
 }
 
 export const DEFAULT_API_BASE = "https://api.us.nylas.com";
+/** The look before a send reads at most this many newer messages of the thread (one page): one is enough to refuse. */
+export const SINCE_LIMIT = 50;
 export const MAX_IDEMPOTENCY_KEY_LENGTH = 256;
 
 /** The send may or may not have gone out. `statusCode` is undefined when no answer came. */
@@ -228,8 +322,13 @@ export function buildSendRequest(apiBase: string, apiKey: string, grantId: strin
   if (!idempotencyKey || idempotencyKey.length > MAX_IDEMPOTENCY_KEY_LENGTH || ![...idempotencyKey].every((ch) => ch.charCodeAt(0) < 0x80)) {
     throw new TypeError(`idempotencyKey must be 1 to ${MAX_IDEMPOTENCY_KEY_LENGTH} ASCII characters (pass claim.idempotencyKey)`);
   }
+  // An agent's reply says so (RFC 3834: machines that honour it do not answer it), a person's never (agentHeaders);
+  // custom headers given are kept.
+  const given = Array.isArray(reply.fields?.["custom_headers"]) ? (reply.fields["custom_headers"] as unknown[]) : [];
+  const marks = agentHeaders().map(([name, value]) => ({ name, value }));
   const document: Record<string, unknown> = {
     ...reply.fields,
+    ...(given.length + marks.length > 0 ? { custom_headers: [...given, ...marks] } : {}),
     reply_to_message_id: reply.replyToMessageId,
     to: participants(reply.to, "to"),
     subject: reply.subject,

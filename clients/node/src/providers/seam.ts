@@ -10,6 +10,7 @@
 //   reply(...)              a send function for claim.send: with the claim's idempotency key, or stamped from the claim.
 // Where Python runs one flow of effects under a blocking and an asyncio client, Node has one kind of I/O: a provider's
 // steps are async functions over an injected Transport (fetch by default, a double in tests).
+import { agentHeaders } from "../current.js";
 import type { OutgoingMatch } from "../outgoing.js";
 import { traceHeaders } from "../tracing.js";
 
@@ -42,7 +43,7 @@ export function parseStamp(value: string | undefined | null): ClaimStamp | undef
   return match ? { key: match[1]!, token: BigInt(match[2]!) } : undefined;
 }
 
-/** Whether a message is automated mail and why; every provider leaves MessageFacts.automated undefined (not known) for now. */
+/** Whether a message is automated mail and why (the rule and value: "Auto-Submitted: auto-replied"), by judgeAutomated. */
 export interface Automated {
   readonly automated: boolean;
   readonly why: string;
@@ -75,7 +76,10 @@ export interface MessageFacts {
   readonly folders: readonly string[];
   /** Why the mailbox sent it, as the client's outgoing rules decide; undefined: incoming (or not judged yet). */
   readonly outgoing: OutgoingMatch | undefined;
-  /** Undefined: not known (every provider, until the reply-storm rules fill it). */
+  /**
+   * Whether it is automated mail agents leave (src/automated.ts, conformance/automated.json), judged on its headers;
+   * undefined: not known (a provider that could not read them).
+   */
   readonly automated: Automated | undefined;
   readonly stamp: ClaimStamp | undefined;
   readonly reply: ReplyContext;
@@ -130,6 +134,8 @@ export interface HttpRequest {
   readonly params: readonly (readonly [string, string])[];
   readonly headers: readonly (readonly [string, string])[];
   readonly json?: unknown;
+  /** A body that is not JSON (Graph's base64 MIME), sent as it is; its Content-Type is in `headers`. */
+  readonly content?: Buffer;
 }
 
 export interface HttpResponse {
@@ -161,7 +167,7 @@ export function fetchTransport(options: { timeoutMs?: number } = {}): Transport 
   return async (request) => {
     // Every request to Graph or Gmail carries the active span's trace context (a reply's, beneath "inbox send").
     const headers = new Headers([...(request.headers as [string, string][]), ...Object.entries(traceHeaders())]);
-    let body: string | undefined;
+    let body: string | Buffer | undefined = request.content;
     if (request.json !== undefined) {
       body = JSON.stringify(request.json);
       if (!headers.has("content-type")) headers.set("content-type", "application/json");
@@ -268,6 +274,11 @@ export interface Provider {
    */
   periodic?(): Accepted;
   readonly periodicIntervalMs?: number;
+  /**
+   * The messages of `message`'s thread received after it, as facts (the look before a send, docs/node.md): one or a
+   * few API requests. A ProviderError when the provider's API cannot answer.
+   */
+  since?(message: MessageFacts): Promise<MessageFacts[]>;
 }
 
 // -- helpers the providers share ---------------------------------------------------------------------------
@@ -295,6 +306,27 @@ export function splitAddress(text: string): [string, string] {
 /** The sender as people read it: `Name <address>`, or whichever half is there. */
 export function display(name: string, address: string): string {
   return name && address ? `${name} <${address}>` : name || address;
+}
+
+/**
+ * A reply as MIME (Gmail's raw send, Graph's MIME createReply), as the Python client's reply_mime: `first` (Gmail's
+ * From and Message-ID), To the sender (its Reply-To), the subject, In-Reply-To and References, the claim's stamp, and
+ * an agent's Auto-Submitted: auto-replied (agentHeaders: never on a person's reply); the body as UTF-8 in base64.
+ */
+export function replyMime(message: MessageFacts, body: string, stamp: ClaimStamp, first: readonly (readonly [string, string])[] = []): Buffer {
+  const lines: (readonly [string, string])[] = [...first, ["To", message.reply.to.join(", ")], ["Subject", message.reply.subject]];
+  if (message.reply.internetMessageId) {
+    lines.push(["In-Reply-To", message.reply.internetMessageId], ["References", [...message.reply.references, message.reply.internetMessageId].join(" ")]);
+  }
+  lines.push([STAMP_HEADER, formatStamp(stamp)], ...agentHeaders());
+  lines.push(["MIME-Version", "1.0"], ["Content-Type", 'text/plain; charset="utf-8"'], ["Content-Transfer-Encoding", "base64"]);
+  const encoded = Buffer.from(body, "utf8").toString("base64").replace(/.{76}/g, "$&\r\n");
+  return Buffer.from(lines.map(([key, value]) => `${key}: ${encodedWord(value)}`).join("\r\n") + "\r\n\r\n" + encoded + "\r\n", "utf8");
+}
+
+/** A header value as RFC 2047 wants it: ASCII as it is, anything else as one UTF-8 encoded word. */
+function encodedWord(value: string): string {
+  return /^[\x20-\x7e]*$/.test(value) ? value : `=?UTF-8?B?${Buffer.from(value, "utf8").toString("base64")}?=`;
 }
 
 export function replySubject(subject: string): string {

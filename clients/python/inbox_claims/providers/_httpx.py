@@ -37,6 +37,7 @@ def _request(request: HttpRequest) -> dict[str, Any]:
         "params": list(request.params) or None,
         "headers": {**dict(request.headers), **trace_headers()},
         "json": request.json_body,
+        "content": request.content,
     }
 
 

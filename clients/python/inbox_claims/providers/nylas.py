@@ -24,9 +24,10 @@ unreadable answer                          IN_DOUBT for a human to resolve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self
@@ -34,7 +35,7 @@ from urllib.parse import parse_qs, quote
 
 import httpx
 
-from .._current import current_claim_base
+from .._current import agent_headers, current_claim_base
 from .._envelope import Notification, NotificationError, parse_notification
 from .._errors import InboxClaimsError, SendRejected
 from .._tracing import trace_headers
@@ -47,13 +48,13 @@ from .._webhooks import (
     verify_nylas_signature,
     verify_standard_webhook,
 )
+from ._httpx import AsyncHttp, HttpTransport, current_stamp, drive
 from ._seam import (
-    AUTO_SUBMITTED,
     STAMP_HEADER,
     Accepted,
     Answer,
+    Automated,
     Batch,
-    ClaimStamp,
     Cursors,
     Flow,
     HttpRequest,
@@ -63,6 +64,7 @@ from ._seam import (
     WebhookRequest,
     header,
     http,
+    newer_than,
     parse_stamp,
     reply_subject,
 )
@@ -83,6 +85,7 @@ __all__ = [
     "interpret_send_response",
 ]
 
+DEFAULT_API_BASE = "https://api.us.nylas.com"
 # Unix seconds of the year 10000: a later "date" is not a time the coordinator can store.
 _YEAR_10000 = 253402300800
 _MESSAGE_EVENTS = ("message.created", "message.updated")
@@ -93,7 +96,28 @@ def facts_of(notification: Notification) -> MessageFacts | None:
     message (``grant.expired``...). Fields of another shape than Nylas documents are left out, never an error."""
     if not notification.is_message_event or notification.message_id is None:
         return None
-    message = notification.object
+    return message_facts(
+        notification.object,
+        event=notification.base_type,
+        mailbox=notification.grant_id or "",
+        dedup_key=notification.notification_id,
+        message_id=notification.message_id,
+        thread_id=notification.thread_id,
+        source=notification,
+    )
+
+
+def message_facts(
+    message: Mapping[str, Any],
+    *,
+    event: str,
+    mailbox: str,
+    dedup_key: str,
+    message_id: str,
+    thread_id: str | None,
+    source: Any,
+) -> MessageFacts:
+    """The facts of a Nylas message object (a notification's ``data.object``, or one the API answered)."""
     senders = message.get("from")
     first = senders[0] if isinstance(senders, list) and senders and isinstance(senders[0], dict) else {}
     name, email = first.get("name"), first.get("email")
@@ -111,21 +135,28 @@ def facts_of(notification: Notification) -> MessageFacts | None:
     to: list[str] = [
         p["email"] for p in answer_to if isinstance(p, dict) and isinstance(p.get("email"), str) and p["email"]
     ]
+    headers = message.get("headers")
     return MessageFacts(
         provider="nylas",
-        event=notification.base_type,
-        mailbox=notification.grant_id or "",
-        dedup_key=notification.notification_id,
-        message_id=notification.message_id,
-        thread_id=notification.thread_id,
+        event=event,
+        mailbox=mailbox,
+        dedup_key=dedup_key,
+        message_id=message_id,
+        thread_id=thread_id,
         received_at=_date_of(message),
         sender=f"{name} <{email}>" if name and email else name or email,
         subject_line=subject,
         from_addresses=tuple(addresses),
         folders=tuple(f for f in folders if isinstance(f, str)) if isinstance(folders, list) else (),
+        # A webhook's message carries no headers; one read with fields=include_headers does (NylasProvider.open).
+        automated=Automated.of(_header_pairs(headers), email) if isinstance(headers, list) else None,
         reply=ReplyContext(to=tuple(to), subject=reply_subject(subject)),
-        source=notification,
+        source=source,
     )
+
+
+def _header_pairs(headers: list[Any]) -> list[tuple[Any, Any]]:
+    return [(h.get("name"), h.get("value")) for h in headers if isinstance(h, dict)]
 
 
 def _date_of(message: Mapping[str, Any]) -> datetime | None:
@@ -139,7 +170,12 @@ def _date_of(message: Mapping[str, Any]) -> datetime | None:
 
 class NylasProvider:
     """Nylas webhooks behind the seam. ``secret``: the webhook secret (``scheme="standard"``: a Standard Webhooks
-    ``whsec_...`` secret, its headers checked within ``tolerance`` seconds)."""
+    ``whsec_...`` secret, its headers checked within ``tolerance`` seconds).
+
+    ``api_key``: with it, each message notification's message is read again with its headers
+    (``GET /v3/grants/{grant_id}/messages/{id}?fields=include_headers``, one call per message) so that the
+    automated-mail rules see ``Auto-Submitted``, ``Precedence``, the list headers...; without it only the sender's
+    rules apply (a notification carries no headers; docs/providers.md)."""
 
     name = "nylas"
 
@@ -150,10 +186,10 @@ class NylasProvider:
         scheme: str = "nylas",
         tolerance: float = 300.0,
         mailbox_addresses: Sequence[str] = (),
-        api_key: str = "",
-        api_base: str = "https://api.us.nylas.com",
+        api_key: str | None = None,
+        api_base: str = DEFAULT_API_BASE,
         sent_folders: Sequence[str] = ("SENT",),
-        transport: Any = None,
+        transport: HttpTransport | None = None,
     ) -> None:
         """``api_key`` (with ``api_base``): a message the notification puts in one of ``sent_folders`` is read with
         its headers, for the claim stamp its send carried: what settles an IN_DOUBT send (without it, none is
@@ -173,21 +209,18 @@ class NylasProvider:
         self.api_key = api_key
         self.api_base = api_base.rstrip("/")
         self.sent_folders = frozenset(sent_folders)
-        if transport is None and api_key:
-            from ._httpx import AsyncHttp
-
-            transport = AsyncHttp()
-        self.transport = transport
+        # Made only when headers are read: a provider without an API key makes no HTTP client.
+        self.transport: HttpTransport | None = transport or (AsyncHttp() if api_key else None)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any], **io: Any) -> NylasProvider:
-        reads = {"api_key": settings["api_key"], "api_base": settings["api_base"]} if settings.get("api_key") else {}
         return cls(
             settings["webhook_secret"],
             mailbox_addresses=settings.get("mailbox_addresses") or (),
+            api_key=settings.get("api_key"),
+            api_base=settings.get("api_base") or DEFAULT_API_BASE,
             sent_folders=["SENT", *(settings.get("sent_folders") or ())],
             transport=io.get("transport"),
-            **reads,
         )
 
     def verify(self, request: WebhookRequest) -> Answer | Notification:
@@ -218,27 +251,99 @@ class NylasProvider:
         facts = facts_of(accepted.delivery)
         if facts is None:
             return Batch()
-        if self.api_key and self.transport is not None and self.sent_folders & set(facts.folders):
-            stamp = yield from self._stamp_of(facts)
-            if stamp is not None:
-                facts = replace(facts, stamp=stamp)
+        read_for = facts.automated is None or bool(self.sent_folders & set(facts.folders))
+        if self.api_key and self.transport is not None and read_for and facts.mailbox:
+            message = yield from self._with_headers(facts.mailbox, facts.message_id)
+            if message is not None:
+                headers = message.get("headers")
+                if isinstance(headers, list):
+                    pairs = _header_pairs(headers)
+                    automated = Automated.of(pairs, (facts.from_addresses or (None,))[0])
+                    facts = dataclasses.replace(facts, automated=automated)
+                    if self.sent_folders & set(facts.folders):
+                        # The same read gives a sent message's claim stamp: what settles an IN_DOUBT send.
+                        stamp = parse_stamp(header(pairs, STAMP_HEADER))
+                        if stamp is not None:
+                            facts = dataclasses.replace(facts, stamp=stamp)
         return Batch(facts=(facts,))
 
-    def _stamp_of(self, facts: MessageFacts) -> Flow[ClaimStamp | None]:
-        """The claim stamp of a sent message: ``GET .../messages/{id}?fields=include_headers``."""
-        url = f"{self.api_base}/v3/grants/{quote(facts.mailbox, safe='')}/messages/{quote(facts.message_id, safe='')}"
+    def _api(self, method: str, path: str, params: tuple[tuple[str, str], ...] = (), **more: Any) -> HttpRequest:
+        headers = (("Authorization", f"Bearer {self.api_key}"), ("Accept", "application/json"))
+        extra = tuple(more.pop("headers", ()))
+        return HttpRequest(method, f"{self.api_base}/v3/grants/{path}", params, headers + extra, **more)
+
+    def look(self, message: MessageFacts) -> Flow[tuple[MessageFacts, ...]]:
+        """The thread's messages received after ``message`` (``GET /v3/grants/{grant}/messages`` with ``thread_id``
+        and ``received_after``, their headers included: one call), for the guard's look right before the commit
+        point. Without ``api_key``, nothing (the notifications alone tell)."""
+        if not self.api_key or self.transport is None or not message.thread_id or message.received_at is None:
+            return ()
+        params = (
+            ("thread_id", message.thread_id),
+            ("received_after", str(int(message.received_at.timestamp()))),
+            ("fields", "include_headers"),
+        )
+        response = yield from http(
+            self.transport, self._api("GET", f"{quote(message.mailbox, safe='')}/messages", params)
+        )
+        document = response.json()
+        listed = document.get("data") if isinstance(document, dict) else None
+        if response.status != 200 or not isinstance(listed, list):
+            raise ProviderError(f"listing thread {message.thread_id!r} answered HTTP {response.status}")
+        found = (
+            message_facts(
+                item,
+                event="message.created",
+                mailbox=message.mailbox,
+                dedup_key="",
+                message_id=item["id"],
+                thread_id=item.get("thread_id") if isinstance(item.get("thread_id"), str) else message.thread_id,
+                source=item,
+            )
+            for item in listed
+            if isinstance(item, dict) and isinstance(item.get("id"), str)
+        )
+        return tuple(newer_than(message, found))
+
+    def reply(self, message: MessageFacts, body: str) -> Any:
+        """``claim.send(provider.reply, message, body=...)``: the reply through Nylas's send API, with the claim's
+        ``Idempotency-Key`` and an agent's ``Auto-Submitted`` (so that the guard looks at the thread first); the
+        sent message's id: a ``str`` on a blocking transport, a coroutine of it on an asyncio one. Needs
+        ``api_key``."""
+        if not self.api_key or self.transport is None:
+            raise ValueError("NylasProvider.reply needs api_key= (the Nylas API key)")
+        draft = NylasReply(message.message_id, list(message.reply.to), message.reply.subject, body)
+        return drive(self._reply(message.mailbox, draft, current_stamp().key), self.transport)
+
+    def _reply(self, grant_id: str, draft: NylasReply, idempotency_key: str) -> Flow[str | None]:
+        headers = (("Idempotency-Key", idempotency_key), ("Content-Type", "application/json"))
+        path = f"{quote(grant_id, safe='')}/messages/send"
+        request = self._api("POST", path, headers=headers, content=_payload(draft))
+        try:
+            response = yield from http(self.transport, request)  # type: ignore[arg-type]
+        except ProviderError as error:
+            raise NylasSendOutcomeUnknown(f"the send may have gone out: {error}") from error
+        return interpret_send_response(response.status, response.content)
+
+    def _with_headers(self, grant_id: str, message_id: str) -> Flow[dict[str, Any] | None]:
+        assert self.transport is not None
+        """The message read with its headers; None when it is gone (404: deleted since). Any other failure is the
+        delivery's (503, delivered again): answering automated mail is what this read prevents."""
+        url = f"{self.api_base}/v3/grants/{quote(grant_id, safe='')}/messages/{quote(message_id, safe='')}"
         request = HttpRequest(
-            "GET", url, (("fields", "include_headers"),), (("Authorization", f"Bearer {self.api_key}"),)
+            "GET",
+            url,
+            params=(("fields", "include_headers"),),
+            headers=(("Authorization", f"Bearer {self.api_key}"), ("Accept", "application/json")),
         )
         response = yield from http(self.transport, request)
         if response.status == 404:
-            return None  # gone: nothing to settle with
+            return None
         document = response.json()
         data = document.get("data") if isinstance(document, dict) else None
         if response.status != 200 or not isinstance(data, dict):
-            raise ProviderError(f"reading sent message {facts.message_id!r} answered HTTP {response.status}")
-        headers = [(h.get("name"), h.get("value")) for h in data.get("headers") or () if isinstance(h, dict)]
-        return parse_stamp(header(headers, STAMP_HEADER))
+            raise ProviderError(f"reading message {message_id!r} with its headers answered HTTP {response.status}")
+        return data
 
     def acknowledge(self) -> Answer:
         return Answer(200, "ok")
@@ -256,7 +361,6 @@ def _challenge(query: str) -> Answer:
     return Answer(200, value)
 
 
-DEFAULT_API_BASE = "https://api.us.nylas.com"
 MAX_IDEMPOTENCY_KEY_LENGTH = 256
 DEFAULT_TIMEOUT = 60.0
 
@@ -580,20 +684,20 @@ def _payload(draft: Draft) -> bytes:
 
 
 def _stamped(document: dict[str, Any]) -> dict[str, Any]:
-    """Inside a guarded claim, the send carries the claim's stamp (``X-Inbox-Claim``, as a Nylas custom header) and
-    ``Auto-Submitted: auto-replied`` (RFC 3834): its copy in the sent folder, read with its headers, then settles an
-    IN_DOUBT send (docs/providers.md, "Sends that settle themselves"). Headers the draft sets are kept."""
+    """The send body with, among its ``custom_headers`` (Nylas's field for the message's own headers): inside a
+    guarded claim, the claim's stamp (``X-Inbox-Claim``: its copy in the sent folder, read with its headers, then
+    settles an IN_DOUBT send, docs/providers.md "Sends that settle themselves"); and an agent's ``Auto-Submitted:
+    auto-replied`` (RFC 3834), never on a person's reply. Headers the draft sets are kept. Nylas threads the reply
+    from ``reply_to_message_id`` (``In-Reply-To`` and ``References``), which stays as given."""
     claim = current_claim_base()
-    if claim is None:
-        return document
-    given = [h for h in document.get("custom_headers") or () if isinstance(h, Mapping)]
-    names = {str(h.get("name", "")).lower() for h in given}
-    added = [
-        {"name": name, "value": value}
-        for name, value in ((STAMP_HEADER, f"{claim.idempotency_key}.{claim.token}"), AUTO_SUBMITTED)
-        if name.lower() not in names
-    ]
-    return {**document, "custom_headers": [*given, *added]} if added else document
+    extra = list(agent_headers())
+    if claim is not None:
+        extra.insert(0, (STAMP_HEADER, f"{claim.idempotency_key}.{claim.token}"))
+    given = document.get("custom_headers")
+    headers = list(given) if isinstance(given, list) else []
+    names = {str(h.get("name", "")).lower() for h in headers if isinstance(h, Mapping)}
+    added = [{"name": name, "value": value} for name, value in extra if name.lower() not in names]
+    return {**document, "custom_headers": headers + added} if added else document
 
 
 def _headers_now(request: SendRequest) -> dict[str, str]:

@@ -213,6 +213,10 @@ class _FenceResultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FenceResu
     """The token is not current: the claim expired, was released, taken over, or superseded. Nothing was
     changed; `status` is the subject's current state. Stop: you no longer hold this subject.
     """
+    FENCE_RESULT_REFUSED: _FenceResult.ValueType  # 3
+    """BeginSend only: the mailbox's reply rules stop this send; `refusal` says which and why. Do not send; the
+    claim is still held: release it (docs/design.md#reply-storms).
+    """
 
 class FenceResult(_FenceResult, metaclass=_FenceResultEnumTypeWrapper):
     """Shared by every call that presents a fencing token."""
@@ -225,6 +229,10 @@ request id).
 FENCE_RESULT_STALE_TOKEN: FenceResult.ValueType  # 2
 """The token is not current: the claim expired, was released, taken over, or superseded. Nothing was
 changed; `status` is the subject's current state. Stop: you no longer hold this subject.
+"""
+FENCE_RESULT_REFUSED: FenceResult.ValueType  # 3
+"""BeginSend only: the mailbox's reply rules stop this send; `refusal` says which and why. Do not send; the
+claim is still held: release it (docs/design.md#reply-storms).
 """
 Global___FenceResult: _TypeAlias = FenceResult  # noqa: Y015
 
@@ -354,6 +362,8 @@ class SubjectStatus(_message.Message):
     REPLIED_OUTSIDE_FIELD_NUMBER: _builtins.int
     OUTSIDE_REPLY_FIELD_NUMBER: _builtins.int
     SETTLED_BY_FIELD_NUMBER: _builtins.int
+    AUTOMATED_FIELD_NUMBER: _builtins.int
+    AGENTS_STOPPED_FIELD_NUMBER: _builtins.int
     state: Global___SubjectState.ValueType
     holder: _builtins.str
     """The principal holding the claim or who sent the reply. Empty when FREE."""
@@ -382,6 +392,10 @@ class SubjectStatus(_message.Message):
     settled_by: _builtins.str
     """REPLIED by ResolveInDoubt(OUTCOME_SENT): the person who found the reply sent and settled it (`holder` stays
     the principal whose send it was). Empty otherwise.
+    """
+    automated: _builtins.str
+    """Set when the message is automated mail agents leave (RecordIncoming): why, for people ("Auto-Submitted:
+    auto-replied"). A person can still claim and answer it.
     """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
@@ -425,6 +439,12 @@ class SubjectStatus(_message.Message):
         recorded: then both replies went out (the subject's own send and this one).
         """
 
+    @_builtins.property
+    def agents_stopped(self) -> Global___SendRefusal:
+        """Set while agents are stopped on this subject's conversation (its reply budget spent, docs/design.md#reply-storms):
+        the refusal agents were given. A person should look.
+        """
+
     def __init__(
         self,
         *,
@@ -447,10 +467,12 @@ class SubjectStatus(_message.Message):
         replied_outside: _builtins.bool = ...,
         outside_reply: Global___OutsideReply | None = ...,
         settled_by: _builtins.str = ...,
+        automated: _builtins.str = ...,
+        agents_stopped: Global___SendRefusal | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "outside_reply", b"outside_reply", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "agents_stopped", b"agents_stopped", "expires_at", b"expires_at", "outside_reply", b"outside_reply", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "outside_reply", b"outside_reply", "replied_by_hand", b"replied_by_hand", "replied_outside", b"replied_outside", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "settled_by", b"settled_by", "state", b"state", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "agents_stopped", b"agents_stopped", "automated", b"automated", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "holder_kind", b"holder_kind", "note", b"note", "outside_reply", b"outside_reply", "replied_by_hand", b"replied_by_hand", "replied_outside", b"replied_outside", "revision", b"revision", "send_deadline", b"send_deadline", "send_started_at", b"send_started_at", "sent_at", b"sent_at", "sent_message_id", b"sent_message_id", "settled_by", b"settled_by", "state", b"state", "subject", b"subject", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -669,6 +691,7 @@ class ClaimReplyRequest(_message.Message):
     SUMMARY_FIELD_NUMBER: _builtins.int
     THREAD_ID_FIELD_NUMBER: _builtins.int
     RECEIVED_AT_FIELD_NUMBER: _builtins.int
+    CORRESPONDENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     notification_id: _builtins.str
     """Optional: the webhook notification that led to this claim. When set, the delivery is recorded in the
@@ -686,6 +709,11 @@ class ClaimReplyRequest(_message.Message):
     coordinator in this thread after the message arrived then ends the claim (see RecordOutgoing). 0 to 512
     bytes (THREAD_ID_MAX_BYTES), no control characters. For a thread subject it is the subject's id (leave it
     empty, or repeat it: another thread is INVALID_ARGUMENT).
+    """
+    correspondent: _builtins.str
+    """Optional: the correspondent's address (the sender's, `ana@example.com`), for the agents' reply budget per
+    correspondent (docs/design.md#reply-storms); compared without case. Up to 320 bytes
+    (CORRESPONDENT_MAX_BYTES). Empty: only the thread's budget applies.
     """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
@@ -714,10 +742,11 @@ class ClaimReplyRequest(_message.Message):
         summary: Global___MessageSummary | None = ...,
         thread_id: _builtins.str = ...,
         received_at: _timestamp_pb2.Timestamp | None = ...,
+        correspondent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["received_at", b"received_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "notification_id", b"notification_id", "received_at", b"received_at", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "thread_id", b"thread_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["correspondent", b"correspondent", "note", b"note", "notification_id", b"notification_id", "received_at", b"received_at", "request_id", b"request_id", "subject", b"subject", "summary", b"summary", "thread_id", b"thread_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -788,6 +817,83 @@ class ClaimReplyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClaimReplyResponse: _TypeAlias = ClaimReplyResponse  # noqa: Y015
+
+@_typing.final
+class SendRefusal(_message.Message):
+    """Why BeginSend refused an agent's send (docs/design.md#reply-storms)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[SendRefusal._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: SendRefusal._Kind.ValueType  # 0
+        REPLY_BUDGET_SPENT: SendRefusal._Kind.ValueType  # 1
+        """The agents' reply budget of the thread (`scope` "thread") or of the correspondent (`scope`
+        "correspondent") is spent for the rolling window: a person should look.
+        """
+        CONVERSATION_MOVED_ON: SendRefusal._Kind.ValueType  # 2
+        """The customer wrote again in the thread after the claim's message: draft again with the newest message."""
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_UNSPECIFIED: SendRefusal.Kind.ValueType  # 0
+    REPLY_BUDGET_SPENT: SendRefusal.Kind.ValueType  # 1
+    """The agents' reply budget of the thread (`scope` "thread") or of the correspondent (`scope`
+    "correspondent") is spent for the rolling window: a person should look.
+    """
+    CONVERSATION_MOVED_ON: SendRefusal.Kind.ValueType  # 2
+    """The customer wrote again in the thread after the claim's message: draft again with the newest message."""
+
+    KIND_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    WINDOW_SECONDS_FIELD_NUMBER: _builtins.int
+    COUNTED_FIELD_NUMBER: _builtins.int
+    FREES_AT_FIELD_NUMBER: _builtins.int
+    NEWER_MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    NEWER_RECEIVED_AT_FIELD_NUMBER: _builtins.int
+    kind: Global___SendRefusal.Kind.ValueType
+    reason: _builtins.str
+    """For a person: "agents stopped: 3 agent replies to this conversation in the last hour — a person should look",
+    "the customer wrote again; draft again with the new message".
+    """
+    scope: _builtins.str
+    """REPLY_BUDGET_SPENT: "thread" or "correspondent", the limit, its window, the replies counted in it, and when
+    the oldest of them leaves the window.
+    """
+    limit: _builtins.int
+    window_seconds: _builtins.int
+    counted: _builtins.int
+    newer_message_id: _builtins.str
+    """CONVERSATION_MOVED_ON: the newer message and when it was received."""
+    @_builtins.property
+    def frees_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def newer_received_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        kind: Global___SendRefusal.Kind.ValueType = ...,
+        reason: _builtins.str = ...,
+        scope: _builtins.str = ...,
+        limit: _builtins.int = ...,
+        window_seconds: _builtins.int = ...,
+        counted: _builtins.int = ...,
+        frees_at: _timestamp_pb2.Timestamp | None = ...,
+        newer_message_id: _builtins.str = ...,
+        newer_received_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["frees_at", b"frees_at", "newer_received_at", b"newer_received_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counted", b"counted", "frees_at", b"frees_at", "kind", b"kind", "limit", b"limit", "newer_message_id", b"newer_message_id", "newer_received_at", b"newer_received_at", "reason", b"reason", "scope", b"scope", "window_seconds", b"window_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendRefusal: _TypeAlias = SendRefusal  # noqa: Y015
 
 @_typing.final
 class RenewClaimRequest(_message.Message):
@@ -931,21 +1037,25 @@ class BeginSendResponse(_message.Message):
 
     RESULT_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    REFUSAL_FIELD_NUMBER: _builtins.int
     result: Global___FenceResult.ValueType
     """OK: send now, then call ConfirmSent or AbortSend before `status.send_deadline`.
-    STALE_TOKEN: do not send.
+    STALE_TOKEN: do not send. REFUSED: do not send; `refusal` says why.
     """
     @_builtins.property
     def status(self) -> Global___SubjectStatus: ...
+    @_builtins.property
+    def refusal(self) -> Global___SendRefusal: ...
     def __init__(
         self,
         *,
         result: Global___FenceResult.ValueType = ...,
         status: Global___SubjectStatus | None = ...,
+        refusal: Global___SendRefusal | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["refusal", b"refusal", "status", b"status"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["refusal", b"refusal", "result", b"result", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1819,6 +1929,103 @@ class RecordOutgoingRequest(_message.Message):
 Global___RecordOutgoingRequest: _TypeAlias = RecordOutgoingRequest  # noqa: Y015
 
 @_typing.final
+class RecordIncomingRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MAILBOX_FIELD_NUMBER: _builtins.int
+    NOTIFICATION_ID_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    THREAD_ID_FIELD_NUMBER: _builtins.int
+    RECEIVED_AT_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    AUTOMATED_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    mailbox: _builtins.str
+    """The mailbox, as ClaimReply names it."""
+    notification_id: _builtins.str
+    """Optional: the webhook notification it came in (dedup as in ClaimReply). 0 to 256 bytes, no control characters."""
+    message_id: _builtins.str
+    """The provider's id of the message. 1 to 512 bytes (MESSAGE_ID_MAX_BYTES)."""
+    thread_id: _builtins.str
+    """Its thread. 1 to 512 bytes (THREAD_ID_MAX_BYTES)."""
+    automated: _builtins.str
+    """Why agents leave it ("Auto-Submitted: auto-replied", "List-Id", "sender noreply@..."), up to 256 bytes
+    (AUTOMATED_REASON_MAX_BYTES), no control characters. Empty: a person's message (a customer's newer message).
+    """
+    @_builtins.property
+    def received_at(self) -> _timestamp_pb2.Timestamp:
+        """When it was received, as the provider gives it. Required; the same range as ClaimReply's `received_at`."""
+
+    @_builtins.property
+    def summary(self) -> Global___MessageSummary:
+        """Which email this is, shown to people."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        mailbox: _builtins.str = ...,
+        notification_id: _builtins.str = ...,
+        message_id: _builtins.str = ...,
+        thread_id: _builtins.str = ...,
+        received_at: _timestamp_pb2.Timestamp | None = ...,
+        summary: Global___MessageSummary | None = ...,
+        automated: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["received_at", b"received_at", "summary", b"summary"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["automated", b"automated", "mailbox", b"mailbox", "message_id", b"message_id", "notification_id", b"notification_id", "received_at", b"received_at", "request_id", b"request_id", "summary", b"summary", "thread_id", b"thread_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordIncomingRequest: _TypeAlias = RecordIncomingRequest  # noqa: Y015
+
+@_typing.final
+class RecordIncomingResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Result:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ResultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[RecordIncomingResponse._Result.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        RESULT_UNSPECIFIED: RecordIncomingResponse._Result.ValueType  # 0
+        RECORDED: RecordIncomingResponse._Result.ValueType  # 1
+        DUPLICATE_DELIVERY: RecordIncomingResponse._Result.ValueType  # 2
+
+    class Result(_Result, metaclass=_ResultEnumTypeWrapper): ...
+    RESULT_UNSPECIFIED: RecordIncomingResponse.Result.ValueType  # 0
+    RECORDED: RecordIncomingResponse.Result.ValueType  # 1
+    DUPLICATE_DELIVERY: RecordIncomingResponse.Result.ValueType  # 2
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    DELIVERY_FIELD_NUMBER: _builtins.int
+    result: Global___RecordIncomingResponse.Result.ValueType
+    @_builtins.property
+    def status(self) -> Global___SubjectStatus:
+        """The message's subject as it is now."""
+
+    @_builtins.property
+    def delivery(self) -> Global___DeliveryRecord: ...
+    def __init__(
+        self,
+        *,
+        result: Global___RecordIncomingResponse.Result.ValueType = ...,
+        status: Global___SubjectStatus | None = ...,
+        delivery: Global___DeliveryRecord | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery", "status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery", "result", b"result", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordIncomingResponse: _TypeAlias = RecordIncomingResponse  # noqa: Y015
+
+@_typing.final
 class GetCursorRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -2134,6 +2341,7 @@ class BatchCall(_message.Message):
     GET_STATUS_FIELD_NUMBER: _builtins.int
     MARK_REPLIED_FIELD_NUMBER: _builtins.int
     RECORD_OUTGOING_FIELD_NUMBER: _builtins.int
+    RECORD_INCOMING_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     TRACESTATE_FIELD_NUMBER: _builtins.int
     traceparent: _builtins.str
@@ -2162,6 +2370,8 @@ class BatchCall(_message.Message):
     def mark_replied(self) -> Global___MarkRepliedRequest: ...
     @_builtins.property
     def record_outgoing(self) -> Global___RecordOutgoingRequest: ...
+    @_builtins.property
+    def record_incoming(self) -> Global___RecordIncomingRequest: ...
     def __init__(
         self,
         *,
@@ -2175,14 +2385,15 @@ class BatchCall(_message.Message):
         get_status: Global___GetStatusRequest | None = ...,
         mark_replied: Global___MarkRepliedRequest | None = ...,
         record_outgoing: Global___RecordOutgoingRequest | None = ...,
+        record_incoming: Global___RecordIncomingRequest | None = ...,
         traceparent: _builtins.str = ...,
         tracestate: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_incoming", b"record_incoming", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "call", b"call", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_incoming", b"record_incoming", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied", "record_outgoing"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied", "record_outgoing", "record_incoming"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -2262,6 +2473,7 @@ class BatchResult(_message.Message):
     GET_STATUS_FIELD_NUMBER: _builtins.int
     MARK_REPLIED_FIELD_NUMBER: _builtins.int
     RECORD_OUTGOING_FIELD_NUMBER: _builtins.int
+    RECORD_INCOMING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def error(self) -> Global___CallError: ...
     @_builtins.property
@@ -2284,6 +2496,8 @@ class BatchResult(_message.Message):
     def mark_replied(self) -> Global___MarkRepliedResponse: ...
     @_builtins.property
     def record_outgoing(self) -> Global___RecordOutgoingResponse: ...
+    @_builtins.property
+    def record_incoming(self) -> Global___RecordIncomingResponse: ...
     def __init__(
         self,
         *,
@@ -2298,12 +2512,13 @@ class BatchResult(_message.Message):
         get_status: Global___GetStatusResponse | None = ...,
         mark_replied: Global___MarkRepliedResponse | None = ...,
         record_outgoing: Global___RecordOutgoingResponse | None = ...,
+        record_incoming: Global___RecordIncomingResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_incoming", b"record_incoming", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_send", b"abort_send", "begin_send", b"begin_send", "claim_reply", b"claim_reply", "confirm_sent", b"confirm_sent", "error", b"error", "get_status", b"get_status", "mark_replied", b"mark_replied", "record_delivery", b"record_delivery", "record_incoming", b"record_incoming", "record_outgoing", b"record_outgoing", "release_claim", b"release_claim", "renew_claim", b"renew_claim", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied", "record_outgoing"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["error", "record_delivery", "claim_reply", "renew_claim", "release_claim", "begin_send", "confirm_sent", "abort_send", "get_status", "mark_replied", "record_outgoing", "record_incoming"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

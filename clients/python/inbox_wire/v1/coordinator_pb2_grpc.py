@@ -120,6 +120,11 @@ class CoordinatorStub:
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.SerializeToString,
                 response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.FromString,
                 _registered_method=True)
+        self.RecordIncoming = channel.unary_unary(
+                '/inbox.coordinator.v1.Coordinator/RecordIncoming',
+                request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest.SerializeToString,
+                response_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse.FromString,
+                _registered_method=True)
         self.GetCursor = channel.unary_unary(
                 '/inbox.coordinator.v1.Coordinator/GetCursor',
                 request_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.GetCursorRequest.SerializeToString,
@@ -199,7 +204,12 @@ class CoordinatorServicer:
         current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
         subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
         coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
-        ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
+        ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. REFUSED (agents' claims only; never a
+        person's): the mailbox's reply rules stop this send (docs/design.md#reply-storms): the reply budget of the
+        thread or of the correspondent is spent, or the conversation moved on (a newer inbound message of the thread
+        was recorded after the claim's message); `refusal` says which, in words for a person. Nothing is sent or
+        counted; the claim stays held: release it. The budget is checked and counted in the same etcd transaction
+        as the move to SENDING. Errors: FAILED_PRECONDITION (WRONG_STATE)
         once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -387,6 +397,21 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordIncoming(self, request, context):
+        """Records an inbound message nobody claims (docs/design.md#reply-storms): automated mail the clients' rules
+        tell agents to leave (`automated` says why, shown to people: "automated message (Auto-Submitted:
+        auto-replied): agents leave it"), or a customer's newer message found by looking at the thread right before
+        a send. The message is shown to the people watching; a person can still claim and answer it. A claim on an
+        older message of the same thread then answers BeginSend REFUSED (CONVERSATION_MOVED_ON). Answers RECORDED
+        (also to a retry, and when the message was recorded before: the record is unchanged but for `automated`
+        being set), or DUPLICATE_DELIVERY when `notification_id` was seen before. Errors: INVALID_ARGUMENT
+        (INVALID_FIELD) for a missing message id, thread id or received time; PERMISSION_DENIED (ROLE_MISSING)
+        without the role `report`, as RecordOutgoing; REQUEST_ID_REUSED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetCursor(self, request, context):
         """Reads a mailbox's named cursor (docs/design.md#cursors): its value (opaque to the coordinator), its position
         and the range in progress, if any. A cursor never written answers an empty value at position 0.
@@ -524,6 +549,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RecordOutgoing,
                     request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.FromString,
                     response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.SerializeToString,
+            ),
+            'RecordIncoming': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordIncoming,
+                    request_deserializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest.FromString,
+                    response_serializer=inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse.SerializeToString,
             ),
             'GetCursor': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCursor,
@@ -1005,6 +1035,33 @@ class Coordinator:
             '/inbox.coordinator.v1.Coordinator/RecordOutgoing',
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingRequest.SerializeToString,
             inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordOutgoingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordIncoming(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inbox.coordinator.v1.Coordinator/RecordIncoming',
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingRequest.SerializeToString,
+            inbox_dot_coordinator_dot_v1_dot_coordinator__pb2.RecordIncomingResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -173,7 +173,12 @@ class CoordinatorStub:
     current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
     subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
     coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
-    ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
+    ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. REFUSED (agents' claims only; never a
+    person's): the mailbox's reply rules stop this send (docs/design.md#reply-storms): the reply budget of the
+    thread or of the correspondent is spent, or the conversation moved on (a newer inbound message of the thread
+    was recorded after the claim's message); `refusal` says which, in words for a person. Nothing is sent or
+    counted; the claim stays held: release it. The budget is checked and counted in the same etcd transaction
+    as the move to SENDING. Errors: FAILED_PRECONDITION (WRONG_STATE)
     once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
     ConfirmSent: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ConfirmSentRequest, _coordinator_pb2.ConfirmSentResponse]
@@ -308,6 +313,17 @@ class CoordinatorStub:
     not which messages are in its thread; a claim is ended by it only when its thread was named by a principal
     with `report`, or by its own holder (docs/design.md#replies-written-outside).
     """
+    RecordIncoming: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RecordIncomingRequest, _coordinator_pb2.RecordIncomingResponse]
+    """Records an inbound message nobody claims (docs/design.md#reply-storms): automated mail the clients' rules
+    tell agents to leave (`automated` says why, shown to people: "automated message (Auto-Submitted:
+    auto-replied): agents leave it"), or a customer's newer message found by looking at the thread right before
+    a send. The message is shown to the people watching; a person can still claim and answer it. A claim on an
+    older message of the same thread then answers BeginSend REFUSED (CONVERSATION_MOVED_ON). Answers RECORDED
+    (also to a retry, and when the message was recorded before: the record is unchanged but for `automated`
+    being set), or DUPLICATE_DELIVERY when `notification_id` was seen before. Errors: INVALID_ARGUMENT
+    (INVALID_FIELD) for a missing message id, thread id or received time; PERMISSION_DENIED (ROLE_MISSING)
+    without the role `report`, as RecordOutgoing; REQUEST_ID_REUSED.
+    """
     GetCursor: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCursorRequest, _coordinator_pb2.GetCursorResponse]
     """Reads a mailbox's named cursor (docs/design.md#cursors): its value (opaque to the coordinator), its position
     and the range in progress, if any. A cursor never written answers an empty value at position 0.
@@ -384,7 +400,12 @@ class CoordinatorAsyncStub(CoordinatorStub):
     current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
     subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
     coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
-    ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
+    ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. REFUSED (agents' claims only; never a
+    person's): the mailbox's reply rules stop this send (docs/design.md#reply-storms): the reply budget of the
+    thread or of the correspondent is spent, or the conversation moved on (a newer inbound message of the thread
+    was recorded after the claim's message); `refusal` says which, in words for a person. Nothing is sent or
+    counted; the claim stays held: release it. The budget is checked and counted in the same etcd transaction
+    as the move to SENDING. Errors: FAILED_PRECONDITION (WRONG_STATE)
     once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
     """
     ConfirmSent: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ConfirmSentRequest, _coordinator_pb2.ConfirmSentResponse]  # type: ignore[assignment]
@@ -519,6 +540,17 @@ class CoordinatorAsyncStub(CoordinatorStub):
     not which messages are in its thread; a claim is ended by it only when its thread was named by a principal
     with `report`, or by its own holder (docs/design.md#replies-written-outside).
     """
+    RecordIncoming: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RecordIncomingRequest, _coordinator_pb2.RecordIncomingResponse]  # type: ignore[assignment]
+    """Records an inbound message nobody claims (docs/design.md#reply-storms): automated mail the clients' rules
+    tell agents to leave (`automated` says why, shown to people: "automated message (Auto-Submitted:
+    auto-replied): agents leave it"), or a customer's newer message found by looking at the thread right before
+    a send. The message is shown to the people watching; a person can still claim and answer it. A claim on an
+    older message of the same thread then answers BeginSend REFUSED (CONVERSATION_MOVED_ON). Answers RECORDED
+    (also to a retry, and when the message was recorded before: the record is unchanged but for `automated`
+    being set), or DUPLICATE_DELIVERY when `notification_id` was seen before. Errors: INVALID_ARGUMENT
+    (INVALID_FIELD) for a missing message id, thread id or received time; PERMISSION_DENIED (ROLE_MISSING)
+    without the role `report`, as RecordOutgoing; REQUEST_ID_REUSED.
+    """
     GetCursor: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCursorRequest, _coordinator_pb2.GetCursorResponse]  # type: ignore[assignment]
     """Reads a mailbox's named cursor (docs/design.md#cursors): its value (opaque to the coordinator), its position
     and the range in progress, if any. A cursor never written answers an empty value at position 0.
@@ -622,7 +654,12 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         current one; only then (OK) may the caller send. STALE_TOKEN: do not send (also when a retry finds the
         subject IN_DOUBT: the deadline passed meanwhile; and when someone answered in the thread without the
         coordinator: `status.replied_outside`, `status.outside_reply` says who and when). A SENDING subject never expires by itself: it ends with
-        ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. Errors: FAILED_PRECONDITION (WRONG_STATE)
+        ConfirmSent, AbortSend, or, past the send deadline, IN_DOUBT. REFUSED (agents' claims only; never a
+        person's): the mailbox's reply rules stop this send (docs/design.md#reply-storms): the reply budget of the
+        thread or of the correspondent is spent, or the conversation moved on (a newer inbound message of the thread
+        was recorded after the claim's message); `refusal` says which, in words for a person. Nothing is sent or
+        counted; the claim stays held: release it. The budget is checked and counted in the same etcd transaction
+        as the move to SENDING. Errors: FAILED_PRECONDITION (WRONG_STATE)
         once REPLIED; PERMISSION_DENIED (NOT_HOLDER); REQUEST_ID_REUSED.
         """
 
@@ -828,6 +865,23 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         What a reporter vouches for: the message (its id, thread, date and sender as the provider gave them),
         not which messages are in its thread; a claim is ended by it only when its thread was named by a principal
         with `report`, or by its own holder (docs/design.md#replies-written-outside).
+        """
+
+    @_abc_1.abstractmethod
+    def RecordIncoming(
+        self,
+        request: _coordinator_pb2.RecordIncomingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RecordIncomingResponse, _abc.Awaitable[_coordinator_pb2.RecordIncomingResponse]]:
+        """Records an inbound message nobody claims (docs/design.md#reply-storms): automated mail the clients' rules
+        tell agents to leave (`automated` says why, shown to people: "automated message (Auto-Submitted:
+        auto-replied): agents leave it"), or a customer's newer message found by looking at the thread right before
+        a send. The message is shown to the people watching; a person can still claim and answer it. A claim on an
+        older message of the same thread then answers BeginSend REFUSED (CONVERSATION_MOVED_ON). Answers RECORDED
+        (also to a retry, and when the message was recorded before: the record is unchanged but for `automated`
+        being set), or DUPLICATE_DELIVERY when `notification_id` was seen before. Errors: INVALID_ARGUMENT
+        (INVALID_FIELD) for a missing message id, thread id or received time; PERMISSION_DENIED (ROLE_MISSING)
+        without the role `report`, as RecordOutgoing; REQUEST_ID_REUSED.
         """
 
     @_abc_1.abstractmethod
