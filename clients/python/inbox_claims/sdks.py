@@ -27,9 +27,9 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._current import CurrentClaim, current_claim_base
+from ._current import CurrentClaim, agent_headers, current_claim_base
 from ._errors import InboxClaimsError, SendRejected
-from .providers._seam import AUTO_SUBMITTED, STAMP_HEADER
+from .providers._seam import STAMP_HEADER
 
 __all__ = [
     "SdkSendOutcomeUnknown",
@@ -70,7 +70,8 @@ def _claim(sdk: str) -> CurrentClaim:
 
 
 def _stamp_headers(claim: CurrentClaim) -> dict[str, str]:
-    return {STAMP_HEADER: f"{claim.idempotency_key}.{claim.token}", AUTO_SUBMITTED[0]: AUTO_SUBMITTED[1]}
+    # A person's reply is never marked automatic (docs/design.md#reply-storms).
+    return {STAMP_HEADER: f"{claim.idempotency_key}.{claim.token}", **dict(agent_headers())}
 
 
 def _outcome(sdk: str, status: int | None, detail: str) -> InboxClaimsError:

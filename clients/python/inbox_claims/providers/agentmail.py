@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
+from .._current import agent_headers
 from ._httpx import AsyncHttp, HttpTransport, current_stamp, drive
 from ._seam import (
     STAMP_HEADER,
@@ -43,7 +44,7 @@ from ._seam import (
     reply_subject,
     split_address,
 )
-from ._svix import AUTO_SUBMITTED, SvixSendOutcomeUnknown, SvixSendRejected, check_secret, send_outcome, verify_svix
+from ._svix import SvixSendOutcomeUnknown, SvixSendRejected, check_secret, send_outcome, verify_svix
 
 __all__ = ["DEFAULT_API_BASE", "AgentMailProvider", "AgentMailSendOutcomeUnknown", "AgentMailSendRejected"]
 
@@ -232,7 +233,7 @@ class AgentMailProvider:
     def _reply(
         self, message: MessageFacts, body: str, stamp: ClaimStamp, *, html: str | None = None
     ) -> Flow[str | None]:
-        headers = {STAMP_HEADER: str(stamp), AUTO_SUBMITTED[0]: AUTO_SUBMITTED[1]}
+        headers = {STAMP_HEADER: str(stamp), **dict(agent_headers())}  # a person's reply is never marked
         document: dict[str, Any] = {"text": body, "headers": headers}
         if html is not None:
             document["html"] = html

@@ -46,6 +46,7 @@ from imapclient import IMAPClient  # type: ignore[import-untyped,unused-ignore]
 from imapclient.exceptions import IMAPClientError  # type: ignore[import-untyped,unused-ignore]
 
 from .._async import AsyncClaim, AsyncCoordinator
+from .._current import agent_headers
 from .._effects import Invoke, Sleep
 from .._errors import InboxClaimsError, SendRejected
 from ._httpx import current_stamp
@@ -410,7 +411,8 @@ class ImapProvider:
         if message.reply.internet_message_id:
             mail["In-Reply-To"] = message.reply.internet_message_id
             mail["References"] = " ".join((*message.reply.references, message.reply.internet_message_id))
-        mail["Auto-Submitted"] = "auto-replied"  # RFC 3834: no auto-responder answers it back
+        for name, value in agent_headers():  # RFC 3834: no auto-responder answers it back; a person's reply unmarked
+            mail[name] = value
         mail[STAMP_HEADER] = str(stamp)
         mail.set_content(body)
         return mail

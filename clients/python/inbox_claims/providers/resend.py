@@ -26,6 +26,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
+from .._current import agent_headers
 from ._httpx import AsyncHttp, HttpTransport, current_stamp, drive
 from ._seam import (
     STAMP_HEADER,
@@ -47,7 +48,7 @@ from ._seam import (
     reply_subject,
     split_address,
 )
-from ._svix import AUTO_SUBMITTED, SvixSendOutcomeUnknown, SvixSendRejected, check_secret, send_outcome, verify_svix
+from ._svix import SvixSendOutcomeUnknown, SvixSendRejected, check_secret, send_outcome, verify_svix
 
 __all__ = ["DEFAULT_API_BASE", "ResendProvider", "ResendSendOutcomeUnknown", "ResendSendRejected", "thread_of"]
 
@@ -276,7 +277,7 @@ class ResendProvider:
         """The ``POST /emails`` body of a reply to ``message``."""
         if not message.reply.to:
             raise ValueError(f"email {message.message_id!r} has no sender address to reply to")
-        headers = {STAMP_HEADER: str(stamp), AUTO_SUBMITTED[0]: AUTO_SUBMITTED[1]}
+        headers = {STAMP_HEADER: str(stamp), **dict(agent_headers())}  # a person's reply is never marked
         if message.reply.internet_message_id:
             headers["In-Reply-To"] = message.reply.internet_message_id
             headers["References"] = " ".join((*message.reply.references, message.reply.internet_message_id))
