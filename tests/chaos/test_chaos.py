@@ -171,6 +171,7 @@ def _send(subject: str, token: int, *, nid: str = "ntf-1", key: str | None = Non
         "ev": "send", "sent": True, "outcome": "sent", "grant": mailbox, "subject_kind": "message",
         "subject_id": subject, "token": token, "sender": "agent-1", "sender_kind": "agent", "notification_id": nid,
         "idempotency_key": key or idempotency_key(mailbox, SubjectKind.MESSAGE, subject), "mode": "fenced",
+        "auto_submitted": "auto-replied",
     }  # fmt: skip
 
 
