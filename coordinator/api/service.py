@@ -63,6 +63,7 @@ from coordinator.core.errors import (
     WatcherBehind,
 )
 from coordinator.core.memo import LastConverted
+from coordinator.core.storms import Refusal, RefusalKind
 from inbox_wire import BATCH_MAX_CALLS
 from inbox_wire.v1 import coordinator_pb2 as pb
 from inbox_wire.v1 import coordinator_pb2_grpc as pb_grpc
@@ -90,7 +91,15 @@ _CLAIM_RESULTS = {
     ClaimResult.ALREADY_REPLIED: pb.ClaimReplyResponse.ALREADY_REPLIED,
     ClaimResult.DUPLICATE_DELIVERY: pb.ClaimReplyResponse.DUPLICATE_DELIVERY,
 }
-_FENCE_RESULTS = {FenceResult.OK: pb.FENCE_RESULT_OK, FenceResult.STALE_TOKEN: pb.FENCE_RESULT_STALE_TOKEN}
+_FENCE_RESULTS = {
+    FenceResult.OK: pb.FENCE_RESULT_OK,
+    FenceResult.STALE_TOKEN: pb.FENCE_RESULT_STALE_TOKEN,
+    FenceResult.REFUSED: pb.FENCE_RESULT_REFUSED,
+}
+_REFUSAL_KINDS = {
+    RefusalKind.REPLY_BUDGET_SPENT: pb.SendRefusal.REPLY_BUDGET_SPENT,
+    RefusalKind.CONVERSATION_MOVED_ON: pb.SendRefusal.CONVERSATION_MOVED_ON,
+}
 _TAKEOVER_RESULTS = {
     TakeoverResult.TAKEN_OVER: pb.TakeoverResponse.TAKEN_OVER,
     TakeoverResult.GRANTED: pb.TakeoverResponse.GRANTED,
@@ -268,6 +277,23 @@ def status_out(subject: Subject, stored: Stored | None) -> pb.SubjectStatus:
         replied_outside=record.replied_outside,
         outside_reply=outside_reply_out(record.outside_reply),
         settled_by=record.settled_by,
+        agents_stopped=refusal_out(record.agents_stopped),
+    )
+
+
+def refusal_out(refusal: Refusal | None) -> pb.SendRefusal | None:
+    if refusal is None:
+        return None
+    return pb.SendRefusal(
+        kind=_REFUSAL_KINDS[refusal.kind],
+        reason=refusal.reason,
+        scope=refusal.scope,
+        limit=refusal.limit,
+        window_seconds=refusal.window_ms // 1000,
+        counted=refusal.counted,
+        frees_at=_timestamp(refusal.frees_ms),
+        newer_message_id=refusal.newer_message_id,
+        newer_received_at=_timestamp(refusal.newer_received_ms),
     )
 
 
@@ -495,6 +521,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 summary=summary_in(request.summary),
                 thread_id=request.thread_id,
                 received_ms=time_in(request, "received_at"),
+                correspondent=request.correspondent,
             ),
         )
         return pb.ClaimReplyResponse(
@@ -520,6 +547,30 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.RecordOutgoingResponse(
             result=_OUTGOING_RESULTS[outcome.result],
             subjects=[status_out(subject, stored) for subject, stored in outcome.subjects],
+            delivery=delivery_out(outcome.delivery) if outcome.delivery is not None else None,
+        )
+
+    async def _record_incoming(self, caller: Caller, request: pb.RecordIncomingRequest) -> pb.RecordIncomingResponse:
+        outcome = await self._engine.record_incoming(
+            caller,
+            commands.RecordIncoming(
+                request_id=request.request_id,
+                mailbox=request.mailbox,
+                notification_id=request.notification_id,
+                message_id=request.message_id,
+                thread_id=request.thread_id,
+                received_ms=time_in(request, "received_at"),
+                summary=summary_in(request.summary),
+                automated=request.automated,
+            ),
+        )
+        status = status_out(outcome.subject, outcome.stored)
+        status.automated = request.automated if outcome.recorded else ""
+        return pb.RecordIncomingResponse(
+            result=pb.RecordIncomingResponse.RECORDED
+            if outcome.recorded
+            else pb.RecordIncomingResponse.DUPLICATE_DELIVERY,
+            status=status,
             delivery=delivery_out(outcome.delivery) if outcome.delivery is not None else None,
         )
 
@@ -591,10 +642,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def _begin_send(self, caller: Caller, request: pb.BeginSendRequest) -> pb.BeginSendResponse:
         subject = subject_in(request.subject)
-        result, stored = await self._engine.begin_send(
+        result, stored, refusal = await self._engine.begin_send(
             caller, commands.BeginSend(request_id=request.request_id, subject=subject, token=request.fencing_token)
         )
-        return pb.BeginSendResponse(result=_FENCE_RESULTS[result], status=status_out(subject, stored))
+        return pb.BeginSendResponse(
+            result=_FENCE_RESULTS[result], status=status_out(subject, stored), refusal=refusal_out(refusal)
+        )
 
     async def _confirm_sent(self, caller: Caller, request: pb.ConfirmSentRequest) -> pb.ConfirmSentResponse:
         subject = subject_in(request.subject)
@@ -756,6 +809,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     UndoOutsideReply = _unary(_undo_outside_reply)
     MarkReplied = _unary(_mark_replied)
     RecordOutgoing = _unary(_record_outgoing)
+    RecordIncoming = _unary(_record_incoming)
     GetCursor = _unary(_get_cursor)
     TakeCursorRange = _unary(_take_cursor_range)
     AdvanceCursor = _unary(_advance_cursor)
@@ -852,4 +906,5 @@ _BATCH_CALLS: dict[str, Handler[Any, Any]] = {
     "get_status": CoordinatorServicer._get_status,
     "mark_replied": CoordinatorServicer._mark_replied,
     "record_outgoing": CoordinatorServicer._record_outgoing,
+    "record_incoming": CoordinatorServicer._record_incoming,
 }

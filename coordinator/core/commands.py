@@ -180,6 +180,8 @@ class ClaimReply(Command):
     # The message's thread and received time, as the caller sent them (docs/design.md#replies-written-outside).
     thread_id: str = ""
     received_ms: int | None = None
+    # The sender's address, for the agents' reply budget per correspondent (docs/design.md#reply-storms).
+    correspondent: str = ""
 
     def legacy_fingerprint(self) -> str:
         return _legacy_digest("ClaimReply", self.subject, self.notification_id, self.ttl_seconds, self.note)
@@ -207,6 +209,20 @@ class RecordOutgoing(Command):
             self.sent_ms,
             self.sender,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordIncoming(Command):
+    """Added after version 1: it has no legacy fingerprint (docs/design.md#reply-storms)."""
+
+    rpc: ClassVar[str] = "RecordIncoming"
+    mailbox: str
+    message_id: str
+    thread_id: str
+    received_ms: int | None  # required: None is refused, kept to say which field was unset
+    notification_id: str = ""
+    summary: Summary | None = None
+    automated: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,6 +356,7 @@ COMMANDS: tuple[type[Command], ...] = (
     RecordDelivery,
     ClaimReply,
     RecordOutgoing,
+    RecordIncoming,
     RenewClaim,
     ReleaseClaim,
     BeginSend,

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from coordinator.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from coordinator.core.limits import Limits
+from coordinator.core.storms import Counting, GuardView, Refusal, RefusalKind, ReplyBudgets, check_send, give_back
 from coordinator.core.values import ResolveOutcome as ResolveOutcome
 from coordinator.core.values import Subject as Subject
 from coordinator.core.values import SubjectKind as SubjectKind
@@ -88,6 +90,8 @@ class ClaimResult(enum.Enum):
 class FenceResult(enum.Enum):
     OK = "ok"
     STALE_TOKEN = "stale_token"
+    # BeginSend of an agent's claim only: the mailbox's reply rules stop it (docs/design.md#reply-storms).
+    REFUSED = "refused"
 
 
 class TakeoverResult(enum.Enum):
@@ -229,6 +233,12 @@ class SubjectRecord:
     echo: OutsideReply | None = None
     # REPLIED by ResolveInDoubt(SENT): the person who found the send had gone out (the holder's send it was).
     settled_by: str = ""
+    # The claimed message's thread and correspondent (ClaimReply), whose agents' reply budgets and newest
+    # inbound message BeginSend looks at (docs/design.md#reply-storms); not kept on a reply record.
+    thread_id: str = ""
+    correspondent: str = ""
+    # CLAIMED: the refusal BeginSend last gave this claim because a reply budget is spent (a person should look).
+    agents_stopped: Refusal | None = None
 
 
 @dataclass(frozen=True)
@@ -285,6 +295,10 @@ class Transition:
     write: SubjectRecord | None = None
     end: EndMark | None = None
     withdraw: OutsideReply | None = None
+    # BeginSend REFUSED: why. ``counting``: in the same write, the claim's guard records (reply budgets) become
+    # these, compared unchanged since they were read (docs/design.md#reply-storms).
+    refusal: Refusal | None = None
+    counting: Counting | None = None
 
 
 @dataclass(frozen=True)
@@ -304,6 +318,14 @@ class Rules:
     send_timeout_ms: int = 120_000
     # Whether a claim keeps the caller's summary of its email (subject line, sender): personal data.
     store_summaries: bool = True
+    # Each mailbox's agents' reply budgets (docs/design.md#reply-storms, set in coordinator/ops/config.py).
+    reply_budgets: Callable[[str], ReplyBudgets] = lambda _mailbox: ReplyBudgets()
+
+    def guard_expiry(self, mailbox: str, now_ms: int) -> int:
+        # A thread's newest inbound message is looked at while claims on older ones live (a delivery's life at
+        # most); a counted send while its window lasts.
+        longest = max(self.reply_budgets(mailbox).longest_window_ms(), self.delivery_retention_ms)
+        return _round_up(now_ms + longest, self.record_bucket_ms)
 
     def claim_expiry(self, now_ms: int, ttl_seconds: int) -> int:
         return _round_up(now_ms + ttl_seconds * 1000, self.claim_bucket_ms)
@@ -363,12 +385,16 @@ def new_claim(
     now_ms: int,
     summary: Summary | None = None,
     received_ms: int | None = None,
+    thread_id: str = "",
+    correspondent: str = "",
 ) -> SubjectRecord:
     """The claim ``command`` makes. The summary is passed apart: a Takeover's may come from the claim it takes
     over, which is not the call's argument (nor in its fingerprint)."""
     return SubjectRecord(
         summary=summary if summary and rules.store_summaries else None,
         received_ms=received_ms,
+        thread_id=thread_id,
+        correspondent=correspondent,
         state=State.CLAIMED,
         holder=caller.principal,
         holder_kind=caller.kind,
@@ -521,7 +547,20 @@ def release(
     )
 
 
-def begin_send(rules: Rules, current: Stored | None, caller: Caller, command: BeginSend, *, now_ms: int) -> Transition:
+def guarded(record: SubjectRecord) -> bool:
+    """Whether a subject's sends are an agent's and have guard records (docs/design.md#reply-storms)."""
+    return record.holder_kind is HolderKind.AGENT and bool(record.thread_id or record.correspondent)
+
+
+def begin_send(
+    rules: Rules,
+    current: Stored | None,
+    caller: Caller,
+    command: BeginSend,
+    *,
+    now_ms: int,
+    guard: GuardView | None = None,
+) -> Transition:
     token = command.token
     _repeats_holders_last(current, caller, command)
     if not _check_token(current, caller, token):
@@ -536,14 +575,32 @@ def begin_send(rules: Rules, current: Stored | None, caller: Caller, command: Be
         return Transition(FenceResult.STALE_TOKEN)
     if record.state is not State.CLAIMED:
         raise _wrong_state("BeginSend", token, record.state, "CLAIMED")
+    counting = None
+    if guard is not None and guarded(record):
+        subject = command.subject
+        checked = check_send(
+            guard,
+            rules.reply_budgets(subject.mailbox),
+            received_ms=record.received_ms,
+            message_id=subject.id if subject.kind is SubjectKind.MESSAGE else "",
+            token=token,
+            now_ms=now_ms,
+        )
+        if isinstance(checked, Refusal):
+            if checked.kind is RefusalKind.REPLY_BUDGET_SPENT and record.agents_stopped != checked:
+                # Kept on the claim while it is held, for the people watching: a person should look.
+                return Transition(FenceResult.REFUSED, write=replace(record, agents_stopped=checked), refusal=checked)
+            return Transition(FenceResult.REFUSED, refusal=checked)
+        counting = checked
     sending = replace(
         record,
         state=State.SENDING,
         expires_ms=None,
         send_started_ms=now_ms,
         send_deadline_ms=now_ms + rules.send_timeout_ms,
+        agents_stopped=None,
     )
-    return Transition(FenceResult.OK, write=_stamped(sending, command))
+    return Transition(FenceResult.OK, write=_stamped(sending, command), counting=counting)
 
 
 def confirm_sent(
@@ -580,6 +637,7 @@ def abort_send(
     command: AbortSend,
     *,
     now_ms: int,
+    guard: GuardView | None = None,
 ) -> Transition:
     token = command.token
     if _repeats(last_end, caller, token, command, EndReason.ABORTED):
@@ -614,6 +672,8 @@ def abort_send(
             settles_delivery=not command.redeliverable,
             fingerprint=command.fingerprint,
         ),
+        # Certainly not sent: the send's unit goes back to its budgets (docs/design.md#reply-storms).
+        counting=give_back(guard, token) if guard is not None and guarded(record) else None,
     )
 
 
@@ -671,6 +731,9 @@ def _replied(rules: Rules, record: SubjectRecord, sent_message_id: str, now_ms: 
         outside_reply=outside,
         echo=None,
         received_ms=None,
+        thread_id="",
+        correspondent="",
+        agents_stopped=None,
         state=State.REPLIED,
         acquired_ms=0,
         ttl_seconds=0,

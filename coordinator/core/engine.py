@@ -20,6 +20,7 @@ from coordinator.core.commands import (
     ConfirmSent,
     MarkReplied,
     RecordDelivery,
+    RecordIncoming,
     RecordOutgoing,
     ReleaseClaim,
     RenewClaim,
@@ -53,6 +54,7 @@ from coordinator.core.domain import (
 from coordinator.core.errors import InvalidArgument, SlowConsumer, StoreConflict, StoreUnavailable, WatcherBehind
 from coordinator.core.memo import LastConverted
 from coordinator.core.storage import Change, FeedLost, Store, encode_cursor
+from coordinator.core.storms import Inbound, Refusal, normalised_correspondent
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,17 @@ class OutgoingOutcome:
     result: OutgoingResult
     subjects: tuple[tuple[Subject, Stored | None], ...] = ()
     delivery: DeliveryRecord | None = None
+
+
+@dataclass(frozen=True)
+class IncomingOutcome:
+    """RecordIncoming's answer: whether it was recorded (False: a duplicate delivery), the message's subject
+    as it is now, and the delivery record (the first one, for a duplicate)."""
+
+    recorded: bool
+    subject: Subject
+    stored: Stored | None
+    delivery: DeliveryRecord | None
 
 
 @dataclass(frozen=True)
@@ -264,6 +277,7 @@ class Engine:
         now = self._clock()
         summary = _checked_summary(command.summary, now)
         link = _thread_link(caller, subject, command.thread_id, command.received_ms, now)
+        limits.check_text("correspondent", command.correspondent, limits.CORRESPONDENT_MAX_BYTES, required=False)
         # Normalised before it is fingerprinted (by the claim record), as every retry of it will be.
         command = dataclasses.replace(command, ttl_seconds=self.rules.limits.ttl(command.ttl_seconds), summary=summary)
         record = domain.new_claim(
@@ -273,6 +287,8 @@ class Engine:
             now_ms=now,
             summary=summary,
             received_ms=link.received_ms if link is not None else None,
+            thread_id=link.thread_id if link is not None else "",
+            correspondent=normalised_correspondent(command.correspondent),
         )
         delivery = (
             domain.new_delivery(
@@ -304,6 +320,8 @@ class Engine:
             )
             if attempt.created is not None:
                 answered = attempt.created.record.replied_outside
+                if link is not None:
+                    await self._record_inbound(subject, link)
                 return ClaimOutcome(ClaimResult.ALREADY_REPLIED if answered else ClaimResult.GRANTED, attempt.created)
             if attempt.delivery is not None and domain.is_duplicate_delivery(
                 attempt.delivery, command, attempt.current, attempt.end, caller, attempt.delivery_revision
@@ -311,6 +329,8 @@ class Engine:
                 return ClaimOutcome(ClaimResult.DUPLICATE_DELIVERY, None, attempt.delivery)
             if attempt.current is not None:
                 conflict = domain.claim_conflict(attempt.current, caller, command)
+                if link is not None and conflict is ClaimResult.HELD:
+                    await self._record_inbound(subject, link)
                 return ClaimOutcome(conflict, attempt.current)
             if link is not None and attempt.outside_revision != outside_revision:
                 # The thread's latest reply written outside is not the one decided on: did it answer this message?
@@ -333,6 +353,56 @@ class Engine:
             # lost, or a redelivery after the claim it led to lapsed (its holder crashed). Claim again.
             delivery = None
         raise StoreConflict(f"the thread of {subject.id!r} kept changing while this ClaimReply ran; retry it")
+
+    async def _record_inbound(self, subject: Subject, link: ThreadLink) -> None:
+        """The thread's newest inbound message, for BeginSend's check that the conversation did not move on
+        (docs/design.md#reply-storms). A thread subject's message has no id of its own: its time says it all."""
+        message_id = subject.id if subject.kind is SubjectKind.MESSAGE else ""
+        await self.store.record_inbound(
+            subject.mailbox,
+            link.thread_id,
+            Inbound(message_id, link.received_ms),
+            self.rules.guard_expiry(subject.mailbox, self._clock()),
+        )
+
+    async def record_incoming(self, caller: Caller, command: RecordIncoming) -> IncomingOutcome:
+        """An inbound message nobody claims: automated mail agents leave, or a customer's newer message found
+        by looking at the thread before a send (docs/design.md#reply-storms)."""
+        request_id, mailbox, notification_id = command.request_id, command.mailbox, command.notification_id
+        _check_request_id(request_id)
+        _check_mailbox(caller, mailbox)
+        _require_reporter(caller, "RecordIncoming")
+        limits.check_text("notification_id", notification_id, limits.NOTIFICATION_ID_MAX_BYTES, required=False)
+        limits.check_text("message_id", command.message_id, limits.MESSAGE_ID_MAX_BYTES, required=True)
+        limits.check_text("thread_id", command.thread_id, limits.THREAD_ID_MAX_BYTES, required=True)
+        now = self._clock()
+        received = limits.check_time_ms("received_at", command.received_ms, required=True, now_ms=now)
+        assert received is not None
+        limits.check_text("automated", command.automated, limits.AUTOMATED_REASON_MAX_BYTES, required=False)
+        summary = _checked_summary(command.summary, now)
+        subject = Subject(mailbox, SubjectKind.MESSAGE, command.message_id)
+        delivery = None
+        if notification_id:
+            record = domain.new_delivery(
+                self.rules,
+                caller,
+                mailbox=mailbox,
+                notification_id=notification_id,
+                request_id=request_id,
+                now_ms=now,
+                subject=subject,
+                summary=summary,
+                fingerprint=command.fingerprint,
+            )
+            earlier = await self.store.record_delivery(record, self.rules.delivery_expiry(now))
+            if earlier is not None and not domain.is_own_delivery(earlier, caller, request_id):
+                return IncomingOutcome(False, subject, await self.store.status(subject), earlier)
+            if earlier is not None:
+                domain.is_retry(earlier.request_id, earlier.fingerprint, command)
+            delivery = earlier or record
+        link = ThreadLink(command.thread_id, received, caller.principal)
+        await self._record_inbound(subject, link)
+        return IncomingOutcome(True, subject, await self.store.status(subject), delivery)
 
     async def record_outgoing(self, caller: Caller, command: RecordOutgoing) -> OutgoingOutcome:
         """A message the mailbox sent: the mailbox's own reply, or one written outside the coordinator, which
@@ -465,17 +535,22 @@ class Engine:
             lambda current, end: domain.release(current, end, caller, command, now_ms=self._clock()),
         )
 
-    async def begin_send(self, caller: Caller, command: BeginSend) -> tuple[FenceResult, Stored | None]:
+    async def begin_send(self, caller: Caller, command: BeginSend) -> tuple[FenceResult, Stored | None, Refusal | None]:
+        """The commit point; for an agent's claim also the reply rules (docs/design.md#reply-storms): REFUSED
+        with why, or the send counted against its budgets in the same transaction as the move to SENDING."""
         _check_fenced_call(caller, command)
         now = self._clock()
-        transition, after = await self.store.apply(
+        transition, after = await self.store.apply_guarded(
             command.subject,
-            lambda current, _end: domain.begin_send(self.rules, current, caller, command, now_ms=now),
+            lambda current, _end, guard: domain.begin_send(
+                self.rules, current, caller, command, now_ms=now, guard=guard
+            ),
             self.rules.end_mark_expiry(now),
+            self.rules.guard_expiry(command.subject.mailbox, now),
             send_marker_expires_ms=self.rules.send_marker_expiry(now),
             from_recent_write=True,
         )
-        return transition.result, after
+        return transition.result, after, transition.refusal
 
     async def confirm_sent(self, caller: Caller, command: ConfirmSent) -> tuple[FenceResult, Stored | None]:
         _check_fenced_call(caller, command)
@@ -499,10 +574,16 @@ class Engine:
     async def abort_send(self, caller: Caller, command: AbortSend) -> tuple[FenceResult, Stored | None]:
         _check_fenced_call(caller, command)
         limits.check_text("reason", command.reason, limits.NOTE_MAX_BYTES, required=False)
-        return await self._apply(
+        now = self._clock()
+        transition, after = await self.store.apply_guarded(
             command.subject,
-            lambda current, end: domain.abort_send(self.rules, current, end, caller, command, now_ms=self._clock()),
+            lambda current, end, guard: domain.abort_send(
+                self.rules, current, end, caller, command, now_ms=now, guard=guard
+            ),
+            self.rules.end_mark_expiry(now),
+            self.rules.guard_expiry(command.subject.mailbox, now),
         )
+        return transition.result, after
 
     async def _apply(
         self,

@@ -22,6 +22,8 @@ SUMMARY_SENDER_MAX_BYTES = 512  # a display name and an address (at most 254)
 THREAD_ID_MAX_BYTES = 512  # a provider's thread id, as long as a subject id may be
 MESSAGE_ID_MAX_BYTES = 512  # RecordOutgoing's message id: a provider message id, as SUBJECT_ID_MAX_BYTES
 SENDER_MAX_BYTES = 512  # RecordOutgoing's sender, as people read it: as SUMMARY_SENDER_MAX_BYTES
+CORRESPONDENT_MAX_BYTES = 320  # ClaimReply's correspondent: an address (at most 254), as MAILBOX_MAX_BYTES
+AUTOMATED_REASON_MAX_BYTES = 256  # RecordIncoming's reason: a header's name and value, read by people
 PAGE_SIZE_DEFAULT = 100
 # A ListClaims page token: the longest one issued (a mailbox and an id at their limits, JSON-escaped, in base64)
 # is under 3.4 KB; anything longer was not issued here and is refused before it is decoded.

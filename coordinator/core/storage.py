@@ -39,6 +39,10 @@ from coordinator.core.domain import (
 )
 from coordinator.core.errors import InvalidArgument
 from coordinator.core.limits import PAGE_TOKEN_MAX_BYTES
+from coordinator.core.storms import GuardView, Inbound
+
+# A decision on a subject, its last end mark and its guard records (None: not an agent's guarded claim).
+GuardedDecide = Callable[[Stored | None, EndMark | None, GuardView | None], Transition]
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,25 @@ class Store(Protocol):
         from_recent_write: bool = False,
     ) -> tuple[Transition, Stored | None]:
         """Reads, decides, and writes only if nothing changed in between; decides again if something did."""
+
+    async def apply_guarded(
+        self,
+        subject: Subject,
+        decide: GuardedDecide,
+        end_mark_expires_ms: int,
+        guard_expires_ms: int,
+        *,
+        send_marker_expires_ms: int = 0,
+        from_recent_write: bool = False,
+    ) -> tuple[Transition, Stored | None]:
+        """``apply``, deciding also on the guard records of an agent's claim (docs/design.md#reply-storms); the
+        transition's ``counting`` is written with it, only while the guard records are as read."""
+
+    async def read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
+        """A thread's and a correspondent's guard records (either name empty: not read)."""
+
+    async def record_inbound(self, mailbox: str, thread_id: str, inbound: Inbound, expires_ms: int) -> None:
+        """The thread's newest inbound message becomes ``inbound``, unless one received later is recorded."""
 
     async def status(self, subject: Subject) -> Stored | None: ...
 

@@ -36,6 +36,7 @@ from coordinator.core.domain import (
     ThreadLink,
     ThreadView,
     Transition,
+    guarded,
 )
 from coordinator.core.errors import InvalidArgument, StoreConflict
 from coordinator.core.storage import (
@@ -43,12 +44,14 @@ from coordinator.core.storage import (
     ClaimAttempt,
     FeedLost,
     FeedQueue,
+    GuardedDecide,
     Listing,
     StoreStatistics,
     decode_cursor,
     encode_cursor,
     subject_order,
 )
+from coordinator.core.storms import GuardView, Inbound, Send, ThreadGuard
 
 V = TypeVar("V")
 
@@ -93,6 +96,8 @@ class MemoryStore:
         self._threads: dict[tuple[str, str], _Thread] = {}
         self._cursors: dict[tuple[str, str], _Leased[CursorRecord]] = {}
         self._ranges: dict[tuple[str, str], _Leased[CursorRange]] = {}
+        self._thread_guards: dict[tuple[str, str], _Leased[ThreadGuard]] = {}
+        self._correspondent_guards: dict[tuple[str, str], _Leased[tuple[Send, ...]]] = {}
 
     # --- the write path ------------------------------------------------------------------------------------
 
@@ -114,6 +119,10 @@ class MemoryStore:
             del self._send_markers[subject]
         for key in [k for k, leased in self._ranges.items() if leased.expired(now)]:
             del self._ranges[key]
+        for key in [k for k, leased in self._thread_guards.items() if leased.expired(now)]:
+            del self._thread_guards[key]
+        for key in [k for k, leased in self._correspondent_guards.items() if leased.expired(now)]:
+            del self._correspondent_guards[key]
         for thread in self._threads.values():
             for subject in [s for s, leased in thread.entries.items() if leased.expired(now)]:
                 del thread.entries[subject]
@@ -295,16 +304,91 @@ class MemoryStore:
         marker_gone: bool = False,
         from_recent_write: bool = False,
     ) -> tuple[Transition, Stored | None]:
+        return self._apply(
+            subject,
+            lambda current, end, _guard: decide(current, end),
+            end_mark_expires_ms,
+            send_marker_expires_ms=send_marker_expires_ms,
+            marker_gone=marker_gone,
+        )
+
+    async def apply_guarded(
+        self,
+        subject: Subject,
+        decide: GuardedDecide,
+        end_mark_expires_ms: int,
+        guard_expires_ms: int,
+        *,
+        send_marker_expires_ms: int = 0,
+        from_recent_write: bool = False,
+    ) -> tuple[Transition, Stored | None]:
+        return self._apply(
+            subject,
+            decide,
+            end_mark_expires_ms,
+            send_marker_expires_ms=send_marker_expires_ms,
+            guard_expires_ms=guard_expires_ms,
+        )
+
+    def _read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
+        self._expire()
+        thread = self._thread_guards.get((mailbox, thread_id)) if thread_id else None
+        sends = self._correspondent_guards.get((mailbox, correspondent)) if correspondent else None
+        return GuardView(
+            thread_id,
+            correspondent,
+            thread.value if thread is not None else ThreadGuard(),
+            thread.revision if thread is not None else 0,
+            sends.value if sends is not None else (),
+            sends.revision if sends is not None else 0,
+        )
+
+    async def read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
+        return self._read_guard(mailbox, thread_id, correspondent)
+
+    async def record_inbound(self, mailbox: str, thread_id: str, inbound: Inbound, expires_ms: int) -> None:
+        self._expire()
+        known = self._thread_guards.get((mailbox, thread_id))
+        guard = known.value if known is not None else ThreadGuard()
+        if guard.latest is not None and guard.latest.received_ms >= inbound.received_ms:
+            return
+        self._thread_guards[(mailbox, thread_id)] = _Leased(
+            ThreadGuard(guard.sends, inbound), self._next_revision(), expires_ms
+        )
+
+    def _apply(
+        self,
+        subject: Subject,
+        decide: GuardedDecide,
+        end_mark_expires_ms: int,
+        *,
+        send_marker_expires_ms: int = 0,
+        marker_gone: bool = False,
+        guard_expires_ms: int | None = None,
+    ) -> tuple[Transition, Stored | None]:
         self._expire()
         current = self._subjects.get(subject)
         end = self._ends.get(subject)
-        transition = decide(current, end.value if end is not None else None)
+        guard = None
+        if guard_expires_ms is not None and current is not None and guarded(current.record):
+            guard = self._read_guard(subject.mailbox, current.record.thread_id, current.record.correspondent)
+        transition = decide(current, end.value if end is not None else None, guard)
         if transition.write is None and transition.end is None:
             return transition, current
         assert current is not None, "a transition always starts from a stored subject"
         if marker_gone and subject in self._send_markers:
             raise StoreConflict("the send marker is still there; retry it")
         revision = self._next_revision()
+        counting = transition.counting
+        if counting is not None and guard is not None:
+            if guard.thread_id and counting.thread is not None:
+                self._thread_guards[(subject.mailbox, guard.thread_id)] = _Leased(
+                    ThreadGuard(counting.thread, guard.thread.latest), revision, guard_expires_ms
+                )
+            if guard.correspondent and counting.correspondent is not None:
+                self._correspondent_guards[(subject.mailbox, guard.correspondent)] = _Leased(
+                    counting.correspondent, revision, guard_expires_ms
+                )
         was_sending = current.record.state is State.SENDING
         will_send = transition.write is not None and transition.write.state is State.SENDING
         if was_sending and not will_send:

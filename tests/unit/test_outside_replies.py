@@ -140,7 +140,7 @@ async def test_a_reply_written_outside_ends_a_claim_on_a_message_it_answered(eng
     assert renewed is FenceResult.STALE_TOKEN
     assert status is not None
     assert status.record.replied_outside
-    begun, _ = await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=subject, token=token))
+    begun, _, _ = await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=subject, token=token))
     assert begun is FenceResult.STALE_TOKEN
     released, _ = await engine.release(AGENT, ReleaseClaim(request_id=_rid(), subject=subject, token=token))
     assert released is FenceResult.STALE_TOKEN
@@ -406,7 +406,7 @@ async def test_concurrent_claims_and_a_reply_written_outside_leave_no_claim_that
         assert status.record.state is State.REPLIED, (subject, result)
         assert status.record.replied_outside
         if result is ClaimResult.GRANTED:
-            begun, _ = await engine.begin_send(caller, BeginSend(request_id=_rid(), subject=subject, token=token))
+            begun, _, _ = await engine.begin_send(caller, BeginSend(request_id=_rid(), subject=subject, token=token))
             assert begun is FenceResult.STALE_TOKEN
 
 

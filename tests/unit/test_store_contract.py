@@ -110,7 +110,9 @@ async def test_the_send_path_is_fenced_and_a_reply_blocks_later_claims(engine: E
     _, token = await _claim(engine, AGENT, subject)
     begin = BeginSend(request_id=_rid(), subject=subject, token=token + 1)
     assert (await engine.begin_send(AGENT, begin))[0] is FenceResult.STALE_TOKEN
-    result, sending = await engine.begin_send(AGENT, BeginSend(request_id=_rid(), subject=subject, token=token))
+    result, sending, _refusal = await engine.begin_send(
+        AGENT, BeginSend(request_id=_rid(), subject=subject, token=token)
+    )
     assert result is FenceResult.OK
     assert sending is not None
     assert sending.record.state is State.SENDING

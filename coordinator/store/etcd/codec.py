@@ -10,7 +10,13 @@ fields are left out, and a REPLIED record keeps only what a reply record is for 
                  "y": 1 when replied by hand (MarkReplied), "v": [subject line, sender, received ms],
                  "j": 1 when replied outside, "o": the outside reply, "w": the message's received ms,
                  "e": the outgoing message taken for this send's copy (an outside reply's shape),
-                 "z": who settled it (ResolveInDoubt SENT), "i": the thread of the outside reply "o"}
+                 "z": who settled it (ResolveInDoubt SENT), "i": the thread of the outside reply "o",
+                 "th": the claimed message's thread, "c": its correspondent, "as": the refusal that stopped
+                 agents (a refusal's shape)}
+    refusal:   [kind, reason, scope, limit, window ms, counted, frees ms, newer message id, its received ms]
+    thread guard (docs/design.md#reply-storms): {"s": [[send began ms, token], ...], "i": [newest inbound
+                message id, its received ms]}
+    correspondent guard: {"s": [[send began ms, token], ...]}
     delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id],
                 "o": RecordOutgoing's answer ("own" or "out"), "g": its arguments' fingerprint,
                 "v": [subject line, sender, received ms]}
@@ -46,6 +52,7 @@ from coordinator.core.domain import (
     Summary,
     ThreadLink,
 )
+from coordinator.core.storms import Inbound, Refusal, RefusalKind, Send, ThreadGuard
 
 _STATES = {State.CLAIMED: "c", State.SENDING: "s", State.REPLIED: "r", State.IN_DOUBT: "d"}
 _STATES_IN = {code: state for state, code in _STATES.items()}
@@ -91,6 +98,9 @@ def encode_record(record: SubjectRecord) -> bytes:
         "e": _outside(record.echo),
         "z": record.settled_by,
         "i": record.outside_reply.thread_id if record.outside_reply is not None else None,
+        "th": record.thread_id,
+        "c": record.correspondent,
+        "as": _refusal(record.agents_stopped),
     }
     if record.state is State.REPLIED:
         for key in _CLAIM_ONLY:
@@ -137,7 +147,58 @@ def decode_record(value: bytes) -> SubjectRecord:
         received_ms=data.get("w"),
         echo=_outside_in(data["e"]) if "e" in data else None,
         settled_by=data.get("z", ""),
+        thread_id=data.get("th", ""),
+        correspondent=data.get("c", ""),
+        agents_stopped=_refusal_in(data["as"]) if "as" in data else None,
     )
+
+
+_REFUSAL_KINDS_IN = {kind.value: kind for kind in RefusalKind}
+
+
+def _refusal(refusal: Refusal | None) -> list[Any] | None:
+    if refusal is None:
+        return None
+    return [
+        refusal.kind.value,
+        refusal.reason,
+        refusal.scope,
+        refusal.limit,
+        refusal.window_ms,
+        refusal.counted,
+        refusal.frees_ms,
+        refusal.newer_message_id,
+        refusal.newer_received_ms,
+    ]
+
+
+def _refusal_in(fields: list[Any]) -> Refusal:
+    kind, reason, scope, limit, window_ms, counted, frees_ms, newer_id, newer_ms = fields[:9]
+    return Refusal(_REFUSAL_KINDS_IN[kind], reason, scope, limit, window_ms, counted, frees_ms, newer_id, newer_ms)
+
+
+def encode_thread_guard(guard: ThreadGuard) -> bytes:
+    latest = guard.latest
+    return _dump(
+        {
+            "s": [list(send) for send in guard.sends] or None,
+            "i": [latest.message_id, latest.received_ms] if latest is not None else None,
+        }
+    )
+
+
+def decode_thread_guard(value: bytes) -> ThreadGuard:
+    data = json.loads(value)
+    latest = Inbound(data["i"][0], int(data["i"][1])) if "i" in data else None
+    return ThreadGuard(tuple((int(ms), int(token)) for ms, token in data.get("s", ())), latest)
+
+
+def encode_sends(sends: tuple[Send, ...]) -> bytes:
+    return _dump({"s": [list(send) for send in sends]})
+
+
+def decode_sends(value: bytes) -> tuple[Send, ...]:
+    return tuple((int(ms), int(token)) for ms, token in json.loads(value).get("s", ()))
 
 
 def _summary(summary: Summary | None) -> list[Any] | None:

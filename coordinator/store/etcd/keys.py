@@ -13,6 +13,9 @@ Under the deployment prefix P:
     P t/<mailbox>/<thread>/r        the latest reply written outside the coordinator in the thread
     P c/<mailbox>/<name>            a cursor (docs/design.md#cursors): its value and position
     P c/<mailbox>/<name>/r          its range in progress, on an etcd lease of the range's TTL
+    P g/<mailbox>/t/<thread>        the thread's guard (docs/design.md#reply-storms): the agents' sends
+                                    counted against its reply budget, and its newest inbound message
+    P g/<mailbox>/c/<address>       a correspondent's guard: the agents' sends counted against its budget
 
 One thread's keys share the prefix ``P t/<mailbox>/<thread>/``: RecordOutgoing reads them with one range and
 compares that range unchanged when it writes.
@@ -36,6 +39,7 @@ _SENDING_INDEX = _SENDING_FAMILY + b"s/"
 _SEND_MARKERS = _SENDING_FAMILY + b"l/"
 _THREADS = b"t/"
 _CURSORS = b"c/"
+_GUARDS = b"g/"
 
 # The families counted for operators (the etcd_keys metric, docs/operations.md). "sending" counts the SENDING
 # index (one key per send begun and not settled), not the send markers beside it.
@@ -112,6 +116,12 @@ class Keys:
         if len(parts) != 3 or parts[0] != "s":
             return None
         return Subject(mailbox, SubjectKind(parts[1]), unquote(parts[2]))
+
+    def thread_guard(self, mailbox: str, thread_id: str) -> bytes:
+        return self._root + _GUARDS + f"{_enc(mailbox)}/t/{_enc(thread_id)}".encode()
+
+    def correspondent_guard(self, mailbox: str, correspondent: str) -> bytes:
+        return self._root + _GUARDS + f"{_enc(mailbox)}/c/{_enc(correspondent)}".encode()
 
     def cursor(self, mailbox: str, name: str) -> bytes:
         return self._root + _CURSORS + f"{_enc(mailbox)}/{_enc(name)}".encode()

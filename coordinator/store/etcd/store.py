@@ -38,17 +38,20 @@ from coordinator.core.domain import (
     ThreadView,
     Transition,
 )
+from coordinator.core.domain import guarded as _guarded
 from coordinator.core.errors import InvalidArgument, StoreConflict, StoreUnavailable
 from coordinator.core.storage import (
     Change,
     ClaimAttempt,
     FeedLost,
     FeedQueue,
+    GuardedDecide,
     Listing,
     StoreStatistics,
     decode_cursor,
     encode_cursor,
 )
+from coordinator.core.storms import GuardView, Inbound, ThreadGuard
 from coordinator.store.etcd import codec as _codec
 from coordinator.store.etcd.client import (
     EtcdClient,
@@ -505,16 +508,99 @@ class EtcdStore:
         still current, so the send sequence (claim, BeginSend, ConfirmSent) costs three etcd requests instead
         of five. A decision that would not write, or fails, is never answered from memory: it is made again
         on what etcd holds."""
+        return await self._apply(
+            subject,
+            lambda current, end, _guard: decide(current, end),
+            end_mark_expires_ms,
+            send_marker_expires_ms=send_marker_expires_ms,
+            marker_gone=marker_gone,
+            from_recent_write=from_recent_write,
+        )
+
+    async def apply_guarded(
+        self,
+        subject: Subject,
+        decide: GuardedDecide,
+        end_mark_expires_ms: int,
+        guard_expires_ms: int,
+        *,
+        send_marker_expires_ms: int = 0,
+        from_recent_write: bool = False,
+    ) -> tuple[Transition, Stored | None]:
+        """``apply``, deciding also on the subject's guard records (an agent's claim with a thread or a
+        correspondent, docs/design.md#reply-storms), read after the subject; a transition's ``counting`` is
+        written in the same transaction, compared on the guard records' revisions as read."""
+        return await self._apply(
+            subject,
+            decide,
+            end_mark_expires_ms,
+            send_marker_expires_ms=send_marker_expires_ms,
+            from_recent_write=from_recent_write,
+            guard_expires_ms=guard_expires_ms,
+        )
+
+    async def read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
+        keys = [self.keys.thread_guard(mailbox, thread_id), self.keys.correspondent_guard(mailbox, correspondent)]
+        wanted = [key for key, name in zip(keys, (thread_id, correspondent), strict=True) if name]
+        response = await self._txn([], [_op_get(key) for key in wanted], [], frozenset())
+        found = dict(zip(wanted, (_first_kv(answer) for answer in response.responses), strict=True))
+        thread_kv, correspondent_kv = found.get(keys[0]), found.get(keys[1])
+        return GuardView(
+            thread_id,
+            correspondent,
+            _codec.decode_thread_guard(thread_kv.value) if thread_kv is not None else ThreadGuard(),
+            int(thread_kv.mod_revision) if thread_kv is not None else 0,
+            _codec.decode_sends(correspondent_kv.value) if correspondent_kv is not None else (),
+            int(correspondent_kv.mod_revision) if correspondent_kv is not None else 0,
+        )
+
+    async def record_inbound(self, mailbox: str, thread_id: str, inbound: Inbound, expires_ms: int) -> None:
+        """The thread's newest inbound message becomes ``inbound`` unless a newer one is recorded: read, then
+        written only while unchanged (a BeginSend counting on the same record meanwhile: again)."""
+        key = self.keys.thread_guard(mailbox, thread_id)
+        for _ in range(_CAS_ATTEMPTS):
+            kv = _first_kv(await self._txn([], [_op_get(key)], [], frozenset()))
+            guard = _codec.decode_thread_guard(kv.value) if kv is not None else ThreadGuard()
+            if guard.latest is not None and guard.latest.received_ms >= inbound.received_ms:
+                return
+            value = _codec.encode_thread_guard(ThreadGuard(guard.sends, inbound))
+
+            async def attempt(kv: Any = kv, value: bytes = value) -> Any:
+                compare = _unchanged_since(key, kv.mod_revision) if kv is not None else _absent(key)
+                return await self._txn(
+                    [compare], [_op_put(key, value, await self._lease(expires_ms))], [], frozenset((key,))
+                )
+
+            if (await self._with_leases(attempt)).succeeded:
+                return
+        raise StoreConflict(f"the thread {thread_id!r} of {mailbox!r} kept changing; retry")
+
+    async def _apply(
+        self,
+        subject: Subject,
+        decide: GuardedDecide,
+        end_mark_expires_ms: int,
+        *,
+        send_marker_expires_ms: int = 0,
+        marker_gone: bool = False,
+        from_recent_write: bool = False,
+        guard_expires_ms: int | None = None,
+    ) -> tuple[Transition, Stored | None]:
         subject_key = self.keys.subject(subject)
         # The first attempt may start from memory; every later one, and every answer that writes nothing, from etcd.
         known = self._recent.get(subject_key) if from_recent_write else None
         for _ in range(_CAS_ATTEMPTS):
             current: Stored | None
             last_end: EndMark | None
+            guard: GuardView | None = None
             if known is not None:
                 current, last_end, known = known, None, None
+                if guard_expires_ms is not None and _guarded(current.record):
+                    guard = await self.read_guard(
+                        subject.mailbox, current.record.thread_id, current.record.correspondent
+                    )
                 try:
-                    transition = decide(current, last_end)
+                    transition = decide(current, last_end, guard)
                 except Exception:
                     # Decided on what may be stale: a refusal is answered only from etcd's copy (and a refusal
                     # that stands is raised again, from there).
@@ -523,7 +609,11 @@ class EtcdStore:
                     continue
             else:
                 current, last_end = await self.read(subject)
-                transition = decide(current, last_end)
+                if guard_expires_ms is not None and current is not None and _guarded(current.record):
+                    guard = await self.read_guard(
+                        subject.mailbox, current.record.thread_id, current.record.correspondent
+                    )
+                transition = decide(current, last_end, guard)
                 if transition.write is None and transition.end is None:
                     return transition, current
             assert current is not None, "a transition always starts from a stored subject"
@@ -536,6 +626,8 @@ class EtcdStore:
                     end_mark_expires_ms,
                     send_marker_expires_ms,
                     marker_gone,
+                    guard,
+                    guard_expires_ms or 0,
                 )
             )
             if response.succeeded:
@@ -574,6 +666,8 @@ class EtcdStore:
         end_mark_expires_ms: int,
         send_marker_expires_ms: int,
         marker_gone: bool,
+        guard: GuardView | None = None,
+        guard_expires_ms: int = 0,
     ) -> Any:
         subject_key = self.keys.subject(subject)
         ops: list[Any] = []
@@ -607,6 +701,27 @@ class EtcdStore:
                 await self._lease(end_mark_expires_ms),
             )
         compare = [_unchanged_since(subject_key, current.revision)]
+        counting = transition.counting
+        if counting is not None and guard is not None:
+            # The budgets were decided on the guard records as read: written only while they are still so, and
+            # never in one group commit with another writer of them (each would compare the state before both).
+            guard_lease = await self._lease(guard_expires_ms)
+            if guard.thread_id:
+                key = self.keys.thread_guard(subject.mailbox, guard.thread_id)
+                compare.append(_unchanged_since(key, guard.thread_revision) if guard.thread_revision else _absent(key))
+                writes.add(key)
+                if counting.thread is not None:
+                    put(key, _codec.encode_thread_guard(ThreadGuard(counting.thread, guard.thread.latest)), guard_lease)
+            if guard.correspondent:
+                key = self.keys.correspondent_guard(subject.mailbox, guard.correspondent)
+                compare.append(
+                    _unchanged_since(key, guard.correspondent_revision)
+                    if guard.correspondent_revision
+                    else _absent(key)
+                )
+                writes.add(key)
+                if counting.correspondent is not None:
+                    put(key, _codec.encode_sends(counting.correspondent), guard_lease)
         if marker_gone:
             compare.append(_absent(self.keys.send_marker(subject)))
         withdraw = transition.withdraw
