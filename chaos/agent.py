@@ -16,6 +16,11 @@ the shim that a notification is about a message the mailbox sent (no folders, a 
 that never looks would. It then answers a person's reply from Gmail as if a customer had written, and the
 coordinator never learns that the person answered, so a drafting agent sends too.
 
+``--ignore-reply-rules`` is the negative control of the reply-storm rules (docs/design.md#reply-storms): the agent
+answers automated mail the client leaves to people (it posts its reply straight to the sink, no claim), and sends
+anyway when BeginSend refuses (the reply budget spent, the conversation moved on), as a send path without the
+rules would. The coordinator has no such switch: the rules are off in this agent only.
+
 Every step is a line in the agent's JSON-lines log (``--log``), which the harness reads to know which claims a
 process holds when it kills or pauses it, and which the checker reads at the end.
 """
@@ -51,7 +56,8 @@ from inbox_claims import (
     Subject,
 )
 from inbox_claims import Notification as Envelope
-from inbox_claims.types import LossReason
+from inbox_claims.errors import AutomatedMessage, ReplyBudgetSpent, ReplyRefused
+from inbox_claims.types import LossReason, SubjectKind
 from inbox_claims.webhooks import WebhookVerificationError, parse_notification, verify_nylas_signature
 
 from .common import JsonlLog, Request, Response, announce, exit_at, http_request, read_jsonl, serve_http
@@ -65,6 +71,8 @@ coordinator (``--no-retry``: never, as in the README's example)."""
 
 
 SENDER_KINDS = {"human": "human", "outside": "person"}
+AUTO_SUBMITTED = ("Auto-Submitted", "auto-replied")
+"""What marks an agent's reply (RFC 3834), so that the other side's responders leave it."""
 
 
 def coordinator_client(targets: str, principal: str, kind: str = "agent") -> AsyncCoordinator:
@@ -89,26 +97,32 @@ async def post_reply(
     notification_id: str = "",
     idempotency_key: str = "",
     sent_id: str = "",
+    reply_to: str = "",
 ) -> str:
     """Sends one reply through the sink (``idempotency_key`` defaults to the subject's). Returns the sent message
     id; raises :class:`SendRejected` on a 4xx (it certainly did not go out), anything else when the outcome is
     unknown. ``mode`` is ``fenced``, ``unfenced``, ``human`` (the helpdesk tool, through the coordinator) or
     ``outside`` (a person in Gmail, never through it, whose message id is ``sent_id``): the sender's kind is
-    derived from it."""
-    reply_to = subject.id
+    derived from it. An agent's reply is marked ``Auto-Submitted: auto-replied`` (RFC 3834) in Nylas's
+    ``custom_headers``, a person's never. ``reply_to``: the message answered (default: the subject's id)."""
+    reply_to = reply_to or subject.id
+    kind = SENDER_KINDS.get(mode, "agent")
     headers = {
         "Content-Type": "application/json",
         "Idempotency-Key": idempotency_key or subject.idempotency_key,
         "X-Chaos-Token": str(token),
         "X-Chaos-Sender": sender,
-        "X-Chaos-Sender-Kind": SENDER_KINDS.get(mode, "agent"),
+        "X-Chaos-Sender-Kind": kind,
         "X-Chaos-Sent-Id": sent_id,
         "X-Chaos-Notification": notification_id,
         "X-Chaos-Subject-Kind": subject.kind.value,
         "X-Chaos-Subject-Id": subject.id,
         "X-Chaos-Mode": mode,
     }
-    body = json.dumps({"subject": f"Re: {reply_to}", "body": "Thanks!", "reply_to_message_id": reply_to}).encode()
+    reply: dict[str, Any] = {"subject": f"Re: {reply_to}", "body": "Thanks!", "reply_to_message_id": reply_to}
+    if kind == "agent":
+        reply["custom_headers"] = [{"name": AUTO_SUBMITTED[0], "value": AUTO_SUBMITTED[1]}]
+    body = json.dumps(reply).encode()
     path = f"/v3/grants/{subject.mailbox}/messages/send"
     status, answer = await http_request(sink, "POST", path, body=body, headers=headers, within=5.0)
     if status == 200:
@@ -126,6 +140,7 @@ class Agent:
         self.ttl: int = options.ttl
         self.unfenced: bool = options.unfenced
         self.ignore_outgoing: bool = options.ignore_outgoing
+        self.ignore_reply_rules: bool = options.ignore_reply_rules
         self.retry: bool = not options.no_retry
         self.mode = "unfenced" if options.unfenced else "fenced"
         self.log = JsonlLog(options.log, agent=self.name, inc=options.incarnation)
@@ -225,14 +240,20 @@ class Agent:
         )
         try:
             async with guard as claim:
-                return await self.answer(claim, nid)
+                return await self.answer(claim, nid, notification.message_id or "")
         except DuplicateDelivery:
-            self.log.write("refused", nid=nid, why="duplicate")
+            self.log.write("refused", nid=nid, msg=notification.message_id, why="duplicate")
         except ReplyHeld as held:
-            self.log.write("refused", nid=nid, why="held", holder=held.holder)
+            self.log.write("refused", nid=nid, msg=notification.message_id, why="held", holder=held.holder)
             return not dedup and held.holder == self.name  # our own claim from the last attempt, lapsing
         except AlreadyReplied as replied:
-            self.log.write("refused", nid=nid, why="replied", state=replied.state.value)
+            self.log.write("refused", nid=nid, msg=notification.message_id, why="replied", state=replied.state.value)
+        except AutomatedMessage as automated:
+            # Recorded for people (RecordIncoming) when ``result`` is set: that is when the thread moved on.
+            self.log.write("automated", nid=nid, why=automated.why, recorded=automated.result is not None,
+                           **({"msg": notification.message_id} if automated.result is not None else {}))  # fmt: skip
+            if self.ignore_reply_rules:
+                await self.answer_anyway(notification, nid)
         except OutgoingMessage as outgoing:
             result = outgoing.result
             self.log.write(
@@ -259,13 +280,16 @@ class Agent:
     def on_lost(self, claim: AsyncClaim, nid: str) -> None:
         self.log.write("loss_seen", nid=nid, token=claim.token, reason=_reason(claim))
 
-    async def answer(self, claim: AsyncClaim, nid: str) -> bool:
+    async def answer(self, claim: AsyncClaim, nid: str, message_id: str) -> bool:
         """Drafts and sends. True when the claim was lost because the coordinator could not be reached."""
         subject = claim.subject
         token = claim.token
         where = {"mailbox": subject.mailbox, "kind": subject.kind.value, "id": subject.id}
         expires = claim.expires_at.timestamp() if claim.expires_at else 0.0
-        self.log.write("granted", nid=nid, token=token, expires=expires, dedup=bool(claim.notification_id), **where)
+        self.log.write(
+            "granted", nid=nid, msg=message_id, token=token, expires=expires, dedup=bool(claim.notification_id),
+            **where,
+        )  # fmt: skip
         await asyncio.sleep(self.draft_seconds())
 
         async def send() -> str:
@@ -283,8 +307,17 @@ class Agent:
             self.log.write("lost", nid=nid, token=token, where="renewal", reason=_reason(claim))
             return _reason(claim) not in FINAL_LOSSES
         try:
+            self.log.write("begin", nid=nid, token=token)  # before BeginSend: chaos/storms.py orders it after records
             sent_id = await claim.send(send)
             self.log.write("confirmed", nid=nid, token=token, sent_id=sent_id, **where)
+        except ReplyRefused as refused:
+            scope = refused.scope if isinstance(refused, ReplyBudgetSpent) else ""
+            self.log.write(
+                "send_refused", nid=nid, msg=message_id, token=token, kind=refused.kind.value, scope=scope,
+                reason=refused.reason,
+            )  # fmt: skip
+            if self.ignore_reply_rules:
+                await send()
         except ClaimLost as lost:
             self.log.write("lost", nid=nid, token=token, where="begin_send", reason=lost.reason.value)
             return lost.reason.value not in FINAL_LOSSES
@@ -326,6 +359,14 @@ class Agent:
         except InboxClaimsError as error:
             self.log.write("unconfirmed", nid=nid, token=token, error=str(error))
         return False
+
+    async def answer_anyway(self, notification: Envelope, nid: str) -> None:
+        """``--ignore-reply-rules``: answers automated mail the client left to people, without a claim."""
+        await asyncio.sleep(self.draft_seconds())
+        subject = Subject(notification.mailbox or "", SubjectKind.MESSAGE, notification.message_id or "")
+        self.log.write("sending", nid=nid, token=0)
+        sent_id = await post_reply(self.sink, subject, 0, self.name, mode=self.mode, notification_id=nid)
+        self.log.write("sent", nid=nid, token=0, sent_id=sent_id)
 
 
 # Losses after which someone else answers (or answered): the agent does not try the notification again.
@@ -372,6 +413,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--unfenced", action="store_true", help="NEGATIVE CONTROL: send without the commit point")
     parser.add_argument(
         "--ignore-outgoing", action="store_true", help="NEGATIVE CONTROL: treat messages the mailbox sent as incoming"
+    )
+    parser.add_argument(
+        "--ignore-reply-rules",
+        action="store_true",
+        help="NEGATIVE CONTROL: answer automated mail and send when BeginSend refuses (budget, moved on)",
     )
     parser.add_argument(
         "--no-retry", action="store_true", help="never try a notification again after the coordinator was unreachable"

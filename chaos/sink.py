@@ -5,10 +5,10 @@ shim's ``claim.idempotency_key``), ``X-Chaos-Token`` (the fencing token the send
 ``X-Chaos-Sender-Kind`` (who), ``X-Chaos-Notification`` (the notification the send answers; empty for a human),
 ``X-Chaos-Subject-Kind`` and ``X-Chaos-Subject-Id`` (what was claimed; for a person answering from Gmail, what
 they answered), ``X-Chaos-Mode`` (``outside`` for that person: never fails; ``X-Chaos-Sent-Id`` is then its
-message id). Every request is one JSON line in the
-log, ``sent`` true when the reply "went out". The sink accepts duplicates on purpose (a real API's idempotency
-cache is the last-resort backstop, which the chaos run wants to see past): the checker must see exactly what
-went out.
+message id). The reply's ``Auto-Submitted`` header (in Nylas's ``custom_headers``) is logged as
+``auto_submitted``. Every request is one JSON line in the log, ``sent`` true when the reply "went out". The sink
+accepts duplicates on purpose (a real API's idempotency cache is the last-resort backstop, which the chaos run
+wants to see past): the checker must see exactly what went out.
 
 With ``--fail-rate`` some sends end with an outcome the sender cannot know: half of them go out and then
 answer 500, half do not go out and the connection is dropped. Both must end IN_DOUBT, never as a second reply.
@@ -77,6 +77,7 @@ async def run(listen: str, log_path: Path, fail_rate: float, seed: int, deadline
             subject_id=h.get("x-chaos-subject-id", ""),
             reply_to=str(payload.get("reply_to_message_id", "")),
             mode=h.get("x-chaos-mode", ""),
+            auto_submitted=_custom_header(payload, "auto-submitted"),
         )
         if outcome == "sent_then_error":
             return Response(500, b'{"error":"internal error"}')
@@ -89,6 +90,15 @@ async def run(listen: str, log_path: Path, fail_rate: float, seed: int, deadline
     bound = server.sockets[0].getsockname()
     announce(f"ready {bound[0]}:{bound[1]}")
     await exit_at(deadline)
+
+
+def _custom_header(payload: dict[str, object], name: str) -> str:
+    """A header of the reply's ``custom_headers`` (Nylas's list of ``{"name", "value"}``); empty when absent."""
+    headers = payload.get("custom_headers")
+    for item in headers if isinstance(headers, list) else []:
+        if isinstance(item, dict) and str(item.get("name", "")).lower() == name:
+            return str(item.get("value", ""))
+    return ""
 
 
 def main(argv: list[str]) -> int:

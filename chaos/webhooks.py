@@ -87,6 +87,17 @@ class Webhooks:
 
         await asyncio.gather(*(send(reply) for reply in self._workload.outside))
 
+    async def deliver_new(self, notification: Notification, rng: random.Random) -> None:
+        """A notification made during the run (a correspondent's answer): to a live agent, trying others on
+        failure, as the final round does."""
+        self.notifications[notification.notification_id] = notification
+        for _ in range(3):
+            if await self.deliver(
+                notification.notification_id, rng.choice(self._processes.live_agents()), reason="storm"
+            ):
+                return
+            await asyncio.sleep(0.5)
+
     async def final_round(self, rng: random.Random) -> None:
         """Every notification once more, as Nylas's last attempt: to a live agent, trying others on failure."""
         order = list(self.notifications)
