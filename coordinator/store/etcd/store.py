@@ -559,7 +559,7 @@ class EtcdStore:
         written only while unchanged (a BeginSend counting on the same record meanwhile: again)."""
         key = self.keys.thread_guard(mailbox, thread_id)
         for _ in range(_CAS_ATTEMPTS):
-            kv = _first_kv(await self._txn([], [_op_get(key)], [], frozenset()))
+            kv = _first_kv((await self._txn([], [_op_get(key)], [], frozenset())).responses[0])
             guard = _codec.decode_thread_guard(kv.value) if kv is not None else ThreadGuard()
             if guard.latest is not None and guard.latest.received_ms >= inbound.received_ms:
                 return
