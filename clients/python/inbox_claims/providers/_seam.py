@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 from urllib.parse import urlencode
 
+from .._automated import automated_reason
 from .._effects import Effect, Invoke
 
 __all__ = [
@@ -80,11 +81,22 @@ def parse_stamp(value: str | None) -> ClaimStamp | None:
 
 @dataclass(frozen=True, slots=True)
 class Automated:
-    """Whether a message is automated mail (an auto-reply, a list, a bounce) and why. Filled by the reply-storm rules;
-    every provider leaves ``MessageFacts.automated`` None (not known) until then."""
+    """Whether a message is automated mail (an auto-reply, a list, a bounce) and why, by the rules of
+    conformance/automated.json over its headers: filled by a provider that read them (``MessageFacts.automated``
+    None: not known, e.g. a Nylas notification without them)."""
 
     automated: bool
     why: str = ""
+
+    @classmethod
+    def of(cls, headers: Sequence[tuple[Any, Any]], sender: str | None) -> Automated:
+        """The verdict on a message's headers (name, value pairs; the first of each name counts) and sender."""
+        first: dict[str, str] = {}
+        for name, value in headers:
+            if isinstance(name, str) and isinstance(value, str):
+                first.setdefault(name.lower(), value)
+        why = automated_reason(first, sender)
+        return cls(why is not None, why or "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from ._seam import (
     STAMP_HEADER,
     Accepted,
     Answer,
+    Automated,
     Batch,
     ClaimStamp,
     CursorRange,
@@ -66,6 +67,15 @@ METADATA_HEADERS = (
     "In-Reply-To",
     "Reply-To",
     STAMP_HEADER,
+    # The automated-mail rules' headers (conformance/automated.json): in the same messages.get, no extra call.
+    "Auto-Submitted",
+    "Precedence",
+    "List-Id",
+    "List-Unsubscribe",
+    "X-Autoreply",
+    "X-Autorespond",
+    "X-Auto-Response-Suppress",
+    "Content-Type",
 )
 RESYNC_QUERY = "newer_than:1d"
 RESYNC_MAX = 500
@@ -353,6 +363,7 @@ class GmailProvider:
             subject_line=subject,
             from_addresses=(address,) if address else (),
             folders=tuple(label for label in message.get("labelIds") or [] if isinstance(label, str)),
+            automated=Automated.of(headers, address),
             stamp=parse_stamp(header(headers, STAMP_HEADER)),
             reply=ReplyContext(
                 to=(split_address(reply_to)[1],) if reply_to else ((address,) if address else ()),

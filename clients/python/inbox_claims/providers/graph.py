@@ -28,6 +28,7 @@ from ._seam import (
     STAMP_HEADER,
     Accepted,
     Answer,
+    Automated,
     Batch,
     ClaimStamp,
     CursorRange,
@@ -293,6 +294,7 @@ class GraphProvider:
             subject_line=subject,
             from_addresses=(address,) if address else (),
             folders=folders,
+            automated=Automated.of(headers, address),
             stamp=stamp,
             reply=ReplyContext(
                 to=tuple(reply_to) or ((address,) if address else ()),

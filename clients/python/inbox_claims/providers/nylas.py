@@ -24,6 +24,7 @@ unreadable answer                          IN_DOUBT for a human to resolve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,22 @@ from .._webhooks import (
     verify_nylas_signature,
     verify_standard_webhook,
 )
-from ._seam import Accepted, Answer, Batch, Cursors, Flow, MessageFacts, ReplyContext, WebhookRequest, reply_subject
+from ._httpx import AsyncHttp, HttpTransport
+from ._seam import (
+    Accepted,
+    Answer,
+    Automated,
+    Batch,
+    Cursors,
+    Flow,
+    HttpRequest,
+    MessageFacts,
+    ProviderError,
+    ReplyContext,
+    WebhookRequest,
+    http,
+    reply_subject,
+)
 
 __all__ = [
     "DEFAULT_API_BASE",
@@ -63,6 +79,7 @@ __all__ = [
     "interpret_send_response",
 ]
 
+DEFAULT_API_BASE = "https://api.us.nylas.com"
 # Unix seconds of the year 10000: a later "date" is not a time the coordinator can store.
 _YEAR_10000 = 253402300800
 _MESSAGE_EVENTS = ("message.created", "message.updated")
@@ -91,6 +108,7 @@ def facts_of(notification: Notification) -> MessageFacts | None:
     to: list[str] = [
         p["email"] for p in answer_to if isinstance(p, dict) and isinstance(p.get("email"), str) and p["email"]
     ]
+    headers = message.get("headers")
     return MessageFacts(
         provider="nylas",
         event=notification.base_type,
@@ -103,9 +121,15 @@ def facts_of(notification: Notification) -> MessageFacts | None:
         subject_line=subject,
         from_addresses=tuple(addresses),
         folders=tuple(f for f in folders if isinstance(f, str)) if isinstance(folders, list) else (),
+        # A webhook's message carries no headers; one read with fields=include_headers does (NylasProvider.open).
+        automated=Automated.of(_header_pairs(headers), email) if isinstance(headers, list) else None,
         reply=ReplyContext(to=tuple(to), subject=reply_subject(subject)),
         source=notification,
     )
+
+
+def _header_pairs(headers: list[Any]) -> list[tuple[Any, Any]]:
+    return [(h.get("name"), h.get("value")) for h in headers if isinstance(h, dict)]
 
 
 def _date_of(message: Mapping[str, Any]) -> datetime | None:
@@ -119,7 +143,12 @@ def _date_of(message: Mapping[str, Any]) -> datetime | None:
 
 class NylasProvider:
     """Nylas webhooks behind the seam. ``secret``: the webhook secret (``scheme="standard"``: a Standard Webhooks
-    ``whsec_...`` secret, its headers checked within ``tolerance`` seconds)."""
+    ``whsec_...`` secret, its headers checked within ``tolerance`` seconds).
+
+    ``api_key``: with it, each message notification's message is read again with its headers
+    (``GET /v3/grants/{grant_id}/messages/{id}?fields=include_headers``, one call per message) so that the
+    automated-mail rules see ``Auto-Submitted``, ``Precedence``, the list headers...; without it only the sender's
+    rules apply (a notification carries no headers; docs/providers.md)."""
 
     name = "nylas"
 
@@ -130,6 +159,9 @@ class NylasProvider:
         scheme: str = "nylas",
         tolerance: float = 300.0,
         mailbox_addresses: Sequence[str] = (),
+        api_key: str | None = None,
+        api_base: str = DEFAULT_API_BASE,
+        transport: HttpTransport | None = None,
     ) -> None:
         if scheme == "nylas":
             sign_nylas(b"", secret)  # raises on an empty or mistyped secret: at start, not on the first request
@@ -143,10 +175,20 @@ class NylasProvider:
         self.scheme = scheme
         self.tolerance = tolerance
         self.mailbox_addresses = tuple(mailbox_addresses)
+        self.api_key = api_key
+        self.api_base = api_base.rstrip("/")
+        # Made only when headers are read: a provider without an API key makes no HTTP client.
+        self.transport: HttpTransport | None = transport or (AsyncHttp() if api_key else None)
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any], **_io: Any) -> NylasProvider:
-        return cls(settings["webhook_secret"], mailbox_addresses=settings.get("mailbox_addresses") or ())
+    def from_settings(cls, settings: Mapping[str, Any], **io: Any) -> NylasProvider:
+        return cls(
+            settings["webhook_secret"],
+            mailbox_addresses=settings.get("mailbox_addresses") or (),
+            api_key=settings.get("api_key"),
+            api_base=settings.get("api_base") or DEFAULT_API_BASE,
+            transport=io.get("transport"),
+        )
 
     def verify(self, request: WebhookRequest) -> Answer | Notification:
         """The challenge's answer, a refusal (401 signature, 400 envelope), or the notification (no I/O)."""
@@ -174,8 +216,36 @@ class NylasProvider:
 
     def open(self, accepted: Accepted, cursors: Cursors) -> Flow[Batch]:
         facts = facts_of(accepted.delivery)
-        return Batch(facts=(facts,) if facts is not None else ())
-        yield  # a flow with no effect
+        if facts is None:
+            return Batch()
+        if self.api_key and self.transport is not None and facts.automated is None and facts.mailbox:
+            message = yield from self._with_headers(facts.mailbox, facts.message_id)
+            if message is not None:
+                headers = message.get("headers")
+                if isinstance(headers, list):
+                    automated = Automated.of(_header_pairs(headers), (facts.from_addresses or (None,))[0])
+                    facts = dataclasses.replace(facts, automated=automated)
+        return Batch(facts=(facts,))
+
+    def _with_headers(self, grant_id: str, message_id: str) -> Flow[dict[str, Any] | None]:
+        assert self.transport is not None
+        """The message read with its headers; None when it is gone (404: deleted since). Any other failure is the
+        delivery's (503, delivered again): answering automated mail is what this read prevents."""
+        url = f"{self.api_base}/v3/grants/{quote(grant_id, safe='')}/messages/{quote(message_id, safe='')}"
+        request = HttpRequest(
+            "GET",
+            url,
+            params=(("fields", "include_headers"),),
+            headers=(("Authorization", f"Bearer {self.api_key}"), ("Accept", "application/json")),
+        )
+        response = yield from http(self.transport, request)
+        if response.status == 404:
+            return None
+        document = response.json()
+        data = document.get("data") if isinstance(document, dict) else None
+        if response.status != 200 or not isinstance(data, dict):
+            raise ProviderError(f"reading message {message_id!r} with its headers answered HTTP {response.status}")
+        return data
 
     def acknowledge(self) -> Answer:
         return Answer(200, "ok")
@@ -193,7 +263,6 @@ def _challenge(query: str) -> Answer:
     return Answer(200, value)
 
 
-DEFAULT_API_BASE = "https://api.us.nylas.com"
 MAX_IDEMPOTENCY_KEY_LENGTH = 256
 DEFAULT_TIMEOUT = 60.0
 
