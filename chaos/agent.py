@@ -16,10 +16,15 @@ the shim that a notification is about a message the mailbox sent (no folders, a 
 that never looks would. It then answers a person's reply from Gmail as if a customer had written, and the
 coordinator never learns that the person answered, so a drafting agent sends too.
 
+Before it claims, the agent reads the message with its headers from the mail API (``GET
+/v3/grants/{grant}/messages/{id}?fields=include_headers``, what the Nylas provider does with an API key: a webhook
+carries no headers), so that the client's automated-mail rules see ``Auto-Submitted``, ``List-Id``... and leave
+such mail to people (``AutomatedMessage``).
+
 ``--ignore-reply-rules`` is the negative control of the reply-storm rules (docs/design.md#reply-storms): the agent
-answers automated mail the client leaves to people (it posts its reply straight to the sink, no claim), and sends
-anyway when BeginSend refuses (the reply budget spent, the conversation moved on), as a send path without the
-rules would. The coordinator has no such switch: the rules are off in this agent only.
+does not read the headers (the client sees no automated mail), and sends anyway when BeginSend refuses (the reply
+budget spent, the conversation moved on), as a send path without the rules would. The coordinator has no such
+switch: the rules are off in this agent only.
 
 Every step is a line in the agent's JSON-lines log (``--log``), which the harness reads to know which claims a
 process holds when it kills or pauses it, and which the checker reads at the end.
@@ -57,7 +62,7 @@ from inbox_claims import (
 )
 from inbox_claims import Notification as Envelope
 from inbox_claims.errors import AutomatedMessage, ReplyBudgetSpent, ReplyRefused
-from inbox_claims.types import LossReason, SubjectKind
+from inbox_claims.types import LossReason
 from inbox_claims.webhooks import WebhookVerificationError, parse_notification, verify_nylas_signature
 
 from .common import JsonlLog, Request, Response, announce, exit_at, http_request, read_jsonl, serve_http
@@ -228,6 +233,12 @@ class Agent:
         """
         nid = notification.notification_id
         scope: Scope = "thread" if notification.object.get(SCOPE_FIELD) == "thread" else "message"
+        if not self.ignore_reply_rules:
+            try:
+                notification = await self.with_headers(notification)
+            except (OSError, TimeoutError, RuntimeError, ValueError) as error:
+                self.log.write("claim_error", nid=nid, error=f"headers: {type(error).__name__}: {error}")
+                return True
         if self.ignore_outgoing:
             notification = looks_incoming(notification)
         guard = self.coord.reply_to(
@@ -252,8 +263,7 @@ class Agent:
             # Recorded for people (RecordIncoming) when ``result`` is set: that is when the thread moved on.
             self.log.write("automated", nid=nid, why=automated.why, recorded=automated.result is not None,
                            **({"msg": notification.message_id} if automated.result is not None else {}))  # fmt: skip
-            if self.ignore_reply_rules:
-                await self.answer_anyway(notification, nid)
+
         except OutgoingMessage as outgoing:
             result = outgoing.result
             self.log.write(
@@ -314,7 +324,7 @@ class Agent:
             scope = refused.scope if isinstance(refused, ReplyBudgetSpent) else ""
             self.log.write(
                 "send_refused", nid=nid, msg=message_id, token=token, kind=refused.kind.value, scope=scope,
-                reason=refused.reason,
+                reason=refused.reason, **where,
             )  # fmt: skip
             if self.ignore_reply_rules:
                 await send()
@@ -360,13 +370,23 @@ class Agent:
             self.log.write("unconfirmed", nid=nid, token=token, error=str(error))
         return False
 
-    async def answer_anyway(self, notification: Envelope, nid: str) -> None:
-        """``--ignore-reply-rules``: answers automated mail the client left to people, without a claim."""
-        await asyncio.sleep(self.draft_seconds())
-        subject = Subject(notification.mailbox or "", SubjectKind.MESSAGE, notification.message_id or "")
-        self.log.write("sending", nid=nid, token=0)
-        sent_id = await post_reply(self.sink, subject, 0, self.name, mode=self.mode, notification_id=nid)
-        self.log.write("sent", nid=nid, token=0, sent_id=sent_id)
+    async def with_headers(self, notification: Envelope) -> Envelope:
+        """The notification with its message's headers, read from the mail API as the Nylas provider reads them;
+        as it is when the message is gone (404)."""
+        mailbox, message_id = notification.mailbox, notification.message_id
+        if not mailbox or not message_id:
+            return notification
+        path = f"/v3/grants/{mailbox}/messages/{message_id}?fields=include_headers"
+        started = time.monotonic()
+        status, body = await http_request(self.sink, "GET", path, within=5.0)
+        self.log.write("headers_read", msg=message_id, status=status, ms=round((time.monotonic() - started) * 1000, 2))
+        if status == 404:
+            return notification
+        if status != 200:
+            raise RuntimeError(f"reading {message_id} with its headers answered HTTP {status}")
+        document = json.loads(json.dumps(dict(notification.raw)))
+        document["data"]["object"]["headers"] = json.loads(body)["data"].get("headers", [])
+        return parse_notification(document)
 
 
 # Losses after which someone else answers (or answered): the agent does not try the notification again.

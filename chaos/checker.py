@@ -22,9 +22,10 @@ Pure: it reads a :class:`RunRecord` (made by the harness from the logs and the f
 * ``reply_to_outgoing``: a send answered a message the mailbox sent (a person's reply).
 * The reply-storm invariants (``over_budget``, ``reply_to_automated``, ``reply_after_moved_on``,
   ``unmarked_reply``): :mod:`chaos.storms`. Agents leave some messages unanswered on purpose, so ``dropped``
-  excuses a message marked automated in its final record, one whose conversation agents were stopped on (the
-  record's ``agents_stopped``), and one with a newer inbound message in its thread (one reply answers the burst;
-  the newest message is judged itself).
+  excuses a message recorded as automated mail (in its final record, or the RecordIncoming an agent logged),
+  one whose conversation agents were stopped on (the final record's ``agents_stopped``, or a BeginSend an agent
+  saw refused on it: the refusal is the decision, the claim is released), and one with a newer inbound message
+  in its thread (one reply answers the burst; the newest message is judged itself).
 
 Every reply to a customer message counts, the people's too: the stats say how many replies each answered subject
 got, and measure the window (how late the people's notifications were recorded, and how many agent commits fell
@@ -194,11 +195,11 @@ def check(record: RunRecord) -> Report:
             violations.append(Violation("lost_ack", f"{claimed}: ConfirmSent OK for token {token}; final {state}"))
 
     # -- every message ends REPLIED or IN_DOUBT, or is left to people on purpose -----------------------------------
-    superseded = _superseded(record.workload)
+    left = _left_on_purpose(record)
     for key in record.workload.subjects():
         final = record.final.get(key)
         if final is None or final.state not in ENDED_STATES:
-            if final is not None and (final.automated or final.agents_stopped or key in superseded):
+            if final is not None and (final.automated or final.agents_stopped or key in left):
                 continue
             state = f"{final.state} ({final.holder})" if final else "never read"
             violations.append(Violation("dropped", f"{key}: ends {state}"))
@@ -240,18 +241,28 @@ def check(record: RunRecord) -> Report:
     return report
 
 
-def _superseded(workload: Workload) -> set[SubjectKey]:
-    """Message subjects with a newer inbound message in their thread (arrived a second or more later, so that its
-    date, in whole seconds, is later too)."""
+def _left_on_purpose(record: RunRecord) -> set[SubjectKey]:
+    """Subjects agents leave unanswered on purpose: message subjects with a newer inbound message in their thread
+    (arrived a second or more later, so that its date, in whole seconds, is later too), messages an agent recorded
+    as automated mail, and subjects whose BeginSend was refused."""
+    workload = record.workload
     latest: dict[tuple[str, str], float] = {}
     for message in workload.messages:
         thread = (message.mailbox, message.thread_id)
         latest[thread] = max(latest.get(thread, 0.0), message.arrives_at)
-    return {
+    left = {
         m.subject_key
         for m in workload.messages
         if m.scope == "message" and latest[(m.mailbox, m.thread_id)] >= m.arrives_at + 1.0
     }
+    automated = {str(e.get("msg")) for e in record.events if e.get("ev") == "automated" and e.get("recorded")}
+    left |= {m.subject_key for m in workload.messages if m.message_id in automated}
+    left |= {
+        SubjectKey(str(e["mailbox"]), str(e["kind"]), str(e["id"]))
+        for e in record.events
+        if e.get("ev") == "send_refused" and "mailbox" in e
+    }
+    return left
 
 
 def _outside_violation(final: FinalState | None, token: int) -> str:
@@ -472,6 +483,7 @@ def render(record: RunRecord, report: Report) -> str:
         lines.append(_row("faults that failed", s["fault_errors"]))
     free = s["claim_free_after_kill"]
     o = s["outside"]
+    st = s["storms"]
     lines += [
         "",
         "outcomes",
@@ -497,6 +509,18 @@ def render(record: RunRecord, report: Report) -> str:
         ),
         *(_late_free_line(late) for late in free["late_frees"]),
         "",
+        "reply storms",
+        _row("agent replies per thread (by writer)", st["agent_replies_per_thread"]),
+        _row("most agent replies to a correspondent", st["max_agent_replies_per_correspondent"]),
+        _row("BeginSend refusals by reason", st["send_refusals"]),
+        _row("answers by the correspondents", st["answers_by_correspondents"]),
+        _row("automated messages / left to people", f"{st['automated_messages']} / {st['automated_left_to_people']}"),
+        _row(
+            "commits begun before a newer message's record",
+            f"{st['commits_after_a_newer_message_logged_before_its_record']} (in the notification delay's window)",
+        ),
+        _row("headers read before a claim", st["header_reads"]),
+        "",
         "violations",
     ]
     counts = report.counts()
@@ -512,6 +536,10 @@ def render(record: RunRecord, report: Report) -> str:
         "wrong_idempotency_key",
         "commit_after_outside_reply",
         "reply_to_outgoing",
+        "over_budget",
+        "reply_to_automated",
+        "reply_after_moved_on",
+        "unmarked_reply",
     ):
         lines.append(_row(kind, counts.get(kind, 0)))
     for violation in report.violations[:15]:

@@ -10,6 +10,11 @@ message id). The reply's ``Auto-Submitted`` header (in Nylas's ``custom_headers`
 accepts duplicates on purpose (a real API's idempotency cache is the last-resort backstop, which the chaos run
 wants to see past): the checker must see exactly what went out.
 
+It also answers what the Nylas provider reads before an agent's claim: ``GET /v3/grants/<grant>/messages/<id>
+?fields=include_headers``, the message with its headers (``headers``: a list of ``{"name", "value"}``, as Nylas
+documents it); 404 for a message it does not know. The harness gives it each message before its first
+notification (``PUT /chaos/messages/<grant>/<id>``, the message object): a webhook carries no headers.
+
 With ``--fail-rate`` some sends end with an outcome the sender cannot know: half of them go out and then
 answer 500, half do not go out and the connection is dropped. Both must end IN_DOUBT, never as a second reply.
 """
@@ -27,17 +32,34 @@ from .common import JsonlLog, Request, Response, announce, exit_at, serve_http
 
 SEND_PATH_PREFIX = "/v3/grants/"
 SEND_PATH_SUFFIX = "/messages/send"
+MESSAGES_PREFIX = "/chaos/messages/"
 
 
 async def run(listen: str, log_path: Path, fail_rate: float, seed: int, deadline: float) -> None:
     log = JsonlLog(log_path)
     rng = random.Random(f"sink/{seed}")
     counter = 0
+    messages: dict[tuple[str, str], bytes] = {}
 
     async def handle(request: Request) -> Response:
         nonlocal counter
         if request.method == "GET" and request.path == "/health":
             return Response(200, b"{}")
+        if request.method == "PUT" and request.path.startswith(MESSAGES_PREFIX):
+            grant, _, message_id = request.path[len(MESSAGES_PREFIX) :].partition("/")
+            messages[(grant, message_id)] = request.body
+            return Response(200, b"{}")
+        if request.method == "GET" and request.path.startswith(SEND_PATH_PREFIX) and "/messages/" in request.path:
+            path, _, query = request.path.partition("?")
+            grant, _, message_id = path[len(SEND_PATH_PREFIX) :].partition("/messages/")
+            known = messages.get((grant, message_id))
+            if known is None:
+                return Response(404, b'{"error":"message not found"}')
+            document = json.loads(known)
+            if "fields=include_headers" not in query.split("&"):
+                document.pop("headers", None)
+            log.write("read", grant=grant, message_id=message_id, headers="headers" in document)
+            return Response(200, json.dumps({"data": document}).encode())
         if not (
             request.method == "POST"
             and request.path.startswith(SEND_PATH_PREFIX)

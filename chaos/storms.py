@@ -145,7 +145,7 @@ def judge(
         if not newer:
             continue
         seen, first = min(newer, key=lambda pair: pair[0])
-        if begin > seen:
+        if begin > seen:  # (the record came after the newer message arrived: no need to compare with that)
             found.append(
                 violation(
                     "reply_after_moved_on",
@@ -153,7 +153,7 @@ def judge(
                     f"{first.message_id}, newer in {message.thread_id}, was recorded at {seen:.3f}",
                 )
             )
-        else:
+        elif t0 + first.arrives_at <= begin:  # it had arrived, its notification not yet recorded: the window
             in_window += 1
 
     # -- stats -------------------------------------------------------------------------------------------------
@@ -173,13 +173,22 @@ def judge(
         if e.get("ev") == "send_refused"
     )
     automated = [m for m in record.workload.messages if m.automated]
+    reads = sorted(float(e["ms"]) for e in record.events if e.get("ev") == "headers_read" and "ms" in e)
     stats = {
         "agent_replies_per_thread": {kind: dict(sorted(c.items())) for kind, c in sorted(replies.items())},
         "max_agent_replies_per_correspondent": max((len(t) for t in per_correspondent.values()), default=0),
         "send_refusals": dict(sorted(refusals.items())),
         "automated_messages": len(automated),
         "automated_left_to_people": sum(1 for e in record.events if e.get("ev") == "automated"),
+        "automated_shown_in_final_state": sum(
+            1 for m in automated if (final := record.final.get(m.subject_key)) is not None and final.automated
+        ),
         "commits_after_a_newer_message_logged_before_its_record": in_window,
+        "header_reads": {
+            "count": len(reads),
+            "median_ms": reads[len(reads) // 2] if reads else None,
+            "p99_ms": reads[min(int(len(reads) * 0.99), len(reads) - 1)] if reads else None,
+        },
         "answers_by_correspondents": dict(
             Counter(m.actor for m in record.workload.messages if m.message_id.startswith("auto-"))
         ),

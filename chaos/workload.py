@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Scope = Literal["message", "thread"]
 
@@ -250,10 +250,12 @@ def _storm_actors(
     # Early in the run, so that a storm has time to grow before the main phase ends.
     storm_end = max(arrival_end * 0.5, 1.0)
 
-    def message(thread_id: str, at: float, sender: str = "", actor: Actor = "", **headers: str) -> None:
+    def message(
+        thread_id: str, at: float, sender: str = "", actor: Actor = "", mailbox: str = "", **headers: str
+    ) -> None:
         nonlocal count
         count += 1
-        mailbox = rng.choice(boxes)
+        mailbox = mailbox or rng.choice(boxes)
         if any(m.thread_id == thread_id for m in result):
             mailbox = next(m.mailbox for m in result if m.thread_id == thread_id)
         headers_ = tuple(sorted(headers.items()))
@@ -278,18 +280,40 @@ def _storm_actors(
         message(first, at)
         message(first, at + rng.uniform(1.1, 3.0), actor="twice")  # whole seconds later: a newer message
         message(thread(), rng.uniform(0.5, arrival_end), LIST_SENDER, "list", **LIST_HEADERS[index % 3])
+    # All in one mailbox: a correspondent's budget is the mailbox's (another mailbox is another company's inbox).
+    other_mailbox = boxes[0]
     for _ in range(storms + 3 if storms else 0):
         thread_id = thread()
-        message(thread_id, rng.uniform(0.5, storm_end), OTHER_COMPANY_AGENT, "other_agent")
+        message(thread_id, rng.uniform(0.5, storm_end), OTHER_COMPANY_AGENT, "other_agent", other_mailbox)
         responders.append((thread_id, "other_agent"))
     return responders, count, threads
 
 
-def envelope(notification: Notification, attempt: int, *, sent_at: int, t0: float) -> bytes:
-    """The Nylas v3 webhook body for one delivery attempt (the raw bytes that get signed). ``t0``: the run's start
-    (epoch seconds): a message's ``date`` is when it arrived (or was sent), in whole seconds, as Nylas gives it."""
+def message_object(notification: Notification, t0: float) -> dict[str, Any]:
+    """The Nylas message object of a notification's message, with its ``headers`` as
+    ``GET /v3/grants/{grant}/messages/{id}?fields=include_headers`` gives them (a webhook's has none). ``t0``: the
+    run's start (epoch seconds): a message's ``date`` is when it arrived (or was sent), in whole seconds."""
     message = notification.message
     sender = OUTSIDE_SENDER if notification.outgoing else message.correspondent
+    return {
+        "id": message.message_id,
+        "grant_id": message.mailbox,
+        "thread_id": message.thread_id,
+        "object": "message",
+        "subject": f"Question {message.message_id}",
+        "from": [{"email": sender}],
+        "folders": ["SENT"] if notification.outgoing else ["INBOX", "UNREAD"],
+        "date": int(t0 + message.arrives_at),
+        "headers": [{"name": name, "value": value} for name, value in message.headers],
+        SCOPE_FIELD: message.scope,
+    }
+
+
+def envelope(notification: Notification, attempt: int, *, sent_at: int, t0: float) -> bytes:
+    """The Nylas v3 webhook body for one delivery attempt (the raw bytes that get signed): the message without its
+    headers, as Nylas sends it."""
+    data = message_object(notification, t0)
+    data.pop("headers")
     document = {
         "specversion": "1.0",
         "type": notification.type,
@@ -297,21 +321,6 @@ def envelope(notification: Notification, attempt: int, *, sent_at: int, t0: floa
         "id": notification.notification_id,
         "time": sent_at,
         "webhook_delivery_attempt": attempt,
-        "data": {
-            "application_id": "chaos-app",
-            "object": {
-                "id": message.message_id,
-                "grant_id": message.mailbox,
-                "thread_id": message.thread_id,
-                "object": "message",
-                "subject": f"Question {message.message_id}",
-                "from": [{"email": sender}],
-                "folders": ["SENT"] if notification.outgoing else ["INBOX", "UNREAD"],
-                "date": int(t0 + message.arrives_at),
-                # As Nylas gives a message's headers (GET /messages/{id}?fields=include_headers): a list of pairs.
-                "headers": [{"name": name, "value": value} for name, value in message.headers],
-                SCOPE_FIELD: message.scope,
-            },
-        },
+        "data": {"application_id": "chaos-app", "object": data},
     }
     return json.dumps(document, separators=(",", ":")).encode()
