@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.api.addresses import is_ip, is_loopback, parse_host_port
-from coordinator.api.auth import TlsSettings
+from coordinator.api.auth import TlsSettings, TokenFileError, load_token_file
 from coordinator.api.quotas import QuotaSettings
 from coordinator.core.domain import Rules
 from coordinator.core.limits import Limits
+from coordinator.core.storms import DEFAULT_CORRESPONDENT_BUDGET, DEFAULT_THREAD_BUDGET, Budget
+from coordinator.ops.budgets import BudgetOverride, budget, budgets_for, check_patterns, overrides, show_budget
 from coordinator.store.etcd.channels import check_endpoints
 from coordinator.store.etcd.settings import EtcdSettings
 
@@ -203,6 +205,10 @@ class Setting:
             return format_duration(value)
         if self.parse is _size and isinstance(value, int):
             return format_size(value)
+        if self.parse is budget:
+            return show_budget(value)  # type: ignore[arg-type]
+        if self.parse is overrides:
+            return "(none)" if not value else f"{len(value)} override(s)"  # type: ignore[arg-type]
         if isinstance(value, tuple):
             value = ",".join(value)
         return "(none)" if value is None or value == "" else str(value)
@@ -294,6 +300,31 @@ SETTINGS: tuple[Setting, ...] = (
         "DURATION",
     ),
     Setting("record_lease_bucket", _duration, 10.0, "the same for reply and delivery records (hours long)", "DURATION"),
+    Setting(
+        "thread_reply_budget",
+        budget,
+        DEFAULT_THREAD_BUDGET,
+        "agents' replies to one conversation (thread) in a rolling window, at most (docs/design.md#reply-storms): "
+        "N/WINDOW with the window in m, h or d (1 to 1000 replies, 1m to 30d), or off; people are never counted",
+        "N/WINDOW",
+    ),
+    Setting(
+        "correspondent_reply_budget",
+        budget,
+        DEFAULT_CORRESPONDENT_BUDGET,
+        "agents' replies to one correspondent (the sender's address) in a rolling window, at most: as "
+        "thread_reply_budget",
+        "N/WINDOW",
+    ),
+    Setting(
+        "reply_budget_overrides",
+        overrides,
+        (),
+        "per-mailbox budgets, the first matching pattern wins: PATTERN=THREAD[,CORRESPONDENT];... "
+        "(acme-*=5/1h,off); in the TOML file an array of tables {mailboxes, thread, correspondent}. A pattern "
+        "matching no mailbox the token file grants is refused at start",
+        "OVERRIDES",
+    ),
     Setting("metrics_listen", _optional_address, "127.0.0.1:9464", "HOST:PORT for Prometheus /metrics; empty disables"),
     Setting(
         "http_listen",
@@ -459,6 +490,9 @@ class Config:
     store_summaries: bool
     claim_lease_bucket: float
     record_lease_bucket: float
+    thread_reply_budget: Budget | None
+    correspondent_reply_budget: Budget | None
+    reply_budget_overrides: tuple[BudgetOverride, ...]
     metrics_listen: str
     http_listen: str
     http_allowed_hosts: tuple[str, ...]
@@ -553,6 +587,9 @@ class Config:
             delivery_retention_ms=_ms(self.delivery_retention),
             send_timeout_ms=_ms(self.send_timeout),
             store_summaries=self.store_summaries,
+            reply_budgets=budgets_for(
+                self.thread_reply_budget, self.correspondent_reply_budget, self.reply_budget_overrides
+            ),
         )
 
 
@@ -733,6 +770,21 @@ def _check(config: Config) -> None:
         path = getattr(config, name)
         if path is not None and not path.is_file():
             fail("no such file", name)
+    if config.reply_budget_overrides:
+        granted: list[str] | None = None
+        if config.token_file is not None:
+            try:
+                principals = load_token_file(config.token_file)
+            except TokenFileError as error:
+                fail(str(error), "token_file")
+            granted = [
+                pattern
+                for principal in principals
+                for pattern in (("*",) if principal.grants.has_role("admin") else principal.grants.patterns)
+            ]
+        problem = check_patterns(config.reply_budget_overrides, granted)
+        if problem is not None:
+            fail(problem, "reply_budget_overrides")
     if config.max_watches < 1:
         fail("must be at least 1", "max_watches")
     if config.rate_burst < 1:
