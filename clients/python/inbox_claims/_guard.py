@@ -729,6 +729,11 @@ class ClaimBase:
         return self._state.phase is Phase.SENDING
 
     @property
+    def by_person(self) -> bool:
+        """True when the claim is a person's (the client's kind is ``human``): its reply is never marked automatic."""
+        return self._state.core.options.kind is HolderKind.HUMAN
+
+    @property
     def subject(self) -> Subject:
         """The message (or thread, with ``scope="thread"``) this claim is on."""
         return self._state.subject

@@ -24,6 +24,7 @@ from typing import Any
 
 import jwt
 
+from .._current import agent_headers
 from .._effects import Sleep
 from .._errors import InboxClaimsError, SendRejected
 from ._httpx import AsyncHttp, HttpTransport, current_stamp, drive
@@ -394,6 +395,8 @@ class GmailProvider:
             reply["In-Reply-To"] = message.reply.internet_message_id
             reply["References"] = " ".join((*message.reply.references, message.reply.internet_message_id))
         reply[STAMP_HEADER] = str(stamp)
+        for name, value in agent_headers():
+            reply[name] = value
         reply.set_content(body)
         return bytes(reply)
 

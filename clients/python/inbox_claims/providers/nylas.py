@@ -35,6 +35,7 @@ from urllib.parse import parse_qs, quote
 
 import httpx
 
+from .._current import agent_headers
 from .._envelope import Notification, NotificationError, parse_notification
 from .._errors import InboxClaimsError, SendRejected
 from .._webhooks import (
@@ -575,12 +576,26 @@ Draft = NylasReply | Mapping[str, Any]
 
 def _payload(draft: Draft) -> bytes:
     if isinstance(draft, NylasReply):
-        return json.dumps(draft.payload()).encode("utf-8")
-    if not isinstance(draft, Mapping):
+        document = draft.payload()
+    elif isinstance(draft, Mapping):
+        document = dict(draft)
+    else:
         raise TypeError(
             f"draft must be a NylasReply or the send request's JSON body (a dict), not {type(draft).__name__}"
         )
-    return json.dumps(dict(draft)).encode("utf-8")
+    return json.dumps(marked(document)).encode("utf-8")
+
+
+def marked(document: dict[str, Any]) -> dict[str, Any]:
+    """The send body with an agent's ``Auto-Submitted: auto-replied`` among its ``custom_headers`` (Nylas's field
+    for the message's own headers), unless the draft set ``Auto-Submitted`` itself or a person sends it. Nylas
+    threads the reply from ``reply_to_message_id`` (``In-Reply-To`` and ``References``), which stays as given."""
+    extra = agent_headers()
+    given = document.get("custom_headers")
+    headers = list(given) if isinstance(given, list) else []
+    names = {str(h.get("name", "")).lower() for h in headers if isinstance(h, Mapping)}
+    added = [{"name": name, "value": value} for name, value in extra if name.lower() not in names]
+    return {**document, "custom_headers": headers + added} if added else document
 
 
 def _post_sync(client: httpx.Client, request: SendRequest) -> str | None:
