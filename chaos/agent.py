@@ -61,8 +61,8 @@ from inbox_claims import (
     Subject,
 )
 from inbox_claims import Notification as Envelope
-from inbox_claims.errors import AutomatedMessage, ReplyBudgetSpent, ReplyRefused
-from inbox_claims.types import LossReason
+from inbox_claims.errors import AutomatedMessage, ConversationMovedOn, ReplyBudgetSpent, ReplyRefused
+from inbox_claims.types import LossReason, SubjectKind
 from inbox_claims.webhooks import WebhookVerificationError, parse_notification, verify_nylas_signature
 
 from .common import JsonlLog, Request, Response, announce, exit_at, http_request, read_jsonl, serve_http
@@ -155,6 +155,8 @@ class Agent:
         self.draft_sigma: float = options.draft_sigma
         self.draft_cap: float = options.draft_cap
         self.inflight = 0
+        self.redraft: dict[str, int] = {}
+        """Notifications whose thread claim was refused because the conversation moved on: the newest date."""
         self.tasks: set[asyncio.Task[None]] = set()
 
     def draft_seconds(self) -> float:
@@ -208,7 +210,7 @@ class Agent:
         nid = notification.notification_id
         try:
             for attempt in range(1 + (APP_RETRIES if self.retry else 0)):
-                if attempt:
+                if attempt and nid not in self.redraft:
                     await asyncio.sleep(self.ttl + 2.0)  # any claim of ours from the last attempt has lapsed
                     self.log.write("retry", nid=nid, attempt=attempt)
                 if not await self.attempt(notification, dedup=dedup):
@@ -233,6 +235,10 @@ class Agent:
         """
         nid = notification.notification_id
         scope: Scope = "thread" if notification.object.get(SCOPE_FIELD) == "thread" else "message"
+        newer = self.redraft.pop(nid, None)
+        if newer is not None:  # the thread moved on while we drafted: draft again, with its newest message
+            notification = dated(notification, newer)
+            self.log.write("redraft", nid=nid, date=newer)
         if not self.ignore_reply_rules:
             try:
                 notification = await self.with_headers(notification)
@@ -251,7 +257,10 @@ class Agent:
         )
         try:
             async with guard as claim:
-                return await self.answer(claim, nid, notification.message_id or "")
+                date = notification.object.get("date")
+                return await self.answer(
+                    claim, nid, notification.message_id or "", date if isinstance(date, int) else 0
+                )
         except DuplicateDelivery:
             self.log.write("refused", nid=nid, msg=notification.message_id, why="duplicate")
         except ReplyHeld as held:
@@ -290,15 +299,15 @@ class Agent:
     def on_lost(self, claim: AsyncClaim, nid: str) -> None:
         self.log.write("loss_seen", nid=nid, token=claim.token, reason=_reason(claim))
 
-    async def answer(self, claim: AsyncClaim, nid: str, message_id: str) -> bool:
+    async def answer(self, claim: AsyncClaim, nid: str, message_id: str, date: int) -> bool:
         """Drafts and sends. True when the claim was lost because the coordinator could not be reached."""
         subject = claim.subject
         token = claim.token
         where = {"mailbox": subject.mailbox, "kind": subject.kind.value, "id": subject.id}
         expires = claim.expires_at.timestamp() if claim.expires_at else 0.0
         self.log.write(
-            "granted", nid=nid, msg=message_id, token=token, expires=expires, dedup=bool(claim.notification_id),
-            **where,
+            "granted", nid=nid, msg=message_id, date=date, token=token, expires=expires,
+            dedup=bool(claim.notification_id), **where,
         )  # fmt: skip
         await asyncio.sleep(self.draft_seconds())
 
@@ -328,6 +337,11 @@ class Agent:
             )  # fmt: skip
             if self.ignore_reply_rules:
                 await send()
+            elif isinstance(refused, ConversationMovedOn) and claim.subject.kind is SubjectKind.THREAD:
+                # A thread claim answers the whole conversation, and the newer message's handler was told the
+                # thread was held (ReplyHeld) and left it: the holder drafts again, with the newest message.
+                self.redraft[nid] = int(refused.newer_received_at.timestamp()) if refused.newer_received_at else 0
+                return True
         except ClaimLost as lost:
             self.log.write("lost", nid=nid, token=token, where="begin_send", reason=lost.reason.value)
             return lost.reason.value not in FINAL_LOSSES
@@ -398,6 +412,15 @@ def looks_incoming(notification: Envelope) -> Envelope:
     document = json.loads(json.dumps(dict(notification.raw)))
     document["data"]["object"]["folders"] = ["INBOX"]
     document["data"]["object"]["from"] = [{"email": "customer@example.com"}]
+    return parse_notification(document)
+
+
+def dated(notification: Envelope, date: int) -> Envelope:
+    """The notification as if about the thread's newest message (received at ``date``): a thread claim made
+    from it is one for the conversation as it is now."""
+    document = json.loads(json.dumps(dict(notification.raw)))
+    if date:
+        document["data"]["object"]["date"] = date
     return parse_notification(document)
 
 

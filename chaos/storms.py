@@ -123,6 +123,12 @@ def judge(
 
     # -- never to a conversation that moved on ---------------------------------------------------------------
     recorded = _recorded_at(record.events)
+    # The date a claim was made with: its message's, or the newest one's when the agent drafted again.
+    dates = {
+        (str(e.get("agent")), str(e.get("nid")), int(e["token"])): int(e["date"])
+        for e in record.events
+        if e.get("ev") == "granted" and e.get("date")
+    }
     begins = {
         (str(e.get("agent")), str(e.get("nid")), int(e["token"])): float(e["t"])
         for e in record.events
@@ -134,13 +140,15 @@ def judge(
     in_window = 0
     for send in agents:
         message = answered(send)
-        begin = begins.get((str(send["sender"]), str(send.get("notification_id")), int(send["token"])))
+        claim = (str(send["sender"]), str(send.get("notification_id")), int(send["token"]))
+        begin = begins.get(claim)
         if message is None or begin is None:
             continue
+        date = dates.get(claim, _date(message, t0))
         newer = [
             (recorded[m.message_id], m)
             for m in threads[(message.mailbox, message.thread_id)]
-            if _date(m, t0) > _date(message, t0) and m.message_id in recorded
+            if _date(m, t0) > date and m.message_id in recorded
         ]
         if not newer:
             continue
