@@ -38,6 +38,7 @@ import json
 import math
 import random
 import time
+import traceback
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -218,7 +219,8 @@ class Agent:
                 dedup = False
             self.log.write("gave_up", nid=nid)
         except Exception as error:  # a bug in the harness or the shim: recorded, never silent
-            self.log.write("crash", nid=nid, error=f"{type(error).__name__}: {error}")
+            where = "".join(traceback.format_exception(error)[-3:])
+            self.log.write("crash", nid=nid, error=f"{type(error).__name__}: {error}", where=where)
         finally:
             self.log.write("finished", nid=nid, work=work_id)
             self.inflight -= 1
@@ -332,7 +334,7 @@ class Agent:
         except ReplyRefused as refused:
             scope = refused.scope if isinstance(refused, ReplyBudgetSpent) else ""
             self.log.write(
-                "send_refused", nid=nid, msg=message_id, token=token, kind=refused.kind.value, scope=scope,
+                "send_refused", nid=nid, msg=message_id, token=token, refusal=refused.kind.value, scope=scope,
                 reason=refused.reason, **where,
             )  # fmt: skip
             if self.ignore_reply_rules:

@@ -176,7 +176,7 @@ def judge(
     for thread, kind in kinds.items():
         replies[kind][answered_threads.get(thread, 0)] += 1
     refusals = Counter(
-        f"{e.get('kind')}:{e.get('scope')}" if e.get("scope") else str(e.get("kind"))
+        f"{e.get('refusal')}:{e.get('scope')}" if e.get("scope") else str(e.get("refusal"))
         for e in record.events
         if e.get("ev") == "send_refused"
     )
