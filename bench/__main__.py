@@ -1,5 +1,5 @@
-"""python -m bench {claims,contended,dedup,cycle,outgoing,watch,slow-watchers,http,http-attacks,list-claims,
-fair-reads,memory,embedded-db,mcp,mcp-faults,providers,profile,all} [options]; each --help says more.
+"""python -m bench {claims,contended,dedup,cycle,outgoing,reply-budgets,watch,slow-watchers,http,http-attacks,
+list-claims,fair-reads,memory,embedded-db,mcp,mcp-faults,providers,profile,all} [options]; each --help says more.
 
 Every benchmark starts the servers it needs (etcd, coordinators, redis-server, postgres) on loopback in a
 temporary directory, measures a baseline in the same run, and prints ratios against it.
@@ -27,6 +27,7 @@ from . import (
     outgoing,
     profile,
     providers,
+    reply_budgets,
     slow_watchers,
     watch,
 )
@@ -59,6 +60,11 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runn
         "what replies written outside cost: ClaimReply with a thread, RecordOutgoing, vs ClaimReply as before",
         outgoing.add_arguments,
         outgoing.run,
+    ),
+    "reply-budgets": (
+        "the agents' reply rules on the BeginSend path: budgets on, off, and no thread (the path as before)",
+        reply_budgets.add_arguments,
+        reply_budgets.run,
     ),
     "watch": (
         "Watch fan-out: delay from a claim to each of 1,000 watchers of its mailbox, vs raw etcd watches",
@@ -130,6 +136,7 @@ QUICK: dict[str, list[str]] = {
     "dedup": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
     "cycle": ["--seconds", "0.25", "--rounds", "1", "--coordinators", "64x2"],
     "outgoing": ["--seconds", "0.25", "--rounds", "1"],
+    "reply-budgets": ["--seconds", "0.25", "--rounds", "1"],
     "watch": ["--watchers", "50", "--events", "5", "--rounds", "1"],
     "slow-watchers": ["--hanging", "20", "--clients", "4", "--seconds", "0.5", "--rounds", "1", "--settle", "1"],
     "memory": ["--claims", "1000", "--mailboxes", "20", "--watchers", "50"],

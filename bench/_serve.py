@@ -30,7 +30,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator import tracing
 from coordinator.api.quotas import QuotaSettings
+from coordinator.core.domain import Rules
+from coordinator.core.limits import Limits
+from coordinator.core.storms import DEFAULT_CORRESPONDENT_BUDGET, DEFAULT_THREAD_BUDGET
 from coordinator.ops import logs
+from coordinator.ops.budgets import budgets_for, overrides
 from coordinator.ops.server import CoordinatorServer, ServerSettings
 from coordinator.store.etcd.settings import EtcdSettings
 from coordinator.store.etcd.store import EtcdStore
@@ -75,9 +79,18 @@ async def _serve_coordinator(options: argparse.Namespace, status: _StatusFile) -
         work_burst=options.work_burst,
     )
     tracing.start_from_environment()  # as inbox-coordinator serve: traced when OTEL_* say so
+    # The reply budgets' defaults, and overrides by mailbox pattern as serve's --reply-budget-overrides.
+    budgets = budgets_for(
+        DEFAULT_THREAD_BUDGET, DEFAULT_CORRESPONDENT_BUDGET, overrides(options.reply_budget_overrides)
+    )
     server = CoordinatorServer(
         ServerSettings(
-            etcd, listen=options.listen, quotas=quotas, http_listen=options.http_listen, access_log=options.access_log
+            etcd,
+            listen=options.listen,
+            quotas=quotas,
+            http_listen=options.http_listen,
+            access_log=options.access_log,
+            rules=Rules(Limits(), reply_budgets=budgets),
         )
     )
     await server.start()
@@ -181,6 +194,7 @@ def main() -> int:
     parser.add_argument("--http-listen", default="", help="HOST:PORT for the HTTP/JSON face (default: none)")
     parser.add_argument("--log-level", default="info", help="as serve's (default %(default)s, serve's default)")
     parser.add_argument("--access-log", action="store_true", help="a line per call at info, as serve --access-log")
+    parser.add_argument("--reply-budget-overrides", default="", help="as serve's (default: none)")
     options = parser.parse_args()
     logs.setup(options.log_level.lower(), "json")  # what serve does: JSON lines on stderr (here the log file)
     status = _StatusFile(options.status_file)

@@ -321,11 +321,9 @@ class Rules:
     # Each mailbox's agents' reply budgets (docs/design.md#reply-storms, set in coordinator/ops/config.py).
     reply_budgets: Callable[[str], ReplyBudgets] = lambda _mailbox: ReplyBudgets()
 
-    def guard_expiry(self, mailbox: str, now_ms: int) -> int:
-        # A thread's newest inbound message is looked at while claims on older ones live (a delivery's life at
-        # most); a counted send while its window lasts.
-        longest = max(self.reply_budgets(mailbox).longest_window_ms(), self.delivery_retention_ms)
-        return _round_up(now_ms + longest, self.record_bucket_ms)
+    def inbound_expiry(self, now_ms: int) -> int:
+        # A thread's newest inbound message is looked at while claims on older ones live: a delivery's life at most.
+        return self.delivery_expiry(now_ms)
 
     def claim_expiry(self, now_ms: int, ttl_seconds: int) -> int:
         return _round_up(now_ms + ttl_seconds * 1000, self.claim_bucket_ms)
@@ -588,6 +586,7 @@ def begin_send(
             message_id=subject.id,
             token=token,
             now_ms=now_ms,
+            expiry=lambda window_ms: _round_up(now_ms + window_ms, rules.claim_bucket_ms),
         )
         if isinstance(checked, Refusal):
             if checked.kind is RefusalKind.REPLY_BUDGET_SPENT and record.agents_stopped != checked:

@@ -362,7 +362,7 @@ class Engine:
             subject.mailbox,
             link.thread_id,
             Inbound(message_id, link.received_ms),
-            self.rules.guard_expiry(subject.mailbox, self._clock()),
+            self.rules.inbound_expiry(self._clock()),
         )
 
     async def record_incoming(self, caller: Caller, command: RecordIncoming) -> IncomingOutcome:
@@ -546,7 +546,6 @@ class Engine:
                 self.rules, current, caller, command, now_ms=now, guard=guard
             ),
             self.rules.end_mark_expiry(now),
-            self.rules.guard_expiry(command.subject.mailbox, now),
             send_marker_expires_ms=self.rules.send_marker_expiry(now),
             from_recent_write=True,
         )
@@ -581,7 +580,6 @@ class Engine:
                 self.rules, current, end, caller, command, now_ms=now, guard=guard
             ),
             self.rules.end_mark_expiry(now),
-            self.rules.guard_expiry(command.subject.mailbox, now),
         )
         return transition.result, after
 

@@ -198,7 +198,6 @@ class Store(Protocol):
         subject: Subject,
         decide: GuardedDecide,
         end_mark_expires_ms: int,
-        guard_expires_ms: int,
         *,
         send_marker_expires_ms: int = 0,
         from_recent_write: bool = False,
@@ -207,7 +206,8 @@ class Store(Protocol):
         transition's ``counting`` is written with it, only while the guard records are as read."""
 
     async def read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
-        """A thread's and a correspondent's guard records (either name empty: not read)."""
+        """A thread's and a correspondent's sends still in their windows, and the thread's newest inbound message
+        (a name empty: not read), at one revision."""
 
     async def record_inbound(self, mailbox: str, thread_id: str, inbound: Inbound, expires_ms: int) -> None:
         """The thread's newest inbound message becomes ``inbound``, unless one received later is recorded."""

@@ -9,9 +9,10 @@ the guard records' revisions: two replicas racing for the budget's last unit can
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
-# A guard record keeps at most this many sends: a budget's limit is at most BUDGET_LIMIT_MAX.
+# A budget's limits, as the operator may set them (coordinator/ops/budgets.py).
 BUDGET_LIMIT_MAX = 1000
 BUDGET_WINDOW_MIN_MS = 60_000
 BUDGET_WINDOW_MAX_MS = 30 * 24 * 3600 * 1000
@@ -36,11 +37,9 @@ class ReplyBudgets:
     thread: Budget | None = DEFAULT_THREAD_BUDGET
     correspondent: Budget | None = DEFAULT_CORRESPONDENT_BUDGET
 
-    def longest_window_ms(self) -> int:
-        return max((b.window_ms for b in (self.thread, self.correspondent) if b is not None), default=0)
 
-
-# One agent send counted: (when it began, ms; the claim's fencing token, which AbortSend gives back by).
+# One agent send counted: (when it began, ms, for people: when it leaves the window; the claim's fencing token,
+# which names it and which AbortSend gives it back by).
 Send = tuple[int, int]
 
 
@@ -53,30 +52,32 @@ class Inbound:
 
 
 @dataclass(frozen=True)
-class ThreadGuard:
-    sends: tuple[Send, ...] = ()
-    latest: Inbound | None = None
-
-
-@dataclass(frozen=True)
 class GuardView:
-    """A claim's guard records as read: its thread's and its correspondent's, each with the revision it was
-    written at (0: absent), which the commit compares."""
+    """A claim's guard records as the store read them, at one revision: the agents' sends counted in its
+    thread's and its correspondent's windows (only those still in them: in etcd each is a key on a lease of its
+    window, so etcd's clock, not a replica's, ends it) with the newest create revision among each's (0: none),
+    and the thread's newest inbound message with the revision it was written at (0: none)."""
 
     thread_id: str
     correspondent: str
-    thread: ThreadGuard
-    thread_revision: int
-    correspondent_sends: tuple[Send, ...]
-    correspondent_revision: int
+    thread_sends: tuple[Send, ...] = ()
+    correspondent_sends: tuple[Send, ...] = ()
+    latest: Inbound | None = None
+    latest_revision: int = 0
+    thread_created: int = 0
+    correspondent_created: int = 0
 
 
 @dataclass(frozen=True)
 class Counting:
-    """What a transition writes to the guard records: their new lists of sends (None: unchanged)."""
+    """What a transition writes to the guard records, with the subject, only while they are as read: ``send``
+    counted in the thread's window (until ``thread_expires_ms``, 0: not counted there) and the correspondent's;
+    or ``give_back``: the sends of that token removed (AbortSend)."""
 
-    thread: tuple[Send, ...] | None
-    correspondent: tuple[Send, ...] | None
+    send: Send | None = None
+    thread_expires_ms: int = 0
+    correspondent_expires_ms: int = 0
+    give_back: int = 0
 
 
 class RefusalKind(enum.Enum):
@@ -115,8 +116,9 @@ def window_words(window_ms: int) -> str:
     return f"{seconds} seconds"
 
 
-def in_window(sends: tuple[Send, ...], budget: Budget, now_ms: int) -> tuple[Send, ...]:
-    return tuple(send for send in sends if send[0] > now_ms - budget.window_ms)
+def in_window(sends: tuple[Send, ...], window_ms: int, now_ms: int) -> tuple[Send, ...]:
+    """For a store whose records expire by its own clock (coordinator/store/memory.py); etcd expires them."""
+    return tuple(send for send in sends if send[0] + window_ms > now_ms)
 
 
 def _spent(scope: str, whom: str, sends: tuple[Send, ...], budget: Budget) -> Refusal:
@@ -135,10 +137,18 @@ def _spent(scope: str, whom: str, sends: tuple[Send, ...], budget: Budget) -> Re
 
 
 def check_send(
-    guard: GuardView, budgets: ReplyBudgets, *, received_ms: int | None, message_id: str, token: int, now_ms: int
+    guard: GuardView,
+    budgets: ReplyBudgets,
+    *,
+    received_ms: int | None,
+    message_id: str,
+    token: int,
+    now_ms: int,
+    expiry: Callable[[int], int],
 ) -> Refusal | Counting:
-    """An agent's send: refused (the conversation moved on, or a budget is spent), or counted."""
-    latest = guard.thread.latest
+    """An agent's send: refused (the conversation moved on, or a budget is spent), or counted in each window
+    (``expiry``: when a send begun now leaves a window of that length, as the store's leases round it)."""
+    latest = guard.latest
     if (
         latest is not None
         and received_ms is not None
@@ -151,36 +161,19 @@ def check_send(
             newer_message_id=latest.message_id,
             newer_received_ms=latest.received_ms,
         )
-    thread_sends: tuple[Send, ...] | None = None
-    if guard.thread_id:
-        thread_sends = guard.thread.sends
-        if budgets.thread is not None:
-            thread_sends = in_window(thread_sends, budgets.thread, now_ms)
-            if len(thread_sends) >= budgets.thread.limit:
-                return _spent("thread", "this conversation", thread_sends, budgets.thread)
-        thread_sends = (*thread_sends, (now_ms, token))
-    correspondent_sends: tuple[Send, ...] | None = None
-    if guard.correspondent:
-        correspondent_sends = guard.correspondent_sends
-        if budgets.correspondent is not None:
-            correspondent_sends = in_window(correspondent_sends, budgets.correspondent, now_ms)
-            if len(correspondent_sends) >= budgets.correspondent.limit:
-                return _spent("correspondent", guard.correspondent, correspondent_sends, budgets.correspondent)
-        correspondent_sends = (*correspondent_sends, (now_ms, token))
-    return Counting(_bounded(thread_sends), _bounded(correspondent_sends))
-
-
-def _bounded(sends: tuple[Send, ...] | None) -> tuple[Send, ...] | None:
-    # With a budget off, nothing prunes the list by window: keep it to the most any budget can need.
-    return sends[-BUDGET_LIMIT_MAX:] if sends is not None else None
+    thread, correspondent = budgets.thread, budgets.correspondent
+    if guard.thread_id and thread is not None and len(guard.thread_sends) >= thread.limit:
+        return _spent("thread", "this conversation", guard.thread_sends, thread)
+    if guard.correspondent and correspondent is not None and len(guard.correspondent_sends) >= correspondent.limit:
+        return _spent("correspondent", guard.correspondent, guard.correspondent_sends, correspondent)
+    return Counting(
+        (now_ms, token),
+        expiry(thread.window_ms) if guard.thread_id and thread is not None else 0,
+        expiry(correspondent.window_ms) if guard.correspondent and correspondent is not None else 0,
+    )
 
 
 def give_back(guard: GuardView, token: int) -> Counting | None:
     """AbortSend (certainly not sent): the send's unit back to both budgets; None when it was not counted."""
-    thread = tuple(send for send in guard.thread.sends if send[1] != token)
-    correspondent = tuple(send for send in guard.correspondent_sends if send[1] != token)
-    thread_changed = len(thread) != len(guard.thread.sends)
-    correspondent_changed = len(correspondent) != len(guard.correspondent_sends)
-    if not thread_changed and not correspondent_changed:
-        return None
-    return Counting(thread if thread_changed else None, correspondent if correspondent_changed else None)
+    counted = any(send[1] == token for send in (*guard.thread_sends, *guard.correspondent_sends))
+    return Counting(give_back=token) if counted else None

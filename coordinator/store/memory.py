@@ -36,7 +36,9 @@ from coordinator.core.domain import (
     ThreadLink,
     ThreadView,
     Transition,
-    guarded,
+)
+from coordinator.core.domain import (
+    guarded as is_guarded,
 )
 from coordinator.core.errors import InvalidArgument, StoreConflict
 from coordinator.core.storage import (
@@ -51,7 +53,7 @@ from coordinator.core.storage import (
     encode_cursor,
     subject_order,
 )
-from coordinator.core.storms import GuardView, Inbound, Send, ThreadGuard
+from coordinator.core.storms import Counting, GuardView, Inbound, Send
 
 V = TypeVar("V")
 
@@ -96,8 +98,9 @@ class MemoryStore:
         self._threads: dict[tuple[str, str], _Thread] = {}
         self._cursors: dict[tuple[str, str], _Leased[CursorRecord]] = {}
         self._ranges: dict[tuple[str, str], _Leased[CursorRange]] = {}
-        self._thread_guards: dict[tuple[str, str], _Leased[ThreadGuard]] = {}
-        self._correspondent_guards: dict[tuple[str, str], _Leased[tuple[Send, ...]]] = {}
+        # Counted sends by (mailbox, "t" or "c", thread or correspondent) and token; each thread's newest inbound.
+        self._counted: dict[tuple[str, str, str], dict[int, _Leased[int]]] = {}
+        self._inbound: dict[tuple[str, str], _Leased[Inbound]] = {}
 
     # --- the write path ------------------------------------------------------------------------------------
 
@@ -119,10 +122,11 @@ class MemoryStore:
             del self._send_markers[subject]
         for key in [k for k, leased in self._ranges.items() if leased.expired(now)]:
             del self._ranges[key]
-        for key in [k for k, leased in self._thread_guards.items() if leased.expired(now)]:
-            del self._thread_guards[key]
-        for key in [k for k, leased in self._correspondent_guards.items() if leased.expired(now)]:
-            del self._correspondent_guards[key]
+        for sends in self._counted.values():
+            for token in [t for t, leased in sends.items() if leased.expired(now)]:
+                del sends[token]
+        for key in [k for k, leased in self._inbound.items() if leased.expired(now)]:
+            del self._inbound[key]
         for thread in self._threads.values():
             for subject in [s for s, leased in thread.entries.items() if leased.expired(now)]:
                 del thread.entries[subject]
@@ -317,30 +321,29 @@ class MemoryStore:
         subject: Subject,
         decide: GuardedDecide,
         end_mark_expires_ms: int,
-        guard_expires_ms: int,
         *,
         send_marker_expires_ms: int = 0,
         from_recent_write: bool = False,
     ) -> tuple[Transition, Stored | None]:
         return self._apply(
-            subject,
-            decide,
-            end_mark_expires_ms,
-            send_marker_expires_ms=send_marker_expires_ms,
-            guard_expires_ms=guard_expires_ms,
+            subject, decide, end_mark_expires_ms, send_marker_expires_ms=send_marker_expires_ms, guarded=True
         )
 
     def _read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
         self._expire()
-        thread = self._thread_guards.get((mailbox, thread_id)) if thread_id else None
-        sends = self._correspondent_guards.get((mailbox, correspondent)) if correspondent else None
+
+        def sends(scope: str, name: str) -> tuple[Send, ...]:
+            counted = self._counted.get((mailbox, scope, name), {}) if name else {}
+            return tuple((leased.value, token) for token, leased in counted.items())
+
+        inbound = self._inbound.get((mailbox, thread_id)) if thread_id else None
         return GuardView(
             thread_id,
             correspondent,
-            thread.value if thread is not None else ThreadGuard(),
-            thread.revision if thread is not None else 0,
-            sends.value if sends is not None else (),
-            sends.revision if sends is not None else 0,
+            sends("t", thread_id),
+            sends("c", correspondent),
+            inbound.value if inbound is not None else None,
+            inbound.revision if inbound is not None else 0,
         )
 
     async def read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
@@ -348,13 +351,24 @@ class MemoryStore:
 
     async def record_inbound(self, mailbox: str, thread_id: str, inbound: Inbound, expires_ms: int) -> None:
         self._expire()
-        known = self._thread_guards.get((mailbox, thread_id))
-        guard = known.value if known is not None else ThreadGuard()
-        if guard.latest is not None and guard.latest.received_ms >= inbound.received_ms:
+        known = self._inbound.get((mailbox, thread_id))
+        if known is not None and known.value.received_ms >= inbound.received_ms:
             return
-        self._thread_guards[(mailbox, thread_id)] = _Leased(
-            ThreadGuard(guard.sends, inbound), self._next_revision(), expires_ms
-        )
+        self._inbound[(mailbox, thread_id)] = _Leased(inbound, self._next_revision(), expires_ms)
+
+    def _count(self, mailbox: str, guard: GuardView, counting: Counting, revision: int) -> None:
+        for scope, name, expires_ms in (
+            ("t", guard.thread_id, counting.thread_expires_ms),
+            ("c", guard.correspondent, counting.correspondent_expires_ms),
+        ):
+            if not name:
+                continue
+            counted = self._counted.setdefault((mailbox, scope, name), {})
+            if counting.give_back:
+                counted.pop(counting.give_back, None)
+            elif counting.send is not None and expires_ms:
+                began, token = counting.send
+                counted[token] = _Leased(began, revision, expires_ms)
 
     def _apply(
         self,
@@ -364,13 +378,13 @@ class MemoryStore:
         *,
         send_marker_expires_ms: int = 0,
         marker_gone: bool = False,
-        guard_expires_ms: int | None = None,
+        guarded: bool = False,
     ) -> tuple[Transition, Stored | None]:
         self._expire()
         current = self._subjects.get(subject)
         end = self._ends.get(subject)
         guard = None
-        if guard_expires_ms is not None and current is not None and guarded(current.record):
+        if guarded and current is not None and is_guarded(current.record):
             guard = self._read_guard(subject.mailbox, current.record.thread_id, current.record.correspondent)
         transition = decide(current, end.value if end is not None else None, guard)
         if transition.write is None and transition.end is None:
@@ -379,16 +393,8 @@ class MemoryStore:
         if marker_gone and subject in self._send_markers:
             raise StoreConflict("the send marker is still there; retry it")
         revision = self._next_revision()
-        counting = transition.counting
-        if counting is not None and guard is not None:
-            if guard.thread_id and counting.thread is not None:
-                self._thread_guards[(subject.mailbox, guard.thread_id)] = _Leased(
-                    ThreadGuard(counting.thread, guard.thread.latest), revision, guard_expires_ms
-                )
-            if guard.correspondent and counting.correspondent is not None:
-                self._correspondent_guards[(subject.mailbox, guard.correspondent)] = _Leased(
-                    counting.correspondent, revision, guard_expires_ms
-                )
+        if transition.counting is not None and guard is not None:
+            self._count(subject.mailbox, guard, transition.counting, revision)
         was_sending = current.record.state is State.SENDING
         will_send = transition.write is not None and transition.write.state is State.SENDING
         if was_sending and not will_send:

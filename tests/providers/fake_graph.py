@@ -3,8 +3,10 @@ never our code:
 
 * messages by immutable id (a message moved to another folder keeps its id), read with ``$select`` (only the
   properties asked for, with ``id`` and ``@odata.etag``; ``internetMessageHeaders`` only when selected);
-* ``createReply`` (201, a draft in Drafts keeping the ``internetMessageHeaders`` given, each of which must be an
-  ``X-`` header) then ``send`` (202, no body: the draft, same immutable id, moves to Sent Items);
+* ``createReply`` (201, a draft in Drafts) in JSON (keeping the ``internetMessageHeaders`` given, each of which must
+  be an ``X-`` header) or in MIME (``Content-Type: text/plain``, the MIME in base64: the draft keeps its headers,
+  any name; not base64: 400 ``ErrorMimeContentInvalidBase64String``), then ``send`` (202, no body: the draft, same
+  immutable id, moves to Sent Items);
 * the well-known folders (``inbox``, ``sentitems``, ``drafts``), by name or ``('name')``;
 * delta queries per folder: the first round lists the folder's messages (``$filter=receivedDateTime ge <t>``
   supported, as documented for messages), ``odata.maxpagesize`` per page with an ``@odata.nextLink``, then an
@@ -19,6 +21,9 @@ tests/providers/serving.py, a real HTTP server. It counts every API call and eve
 
 from __future__ import annotations
 
+import base64
+import binascii
+import email
 import itertools
 import json
 import re
@@ -205,6 +210,8 @@ class FakeGraph(Outbox):
                 return _json(200, _selected(message, params))
             if request.method == "POST" and parts[2:] == ["createReply"]:
                 self.calls["messages.createReply"] += 1
+                if headers.get("content-type", "").startswith("text/plain"):
+                    return self._create_reply_mime(message, request.content or b"")
                 return self._create_reply(message, request.json_body)
             if request.method == "POST" and parts[2:] == ["send"]:
                 self.calls["messages.send"] += 1
@@ -248,6 +255,18 @@ class FakeGraph(Outbox):
         draft["internetMessageHeaders"] = list(given)
         draft["_reply_to"] = original["id"]
         return _json(201, _selected(draft, {}))
+
+    def _create_reply_mime(self, original: dict[str, Any], content: bytes) -> HttpResponse:
+        try:
+            mime = email.message_from_bytes(base64.b64decode(content, validate=True))
+        except (binascii.Error, ValueError):
+            return _error(400, "ErrorMimeContentInvalidBase64String", "Invalid base64 string for MIME content.")
+        # Graph lists each header unfolded (RFC 5322 section 2.2.3), its value without the space after the colon.
+        headers = [{"name": name, "value": re.sub(r"\r?\n", "", str(value)).strip()} for name, value in mime.items()]
+        answer = self._create_reply(original, {})
+        draft = self.messages[json.loads(answer.content)["id"]]
+        draft["internetMessageHeaders"] = headers
+        return answer
 
     def _send(self, draft: dict[str, Any]) -> HttpResponse:
         if draft["parentFolderId"] != DRAFTS:

@@ -683,3 +683,36 @@ async def test_text_from_an_email_is_shown_isolated_and_without_invisible_format
     # The right-to-left sender sits in an isolate of its own, apart from the date and the message id beside it.
     assert sender in texts["isolated"]
     assert "Invoice gnp.exe" in texts["isolated"]
+
+
+async def test_a_conversation_where_agents_stopped_goes_first_and_asks_for_a_person(
+    server: CoordinatorServer, browser: Browser, mailbox: str
+) -> None:
+    """docs/design.md#reply-storms: an agent's fourth reply in a thread within the hour is refused; while its claim
+    is held, the board says so in the coordinator's words and puts the row first, waiting for a person."""
+    page = await open_board(browser, board_url(server, mailbox), name="bo", size=LAPTOP)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agent = Actor(channel, "agent-a")
+        await claim(agent, message(mailbox, "msg-other"), "Invoice copy", "Dan <dan@example.org>")
+        for n in range(3):
+            subject = message(mailbox, f"msg-{n}")
+            asked = Timestamp(seconds=int(time.time()) - 600 + n)
+            held = await claim(
+                agent, subject, "Out of office", "Bot <ooo@example.org>", thread_id="t-1", received_at=asked
+            )
+            assert (await agent.begin(subject, held.status.fencing_token)).result == pb.FENCE_RESULT_OK
+            await agent.confirm(subject, held.status.fencing_token)
+        fourth = message(mailbox, "msg-3")
+        asked = Timestamp(seconds=int(time.time()) - 500)
+        held = await claim(
+            agent, fourth, "Re: Out of office", "Bot <ooo@example.org>", thread_id="t-1", received_at=asked
+        )
+        refused = await agent.begin(fourth, held.status.fencing_token)
+        assert refused.result == pb.FENCE_RESULT_REFUSED
+        stopped = row(page, "msg-3")
+        await expect(stopped).to_contain_text(
+            "agents stopped: 3 agent replies to this conversation in the last hour — a person should look", timeout=LIVE
+        )
+        await expect(stopped).to_contain_text("waiting for a person")
+        await expect(page.locator("#claims tbody tr").first).to_contain_text("agents stopped")
+        await page.screenshot(path=ARTIFACTS / "board-agents-stopped.png")

@@ -166,8 +166,9 @@ function tellTheUndo(status, event) {
     "it was not the answer, and the email can be answered again.");
 }
 
-const before = (a, b) =>
-  URGENCY[a.status.state] - URGENCY[b.status.state] || (since(b.status) || 0) - (since(a.status) || 0);
+// Agents stopped on a conversation wait for a person, as a send in doubt does: both go first.
+const urgency = (status) => (status.agentsStopped ? URGENCY[IN_DOUBT] : URGENCY[status.state]);
+const before = (a, b) => urgency(a.status) - urgency(b.status) || (since(b.status) || 0) - (since(a.status) || 0);
 
 // One changed row moves to its place among the others, without touching them (a thousand rows stay cheap).
 function place(row) {
@@ -314,9 +315,19 @@ function answeredOutside(status) {
   return `Also ${words}: ${both || "both replies went out"}.`;
 }
 
+// The reply rules (docs/design.md#reply-storms): agents stopped on a conversation, automated mail agents leave.
+// Both are the coordinator's words for people; a person can still answer.
+function stoppedWords(status) {
+  if (status.agentsStopped && status.agentsStopped.reason) return status.agentsStopped.reason;
+  if (status.automated) return `automated message (${status.automated}): agents leave it`;
+  return "";
+}
+
 function whatIsHappening(status) {
   const outside = answeredOutside(status);
   if (status.repliedOutside) return outside;
+  const stopped = stoppedWords(status);
+  if (stopped) return outside ? `${stopped}. ${outside}` : stopped;
   const here = whatIsHappeningHere(status, status.holder);
   return outside ? `${here}. ${outside}` : here;
 }
@@ -362,7 +373,7 @@ function minutesAndSeconds(seconds) {
 // What the "Time left" cell says, and how loudly: an agent renews its short claim while it works (not an
 // emergency: only a missed renewal is worth a look); a person's claim counts down, and warns before it ends.
 function timeLeft(status, now) {
-  if (status.state === IN_DOUBT) return { text: "waiting for a person", level: "urgent" };
+  if (status.state === IN_DOUBT || status.agentsStopped) return { text: "waiting for a person", level: "urgent" };
   if (status.state === REPLIED) return { text: "" };
   const end = when(status.state === SENDING ? status.sendDeadline : status.expiresAt);
   if (!end) return { text: "" };

@@ -14,9 +14,8 @@ fields are left out, and a REPLIED record keeps only what a reply record is for 
                  "th": the claimed message's thread, "c": its correspondent, "as": the refusal that stopped
                  agents (a refusal's shape)}
     refusal:   [kind, reason, scope, limit, window ms, counted, frees ms, newer message id, its received ms]
-    thread guard (docs/design.md#reply-storms): {"s": [[send began ms, token], ...], "i": [newest inbound
-                message id, its received ms]}
-    correspondent guard: {"s": [[send began ms, token], ...]}
+    counted send (docs/design.md#reply-storms): {"b": when it began, ms} (its token is in its key)
+    a thread's newest inbound message: [message id, received ms]
     delivery:  {"b": recorded by, "t": recorded ms, "r": request id, "s": [kind, subject id],
                 "o": RecordOutgoing's answer ("own" or "out"), "g": its arguments' fingerprint,
                 "v": [subject line, sender, received ms]}
@@ -52,7 +51,7 @@ from coordinator.core.domain import (
     Summary,
     ThreadLink,
 )
-from coordinator.core.storms import Inbound, Refusal, RefusalKind, Send, ThreadGuard
+from coordinator.core.storms import Inbound, Refusal, RefusalKind
 
 _STATES = {State.CLAIMED: "c", State.SENDING: "s", State.REPLIED: "r", State.IN_DOUBT: "d"}
 _STATES_IN = {code: state for state, code in _STATES.items()}
@@ -177,28 +176,21 @@ def _refusal_in(fields: list[Any]) -> Refusal:
     return Refusal(_REFUSAL_KINDS_IN[kind], reason, scope, limit, window_ms, counted, frees_ms, newer_id, newer_ms)
 
 
-def encode_thread_guard(guard: ThreadGuard) -> bytes:
-    latest = guard.latest
-    return _dump(
-        {
-            "s": [list(send) for send in guard.sends] or None,
-            "i": [latest.message_id, latest.received_ms] if latest is not None else None,
-        }
-    )
+def encode_send(began_ms: int) -> bytes:
+    return _dump({"b": began_ms})
 
 
-def decode_thread_guard(value: bytes) -> ThreadGuard:
-    data = json.loads(value)
-    latest = Inbound(data["i"][0], int(data["i"][1])) if "i" in data else None
-    return ThreadGuard(tuple((int(ms), int(token)) for ms, token in data.get("s", ())), latest)
+def decode_send(value: bytes) -> int:
+    return int(json.loads(value)["b"])
 
 
-def encode_sends(sends: tuple[Send, ...]) -> bytes:
-    return _dump({"s": [list(send) for send in sends]})
+def encode_inbound(inbound: Inbound) -> bytes:
+    return _ENCODER.encode([inbound.message_id, inbound.received_ms]).encode()
 
 
-def decode_sends(value: bytes) -> tuple[Send, ...]:
-    return tuple((int(ms), int(token)) for ms, token in json.loads(value).get("s", ()))
+def decode_inbound(value: bytes) -> Inbound:
+    message_id, received_ms = json.loads(value)[:2]
+    return Inbound(message_id, int(received_ms))
 
 
 def _summary(summary: Summary | None) -> list[Any] | None:

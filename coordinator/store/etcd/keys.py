@@ -13,9 +13,10 @@ Under the deployment prefix P:
     P t/<mailbox>/<thread>/r        the latest reply written outside the coordinator in the thread
     P c/<mailbox>/<name>            a cursor (docs/design.md#cursors): its value and position
     P c/<mailbox>/<name>/r          its range in progress, on an etcd lease of the range's TTL
-    P g/<mailbox>/t/<thread>        the thread's guard (docs/design.md#reply-storms): the agents' sends
-                                    counted against its reply budget, and its newest inbound message
-    P g/<mailbox>/c/<address>       a correspondent's guard: the agents' sends counted against its budget
+    P g/<mailbox>/t/<thread>/s/<token>   an agent's send counted in the thread's reply budget
+                                    (docs/design.md#reply-storms), on an etcd lease of the budget's window
+    P g/<mailbox>/t/<thread>/i      the thread's newest inbound message (moved on?)
+    P g/<mailbox>/c/<address>/s/<token>  an agent's send counted in the correspondent's budget, the same way
 
 One thread's keys share the prefix ``P t/<mailbox>/<thread>/``: RecordOutgoing reads them with one range and
 compares that range unchanged when it writes.
@@ -117,11 +118,23 @@ class Keys:
             return None
         return Subject(mailbox, SubjectKind(parts[1]), unquote(parts[2]))
 
-    def thread_guard(self, mailbox: str, thread_id: str) -> bytes:
-        return self._root + _GUARDS + f"{_enc(mailbox)}/t/{_enc(thread_id)}".encode()
+    def thread_sends(self, mailbox: str, thread_id: str) -> bytes:
+        return self._root + _GUARDS + f"{_enc(mailbox)}/t/{_enc(thread_id)}/s/".encode()
 
-    def correspondent_guard(self, mailbox: str, correspondent: str) -> bytes:
-        return self._root + _GUARDS + f"{_enc(mailbox)}/c/{_enc(correspondent)}".encode()
+    def thread_inbound(self, mailbox: str, thread_id: str) -> bytes:
+        return self._root + _GUARDS + f"{_enc(mailbox)}/t/{_enc(thread_id)}/i".encode()
+
+    def correspondent_sends(self, mailbox: str, correspondent: str) -> bytes:
+        return self._root + _GUARDS + f"{_enc(mailbox)}/c/{_enc(correspondent)}/s/".encode()
+
+    @staticmethod
+    def counted_send(sends: bytes, token: int) -> bytes:
+        """One send's key under a ``thread_sends`` or ``correspondent_sends`` prefix."""
+        return sends + str(token).encode()
+
+    @staticmethod
+    def counted_token(sends: bytes, key: bytes) -> int:
+        return int(key[len(sends) :])
 
     def cursor(self, mailbox: str, name: str) -> bytes:
         return self._root + _CURSORS + f"{_enc(mailbox)}/{_enc(name)}".encode()

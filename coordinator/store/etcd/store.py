@@ -51,7 +51,7 @@ from coordinator.core.storage import (
     decode_cursor,
     encode_cursor,
 )
-from coordinator.core.storms import GuardView, Inbound, ThreadGuard
+from coordinator.core.storms import Counting, GuardView, Inbound
 from coordinator.store.etcd import codec as _codec
 from coordinator.store.etcd.client import (
     EtcdClient,
@@ -522,54 +522,75 @@ class EtcdStore:
         subject: Subject,
         decide: GuardedDecide,
         end_mark_expires_ms: int,
-        guard_expires_ms: int,
         *,
         send_marker_expires_ms: int = 0,
         from_recent_write: bool = False,
     ) -> tuple[Transition, Stored | None]:
         """``apply``, deciding also on the subject's guard records (an agent's claim with a thread or a
         correspondent, docs/design.md#reply-storms), read after the subject; a transition's ``counting`` is
-        written in the same transaction, compared on the guard records' revisions as read."""
+        written in the same transaction, only while no send was counted and no newer inbound message recorded
+        since they were read."""
         return await self._apply(
             subject,
             decide,
             end_mark_expires_ms,
             send_marker_expires_ms=send_marker_expires_ms,
             from_recent_write=from_recent_write,
-            guard_expires_ms=guard_expires_ms,
+            guarded=True,
         )
 
     async def read_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
-        keys = [self.keys.thread_guard(mailbox, thread_id), self.keys.correspondent_guard(mailbox, correspondent)]
-        wanted = [key for key, name in zip(keys, (thread_id, correspondent), strict=True) if name]
-        response = await self._txn([], [_op_get(key) for key in wanted], [], frozenset())
-        found = dict(zip(wanted, (_first_kv(answer) for answer in response.responses), strict=True))
-        thread_kv, correspondent_kv = found.get(keys[0]), found.get(keys[1])
+        """One read-only transaction: each window's live send keys (etcd has ended those whose window passed,
+        by their leases) and the thread's newest inbound message."""
+        ranges = []
+        if thread_id:
+            ranges += [self.keys.thread_sends(mailbox, thread_id), self.keys.thread_inbound(mailbox, thread_id)]
+        if correspondent:
+            ranges.append(self.keys.correspondent_sends(mailbox, correspondent))
+        ops = [
+            rpc.RequestOp(request_range=rpc.RangeRequest(key=key, range_end=prefix_end(key)))
+            if key.endswith(b"/")
+            else _op_get(key)
+            for key in ranges
+        ]
+        response = await self._txn([], ops, [], frozenset())
+        found = dict(zip(ranges, (answer.response_range.kvs for answer in response.responses), strict=True))
+
+        def sends(prefix: bytes) -> tuple[tuple[int, int], ...]:
+            return tuple(
+                (_codec.decode_send(kv.value), self.keys.counted_token(prefix, kv.key)) for kv in found.get(prefix, ())
+            )
+
+        def created(prefix: bytes) -> int:
+            # Not the read's header revision: in a group commit that is the revision after the batch's writes,
+            # which a read placed before them did not see. A send key not read has a later create revision.
+            return max((int(kv.create_revision) for kv in found.get(prefix, ())), default=0)
+
+        inbound_kvs = found.get(self.keys.thread_inbound(mailbox, thread_id), ()) if thread_id else ()
         return GuardView(
             thread_id,
             correspondent,
-            _codec.decode_thread_guard(thread_kv.value) if thread_kv is not None else ThreadGuard(),
-            int(thread_kv.mod_revision) if thread_kv is not None else 0,
-            _codec.decode_sends(correspondent_kv.value) if correspondent_kv is not None else (),
-            int(correspondent_kv.mod_revision) if correspondent_kv is not None else 0,
+            sends(self.keys.thread_sends(mailbox, thread_id)) if thread_id else (),
+            sends(self.keys.correspondent_sends(mailbox, correspondent)) if correspondent else (),
+            _codec.decode_inbound(inbound_kvs[0].value) if inbound_kvs else None,
+            int(inbound_kvs[0].mod_revision) if inbound_kvs else 0,
+            created(self.keys.thread_sends(mailbox, thread_id)) if thread_id else 0,
+            created(self.keys.correspondent_sends(mailbox, correspondent)) if correspondent else 0,
         )
 
     async def record_inbound(self, mailbox: str, thread_id: str, inbound: Inbound, expires_ms: int) -> None:
-        """The thread's newest inbound message becomes ``inbound`` unless a newer one is recorded: read, then
-        written only while unchanged (a BeginSend counting on the same record meanwhile: again)."""
-        key = self.keys.thread_guard(mailbox, thread_id)
+        """The thread's newest inbound message becomes ``inbound`` unless a later one is recorded: read, then
+        written only while unchanged."""
+        key = self.keys.thread_inbound(mailbox, thread_id)
         for _ in range(_CAS_ATTEMPTS):
             kv = _first_kv((await self._txn([], [_op_get(key)], [], frozenset())).responses[0])
-            guard = _codec.decode_thread_guard(kv.value) if kv is not None else ThreadGuard()
-            if guard.latest is not None and guard.latest.received_ms >= inbound.received_ms:
+            if kv is not None and _codec.decode_inbound(kv.value).received_ms >= inbound.received_ms:
                 return
-            value = _codec.encode_thread_guard(ThreadGuard(guard.sends, inbound))
 
-            async def attempt(kv: Any = kv, value: bytes = value) -> Any:
+            async def attempt(kv: Any = kv) -> Any:
                 compare = _unchanged_since(key, kv.mod_revision) if kv is not None else _absent(key)
-                return await self._txn(
-                    [compare], [_op_put(key, value, await self._lease(expires_ms))], [], frozenset((key,))
-                )
+                put = _op_put(key, _codec.encode_inbound(inbound), await self._lease(expires_ms))
+                return await self._txn([compare], [put], [], frozenset((key,)))
 
             if (await self._with_leases(attempt)).succeeded:
                 return
@@ -584,7 +605,7 @@ class EtcdStore:
         send_marker_expires_ms: int = 0,
         marker_gone: bool = False,
         from_recent_write: bool = False,
-        guard_expires_ms: int | None = None,
+        guarded: bool = False,
     ) -> tuple[Transition, Stored | None]:
         subject_key = self.keys.subject(subject)
         # The first attempt may start from memory; every later one, and every answer that writes nothing, from etcd.
@@ -595,7 +616,7 @@ class EtcdStore:
             guard: GuardView | None = None
             if known is not None:
                 current, last_end, known = known, None, None
-                if guard_expires_ms is not None and _guarded(current.record):
+                if guarded and _guarded(current.record):
                     guard = await self.read_guard(
                         subject.mailbox, current.record.thread_id, current.record.correspondent
                     )
@@ -609,7 +630,7 @@ class EtcdStore:
                     continue
             else:
                 current, last_end = await self.read(subject)
-                if guard_expires_ms is not None and current is not None and _guarded(current.record):
+                if guarded and current is not None and _guarded(current.record):
                     guard = await self.read_guard(
                         subject.mailbox, current.record.thread_id, current.record.correspondent
                     )
@@ -627,7 +648,6 @@ class EtcdStore:
                     send_marker_expires_ms,
                     marker_gone,
                     guard,
-                    guard_expires_ms or 0,
                 )
             )
             if response.succeeded:
@@ -667,7 +687,6 @@ class EtcdStore:
         send_marker_expires_ms: int,
         marker_gone: bool,
         guard: GuardView | None = None,
-        guard_expires_ms: int = 0,
     ) -> Any:
         subject_key = self.keys.subject(subject)
         ops: list[Any] = []
@@ -703,25 +722,7 @@ class EtcdStore:
         compare = [_unchanged_since(subject_key, current.revision)]
         counting = transition.counting
         if counting is not None and guard is not None:
-            # The budgets were decided on the guard records as read: written only while they are still so, and
-            # never in one group commit with another writer of them (each would compare the state before both).
-            guard_lease = await self._lease(guard_expires_ms)
-            if guard.thread_id:
-                key = self.keys.thread_guard(subject.mailbox, guard.thread_id)
-                compare.append(_unchanged_since(key, guard.thread_revision) if guard.thread_revision else _absent(key))
-                writes.add(key)
-                if counting.thread is not None:
-                    put(key, _codec.encode_thread_guard(ThreadGuard(counting.thread, guard.thread.latest)), guard_lease)
-            if guard.correspondent:
-                key = self.keys.correspondent_guard(subject.mailbox, guard.correspondent)
-                compare.append(
-                    _unchanged_since(key, guard.correspondent_revision)
-                    if guard.correspondent_revision
-                    else _absent(key)
-                )
-                writes.add(key)
-                if counting.correspondent is not None:
-                    put(key, _codec.encode_sends(counting.correspondent), guard_lease)
+            await self._count(subject.mailbox, guard, counting, compare, put, delete, writes)
         if marker_gone:
             compare.append(_absent(self.keys.send_marker(subject)))
         withdraw = transition.withdraw
@@ -733,6 +734,52 @@ class EtcdStore:
                 compare.append(_unchanged_since(mark_key, mark[0].mod_revision))
                 delete(mark_key)
         return await self._txn(compare, ops, [], frozenset(writes))
+
+    async def _count(
+        self,
+        mailbox: str,
+        guard: GuardView,
+        counting: Counting,
+        compare: list[Any],
+        put: Callable[[bytes, bytes, int], None],
+        delete: Callable[[bytes], None],
+        writes: set[bytes],
+    ) -> None:
+        """A send counted (or given back) with its subject's write (docs/design.md#reply-storms). Counted only
+        while no send key of either window was created since the guard was read, and the thread's newest inbound
+        message is the one read: two replicas racing for a budget's last unit compare the same range, and one
+        loses. Each window's range is named among the writes, so that two of them never share a group commit,
+        whose compares would all see the state before any of its writes."""
+        windows = []
+        if guard.thread_id:
+            thread = self.keys.thread_sends(mailbox, guard.thread_id)
+            windows.append((thread, counting.thread_expires_ms, guard.thread_created))
+        if guard.correspondent:
+            correspondent = self.keys.correspondent_sends(mailbox, guard.correspondent)
+            windows.append((correspondent, counting.correspondent_expires_ms, guard.correspondent_created))
+        for prefix, expires_ms, newest in windows:
+            writes.add(prefix)
+            if counting.give_back:
+                delete(self.keys.counted_send(prefix, counting.give_back))
+                continue
+            compare.append(
+                rpc.Compare(
+                    key=prefix,
+                    range_end=prefix_end(prefix),
+                    result=rpc.Compare.LESS,
+                    target=rpc.Compare.CREATE,
+                    create_revision=newest + 1,
+                )
+            )
+            if counting.send is not None and expires_ms:
+                began, token = counting.send
+                put(self.keys.counted_send(prefix, token), _codec.encode_send(began), await self._lease(expires_ms))
+        if guard.thread_id and not counting.give_back:
+            inbound = self.keys.thread_inbound(mailbox, guard.thread_id)
+            writes.add(inbound)
+            compare.append(
+                _unchanged_since(inbound, guard.latest_revision) if guard.latest_revision else _absent(inbound)
+            )
 
     async def status(self, subject: Subject) -> Stored | None:
         work.spend(1)

@@ -19,10 +19,12 @@ import re
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from email.message import EmailMessage
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 from urllib.parse import urlencode
 
 from .._automated import automated_reason
+from .._current import agent_headers
 from .._effects import Effect, Invoke
 
 __all__ = [
@@ -189,6 +191,8 @@ class HttpRequest:
     params: tuple[tuple[str, str], ...] = ()
     headers: tuple[tuple[str, str], ...] = ()
     json_body: Any = None
+    content: bytes | None = None
+    """A body that is not JSON (Graph's base64 MIME), sent as is; its ``Content-Type`` is in ``headers``."""
 
     @property
     def full_url(self) -> str:
@@ -335,6 +339,22 @@ def split_address(text: str) -> tuple[str, str]:
 def display(name: str, address: str) -> str:
     """The sender as people read it: ``Name <address>``, or whichever half is there."""
     return f"{name} <{address}>" if name and address else name or address
+
+
+def reply_mime(message: MessageFacts, body: str, stamp: ClaimStamp) -> EmailMessage:
+    """A reply as MIME (Gmail's raw send, Graph's MIME ``createReply``): ``To`` the sender (its ``Reply-To``),
+    ``In-Reply-To`` and ``References``, the claim's stamp, and an agent's ``Auto-Submitted: auto-replied``."""
+    reply = EmailMessage()
+    reply["To"] = ", ".join(message.reply.to)
+    reply["Subject"] = message.reply.subject
+    if message.reply.internet_message_id:
+        reply["In-Reply-To"] = message.reply.internet_message_id
+        reply["References"] = " ".join((*message.reply.references, message.reply.internet_message_id))
+    reply[STAMP_HEADER] = str(stamp)
+    for name, value in agent_headers():
+        reply[name] = value
+    reply.set_content(body)
+    return reply
 
 
 def reply_subject(subject: str) -> str:

@@ -19,12 +19,10 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from email.message import EmailMessage
 from typing import Any
 
 import jwt
 
-from .._current import agent_headers
 from .._effects import Sleep
 from .._errors import InboxClaimsError, SendRejected
 from ._httpx import AsyncHttp, HttpTransport, current_stamp, drive
@@ -47,6 +45,7 @@ from ._seam import (
     http,
     message_ids,
     parse_stamp,
+    reply_mime,
     reply_subject,
     split_address,
 )
@@ -386,18 +385,9 @@ class GmailProvider:
 
     def raw_reply(self, message: MessageFacts, body: str, stamp: ClaimStamp) -> bytes:
         """The RFC 2822 reply: ``To`` the sender (its ``Reply-To``), ``In-Reply-To`` and ``References``, the stamp."""
-        reply = EmailMessage()
+        reply = reply_mime(message, body, stamp)
         reply["From"] = self.user
-        reply["To"] = ", ".join(message.reply.to)
-        reply["Subject"] = message.reply.subject
         reply["Message-ID"] = stamp.message_id(self.user.rpartition("@")[2])
-        if message.reply.internet_message_id:
-            reply["In-Reply-To"] = message.reply.internet_message_id
-            reply["References"] = " ".join((*message.reply.references, message.reply.internet_message_id))
-        reply[STAMP_HEADER] = str(stamp)
-        for name, value in agent_headers():
-            reply[name] = value
-        reply.set_content(body)
         return bytes(reply)
 
     def _reply(self, message: MessageFacts, body: str, stamp: ClaimStamp) -> Flow[str]:
