@@ -722,7 +722,7 @@ class EtcdStore:
         compare = [_unchanged_since(subject_key, current.revision)]
         counting = transition.counting
         if counting is not None and guard is not None:
-            await self._count(subject.mailbox, guard, counting, compare, put, delete, writes)
+            await self._count(subject, guard, counting, compare, put, delete, writes)
         if marker_gone:
             compare.append(_absent(self.keys.send_marker(subject)))
         withdraw = transition.withdraw
@@ -737,7 +737,7 @@ class EtcdStore:
 
     async def _count(
         self,
-        mailbox: str,
+        subject: Subject,
         guard: GuardView,
         counting: Counting,
         compare: list[Any],
@@ -750,6 +750,7 @@ class EtcdStore:
         message is the one read: two replicas racing for a budget's last unit compare the same range, and one
         loses. Each window's range is named among the writes, so that two of them never share a group commit,
         whose compares would all see the state before any of its writes."""
+        mailbox = subject.mailbox
         windows = []
         if guard.thread_id:
             thread = self.keys.thread_sends(mailbox, guard.thread_id)
@@ -760,7 +761,7 @@ class EtcdStore:
         for prefix, expires_ms, newest in windows:
             writes.add(prefix)
             if counting.give_back:
-                delete(self.keys.counted_send(prefix, counting.give_back))
+                delete(self.keys.counted_send(prefix, counting.give_back, subject))
                 continue
             compare.append(
                 rpc.Compare(
@@ -773,7 +774,11 @@ class EtcdStore:
             )
             if counting.send is not None and expires_ms:
                 began, token = counting.send
-                put(self.keys.counted_send(prefix, token), _codec.encode_send(began), await self._lease(expires_ms))
+                put(
+                    self.keys.counted_send(prefix, token, subject),
+                    _codec.encode_send(began),
+                    await self._lease(expires_ms),
+                )
         if guard.thread_id and not counting.give_back:
             inbound = self.keys.thread_inbound(mailbox, guard.thread_id)
             writes.add(inbound)
