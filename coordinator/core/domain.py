@@ -530,6 +530,7 @@ def release(
     assert current is not None
     if current.record.state is not State.CLAIMED:
         raise _wrong_state("ReleaseClaim", token, current.record.state, "CLAIMED (after BeginSend use AbortSend)")
+    stopped = current.record.agents_stopped
     return Transition(
         FenceResult.OK,
         end=EndMark(
@@ -539,6 +540,8 @@ def release(
             current.record.holder,
             command.request_id,
             now_ms,
+            # Watchers (the board) learn why agents let it go: a person should look (docs/design.md#reply-storms).
+            stopped.reason if stopped is not None else "",
             settles_delivery=not command.redeliverable,
             fingerprint=command.fingerprint,
         ),

@@ -317,10 +317,11 @@ class Engine:
                 # does not stay CLAIMED for a day; the thread's record of an outside reply lasts longer.
                 thread_expires_ms=self.rules.delivery_expiry(now),
                 outside_revision=outside_revision,
+                inbound=(self._inbound(subject, link), self.rules.inbound_expiry(now)) if link is not None else None,
             )
             if attempt.created is not None:
                 answered = attempt.created.record.replied_outside
-                if link is not None:
+                if link is not None and not attempt.inbound_recorded:
                     await self._record_inbound(subject, link)
                 return ClaimOutcome(ClaimResult.ALREADY_REPLIED if answered else ClaimResult.GRANTED, attempt.created)
             if attempt.delivery is not None and domain.is_duplicate_delivery(
@@ -354,15 +355,17 @@ class Engine:
             delivery = None
         raise StoreConflict(f"the thread of {subject.id!r} kept changing while this ClaimReply ran; retry it")
 
+    @staticmethod
+    def _inbound(subject: Subject, link: ThreadLink) -> Inbound:
+        """The claimed message as its thread's inbound message. A thread subject's message has no id of its own:
+        its time says it all."""
+        return Inbound(subject.id if subject.kind is SubjectKind.MESSAGE else "", link.received_ms)
+
     async def _record_inbound(self, subject: Subject, link: ThreadLink) -> None:
         """The thread's newest inbound message, for BeginSend's check that the conversation did not move on
-        (docs/design.md#reply-storms). A thread subject's message has no id of its own: its time says it all."""
-        message_id = subject.id if subject.kind is SubjectKind.MESSAGE else ""
+        (docs/design.md#reply-storms)."""
         await self.store.record_inbound(
-            subject.mailbox,
-            link.thread_id,
-            Inbound(message_id, link.received_ms),
-            self.rules.inbound_expiry(self._clock()),
+            subject.mailbox, link.thread_id, self._inbound(subject, link), self.rules.inbound_expiry(self._clock())
         )
 
     async def record_incoming(self, caller: Caller, command: RecordIncoming) -> IncomingOutcome:

@@ -59,6 +59,9 @@ class ClaimAttempt:
     # With a thread link: the thread's latest reply written outside, and the revision it was written at (0: none).
     outside: OutsideReply | None = None
     outside_revision: int = 0
+    # With ``inbound``: whether the claim's transaction recorded it as the thread's newest inbound message (False:
+    # not tried, or another was there; the caller records it on its own).
+    inbound_recorded: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,10 +159,13 @@ class Store(Protocol):
         thread: ThreadLink | None = None,
         thread_expires_ms: int = 0,
         outside_revision: int = 0,
+        inbound: tuple[Inbound, int] | None = None,
     ) -> ClaimAttempt:
         """Create-if-absent (with the delivery record, if given, in the same transaction). With ``thread``: only
         while the thread's latest outside reply is the one written at ``outside_revision`` (0: none), and the
-        subject is entered in the thread (until ``thread_expires_ms``) in the same transaction."""
+        subject is entered in the thread (until ``thread_expires_ms``) in the same transaction. With ``inbound``
+        (the message, and when its record expires), a store may record it as the thread's newest inbound message
+        in the same transaction, when it can tell cheaply that no later one is recorded."""
 
     async def read_thread(self, mailbox: str, thread_id: str, notification_id: str | None) -> ThreadView:
         """The thread's claimed subjects (each as it is now), its latest outside reply and, with

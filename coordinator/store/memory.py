@@ -206,6 +206,7 @@ class MemoryStore:
         thread: ThreadLink | None = None,
         thread_expires_ms: int = 0,
         outside_revision: int = 0,
+        inbound: tuple[Inbound, int] | None = None,
     ) -> ClaimAttempt:
         self._expire()
         current = self._subjects.get(subject)
@@ -225,7 +226,9 @@ class MemoryStore:
                 linked.entries[subject] = _Leased(thread, revision, thread_expires_ms)
                 linked.changed = revision
             self._publish(Change(subject, None, created, None, revision))
-            return ClaimAttempt(created, None, None)
+            if inbound is not None and thread is not None:
+                await self.record_inbound(subject.mailbox, thread.thread_id, *inbound)
+            return ClaimAttempt(created, None, None, inbound_recorded=inbound is not None and thread is not None)
         end = self._ends.get(subject) if delivery is not None else None
         return ClaimAttempt(
             None,

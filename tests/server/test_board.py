@@ -716,3 +716,10 @@ async def test_a_conversation_where_agents_stopped_goes_first_and_asks_for_a_per
         await expect(stopped).to_contain_text("waiting for a person")
         await expect(page.locator("#claims tbody tr").first).to_contain_text("agents stopped")
         await page.screenshot(path=ARTIFACTS / "board-agents-stopped.png")
+        # The agent lets go of it, as the clients do: everyone watching is told, in the coordinator's words.
+        await agent.release(fourth, held.status.fencing_token)
+        await expect(stopped).to_have_count(0, timeout=LIVE)
+        await expect(page.locator("#status-line")).to_contain_text(
+            "agent-a let go of “Re: Out of office”: agents stopped: 3 agent replies to this conversation in the last "
+            "hour — a person should look. Answer it from “Answer an email yourself”."
+        )

@@ -132,6 +132,7 @@ function take(mailbox, message) {
     if (status.state === FREE) {
       if (existing) tellTheHolder(existing.status, type, previousHolder);
       if (type === "EVENT_TYPE_OUTSIDE_REPLY_UNDONE") tellTheUndo(existing ? existing.status : status, message.event);
+      if (existing && existing.status.agentsStopped) tellAgentsStopped(existing.status, message.event);
       remove(key);
     } else {
       place(upsert(status, true));
@@ -154,6 +155,13 @@ function tellTheHolder(status, type, previousHolder) {
   if (type === "EVENT_TYPE_TAKEN_OVER" && previousHolder === session.me) {
     say(`${what} was taken over from you: it is someone else's now, and what you send for it is refused.`, true);
   }
+}
+
+// An agent let go of an email in a conversation where agents were stopped (docs/design.md#reply-storms): it is
+// free again, and off the board; everyone watching hears it, in the coordinator's words.
+function tellAgentsStopped(status, event) {
+  const reason = event.reason || status.agentsStopped.reason;
+  say(`${status.holder} let go of ${nameOf(status)}: ${reason}. Answer it from “Answer an email yourself”.`);
 }
 
 // Everyone watching hears that a reply recorded as written outside was undone, by whom: the email is free again.

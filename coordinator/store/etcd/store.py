@@ -63,6 +63,7 @@ from coordinator.store.etcd.client import (
 )
 from coordinator.store.etcd.feeds import FeedHub
 from coordinator.store.etcd.group_commit import TxnBatcher
+from coordinator.store.etcd.guards import GuardMemory
 from coordinator.store.etcd.keys import Keys, prefix_end
 from coordinator.store.etcd.lapses import LapseKeeper
 from coordinator.store.etcd.lease_buckets import LeaseBuckets
@@ -132,6 +133,7 @@ class EtcdStore:
         self.feeds = FeedHub(self.current_revision, self.watch_stream)
         self._batcher = TxnBatcher(self._send_txn, settings.max_batch, settings.max_batches_in_flight)
         self._recent: OrderedDict[bytes, Stored] = OrderedDict()
+        self._guards = GuardMemory(monotonic)
         # The claims this replica wrote, ended when their time has passed should etcd restart their lease.
         self.lapses = LapseKeeper(monotonic)
 
@@ -233,8 +235,11 @@ class EtcdStore:
         thread: ThreadLink | None = None,
         thread_expires_ms: int = 0,
         outside_revision: int = 0,
+        inbound: tuple[Inbound, int] | None = None,
     ) -> ClaimAttempt:
-        """Create-if-absent in one transaction; on failure the same round trip reads what is in the way."""
+        """Create-if-absent in one transaction; on failure the same round trip reads what is in the way. The
+        thread's newest inbound message is written by a transaction nested in it, compared with what this replica
+        last knew of it (none: a new thread); when that guess was wrong the nested one fails alone."""
         subject_key = self.keys.subject(subject)
         delivery_key = self.keys.delivery(delivery.mailbox, delivery.notification_id) if delivery is not None else None
         mark_key = self.keys.thread_mark(subject.mailbox, thread.thread_id) if thread is not None else None
@@ -251,6 +256,13 @@ class EtcdStore:
             # The mark too, though only compared: a RecordOutgoing writing it must not share this group commit,
             # where both compares would see the state before either write.
             writes |= {entry_key, mark_key}
+        inbound_key = self.keys.thread_inbound(subject.mailbox, thread.thread_id) if thread is not None else None
+        inbound_guess: int | None = None  # the revision the nested transaction compares with (0: absent)
+        if inbound is not None and inbound_key is not None:
+            known, known_revision = self._guards.inbound(inbound_key)
+            if known is None or known.received_ms < inbound[0].received_ms:
+                inbound_guess = known_revision
+                writes.add(inbound_key)
 
         async def attempt() -> Any:
             compare = [_absent(subject_key)]
@@ -267,6 +279,10 @@ class EtcdStore:
                 )
                 entry = _codec.encode_thread_entry(thread)
                 success.append(_op_put(entry_key, entry, await self._lease(thread_expires_ms)))
+            if inbound is not None and inbound_key is not None and inbound_guess is not None:
+                guessed = _unchanged_since(inbound_key, inbound_guess) if inbound_guess else _absent(inbound_key)
+                put = _op_put(inbound_key, _codec.encode_inbound(inbound[0]), await self._lease(inbound[1]))
+                success.append(rpc.RequestOp(request_txn=rpc.TxnRequest(compare=[guessed], success=[put])))
             return await self._txn(compare, success, [_op_get(key) for key in reads], frozenset(writes))
 
         wrote = True
@@ -286,7 +302,10 @@ class EtcdStore:
             revision = response.header.revision
             created = Stored(record, token=revision, revision=revision)
             self._remember(subject_key, created)
-            return ClaimAttempt(created, None, None)
+            recorded = inbound_guess is not None and bool(response.responses[-1].response_txn.succeeded)
+            if recorded and inbound is not None and inbound_key is not None:
+                self._guards.saw_inbound(inbound_key, inbound[0], int(revision))
+            return ClaimAttempt(created, None, None, inbound_recorded=recorded)
         found = dict(zip(reads, (_first_kv(answer) for answer in response.responses), strict=True))
         subject_kv = found[subject_key]
         delivery_kv = found[delivery_key] if delivery_key is not None else None
@@ -567,7 +586,7 @@ class EtcdStore:
             return max((int(kv.create_revision) for kv in found.get(prefix, ())), default=0)
 
         inbound_kvs = found.get(self.keys.thread_inbound(mailbox, thread_id), ()) if thread_id else ()
-        return GuardView(
+        view = GuardView(
             thread_id,
             correspondent,
             sends(self.keys.thread_sends(mailbox, thread_id)) if thread_id else (),
@@ -577,22 +596,58 @@ class EtcdStore:
             created(self.keys.thread_sends(mailbox, thread_id)) if thread_id else 0,
             created(self.keys.correspondent_sends(mailbox, correspondent)) if correspondent else 0,
         )
+        if thread_id:
+            self._guards.saw_window(self.keys.thread_sends(mailbox, thread_id), view.thread_sends, view.thread_created)
+            self._guards.saw_inbound(self.keys.thread_inbound(mailbox, thread_id), view.latest, view.latest_revision)
+        if correspondent:
+            prefix = self.keys.correspondent_sends(mailbox, correspondent)
+            self._guards.saw_window(prefix, view.correspondent_sends, view.correspondent_created)
+        return view
+
+    def _guessed_guard(self, mailbox: str, thread_id: str, correspondent: str) -> GuardView:
+        """The guard records as this replica last knew them (coordinator/store/etcd/guards.py): a guess the
+        commit's compares check."""
+        thread_sends, thread_created = self._guards.window(self.keys.thread_sends(mailbox, thread_id))
+        latest, latest_revision = self._guards.inbound(self.keys.thread_inbound(mailbox, thread_id))
+        correspondent_sends, correspondent_created = self._guards.window(
+            self.keys.correspondent_sends(mailbox, correspondent)
+        )
+        return GuardView(
+            thread_id,
+            correspondent,
+            thread_sends if thread_id else (),
+            correspondent_sends if correspondent else (),
+            latest if thread_id else None,
+            latest_revision if thread_id else 0,
+            thread_created if thread_id else 0,
+            correspondent_created if correspondent else 0,
+        )
 
     async def record_inbound(self, mailbox: str, thread_id: str, inbound: Inbound, expires_ms: int) -> None:
         """The thread's newest inbound message becomes ``inbound`` unless a later one is recorded: read, then
         written only while unchanged."""
         key = self.keys.thread_inbound(mailbox, thread_id)
+        # First on what this replica last knew (none: a new thread), then on what etcd holds.
+        known, revision = self._guards.inbound(key)
+        guessed = known is None or known.received_ms < inbound.received_ms
         for _ in range(_CAS_ATTEMPTS):
-            kv = _first_kv((await self._txn([], [_op_get(key)], [], frozenset())).responses[0])
-            if kv is not None and _codec.decode_inbound(kv.value).received_ms >= inbound.received_ms:
-                return
+            if not guessed:
+                kv = _first_kv((await self._txn([], [_op_get(key)], [], frozenset())).responses[0])
+                known = _codec.decode_inbound(kv.value) if kv is not None else None
+                revision = int(kv.mod_revision) if kv is not None else 0
+                self._guards.saw_inbound(key, known, revision)
+                if known is not None and known.received_ms >= inbound.received_ms:
+                    return
+            guessed = False
 
-            async def attempt(kv: Any = kv) -> Any:
-                compare = _unchanged_since(key, kv.mod_revision) if kv is not None else _absent(key)
+            async def attempt(revision: int = revision) -> Any:
+                compare = _unchanged_since(key, revision) if revision else _absent(key)
                 put = _op_put(key, _codec.encode_inbound(inbound), await self._lease(expires_ms))
                 return await self._txn([compare], [put], [], frozenset((key,)))
 
-            if (await self._with_leases(attempt)).succeeded:
+            response = await self._with_leases(attempt)
+            if response.succeeded:
+                self._guards.saw_inbound(key, inbound, int(response.header.revision))
                 return
         raise StoreConflict(f"the thread {thread_id!r} of {mailbox!r} kept changing; retry")
 
@@ -617,16 +672,14 @@ class EtcdStore:
             if known is not None:
                 current, last_end, known = known, None, None
                 if guarded and _guarded(current.record):
-                    guard = await self.read_guard(
-                        subject.mailbox, current.record.thread_id, current.record.correspondent
-                    )
+                    guard = self._guessed_guard(subject.mailbox, current.record.thread_id, current.record.correspondent)
                 try:
                     transition = decide(current, last_end, guard)
                 except Exception:
                     # Decided on what may be stale: a refusal is answered only from etcd's copy (and a refusal
                     # that stands is raised again, from there).
                     continue
-                if transition.write is None and transition.end is None:
+                if (transition.write is None and transition.end is None) or transition.refusal is not None:
                     continue
             else:
                 current, last_end = await self.read(subject)
@@ -651,6 +704,8 @@ class EtcdStore:
                 )
             )
             if response.succeeded:
+                if transition.counting is not None and guard is not None:
+                    self._counted(subject.mailbox, guard, transition.counting, int(response.header.revision))
                 return transition, self._committed(subject_key, current, transition, response.header.revision)
             log.debug("compare-and-swap on %r lost a race; deciding again", subject_key)
         raise StoreConflict(f"the subject changed {_CAS_ATTEMPTS} times while this call ran; retry it")
@@ -734,6 +789,21 @@ class EtcdStore:
                 compare.append(_unchanged_since(mark_key, mark[0].mod_revision))
                 delete(mark_key)
         return await self._txn(compare, ops, [], frozenset(writes))
+
+    def _counted(self, mailbox: str, guard: GuardView, counting: Counting, revision: int) -> None:
+        """What this replica now knows of the windows it counted a send in (or gave one back from)."""
+        windows = []
+        if guard.thread_id:
+            windows.append((self.keys.thread_sends(mailbox, guard.thread_id), counting.thread_expires_ms))
+        if guard.correspondent:
+            windows.append(
+                (self.keys.correspondent_sends(mailbox, guard.correspondent), counting.correspondent_expires_ms)
+            )
+        for prefix, expires_ms in windows:
+            if counting.give_back:
+                self._guards.gave_back(prefix, counting.give_back)
+            elif counting.send is not None and expires_ms:
+                self._guards.counted(prefix, counting.send, revision)
 
     async def _count(
         self,
