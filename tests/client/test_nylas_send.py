@@ -9,6 +9,7 @@ can know.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 from collections.abc import Iterator
@@ -289,7 +290,9 @@ async def test_a_persons_reply_is_never_marked_automatic_and_an_agents_keeps_its
         person.reply_to(mailbox=mailbox, message_id=person_subject.id) as claim,
     ):
         await claim.send(nylas.send, mailbox, a_reply(person_subject.id), idempotency_key=claim.idempotency_key)
-    own = {**a_reply(agent_subject.id).payload(), "custom_headers": [{"name": "X-Ticket", "value": "T-7"}]}
+    own = dataclasses.replace(
+        a_reply(agent_subject.id), fields={"custom_headers": [{"name": "X-Ticket", "value": "T-7"}]}
+    )
     async with (
         AsyncCoordinator(server.address, principal="agent-a") as agent,
         AsyncNylas(API_KEY, api_base=fake.api_base) as nylas,

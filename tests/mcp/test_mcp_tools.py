@@ -380,3 +380,22 @@ async def test_send_reply_to_a_conversation_that_moved_on_says_to_answer_the_new
     assert answer(result)["message"].startswith(
         "Not sent: the customer wrote again; draft again with the new message (message msg-new)."
     )
+
+
+async def test_send_reply_counts_the_correspondent_from_the_summarys_sender(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str
+) -> None:
+    """The sender of the summary the model gives is the correspondent of the reply budget: the eleventh reply to one
+    customer in a day, over eleven conversations, is refused."""
+    asked = datetime(2026, 12, 2, 14, 3, tzinfo=UTC).isoformat()
+
+    def to_bea(n: int) -> dict[str, Any]:
+        summary = {"subject_line": f"Order {n}", "sender": "Bea Costa <Bea@Example.org>"}
+        return {**reply_arguments(mailbox, f"m-{n}"), "thread_id": f"t-{n}", "received_at": asked, "summary": summary}
+
+    async with agent_session(server.address, "agent-a", api_base=fake.api_base) as (client, _):
+        results = [await client.call_tool("send_reply", to_bea(n)) for n in range(11)]
+
+    assert [answer(result)["outcome"] for result in results] == ["sent"] * 10 + ["not_sent"]
+    assert "agent replies to bea@example.org in the last day" in answer(results[10])["message"].lower()
+    assert len(fake.sends) == 10

@@ -7,6 +7,8 @@ never our code:
   be an ``X-`` header) or in MIME (``Content-Type: text/plain``, the MIME in base64: the draft keeps its headers,
   any name; not base64: 400 ``ErrorMimeContentInvalidBase64String``), then ``send`` (202, no body: the draft, same
   immutable id, moves to Sent Items);
+* ``GET /messages`` (every folder's messages) with ``$filter=conversationId eq '<id>'``, optionally ``and
+  receivedDateTime gt|ge <time>`` (the filters Graph documents for messages), ``$select`` as for one message;
 * the well-known folders (``inbox``, ``sentitems``, ``drafts``), by name or ``('name')``;
 * delta queries per folder: the first round lists the folder's messages (``$filter=receivedDateTime ge <t>``
   supported, as documented for messages), ``odata.maxpagesize`` per page with an ``@odata.nextLink``, then an
@@ -42,6 +44,7 @@ _FOLDERS = {"inbox": INBOX, "sentitems": SENT, "drafts": DRAFTS}
 _USER_PATH = re.compile(r"^(?P<version>/[^/]+)?/users/(?P<user>[^/]+)/(?P<rest>.+)$")
 _FOLDER_DELTA = re.compile(r"^mailFolders(?:\('(?P<quoted>[^']+)'\)|/(?P<plain>[^/]+))/messages/delta$")
 _FILTER = re.compile(r"^receivedDateTime (ge|gt) (\S+)$")
+_CONVERSATION = re.compile(r"^conversationId eq '((?:[^']|'')*)'(?: and receivedDateTime (ge|gt) (\S+))?$")
 SendFailure = Literal["reject", "unavailable", "lost_answer"]
 
 
@@ -199,6 +202,9 @@ class FakeGraph(Outbox):
                     return _error(404, "ErrorInvalidIdMalformed", f"no folder {name}")
                 return _json(200, _selected({"id": _FOLDERS[name], "displayName": name}, params))
             parts = rest.split("/")
+            if request.method == "GET" and parts == ["messages"]:
+                self.calls["messages.list"] += 1
+                return self._list(params)
             if parts[0] != "messages" or len(parts) < 2:
                 return _error(400, "BadRequest", f"{request.method} {rest}")
             message = self.messages.get(parts[1])
@@ -267,6 +273,21 @@ class FakeGraph(Outbox):
         draft = self.messages[json.loads(answer.content)["id"]]
         draft["internetMessageHeaders"] = headers
         return answer
+
+    def _list(self, params: dict[str, str]) -> HttpResponse:
+        bound = _CONVERSATION.match(params.get("$filter", ""))
+        if bound is None:
+            return _error(400, "ErrorInvalidUrlQueryFilter", "only conversationId eq [and receivedDateTime] here")
+        conversation = bound.group(1).replace("''", "'")
+        found = [m for m in self.messages.values() if m["conversationId"] == conversation]
+        if bound.group(2):
+            at = _time(bound.group(3))
+            found = [
+                m
+                for m in found
+                if _time(m["receivedDateTime"]) > at or (bound.group(2) == "ge" and _time(m["receivedDateTime"]) == at)
+            ]
+        return _json(200, {"value": [_selected(m, params) for m in found]})
 
     def _send(self, draft: dict[str, Any]) -> HttpResponse:
         if draft["parentFolderId"] != DRAFTS:

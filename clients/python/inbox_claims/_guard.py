@@ -64,7 +64,7 @@ from ._types import (
     SubjectState,
     SubjectStatus,
 )
-from .providers._seam import MessageFacts
+from .providers._seam import MessageFacts, ProviderError, split_address
 from .providers.nylas import facts_of as nylas_facts
 
 log = logging.getLogger("inbox_claims")
@@ -172,6 +172,12 @@ def correspondent_of(facts: MessageFacts) -> str:
     takes (over its byte limit)."""
     address = facts.from_addresses[0].strip() if facts.from_addresses else ""
     return address if len(address.encode("utf-8")) <= CORRESPONDENT_MAX_BYTES else ""
+
+
+def correspondent_in(summary: MessageSummary | None) -> str:
+    """A claim made without its notification (the MCP tools) knows its sender from the summary, if at all."""
+    address = split_address(summary.sender)[1] if summary is not None else ""
+    return address if "@" in address and len(address.encode("utf-8")) <= CORRESPONDENT_MAX_BYTES else ""
 
 
 def outgoing_of(
@@ -369,7 +375,7 @@ class GuardState:
             summary=summary,
             thread_id=thread or "",
             received_at=date,
-            correspondent=correspondent_of(facts) if facts is not None else "",
+            correspondent=correspondent_of(facts) if facts is not None else correspondent_in(summary),
         )
         if facts is not None:
             state.outgoing_check(facts, mailbox, thread, date)
@@ -582,6 +588,7 @@ class GuardState:
                     f"claim.send() runs once, inside the claim's block (this claim is {self.phase.value})"
                 )
             self.phase = Phase.BEGINNING  # renewal stops; until BeginSend answers, the exit aborts
+        yield from self._look(fn, args)
         begin = yield from self.core.call(self.core.begin_send_op(self.subject, self.token))
         if begin.refusal is not None:
             # Still held: leaving the block releases it, not redeliverable (the refusal is the decision).
@@ -607,6 +614,52 @@ class GuardState:
             raise
         yield from self._confirm(sent)
         return sent
+
+    def _look(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Flow[None]:
+        """Look before you send (docs/design.md#reply-storms): when the send is a provider's reply to a message's
+        facts (``claim.send(provider.reply, message, ...)``), ask the provider for the thread's messages received
+        since, right before the commit point, and record each as its notification would have been: a reply from the
+        mailbox with RecordOutgoing (BeginSend then finds the message answered), a customer's newer message with
+        RecordIncoming (BeginSend then refuses: the conversation moved on). A provider that cannot answer does not
+        stop the send: the notifications still come, as before."""
+        provider = getattr(fn, "__self__", None)
+        look = getattr(provider, "look", None)
+        message = args[0] if args and isinstance(args[0], MessageFacts) else None
+        if message is None or not callable(look):
+            return
+        try:
+            found: tuple[MessageFacts, ...] = yield from look(message)
+        except ProviderError as error:
+            log.warning("could not look at the thread of %s before sending (%s); sending anyway", self.subject, error)
+            return
+        addresses = getattr(provider, "mailbox_addresses", ())
+        for facts in found:
+            # newer_than keeps only messages with both
+            assert facts.thread_id is not None
+            assert facts.received_at is not None
+            why = facts.outgoing if isinstance(facts.outgoing, OutgoingMatch) else None
+            why = why or outgoing_of(self.core.options.outgoing, facts, addresses)
+            if why is not None:
+                stamp = facts.stamp.token if facts.stamp is not None and why.rule == "sent_folder" else 0
+                op: Op[Any] = self.core.record_outgoing_op(
+                    facts.mailbox,
+                    facts.message_id,
+                    facts.thread_id,
+                    facts.received_at,
+                    sender=clean_text(facts.sender, SUMMARY_SENDER_MAX_BYTES),
+                    claim_token=stamp,
+                )
+            else:
+                op = self.core.record_incoming_op(
+                    facts.mailbox,
+                    facts.message_id,
+                    facts.thread_id,
+                    facts.received_at,
+                    automated=clean_text(automated_of(facts) or "", AUTOMATED_REASON_MAX_BYTES),
+                    summary=summary_of(facts),
+                )
+            yield from self.core.call(op)
+            log.info("looked before sending %s: found %s, recorded (%s)", self.subject, facts.message_id, why or "new")
 
     def mark_replied(self, sent_message_id: str, note: str) -> Flow[None]:
         """MarkReplied (fenced): the reply was made outside ``send``; a refusal is the claim's loss."""

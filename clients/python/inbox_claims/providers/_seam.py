@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from email.message import EmailMessage
@@ -355,6 +355,15 @@ def reply_mime(message: MessageFacts, body: str, stamp: ClaimStamp) -> EmailMess
         reply[name] = value
     reply.set_content(body)
     return reply
+
+
+def newer_than(message: MessageFacts, found: Iterable[MessageFacts]) -> Iterator[MessageFacts]:
+    """The messages of ``found`` received after ``message`` (itself left out): what a provider's ``look`` answers."""
+    assert message.received_at is not None
+    for facts in found:
+        received = facts.received_at
+        if facts.message_id != message.message_id and received is not None and received > message.received_at:
+            yield facts
 
 
 def reply_subject(subject: str) -> str:

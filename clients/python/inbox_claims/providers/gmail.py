@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
 import jwt
 
@@ -44,6 +45,7 @@ from ._seam import (
     header,
     http,
     message_ids,
+    newer_than,
     parse_stamp,
     reply_mime,
     reply_subject,
@@ -373,6 +375,23 @@ class GmailProvider:
             ),
             source=dict(message),
         )
+
+    # -- look before you send ----------------------------------------------------------------------------------
+
+    def look(self, message: MessageFacts) -> Flow[tuple[MessageFacts, ...]]:
+        """The thread's messages received after ``message`` (``threads.get`` in metadata form: one call), for the
+        guard's look right before the commit point (docs/providers.md, "Look before you send")."""
+        if not message.thread_id or message.received_at is None:
+            return ()
+        params = [("format", "metadata")] + [("metadataHeaders", name) for name in METADATA_HEADERS]
+        response = yield from http(self.transport, self._api("GET", f"threads/{quote(message.thread_id)}", params))
+        if response.status == 404:
+            return ()
+        document = response.json()
+        if response.status != 200 or not isinstance(document, dict):
+            raise ProviderError(f"threads.get {message.thread_id!r} answered HTTP {response.status}")
+        found = (self.facts(m) for m in document.get("messages") or [] if isinstance(m, dict) and "id" in m)
+        return tuple(newer_than(message, found))
 
     # -- send ------------------------------------------------------------------------------------------------
 

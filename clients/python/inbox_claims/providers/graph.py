@@ -46,6 +46,7 @@ from ._seam import (
     header,
     http,
     message_ids,
+    newer_than,
     parse_stamp,
     reply_mime,
     reply_subject,
@@ -389,6 +390,29 @@ class GraphProvider:
     def renew(self, subscription_id: str) -> Any:
         """Renews a subscription now (run on this provider's transport)."""
         return drive(self._renew(subscription_id), self.transport)
+
+    # -- look before you send ----------------------------------------------------------------------------------
+
+    def look(self, message: MessageFacts) -> Flow[tuple[MessageFacts, ...]]:
+        """The conversation's messages received after ``message`` (one list call: ``$filter`` on conversationId and
+        receivedDateTime, its first page), for the guard's look right before the commit point."""
+        if not message.thread_id or message.received_at is None:
+            return ()
+        since = message.received_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        conversation = message.thread_id.replace("'", "''")
+        query = [
+            ("$select", SELECT),
+            ("$filter", f"conversationId eq '{conversation}' and receivedDateTime gt {since}"),
+        ]
+        response = yield from http(self.transport, self._request("GET", self._user_url("messages"), params=query))
+        document = response.json()
+        if response.status != 200 or not isinstance(document, dict):
+            raise ProviderError(f"listing conversation {message.thread_id!r} answered HTTP {response.status}")
+        found = []
+        for item in document.get("value") or []:
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                found.append((yield from self.facts(item, "message.created")))
+        return tuple(newer_than(message, found))
 
     # -- send ------------------------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from .._webhooks import (
     verify_nylas_signature,
     verify_standard_webhook,
 )
-from ._httpx import AsyncHttp, HttpTransport
+from ._httpx import AsyncHttp, HttpTransport, current_stamp, drive
 from ._seam import (
     Accepted,
     Answer,
@@ -61,6 +61,7 @@ from ._seam import (
     ReplyContext,
     WebhookRequest,
     http,
+    newer_than,
     reply_subject,
 )
 
@@ -91,7 +92,28 @@ def facts_of(notification: Notification) -> MessageFacts | None:
     message (``grant.expired``...). Fields of another shape than Nylas documents are left out, never an error."""
     if not notification.is_message_event or notification.message_id is None:
         return None
-    message = notification.object
+    return message_facts(
+        notification.object,
+        event=notification.base_type,
+        mailbox=notification.grant_id or "",
+        dedup_key=notification.notification_id,
+        message_id=notification.message_id,
+        thread_id=notification.thread_id,
+        source=notification,
+    )
+
+
+def message_facts(
+    message: Mapping[str, Any],
+    *,
+    event: str,
+    mailbox: str,
+    dedup_key: str,
+    message_id: str,
+    thread_id: str | None,
+    source: Any,
+) -> MessageFacts:
+    """The facts of a Nylas message object (a notification's ``data.object``, or one the API answered)."""
     senders = message.get("from")
     first = senders[0] if isinstance(senders, list) and senders and isinstance(senders[0], dict) else {}
     name, email = first.get("name"), first.get("email")
@@ -112,11 +134,11 @@ def facts_of(notification: Notification) -> MessageFacts | None:
     headers = message.get("headers")
     return MessageFacts(
         provider="nylas",
-        event=notification.base_type,
-        mailbox=notification.grant_id or "",
-        dedup_key=notification.notification_id,
-        message_id=notification.message_id,
-        thread_id=notification.thread_id,
+        event=event,
+        mailbox=mailbox,
+        dedup_key=dedup_key,
+        message_id=message_id,
+        thread_id=thread_id,
         received_at=_date_of(message),
         sender=f"{name} <{email}>" if name and email else name or email,
         subject_line=subject,
@@ -125,7 +147,7 @@ def facts_of(notification: Notification) -> MessageFacts | None:
         # A webhook's message carries no headers; one read with fields=include_headers does (NylasProvider.open).
         automated=Automated.of(_header_pairs(headers), email) if isinstance(headers, list) else None,
         reply=ReplyContext(to=tuple(to), subject=reply_subject(subject)),
-        source=notification,
+        source=source,
     )
 
 
@@ -227,6 +249,64 @@ class NylasProvider:
                     automated = Automated.of(_header_pairs(headers), (facts.from_addresses or (None,))[0])
                     facts = dataclasses.replace(facts, automated=automated)
         return Batch(facts=(facts,))
+
+    def _api(self, method: str, path: str, params: tuple[tuple[str, str], ...] = (), **more: Any) -> HttpRequest:
+        headers = (("Authorization", f"Bearer {self.api_key}"), ("Accept", "application/json"))
+        extra = tuple(more.pop("headers", ()))
+        return HttpRequest(method, f"{self.api_base}/v3/grants/{path}", params, headers + extra, **more)
+
+    def look(self, message: MessageFacts) -> Flow[tuple[MessageFacts, ...]]:
+        """The thread's messages received after ``message`` (``GET /v3/grants/{grant}/messages`` with ``thread_id``
+        and ``received_after``, their headers included: one call), for the guard's look right before the commit
+        point. Without ``api_key``, nothing (the notifications alone tell)."""
+        if not self.api_key or self.transport is None or not message.thread_id or message.received_at is None:
+            return ()
+        params = (
+            ("thread_id", message.thread_id),
+            ("received_after", str(int(message.received_at.timestamp()))),
+            ("fields", "include_headers"),
+        )
+        response = yield from http(
+            self.transport, self._api("GET", f"{quote(message.mailbox, safe='')}/messages", params)
+        )
+        document = response.json()
+        listed = document.get("data") if isinstance(document, dict) else None
+        if response.status != 200 or not isinstance(listed, list):
+            raise ProviderError(f"listing thread {message.thread_id!r} answered HTTP {response.status}")
+        found = (
+            message_facts(
+                item,
+                event="message.created",
+                mailbox=message.mailbox,
+                dedup_key="",
+                message_id=item["id"],
+                thread_id=item.get("thread_id") if isinstance(item.get("thread_id"), str) else message.thread_id,
+                source=item,
+            )
+            for item in listed
+            if isinstance(item, dict) and isinstance(item.get("id"), str)
+        )
+        return tuple(newer_than(message, found))
+
+    def reply(self, message: MessageFacts, body: str) -> Any:
+        """``claim.send(provider.reply, message, body=...)``: the reply through Nylas's send API, with the claim's
+        ``Idempotency-Key`` and an agent's ``Auto-Submitted`` (so that the guard looks at the thread first); the
+        sent message's id: a ``str`` on a blocking transport, a coroutine of it on an asyncio one. Needs
+        ``api_key``."""
+        if not self.api_key or self.transport is None:
+            raise ValueError("NylasProvider.reply needs api_key= (the Nylas API key)")
+        draft = NylasReply(message.message_id, list(message.reply.to), message.reply.subject, body)
+        return drive(self._reply(message.mailbox, draft, current_stamp().key), self.transport)
+
+    def _reply(self, grant_id: str, draft: NylasReply, idempotency_key: str) -> Flow[str | None]:
+        headers = (("Idempotency-Key", idempotency_key), ("Content-Type", "application/json"))
+        path = f"{quote(grant_id, safe='')}/messages/send"
+        request = self._api("POST", path, headers=headers, content=_payload(draft))
+        try:
+            response = yield from http(self.transport, request)  # type: ignore[arg-type]
+        except ProviderError as error:
+            raise NylasSendOutcomeUnknown(f"the send may have gone out: {error}") from error
+        return interpret_send_response(response.status, response.content)
 
     def _with_headers(self, grant_id: str, message_id: str) -> Flow[dict[str, Any] | None]:
         assert self.transport is not None
