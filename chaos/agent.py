@@ -21,6 +21,11 @@ Before it claims, the agent reads the message with its headers from the mail API
 carries no headers), so that the client's automated-mail rules see ``Auto-Submitted``, ``List-Id``... and leave
 such mail to people (``AutomatedMessage``).
 
+Right before the commit point the agent looks at the thread (unless ``--no-look``): its send is passed to
+``claim.send`` as a provider's reply to the message's facts, whose provider is the Nylas provider on the mail API
+(the sink), so the guard asks it for the thread's messages received since (``NylasProvider.look``) and records
+what it finds (a person's reply: RecordOutgoing; a customer's newer message: RecordIncoming) before BeginSend.
+
 ``--ignore-reply-rules`` is the negative control of the reply-storm rules (docs/design.md#reply-storms): the agent
 does not read the headers (the client sees no automated mail), and sends anyway when BeginSend refuses (the reply
 budget spent, the conversation moved on), as a send path without the rules would. The coordinator has no such
@@ -63,6 +68,10 @@ from inbox_claims import (
 )
 from inbox_claims import Notification as Envelope
 from inbox_claims.errors import AutomatedMessage, ConversationMovedOn, ReplyBudgetSpent, ReplyRefused
+from inbox_claims.providers import MessageFacts
+from inbox_claims.providers._seam import Flow
+from inbox_claims.providers.nylas import NylasProvider
+from inbox_claims.providers.nylas import facts_of as nylas_facts
 from inbox_claims.types import LossReason, SubjectKind
 from inbox_claims.webhooks import WebhookVerificationError, parse_notification, verify_nylas_signature
 
@@ -147,6 +156,11 @@ class Agent:
         self.unfenced: bool = options.unfenced
         self.ignore_outgoing: bool = options.ignore_outgoing
         self.ignore_reply_rules: bool = options.ignore_reply_rules
+        self.looking = (
+            None
+            if options.no_look
+            else NylasProvider(options.secret, api_key="chaos", api_base=f"http://{options.sink}")
+        )
         self.retry: bool = not options.no_retry
         self.mode = "unfenced" if options.unfenced else "fenced"
         self.log = JsonlLog(options.log, agent=self.name, inc=options.incarnation)
@@ -260,8 +274,9 @@ class Agent:
         try:
             async with guard as claim:
                 date = notification.object.get("date")
+                facts = nylas_facts(notification)
                 return await self.answer(
-                    claim, nid, notification.message_id or "", date if isinstance(date, int) else 0
+                    claim, nid, notification.message_id or "", date if isinstance(date, int) else 0, facts
                 )
         except DuplicateDelivery:
             self.log.write("refused", nid=nid, msg=notification.message_id, why="duplicate")
@@ -301,7 +316,9 @@ class Agent:
     def on_lost(self, claim: AsyncClaim, nid: str) -> None:
         self.log.write("loss_seen", nid=nid, token=claim.token, reason=_reason(claim))
 
-    async def answer(self, claim: AsyncClaim, nid: str, message_id: str, date: int) -> bool:
+    async def answer(
+        self, claim: AsyncClaim, nid: str, message_id: str, date: int, facts: MessageFacts | None = None
+    ) -> bool:
         """Drafts and sends. True when the claim was lost because the coordinator could not be reached."""
         subject = claim.subject
         token = claim.token
@@ -329,7 +346,10 @@ class Agent:
             return _reason(claim) not in FINAL_LOSSES
         try:
             self.log.write("begin", nid=nid, token=token)  # before BeginSend: chaos/storms.py orders it after records
-            sent_id = await claim.send(send)
+            if self.looking is not None and facts is not None:
+                sent_id = await claim.send(Looking(self.looking, send).reply, facts)
+            else:
+                sent_id = await claim.send(send)
             self.log.write("confirmed", nid=nid, token=token, sent_id=sent_id, **where)
         except ReplyRefused as refused:
             scope = refused.scope if isinstance(refused, ReplyBudgetSpent) else ""
@@ -417,6 +437,22 @@ def looks_incoming(notification: Envelope) -> Envelope:
     return parse_notification(document)
 
 
+class Looking:
+    """The agent's send as a provider's reply (``claim.send(Looking(provider, send).reply, facts)``), so that the
+    guard looks at the thread through ``provider.look`` right before the commit point."""
+
+    def __init__(self, provider: NylasProvider, send: Callable[[], Awaitable[str]]) -> None:
+        self.provider = provider
+        self.mailbox_addresses = provider.mailbox_addresses
+        self._send = send
+
+    def look(self, message: MessageFacts) -> Flow[tuple[MessageFacts, ...]]:
+        return self.provider.look(message)
+
+    async def reply(self, message: MessageFacts) -> str:
+        return await self._send()
+
+
 def dated(notification: Envelope, date: int) -> Envelope:
     """The notification as if about the thread's newest message (received at ``date``): a thread claim made
     from it is one for the conversation as it is now."""
@@ -464,6 +500,7 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="NEGATIVE CONTROL: answer automated mail and send when BeginSend refuses (budget, moved on)",
     )
+    parser.add_argument("--no-look", action="store_true", help="do not look at the thread before the commit point")
     parser.add_argument(
         "--no-retry", action="store_true", help="never try a notification again after the coordinator was unreachable"
     )

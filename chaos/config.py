@@ -40,6 +40,8 @@ class Config:
     storms: int = 1
     """How many of each reply-storm actor (chaos/workload.py); 0: none."""
     ignore_reply_rules: bool = False
+    look: bool = True
+    """Agents look at the thread right before their commit point (the Nylas provider's look, chaos/agent.py)."""
     """NEGATIVE CONTROL: agents answer automated mail and send when BeginSend refuses (chaos/agent.py)."""
     agent_retry: bool = True
     sink_fail_rate: float = 0.02
@@ -112,6 +114,8 @@ def replay_command(config: Config) -> str:
         parts.append(f"--storms {config.storms}")
     if config.ignore_reply_rules:
         parts.append("--ignore-reply-rules")
+    if not config.look:
+        parts.append("--no-look")
     if config.unfenced:
         parts.append("--unfenced")
     if config.ignore_outgoing:

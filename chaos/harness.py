@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="NEGATIVE CONTROL: agents answer automated mail and send when BeginSend refuses (budget, moved on)",
     )
     parser.add_argument(
+        "--no-look", action="store_true", help="agents do not look at the thread before their commit point"
+    )
+    parser.add_argument(
         "--no-agent-retry",
         action="store_true",
         help="agents never retry a notification after the coordinator was unreachable (shows a silent drop)",
@@ -104,6 +107,7 @@ def config_from(options: argparse.Namespace) -> Config:
         ignore_outgoing=options.ignore_outgoing,
         storms=options.storms,
         ignore_reply_rules=options.ignore_reply_rules,
+        look=not options.no_look,
         agent_retry=not options.no_agent_retry,
         sink_fail_rate=options.sink_fail_rate,
         workdir=options.workdir,

@@ -102,6 +102,7 @@ class Run:
         await asyncio.gather(
             self.webhooks.run_plan(t0),
             self.webhooks.run_outside(t0),
+            self.webhooks.run_arrivals(t0),
             faults.run_lane(targets, cluster, t0 + 3.0, fault_end, self.faults, self.error),
             faults.run_lane(targets, process, t0 + 4.0, fault_end, self.faults, self.error),
             self.correspondents.run(t0, fault_end, lambda n: self.webhooks.deliver_new(n, self.rng)),
@@ -221,6 +222,7 @@ class Run:
             else "fenced",
             "t0": self.webhooks.t0,
             "storms": c.storms,
+            "look": c.look,
             "etcd_version": self.etcd_version,
             "etcd_binary": " ".join((str(self.etcd_binary), *c.etcd_args)),
             "etcd_election_timeout_ms": election_timeout_ms(c.etcd_args),

@@ -13,7 +13,12 @@ wants to see past): the checker must see exactly what went out.
 It also answers what the Nylas provider reads before an agent's claim: ``GET /v3/grants/<grant>/messages/<id>
 ?fields=include_headers``, the message with its headers (``headers``: a list of ``{"name", "value"}``, as Nylas
 documents it); 404 for a message it does not know. The harness gives it each message before its first
-notification (``PUT /chaos/messages/<grant>/<id>``, the message object): a webhook carries no headers.
+notification (``PUT /chaos/messages/<grant>/<id>``, the message object): a webhook carries no headers. And what
+the Nylas provider asks right before an agent's commit point ("look before you send"): ``GET
+/v3/grants/<grant>/messages?thread_id=<thread>&received_after=<unix seconds>&fields=include_headers``, the
+thread's messages received after that time. The harness gives the sink each inbound message when it arrives
+(before its notification) and each person's reply from Gmail when it is sent; the agents' own replies are not
+listed (the harness has no notifications of them either).
 
 With ``--fail-rate`` some sends end with an outcome the sender cannot know: half of them go out and then
 answer 500, half do not go out and the connection is dropped. Both must end IN_DOUBT, never as a second reply.
@@ -27,6 +32,7 @@ import json
 import random
 import time
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 from .common import JsonlLog, Request, Response, announce, exit_at, serve_http
 
@@ -49,6 +55,20 @@ async def run(listen: str, log_path: Path, fail_rate: float, seed: int, deadline
             grant, _, message_id = request.path[len(MESSAGES_PREFIX) :].partition("/")
             messages[(grant, message_id)] = request.body
             return Response(200, b"{}")
+        if request.method == "GET" and request.path.startswith(SEND_PATH_PREFIX) and "/messages?" in request.path:
+            path, _, query = request.path.partition("?")
+            grant = path[len(SEND_PATH_PREFIX) : -len("/messages")]
+            params = dict(parse_qsl(query))
+            thread, after = params.get("thread_id", ""), int(params.get("received_after", "0") or 0)
+            listed = [
+                document
+                for (box, _), body in messages.items()
+                if box == grant
+                and (document := json.loads(body)).get("thread_id") == thread
+                and int(document.get("date", 0)) > after
+            ]
+            log.write("look", grant=grant, thread_id=thread, received_after=after, found=[m["id"] for m in listed])
+            return Response(200, json.dumps({"data": listed}).encode())
         if request.method == "GET" and request.path.startswith(SEND_PATH_PREFIX) and "/messages/" in request.path:
             path, _, query = request.path.partition("?")
             grant, _, message_id = path[len(SEND_PATH_PREFIX) :].partition("/messages/")

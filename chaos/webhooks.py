@@ -33,6 +33,7 @@ class Webhooks:
         """The run's start: messages' dates count from it."""
         self.outside_errors: list[str] = []
         self.stored: set[str] = set()
+        self.outside_notifications = {n.message.message_id: n for n in workload.notifications if n.outgoing}
 
     async def deliver(self, notification_id: str, agent: AgentHandle, *, reason: str) -> int:
         """POSTs one delivery attempt, signed like Nylas; 1 if the agent answered 200."""
@@ -76,6 +77,18 @@ class Webhooks:
             raise RuntimeError(f"the sink answered {status} to {path}")
         self.stored.add(message.message_id)
 
+    async def run_arrivals(self, t0: float) -> None:
+        """Each inbound message is in the mailbox (the sink) when it arrives, before its notification: what an
+        agent's look before its send can find."""
+        self.t0 = t0
+        firsts = {n.message.message_id: n for n in reversed(self._workload.notifications) if not n.outgoing}
+        for notification in sorted(firsts.values(), key=lambda n: n.message.arrives_at):
+            await asyncio.sleep(max(t0 + notification.message.arrives_at - time.time(), 0.0))
+            try:
+                await self.store(notification)
+            except (OSError, TimeoutError, RuntimeError) as error:
+                self.outside_errors.append(f"{notification.message.message_id}: {type(error).__name__}: {error}")
+
     async def run_plan(self, t0: float) -> None:
         """The main phase's deliveries, each at its planned time after ``t0`` to its planned agent."""
         self.t0 = t0
@@ -100,6 +113,7 @@ class Webhooks:
                 await post_reply(
                     self._processes.sink_address, subject, 0, OUTSIDE_SENDER, mode="outside", sent_id=reply.message_id
                 )
+                await self.store(self.outside_notifications[reply.message_id])  # in the thread from now on
             except (OSError, TimeoutError, RuntimeError) as error:
                 self.outside_errors.append(f"{reply.message_id}: {type(error).__name__}: {error}")
 
