@@ -347,7 +347,7 @@ class Agent:
         try:
             self.log.write("begin", nid=nid, token=token)  # before BeginSend: chaos/storms.py orders it after records
             if self.looking is not None and facts is not None:
-                sent_id = await claim.send(Looking(self.looking, send).reply, facts)
+                sent_id = await claim.send(Looking(self.looking, send, self.log, nid).reply, facts)
             else:
                 sent_id = await claim.send(send)
             self.log.write("confirmed", nid=nid, token=token, sent_id=sent_id, **where)
@@ -441,13 +441,19 @@ class Looking:
     """The agent's send as a provider's reply (``claim.send(Looking(provider, send).reply, facts)``), so that the
     guard looks at the thread through ``provider.look`` right before the commit point."""
 
-    def __init__(self, provider: NylasProvider, send: Callable[[], Awaitable[str]]) -> None:
+    def __init__(self, provider: NylasProvider, send: Callable[[], Awaitable[str]], log: JsonlLog, nid: str) -> None:
         self.provider = provider
         self.mailbox_addresses = provider.mailbox_addresses
         self._send = send
+        self._log = log
+        self._nid = nid
 
     def look(self, message: MessageFacts) -> Flow[tuple[MessageFacts, ...]]:
-        return self.provider.look(message)
+        started = time.monotonic()
+        found = yield from self.provider.look(message)
+        ms = round((time.monotonic() - started) * 1000, 2)
+        self._log.write("looked", nid=self._nid, ms=ms, found=[facts.message_id for facts in found])
+        return found
 
     async def reply(self, message: MessageFacts) -> str:
         return await self._send()

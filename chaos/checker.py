@@ -520,6 +520,7 @@ def render(record: RunRecord, report: Report) -> str:
             f"{st['commits_after_a_newer_message_logged_before_its_record']} (in the notification delay's window)",
         ),
         _row("headers read before a claim", st["header_reads"]),
+        _row("looks before a send (found: messages)", st["looks_before_send"]),
         "",
         "violations",
     ]

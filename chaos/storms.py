@@ -182,6 +182,8 @@ def judge(
     )
     automated = [m for m in record.workload.messages if m.automated]
     reads = sorted(float(e["ms"]) for e in record.events if e.get("ev") == "headers_read" and "ms" in e)
+    looks = [e for e in record.events if e.get("ev") == "looked"]
+    look_ms = sorted(float(e["ms"]) for e in looks)
     stats = {
         "agent_replies_per_thread": {kind: dict(sorted(c.items())) for kind, c in sorted(replies.items())},
         "max_agent_replies_per_correspondent": max((len(t) for t in per_correspondent.values()), default=0),
@@ -196,6 +198,12 @@ def judge(
             "count": len(reads),
             "median_ms": reads[len(reads) // 2] if reads else None,
             "p99_ms": reads[min(int(len(reads) * 0.99), len(reads) - 1)] if reads else None,
+        },
+        "looks_before_send": {
+            "count": len(looks),
+            "found": sum(len(e.get("found") or ()) for e in looks),
+            "median_ms": look_ms[len(look_ms) // 2] if look_ms else None,
+            "p99_ms": look_ms[min(int(len(look_ms) * 0.99), len(look_ms) - 1)] if look_ms else None,
         },
         "answers_by_correspondents": dict(
             Counter(m.actor for m in record.workload.messages if m.message_id.startswith("auto-"))

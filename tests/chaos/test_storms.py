@@ -68,6 +68,7 @@ def test_storms_are_stopped_and_automated_mail_left_to_people(runs: Runs) -> Non
     assert storms["automated_left_to_people"] >= 1, storms
     assert storms["max_agent_replies_per_correspondent"] <= 10, storms
     assert storms["header_reads"]["count"] >= 1, storms
+    assert storms["looks_before_send"]["count"] >= 1, storms  # the guard looked at the thread before sends
 
 
 @pytest.mark.timeout(BOUND_S + 30)
