@@ -565,7 +565,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             ),
         )
         status = status_out(outcome.subject, outcome.stored)
-        status.automated = request.automated if outcome.recorded else ""
+        if outcome.recorded and request.automated:
+            status.automated = await self._engine.automated(caller, outcome.subject)
         return pb.RecordIncomingResponse(
             result=pb.RecordIncomingResponse.RECORDED
             if outcome.recorded
@@ -707,7 +708,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def _get_status(self, caller: Caller, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
         subject = subject_in(request.subject)
-        return pb.GetStatusResponse(status=status_out(subject, await self._engine.status(caller, subject)))
+        status = status_out(subject, await self._engine.status(caller, subject))
+        if status.state == pb.SUBJECT_STATE_FREE:
+            # Automated mail agents leave (RecordIncoming): a person asking about it is told, and may answer it.
+            # Only while nobody holds it: the one read more stays off the claims' and sends' path.
+            status.automated = await self._engine.automated(caller, subject)
+        return pb.GetStatusResponse(status=status)
 
     async def _get_caller(self, caller: Caller, request: pb.GetCallerRequest) -> pb.GetCallerResponse:
         identity = self.authenticator.identity(caller)

@@ -405,6 +405,11 @@ class Engine:
             delivery = earlier or record
         link = ThreadLink(command.thread_id, received, caller.principal)
         await self._record_inbound(subject, link)
+        if command.automated:
+            # For people asking about it later (GetStatus, inboxctl), as long as its delivery is remembered.
+            await self.store.record_automated(
+                subject, limits.without_invisible_formatting(command.automated), self.rules.delivery_expiry(now)
+            )
         return IncomingOutcome(True, subject, await self.store.status(subject), delivery)
 
     async def record_outgoing(self, caller: Caller, command: RecordOutgoing) -> OutgoingOutcome:
@@ -606,6 +611,11 @@ class Engine:
     async def status(self, caller: Caller, subject: Subject) -> Stored | None:
         _check_subject(caller, subject)
         return await self.store.status(subject)
+
+    async def automated(self, caller: Caller, subject: Subject) -> str:
+        """Why agents leave this message, when RecordIncoming said so (docs/design.md#reply-storms); empty: no word."""
+        _check_subject(caller, subject)
+        return await self.store.automated(subject)
 
     async def list_claims(
         self, caller: Caller, *, mailbox: str, states: frozenset[State], page_size: int, page_token: str | None

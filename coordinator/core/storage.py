@@ -220,6 +220,12 @@ class Store(Protocol):
 
     async def status(self, subject: Subject) -> Stored | None: ...
 
+    async def record_automated(self, subject: Subject, reason: str, expires_ms: int) -> None:
+        """Why agents leave this message (RecordIncoming's ``automated``), until ``expires_ms``."""
+
+    async def automated(self, subject: Subject) -> str:
+        """What ``record_automated`` recorded for the message, while it lives; empty: nothing."""
+
     async def read_cursor(self, mailbox: str, name: str) -> CursorView:
         """A mailbox's cursor and its range in progress, read together (docs/design.md#cursors)."""
 

@@ -101,6 +101,7 @@ class MemoryStore:
         # Counted sends by (mailbox, "t" or "c", thread or correspondent) and token; each thread's newest inbound.
         self._counted: dict[tuple[str, str, str], dict[int, _Leased[int]]] = {}
         self._inbound: dict[tuple[str, str], _Leased[Inbound]] = {}
+        self._automated: dict[Subject, _Leased[str]] = {}
 
     # --- the write path ------------------------------------------------------------------------------------
 
@@ -433,6 +434,13 @@ class MemoryStore:
         found = [leased.value for leased in sorted(mine, key=lambda leased: -leased.revision)[:limit]]
         work.spend(len(found))
         return found
+
+    async def record_automated(self, subject: Subject, reason: str, expires_ms: int) -> None:
+        self._automated[subject] = _Leased(reason, self._next_revision(), expires_ms)
+
+    async def automated(self, subject: Subject) -> str:
+        known = self._automated.get(subject)
+        return known.value if known is not None and not known.expired(self._clock()) else ""
 
     async def status(self, subject: Subject) -> Stored | None:
         self._expire()

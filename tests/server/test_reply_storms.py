@@ -21,7 +21,7 @@ from coordinator.core.storms import Budget, ReplyBudgets
 from coordinator.store.etcd.process import EtcdServer
 from inbox_wire.v1 import coordinator_pb2 as pb
 from tests.conftest import StartCoordinator
-from tests.helpers import Actor, error_reason, message, new_request_id, rpc_error
+from tests.helpers import Actor, error_reason, eventually, message, new_request_id, rpc_error
 from tests.server.test_http import Json, serve
 from tests.server.test_outside_reporters import TOKENS, _token_file
 
@@ -266,8 +266,12 @@ async def test_record_incoming_answers_duplicates_and_retries_and_marks_automate
     error = await rpc_error(worker.stub.RecordIncoming(reused, metadata=worker.metadata))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error_reason(error)[0] == "REQUEST_ID_REUSED"
-    ana = replicas.human("ana@shop.example")
+    # A person asking about it later (inboxctl status) is told why agents leave it, through either replica.
     subject = message(mailbox, "ooo-1")
+    asked = await second_worker.status(subject)
+    assert (asked.state, asked.automated) == (pb.SUBJECT_STATE_FREE, "Auto-Submitted: auto-replied")
+    assert (await worker.status(message(mailbox, "never-recorded"))).automated == ""
+    ana = replicas.human("ana@shop.example")
     assert (await reply(ana, subject, "t-1")).result == OK
     # In a Batch too.
     (batched,) = await worker.batch(pb.BatchCall(record_incoming=incoming(mailbox, "ooo-2", "t-1", ASKED + 1)))
@@ -336,3 +340,22 @@ async def test_record_incoming_needs_the_report_role_and_speaks_json(
     )
     assert answer["result"] == "RECORDED"
     assert answer["status"]["automated"] == "delivery status notification"
+
+
+async def test_a_send_in_doubt_stays_counted(start_coordinator: StartCoordinator, mailbox: str) -> None:
+    """It may have gone out: only AbortSend (certainly not sent) gives a unit back."""
+    server = await start_coordinator(send_timeout_ms=500)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agent = Actor(channel, "agent-a")
+        for n in range(2):
+            assert (await reply(agent, message(mailbox, f"m-{n}"), "t-1", received_s=ASKED + n)).result == OK
+        doubtful = message(mailbox, "m-2")
+        token = await claim(agent, doubtful, "t-1", received_s=ASKED + 2)
+        assert (await agent.begin(doubtful, token)).result == OK  # never confirmed: the agent crashed
+
+        async def in_doubt() -> bool:
+            return (await agent.status(doubtful)).state == pb.SUBJECT_STATE_IN_DOUBT
+
+        await eventually(in_doubt)
+        refused = await reply(agent, message(mailbox, "m-3"), "t-1", received_s=ASKED + 3)
+        assert (refused.result, refused.refusal.counted) == (REFUSED, 3)

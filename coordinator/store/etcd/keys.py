@@ -17,6 +17,7 @@ Under the deployment prefix P:
                                     (docs/design.md#reply-storms), on an etcd lease of the budget's window
     P g/<mailbox>/t/<thread>/i      the thread's newest inbound message (moved on?)
     P g/<mailbox>/c/<address>/s/<token>/<kind>/<id>  an agent's send counted in the correspondent's budget, the same way
+    P g/<mailbox>/a/<kind>/<id>     why agents leave this message (RecordIncoming's automated reason)
 
 One thread's keys share the prefix ``P t/<mailbox>/<thread>/``: RecordOutgoing reads them with one range and
 compares that range unchanged when it writes.
@@ -117,6 +118,9 @@ class Keys:
         if len(parts) != 3 or parts[0] != "s":
             return None
         return Subject(mailbox, SubjectKind(parts[1]), unquote(parts[2]))
+
+    def automated(self, subject: Subject) -> bytes:
+        return self._root + _GUARDS + f"{_enc(subject.mailbox)}/a/{subject.kind.value}/{_enc(subject.id)}".encode()
 
     def thread_sends(self, mailbox: str, thread_id: str) -> bytes:
         return self._root + _GUARDS + f"{_enc(mailbox)}/t/{_enc(thread_id)}/s/".encode()

@@ -856,6 +856,21 @@ class EtcdStore:
                 _unchanged_since(inbound, guard.latest_revision) if guard.latest_revision else _absent(inbound)
             )
 
+    async def record_automated(self, subject: Subject, reason: str, expires_ms: int) -> None:
+        key = self.keys.automated(subject)
+
+        async def attempt() -> Any:
+            return await self._txn(
+                [], [_op_put(key, reason.encode(), await self._lease(expires_ms))], [], frozenset((key,))
+            )
+
+        await self._with_leases(attempt)
+
+    async def automated(self, subject: Subject) -> str:
+        work.spend(1)
+        response = await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=self.keys.automated(subject)))
+        return response.kvs[0].value.decode() if response.kvs else ""
+
     async def status(self, subject: Subject) -> Stored | None:
         work.spend(1)
         response = await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))
