@@ -389,7 +389,12 @@ class EtcdStore:
                 kv = _first_kv(answer)
                 stored = _stored(kv) if kv is not None else None
                 entries.append(ThreadEntry(subject, link.received_ms, stored, link.entered_by, link.vouched))
-        return ThreadView(tuple(entries), mark, int(response.header.revision), mark_revision, delivery)
+        # What commit_outgoing compares the thread's range with: the newest revision among the keys read, not the
+        # read's header revision, which in a group commit is the revision after the batch's writes, some of which
+        # (a claim entering the thread) this read, placed before them, did not see.
+        thread_kvs = response.responses[0].response_range.kvs
+        newest = max((int(kv.mod_revision) for kv in thread_kvs), default=0)
+        return ThreadView(tuple(entries), mark, newest, mark_revision, delivery)
 
     async def commit_outgoing(
         self,
