@@ -16,6 +16,21 @@ the shim that a notification is about a message the mailbox sent (no folders, a 
 that never looks would. It then answers a person's reply from Gmail as if a customer had written, and the
 coordinator never learns that the person answered, so a drafting agent sends too.
 
+Before it claims, the agent reads the message with its headers from the mail API (``GET
+/v3/grants/{grant}/messages/{id}?fields=include_headers``, what the Nylas provider does with an API key: a webhook
+carries no headers), so that the client's automated-mail rules see ``Auto-Submitted``, ``List-Id``... and leave
+such mail to people (``AutomatedMessage``).
+
+Right before the commit point the agent looks at the thread (unless ``--no-look``): its send is passed to
+``claim.send`` as a provider's reply to the message's facts, whose provider is the Nylas provider on the mail API
+(the sink), so the guard asks it for the thread's messages received since (``NylasProvider.look``) and records
+what it finds (a person's reply: RecordOutgoing; a customer's newer message: RecordIncoming) before BeginSend.
+
+``--ignore-reply-rules`` is the negative control of the reply-storm rules (docs/design.md#reply-storms): the agent
+does not read the headers (the client sees no automated mail), and sends anyway when BeginSend refuses (the reply
+budget spent, the conversation moved on), as a send path without the rules would. The coordinator has no such
+switch: the rules are off in this agent only.
+
 Every step is a line in the agent's JSON-lines log (``--log``), which the harness reads to know which claims a
 process holds when it kills or pauses it, and which the checker reads at the end.
 """
@@ -28,6 +43,7 @@ import json
 import math
 import random
 import time
+import traceback
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -51,7 +67,12 @@ from inbox_claims import (
     Subject,
 )
 from inbox_claims import Notification as Envelope
-from inbox_claims.types import LossReason
+from inbox_claims.errors import AutomatedMessage, ConversationMovedOn, ReplyBudgetSpent, ReplyRefused
+from inbox_claims.providers import MessageFacts
+from inbox_claims.providers._seam import Flow
+from inbox_claims.providers.nylas import NylasProvider
+from inbox_claims.providers.nylas import facts_of as nylas_facts
+from inbox_claims.types import LossReason, SubjectKind
 from inbox_claims.webhooks import WebhookVerificationError, parse_notification, verify_nylas_signature
 
 from .common import JsonlLog, Request, Response, announce, exit_at, http_request, read_jsonl, serve_http
@@ -65,6 +86,8 @@ coordinator (``--no-retry``: never, as in the README's example)."""
 
 
 SENDER_KINDS = {"human": "human", "outside": "person"}
+AUTO_SUBMITTED = ("Auto-Submitted", "auto-replied")
+"""What marks an agent's reply (RFC 3834), so that the other side's responders leave it."""
 
 
 def coordinator_client(targets: str, principal: str, kind: str = "agent") -> AsyncCoordinator:
@@ -89,26 +112,32 @@ async def post_reply(
     notification_id: str = "",
     idempotency_key: str = "",
     sent_id: str = "",
+    reply_to: str = "",
 ) -> str:
     """Sends one reply through the sink (``idempotency_key`` defaults to the subject's). Returns the sent message
     id; raises :class:`SendRejected` on a 4xx (it certainly did not go out), anything else when the outcome is
     unknown. ``mode`` is ``fenced``, ``unfenced``, ``human`` (the helpdesk tool, through the coordinator) or
     ``outside`` (a person in Gmail, never through it, whose message id is ``sent_id``): the sender's kind is
-    derived from it."""
-    reply_to = subject.id
+    derived from it. An agent's reply is marked ``Auto-Submitted: auto-replied`` (RFC 3834) in Nylas's
+    ``custom_headers``, a person's never. ``reply_to``: the message answered (default: the subject's id)."""
+    reply_to = reply_to or subject.id
+    kind = SENDER_KINDS.get(mode, "agent")
     headers = {
         "Content-Type": "application/json",
         "Idempotency-Key": idempotency_key or subject.idempotency_key,
         "X-Chaos-Token": str(token),
         "X-Chaos-Sender": sender,
-        "X-Chaos-Sender-Kind": SENDER_KINDS.get(mode, "agent"),
+        "X-Chaos-Sender-Kind": kind,
         "X-Chaos-Sent-Id": sent_id,
         "X-Chaos-Notification": notification_id,
         "X-Chaos-Subject-Kind": subject.kind.value,
         "X-Chaos-Subject-Id": subject.id,
         "X-Chaos-Mode": mode,
     }
-    body = json.dumps({"subject": f"Re: {reply_to}", "body": "Thanks!", "reply_to_message_id": reply_to}).encode()
+    reply: dict[str, Any] = {"subject": f"Re: {reply_to}", "body": "Thanks!", "reply_to_message_id": reply_to}
+    if kind == "agent":
+        reply["custom_headers"] = [{"name": AUTO_SUBMITTED[0], "value": AUTO_SUBMITTED[1]}]
+    body = json.dumps(reply).encode()
     path = f"/v3/grants/{subject.mailbox}/messages/send"
     status, answer = await http_request(sink, "POST", path, body=body, headers=headers, within=5.0)
     if status == 200:
@@ -126,6 +155,12 @@ class Agent:
         self.ttl: int = options.ttl
         self.unfenced: bool = options.unfenced
         self.ignore_outgoing: bool = options.ignore_outgoing
+        self.ignore_reply_rules: bool = options.ignore_reply_rules
+        self.looking = (
+            None
+            if options.no_look
+            else NylasProvider(options.secret, api_key="chaos", api_base=f"http://{options.sink}")
+        )
         self.retry: bool = not options.no_retry
         self.mode = "unfenced" if options.unfenced else "fenced"
         self.log = JsonlLog(options.log, agent=self.name, inc=options.incarnation)
@@ -135,6 +170,8 @@ class Agent:
         self.draft_sigma: float = options.draft_sigma
         self.draft_cap: float = options.draft_cap
         self.inflight = 0
+        self.redraft: dict[str, int] = {}
+        """Notifications whose thread claim was refused because the conversation moved on: the newest date."""
         self.tasks: set[asyncio.Task[None]] = set()
 
     def draft_seconds(self) -> float:
@@ -188,7 +225,7 @@ class Agent:
         nid = notification.notification_id
         try:
             for attempt in range(1 + (APP_RETRIES if self.retry else 0)):
-                if attempt:
+                if attempt and nid not in self.redraft:
                     await asyncio.sleep(self.ttl + 2.0)  # any claim of ours from the last attempt has lapsed
                     self.log.write("retry", nid=nid, attempt=attempt)
                 if not await self.attempt(notification, dedup=dedup):
@@ -196,7 +233,8 @@ class Agent:
                 dedup = False
             self.log.write("gave_up", nid=nid)
         except Exception as error:  # a bug in the harness or the shim: recorded, never silent
-            self.log.write("crash", nid=nid, error=f"{type(error).__name__}: {error}")
+            where = "".join(traceback.format_exception(error)[-3:])
+            self.log.write("crash", nid=nid, error=f"{type(error).__name__}: {error}", where=where)
         finally:
             self.log.write("finished", nid=nid, work=work_id)
             self.inflight -= 1
@@ -213,6 +251,16 @@ class Agent:
         """
         nid = notification.notification_id
         scope: Scope = "thread" if notification.object.get(SCOPE_FIELD) == "thread" else "message"
+        newer = self.redraft.pop(nid, None)
+        if newer is not None:  # the thread moved on while we drafted: draft again, with its newest message
+            notification = dated(notification, newer)
+            self.log.write("redraft", nid=nid, date=newer)
+        if not self.ignore_reply_rules:
+            try:
+                notification = await self.with_headers(notification)
+            except (OSError, TimeoutError, RuntimeError, ValueError) as error:
+                self.log.write("claim_error", nid=nid, error=f"headers: {type(error).__name__}: {error}")
+                return True
         if self.ignore_outgoing:
             notification = looks_incoming(notification)
         guard = self.coord.reply_to(
@@ -225,14 +273,23 @@ class Agent:
         )
         try:
             async with guard as claim:
-                return await self.answer(claim, nid)
+                date = notification.object.get("date")
+                facts = nylas_facts(notification)
+                return await self.answer(
+                    claim, nid, notification.message_id or "", date if isinstance(date, int) else 0, facts
+                )
         except DuplicateDelivery:
-            self.log.write("refused", nid=nid, why="duplicate")
+            self.log.write("refused", nid=nid, msg=notification.message_id, why="duplicate")
         except ReplyHeld as held:
-            self.log.write("refused", nid=nid, why="held", holder=held.holder)
+            self.log.write("refused", nid=nid, msg=notification.message_id, why="held", holder=held.holder)
             return not dedup and held.holder == self.name  # our own claim from the last attempt, lapsing
         except AlreadyReplied as replied:
-            self.log.write("refused", nid=nid, why="replied", state=replied.state.value)
+            self.log.write("refused", nid=nid, msg=notification.message_id, why="replied", state=replied.state.value)
+        except AutomatedMessage as automated:
+            # Recorded for people (RecordIncoming) when ``result`` is set: that is when the thread moved on.
+            self.log.write("automated", nid=nid, why=automated.why, recorded=automated.result is not None,
+                           **({"msg": notification.message_id} if automated.result is not None else {}))  # fmt: skip
+
         except OutgoingMessage as outgoing:
             result = outgoing.result
             self.log.write(
@@ -259,13 +316,18 @@ class Agent:
     def on_lost(self, claim: AsyncClaim, nid: str) -> None:
         self.log.write("loss_seen", nid=nid, token=claim.token, reason=_reason(claim))
 
-    async def answer(self, claim: AsyncClaim, nid: str) -> bool:
+    async def answer(
+        self, claim: AsyncClaim, nid: str, message_id: str, date: int, facts: MessageFacts | None = None
+    ) -> bool:
         """Drafts and sends. True when the claim was lost because the coordinator could not be reached."""
         subject = claim.subject
         token = claim.token
         where = {"mailbox": subject.mailbox, "kind": subject.kind.value, "id": subject.id}
         expires = claim.expires_at.timestamp() if claim.expires_at else 0.0
-        self.log.write("granted", nid=nid, token=token, expires=expires, dedup=bool(claim.notification_id), **where)
+        self.log.write(
+            "granted", nid=nid, msg=message_id, date=date, token=token, expires=expires,
+            dedup=bool(claim.notification_id), **where,
+        )  # fmt: skip
         await asyncio.sleep(self.draft_seconds())
 
         async def send() -> str:
@@ -283,8 +345,25 @@ class Agent:
             self.log.write("lost", nid=nid, token=token, where="renewal", reason=_reason(claim))
             return _reason(claim) not in FINAL_LOSSES
         try:
-            sent_id = await claim.send(send)
+            self.log.write("begin", nid=nid, token=token)  # before BeginSend: chaos/storms.py orders it after records
+            if self.looking is not None and facts is not None:
+                sent_id = await claim.send(Looking(self.looking, send, self.log, nid).reply, facts)
+            else:
+                sent_id = await claim.send(send)
             self.log.write("confirmed", nid=nid, token=token, sent_id=sent_id, **where)
+        except ReplyRefused as refused:
+            scope = refused.scope if isinstance(refused, ReplyBudgetSpent) else ""
+            self.log.write(
+                "send_refused", nid=nid, msg=message_id, token=token, refusal=refused.kind.value, scope=scope,
+                reason=refused.reason, **where,
+            )  # fmt: skip
+            if self.ignore_reply_rules:
+                await send()
+            elif isinstance(refused, ConversationMovedOn) and claim.subject.kind is SubjectKind.THREAD:
+                # A thread claim answers the whole conversation, and the newer message's handler was told the
+                # thread was held (ReplyHeld) and left it: the holder drafts again, with the newest message.
+                self.redraft[nid] = int(refused.newer_received_at.timestamp()) if refused.newer_received_at else 0
+                return True
         except ClaimLost as lost:
             self.log.write("lost", nid=nid, token=token, where="begin_send", reason=lost.reason.value)
             return lost.reason.value not in FINAL_LOSSES
@@ -327,6 +406,24 @@ class Agent:
             self.log.write("unconfirmed", nid=nid, token=token, error=str(error))
         return False
 
+    async def with_headers(self, notification: Envelope) -> Envelope:
+        """The notification with its message's headers, read from the mail API as the Nylas provider reads them;
+        as it is when the message is gone (404)."""
+        mailbox, message_id = notification.mailbox, notification.message_id
+        if not mailbox or not message_id:
+            return notification
+        path = f"/v3/grants/{mailbox}/messages/{message_id}?fields=include_headers"
+        started = time.monotonic()
+        status, body = await http_request(self.sink, "GET", path, within=5.0)
+        self.log.write("headers_read", msg=message_id, status=status, ms=round((time.monotonic() - started) * 1000, 2))
+        if status == 404:
+            return notification
+        if status != 200:
+            raise RuntimeError(f"reading {message_id} with its headers answered HTTP {status}")
+        document = json.loads(json.dumps(dict(notification.raw)))
+        document["data"]["object"]["headers"] = json.loads(body)["data"].get("headers", [])
+        return parse_notification(document)
+
 
 # Losses after which someone else answers (or answered): the agent does not try the notification again.
 FINAL_LOSSES = {LossReason.TAKEN_OVER.value, LossReason.ANSWERED_OUTSIDE.value}
@@ -337,6 +434,37 @@ def looks_incoming(notification: Envelope) -> Envelope:
     document = json.loads(json.dumps(dict(notification.raw)))
     document["data"]["object"]["folders"] = ["INBOX"]
     document["data"]["object"]["from"] = [{"email": "customer@example.com"}]
+    return parse_notification(document)
+
+
+class Looking:
+    """The agent's send as a provider's reply (``claim.send(Looking(provider, send).reply, facts)``), so that the
+    guard looks at the thread through ``provider.look`` right before the commit point."""
+
+    def __init__(self, provider: NylasProvider, send: Callable[[], Awaitable[str]], log: JsonlLog, nid: str) -> None:
+        self.provider = provider
+        self.mailbox_addresses = provider.mailbox_addresses
+        self._send = send
+        self._log = log
+        self._nid = nid
+
+    def look(self, message: MessageFacts) -> Flow[tuple[MessageFacts, ...]]:
+        started = time.monotonic()
+        found = yield from self.provider.look(message)
+        ms = round((time.monotonic() - started) * 1000, 2)
+        self._log.write("looked", nid=self._nid, ms=ms, found=[facts.message_id for facts in found])
+        return found
+
+    async def reply(self, message: MessageFacts) -> str:
+        return await self._send()
+
+
+def dated(notification: Envelope, date: int) -> Envelope:
+    """The notification as if about the thread's newest message (received at ``date``): a thread claim made
+    from it is one for the conversation as it is now."""
+    document = json.loads(json.dumps(dict(notification.raw)))
+    if date:
+        document["data"]["object"]["date"] = date
     return parse_notification(document)
 
 
@@ -373,6 +501,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--ignore-outgoing", action="store_true", help="NEGATIVE CONTROL: treat messages the mailbox sent as incoming"
     )
+    parser.add_argument(
+        "--ignore-reply-rules",
+        action="store_true",
+        help="NEGATIVE CONTROL: answer automated mail and send when BeginSend refuses (budget, moved on)",
+    )
+    parser.add_argument("--no-look", action="store_true", help="do not look at the thread before the commit point")
     parser.add_argument(
         "--no-retry", action="store_true", help="never try a notification again after the coordinator was unreachable"
     )

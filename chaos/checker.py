@@ -20,6 +20,12 @@ Pure: it reads a :class:`RunRecord` (made by the harness from the logs and the f
   docs/design.md#replies-written-outside states: the agent passed its commit point before the person's reply was
   recorded, and the record says so.
 * ``reply_to_outgoing``: a send answered a message the mailbox sent (a person's reply).
+* The reply-storm invariants (``over_budget``, ``reply_to_automated``, ``reply_after_moved_on``,
+  ``unmarked_reply``): :mod:`chaos.storms`. Agents leave some messages unanswered on purpose, so ``dropped``
+  excuses a message recorded as automated mail (in its final record, or the RecordIncoming an agent logged),
+  one whose conversation agents were stopped on (the final record's ``agents_stopped``, or a BeginSend an agent
+  saw refused on it: the refusal is the decision, the claim is released), and one with a newer inbound message
+  in its thread (one reply answers the burst; the newest message is judged itself).
 
 Every reply to a customer message counts, the people's too: the stats say how many replies each answered subject
 got, and measure the window (how late the people's notifications were recorded, and how many agent commits fell
@@ -36,6 +42,7 @@ from inbox_claims.types import SubjectKind, idempotency_key
 
 from .config import ALL_KINDS, ETCD_EXPIRY_CHECK_S, LEASE_BUCKET_S
 from .leases import LateFree, LeaderChange, LeaseGrant, TermSeen, judge_late_free
+from .storms import judge as judge_storms
 from .workload import SubjectKey, Workload
 
 FREE_BOUND_S = LEASE_BUCKET_S + ETCD_EXPIRY_CHECK_S
@@ -53,6 +60,10 @@ class FinalState:
     """REPLIED because a person answered outside the coordinator (the claim it ended keeps its token)."""
     knows_outside: bool = False
     """The record names a reply written outside (``outside_reply``): on an agent's reply, both went out."""
+    automated: str = ""
+    """Why agents leave the message (automated mail), as recorded."""
+    agents_stopped: str = ""
+    """The refusal's reason while agents are stopped on the subject's conversation."""
 
 
 @dataclass
@@ -183,12 +194,17 @@ def check(record: RunRecord) -> Report:
             state = f"{final.state} token {final.token}" if final else "unknown"
             violations.append(Violation("lost_ack", f"{claimed}: ConfirmSent OK for token {token}; final {state}"))
 
-    # -- every message ends REPLIED or IN_DOUBT -----------------------------------------------------------------
+    # -- every message ends REPLIED or IN_DOUBT, or is left to people on purpose -----------------------------------
+    left = _left_on_purpose(record)
     for key in record.workload.subjects():
         final = record.final.get(key)
         if final is None or final.state not in ENDED_STATES:
+            if final is not None and (final.automated or final.agents_stopped or key in left):
+                continue
             state = f"{final.state} ({final.holder})" if final else "never read"
             violations.append(Violation("dropped", f"{key}: ends {state}"))
+    storm_violations, storm_stats = judge_storms(record, out, Violation)
+    violations += storm_violations
 
     # -- a killed holder's claim frees within TTL + bound, never before its TTL ----------------------------------
     measures = [m for f in record.faults if f["kind"] == "agent_kill" for m in f["details"].get("measures", [])]
@@ -216,12 +232,37 @@ def check(record: RunRecord) -> Report:
 
     stats = _stats(record, out, acknowledged, free_stats)
     stats["outside"] = _outside_stats(record, outside, by_subject)
+    stats["storms"] = storm_stats
     errors = list(record.errors)
     crashes = [e for e in record.events if e.get("ev") == "crash"]
     errors += [f"{e.get('agent')}: {e.get('error')}" for e in crashes[:20]]
     report = Report(violations, errors, stats, "")
     report.table = render(record, report)
     return report
+
+
+def _left_on_purpose(record: RunRecord) -> set[SubjectKey]:
+    """Subjects agents leave unanswered on purpose: message subjects with a newer inbound message in their thread
+    (arrived a second or more later, so that its date, in whole seconds, is later too), messages an agent recorded
+    as automated mail, and subjects whose BeginSend was refused."""
+    workload = record.workload
+    latest: dict[tuple[str, str], float] = {}
+    for message in workload.messages:
+        thread = (message.mailbox, message.thread_id)
+        latest[thread] = max(latest.get(thread, 0.0), message.arrives_at)
+    left = {
+        m.subject_key
+        for m in workload.messages
+        if m.scope == "message" and latest[(m.mailbox, m.thread_id)] >= m.arrives_at + 1.0
+    }
+    automated = {str(e.get("msg")) for e in record.events if e.get("ev") == "automated" and e.get("recorded")}
+    left |= {m.subject_key for m in workload.messages if m.message_id in automated}
+    left |= {
+        SubjectKey(str(e["mailbox"]), str(e["kind"]), str(e["id"]))
+        for e in record.events
+        if e.get("ev") == "send_refused" and "mailbox" in e
+    }
+    return left
 
 
 def _outside_violation(final: FinalState | None, token: int) -> str:
@@ -442,6 +483,7 @@ def render(record: RunRecord, report: Report) -> str:
         lines.append(_row("faults that failed", s["fault_errors"]))
     free = s["claim_free_after_kill"]
     o = s["outside"]
+    st = s["storms"]
     lines += [
         "",
         "outcomes",
@@ -467,6 +509,19 @@ def render(record: RunRecord, report: Report) -> str:
         ),
         *(_late_free_line(late) for late in free["late_frees"]),
         "",
+        "reply storms",
+        _row("agent replies per thread (by writer)", st["agent_replies_per_thread"]),
+        _row("most agent replies to a correspondent", st["max_agent_replies_per_correspondent"]),
+        _row("BeginSend refusals by reason", st["send_refusals"]),
+        _row("answers by the correspondents", st["answers_by_correspondents"]),
+        _row("automated messages / left to people", f"{st['automated_messages']} / {st['automated_left_to_people']}"),
+        _row(
+            "commits begun before a newer message's record",
+            f"{st['commits_after_a_newer_message_logged_before_its_record']} (in the notification delay's window)",
+        ),
+        _row("headers read before a claim", st["header_reads"]),
+        _row("looks before a send (found: messages)", st["looks_before_send"]),
+        "",
         "violations",
     ]
     counts = report.counts()
@@ -482,6 +537,10 @@ def render(record: RunRecord, report: Report) -> str:
         "wrong_idempotency_key",
         "commit_after_outside_reply",
         "reply_to_outgoing",
+        "over_budget",
+        "reply_to_automated",
+        "reply_after_moved_on",
+        "unmarked_reply",
     ):
         lines.append(_row(kind, counts.get(kind, 0)))
     for violation in report.violations[:15]:

@@ -37,6 +37,12 @@ class Config:
     unfenced: bool = False
     ignore_outgoing: bool = False
     """NEGATIVE CONTROL: agents treat the mailbox's own messages as incoming (chaos/agent.py)."""
+    storms: int = 1
+    """How many of each reply-storm actor (chaos/workload.py); 0: none."""
+    ignore_reply_rules: bool = False
+    look: bool = True
+    """Agents look at the thread right before their commit point (the Nylas provider's look, chaos/agent.py)."""
+    """NEGATIVE CONTROL: agents answer automated mail and send when BeginSend refuses (chaos/agent.py)."""
     agent_retry: bool = True
     sink_fail_rate: float = 0.02
     draft_median: float = 1.2
@@ -104,6 +110,12 @@ def replay_command(config: Config) -> str:
         parts.append(f"--faults {','.join(config.faults) or 'none'}")
     if config.outside_fraction != Config.outside_fraction:
         parts.append(f"--outside-fraction {config.outside_fraction:g}")
+    if config.storms != Config.storms:
+        parts.append(f"--storms {config.storms}")
+    if config.ignore_reply_rules:
+        parts.append("--ignore-reply-rules")
+    if not config.look:
+        parts.append("--no-look")
     if config.unfenced:
         parts.append("--unfenced")
     if config.ignore_outgoing:

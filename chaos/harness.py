@@ -55,6 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="NEGATIVE CONTROL: agents answer the mailbox's own messages as if customers had written them",
     )
+    parser.add_argument("--storms", type=int, default=1, help="how many of each reply-storm actor (default 1; 0: none)")
+    parser.add_argument(
+        "--ignore-reply-rules",
+        action="store_true",
+        help="NEGATIVE CONTROL: agents answer automated mail and send when BeginSend refuses (budget, moved on)",
+    )
+    parser.add_argument(
+        "--no-look", action="store_true", help="agents do not look at the thread before their commit point"
+    )
     parser.add_argument(
         "--no-agent-retry",
         action="store_true",
@@ -96,6 +105,9 @@ def config_from(options: argparse.Namespace) -> Config:
         unfenced=options.unfenced,
         outside_fraction=options.outside_fraction,
         ignore_outgoing=options.ignore_outgoing,
+        storms=options.storms,
+        ignore_reply_rules=options.ignore_reply_rules,
+        look=not options.no_look,
         agent_retry=not options.no_agent_retry,
         sink_fail_rate=options.sink_fail_rate,
         workdir=options.workdir,

@@ -161,6 +161,8 @@ class Monitor:
                 status.holder,
                 replied_outside=status.replied_outside,
                 knows_outside=status.outside_reply is not None,
+                automated=status.automated,
+                agents_stopped=status.agents_stopped.reason if status.agents_stopped else "",
             )
         return None
 

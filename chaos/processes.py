@@ -364,6 +364,8 @@ class Processes:
             str(c.lifetime),
             *(["--unfenced"] if c.unfenced else []),
             *(["--ignore-outgoing"] if c.ignore_outgoing else []),
+            *(["--ignore-reply-rules"] if c.ignore_reply_rules else []),
+            *([] if c.look else ["--no-look"]),
             *([] if c.agent_retry else ["--no-retry"]),
         )
         child = Child(agent.name, argv, self.workdir / f"{agent.name}.stderr")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 from . import checker, faults, leases, netns
 from .common import http_json, read_jsonl
 from .config import CLUSTER_LANE, ETCD_EXPIRY_CHECK_S, LEASE_BUCKET_S, PROCESS_LANE, Config, choose_etcd, replay_command
+from .correspondents import Correspondents
 from .monitor import Monitor
 from .processes import Processes
 from .targets import FaultTargets
@@ -39,7 +41,9 @@ class Run:
             agents=config.agents,
             thread_fraction=config.thread_fraction,
             outside_fraction=config.outside_fraction,
+            storms=config.storms,
         )
+        self.correspondents = Correspondents(self.workload, workdir / "sink.jsonl", config.seed)
         self.faults: list[faults.FaultRecord] = []
         self.errors: list[str] = []
         self.final: dict[SubjectKey, checker.FinalState] = {}
@@ -77,6 +81,8 @@ class Run:
             f"sink {self.processes.sink_address}; {len(self.workload.messages)} messages, "
             f"{len(self.workload.notifications)} notifications, {len(self.workload.outside)} replies from Gmail"
             + (" (agents IGNORE OUTGOING)" if c.ignore_outgoing else "")
+            + (" (agents IGNORE THE REPLY RULES)" if c.ignore_reply_rules else "")
+            + f"; storm actors: {len(self.workload.responders)} threads answering every reply"
         )
 
     async def main_phase(self) -> None:
@@ -96,10 +102,19 @@ class Run:
         await asyncio.gather(
             self.webhooks.run_plan(t0),
             self.webhooks.run_outside(t0),
+            self.webhooks.run_arrivals(t0),
             faults.run_lane(targets, cluster, t0 + 3.0, fault_end, self.faults, self.error),
             faults.run_lane(targets, process, t0 + 4.0, fault_end, self.faults, self.error),
+            self.correspondents.run(t0, fault_end, lambda n: self.webhooks.deliver_new(n, self.rng)),
         )
         progress.cancel()
+        # The correspondents' answers are messages of the workload from now on: delivered again in the final
+        # round (they are in self.webhooks.notifications), read at the end, judged.
+        self.workload = dataclasses.replace(
+            self.workload,
+            messages=self.workload.messages + tuple(self.correspondents.messages),
+            notifications=self.workload.notifications + tuple(self.correspondents.notifications),
+        )
         self.say(f"main phase over after {time.time() - t0:.0f} s; {len(self.faults)} faults injected")
 
     async def progress(self, t0: float) -> None:
@@ -202,7 +217,12 @@ class Run:
             if c.unfenced
             else "IGNORING OUTGOING (negative control)"
             if c.ignore_outgoing
+            else "IGNORING THE REPLY RULES (negative control)"
+            if c.ignore_reply_rules
             else "fenced",
+            "t0": self.webhooks.t0,
+            "storms": c.storms,
+            "look": c.look,
             "etcd_version": self.etcd_version,
             "etcd_binary": " ".join((str(self.etcd_binary), *c.etcd_args)),
             "etcd_election_timeout_ms": election_timeout_ms(c.etcd_args),

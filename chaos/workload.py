@@ -14,6 +14,13 @@ People answer too, without our tools: in a fraction of the threads (``outside_fr
 agent drafts; its ``message.created`` notification (in SENT, from the person) comes late, is often redelivered,
 and so arrives out of order with the others. In half of the message-scoped ones the customer then writes again
 (a new question, in the same thread, for an agent to answer).
+
+Reply storms (docs/design.md#reply-storms, issue 33), planned from their own seeded stream so that the rest of the
+plan stays as it was: correspondents whose mail answers every reply (an out-of-office auto-responder that marks its
+answers ``Auto-Submitted: auto-replied``, one that marks nothing, and another company's agent that writes in
+several threads and marks nothing), a mailing list's posts (``List-Id``, ``Precedence: bulk``,
+``List-Unsubscribe``), and customers who write twice quickly in one thread. The answers to replies cannot be
+planned (they depend on what the agents send): :mod:`chaos.correspondents` makes them during the run.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Scope = Literal["message", "thread"]
 
@@ -29,6 +36,19 @@ SCOPE_FIELD = "x_chaos_scope"
 """Where the envelope tells the agent how to claim (a harness convention, standing in for an agent's policy)."""
 OUTSIDE_SENDER = "ana@shop.example"
 """The person who answers from Gmail (never through the coordinator)."""
+OTHER_COMPANY_AGENT = "agent@othercorp.example"
+"""Another company's agent: writes in several threads, answers every reply, marks nothing."""
+LIST_SENDER = "news@lists.example"
+
+Actor = Literal["", "twice", "ooo", "responder", "other_agent", "list"]
+"""Who wrote a message. ``""``: a customer. ``twice``: a customer's second message of a quick burst. ``ooo``:
+an auto-responder's answer marked ``Auto-Submitted: auto-replied``; ``responder``: one that marks nothing;
+``other_agent``: another company's agent (marks nothing); ``list``: a mailing list's post."""
+LIST_HEADERS = (
+    {"List-Id": "<news.lists.example>"},
+    {"Precedence": "bulk"},
+    {"List-Unsubscribe": "<mailto:leave@lists.example>"},
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,20 @@ class Message:
     scope: Scope
     arrives_at: float
     """Seconds after the start of the run."""
+    sender: str = ""
+    """The correspondent's address; empty: the thread's customer, ``customer-<thread>@example.com``."""
+    actor: Actor = ""
+    headers: tuple[tuple[str, str], ...] = ()
+    """The message's own headers that say it is automated (none for a person's, or for an unmarked robot's)."""
+
+    @property
+    def correspondent(self) -> str:
+        return self.sender or f"customer-{self.thread_id}@example.com"
+
+    @property
+    def automated(self) -> bool:
+        """Marked as automated mail (the client's rules must leave it to people)."""
+        return bool(self.headers)
 
     @property
     def subject_key(self) -> SubjectKey:
@@ -101,6 +135,8 @@ class Workload:
     deliveries: tuple[Delivery, ...]
     """The main phase, sorted by time."""
     outside: tuple[OutsideReply, ...] = ()
+    responders: tuple[tuple[str, Actor], ...] = ()
+    """Threads whose correspondent answers every reply: (thread id, kind: ``ooo``, ``responder`` or ``other_agent``)."""
 
     def subjects(self) -> list[SubjectKey]:
         return sorted({m.subject_key for m in self.messages})
@@ -116,6 +152,7 @@ def plan(
     thread_fraction: float = 0.2,
     update_fraction: float = 0.5,
     outside_fraction: float = 0.0,
+    storms: int = 0,
 ) -> Workload:
     """Messages arrive over the first 70 % of ``duration``; deliveries end before ``duration``."""
     rng = random.Random(f"workload/{seed}")
@@ -143,13 +180,14 @@ def plan(
                     arrives_at=min(start + position * rng.uniform(0.0, 3.0), arrival_end),
                 )
             )
+    responders, count, thread_number = _storm_actors(seed, storms, boxes, arrival_end, result, count, thread_number)
     outside: list[OutsideReply] = []
     threads: dict[str, list[Message]] = {}
     for message in result:
         threads.setdefault(message.thread_id, []).append(message)
     for thread_id, members in sorted(threads.items()):
-        if outside_rng.random() >= outside_fraction:
-            continue
+        if outside_rng.random() >= outside_fraction or members[0].sender:
+            continue  # (a storm actor's thread is left to its actor)
         latest = max(members, key=lambda m: m.arrives_at)
         # Seconds after the thread's last message, so that its date (whole seconds, as Nylas gives them) is
         # never that of a message it did not see; an agent is often drafting then.
@@ -196,14 +234,86 @@ def plan(
                 Delivery(min(at, last), notification.notification_id, attempt, outside_rng.randrange(agents))
             )
     deliveries.sort(key=lambda d: (d.at, d.notification_id, d.attempt))
-    return Workload(tuple(result), tuple(notifications), tuple(deliveries), tuple(outside))
+    return Workload(tuple(result), tuple(notifications), tuple(deliveries), tuple(outside), tuple(responders))
+
+
+def _storm_actors(
+    seed: int, storms: int, boxes: list[str], arrival_end: float, result: list[Message], count: int, threads: int
+) -> tuple[list[tuple[str, Actor]], int, int]:
+    """``storms`` of each actor: threads opened by a correspondent that answers every reply (an out-of-office
+    that marks its answers, an auto-responder that does not; another company's agent writes in ``storms + 3``
+    threads, so that its correspondent budget (10) is spent before its threads' (3 each)), a mailing list's posts,
+    and customers who write twice quickly. Appends their first messages to ``result``; returns the responding
+    threads and the new counts."""
+    rng = random.Random(f"workload/{seed}/storms")
+    responders: list[tuple[str, Actor]] = []
+    # Early in the run, so that a storm has time to grow before the main phase ends.
+    storm_end = max(arrival_end * 0.5, 1.0)
+
+    def message(
+        thread_id: str, at: float, sender: str = "", actor: Actor = "", mailbox: str = "", **headers: str
+    ) -> None:
+        nonlocal count
+        count += 1
+        mailbox = mailbox or rng.choice(boxes)
+        if any(m.thread_id == thread_id for m in result):
+            mailbox = next(m.mailbox for m in result if m.thread_id == thread_id)
+        headers_ = tuple(sorted(headers.items()))
+        result.append(Message(mailbox, f"msg-{count:05d}", thread_id, "message", at, sender, actor, headers_))
+
+    def thread() -> str:
+        nonlocal threads
+        threads += 1
+        return f"thr-{threads:05d}"
+
+    for index in range(storms):
+        pairs: tuple[tuple[Actor, str], ...] = (
+            ("ooo", f"ooo-{index}@corp.example"),
+            ("responder", f"helpdesk-{index}@vendor.example"),
+        )
+        for kind, sender in pairs:
+            thread_id = thread()
+            message(thread_id, rng.uniform(0.5, storm_end), sender)
+            responders.append((thread_id, kind))
+        first = thread()
+        at = rng.uniform(0.5, arrival_end)
+        message(first, at)
+        message(first, at + rng.uniform(1.1, 3.0), actor="twice")  # whole seconds later: a newer message
+        message(thread(), rng.uniform(0.5, arrival_end), LIST_SENDER, "list", **LIST_HEADERS[index % 3])
+    # All in one mailbox: a correspondent's budget is the mailbox's (another mailbox is another company's inbox).
+    other_mailbox = boxes[0]
+    for _ in range(storms + 3 if storms else 0):
+        thread_id = thread()
+        message(thread_id, rng.uniform(0.5, storm_end), OTHER_COMPANY_AGENT, "other_agent", other_mailbox)
+        responders.append((thread_id, "other_agent"))
+    return responders, count, threads
+
+
+def message_object(notification: Notification, t0: float) -> dict[str, Any]:
+    """The Nylas message object of a notification's message, with its ``headers`` as
+    ``GET /v3/grants/{grant}/messages/{id}?fields=include_headers`` gives them (a webhook's has none). ``t0``: the
+    run's start (epoch seconds): a message's ``date`` is when it arrived (or was sent), in whole seconds."""
+    message = notification.message
+    sender = OUTSIDE_SENDER if notification.outgoing else message.correspondent
+    return {
+        "id": message.message_id,
+        "grant_id": message.mailbox,
+        "thread_id": message.thread_id,
+        "object": "message",
+        "subject": f"Question {message.message_id}",
+        "from": [{"email": sender}],
+        "folders": ["SENT"] if notification.outgoing else ["INBOX", "UNREAD"],
+        "date": int(t0 + message.arrives_at),
+        "headers": [{"name": name, "value": value} for name, value in message.headers],
+        SCOPE_FIELD: message.scope,
+    }
 
 
 def envelope(notification: Notification, attempt: int, *, sent_at: int, t0: float) -> bytes:
-    """The Nylas v3 webhook body for one delivery attempt (the raw bytes that get signed). ``t0``: the run's start
-    (epoch seconds): a message's ``date`` is when it arrived (or was sent), in whole seconds, as Nylas gives it."""
-    message = notification.message
-    sender = OUTSIDE_SENDER if notification.outgoing else f"customer-{message.thread_id}@example.com"
+    """The Nylas v3 webhook body for one delivery attempt (the raw bytes that get signed): the message without its
+    headers, as Nylas sends it."""
+    data = message_object(notification, t0)
+    data.pop("headers")
     document = {
         "specversion": "1.0",
         "type": notification.type,
@@ -211,19 +321,6 @@ def envelope(notification: Notification, attempt: int, *, sent_at: int, t0: floa
         "id": notification.notification_id,
         "time": sent_at,
         "webhook_delivery_attempt": attempt,
-        "data": {
-            "application_id": "chaos-app",
-            "object": {
-                "id": message.message_id,
-                "grant_id": message.mailbox,
-                "thread_id": message.thread_id,
-                "object": "message",
-                "subject": f"Question {message.message_id}",
-                "from": [{"email": sender}],
-                "folders": ["SENT"] if notification.outgoing else ["INBOX", "UNREAD"],
-                "date": int(t0 + message.arrives_at),
-                SCOPE_FIELD: message.scope,
-            },
-        },
+        "data": {"application_id": "chaos-app", "object": data},
     }
     return json.dumps(document, separators=(",", ":")).encode()

@@ -583,7 +583,10 @@ def begin_send(
             guard,
             rules.reply_budgets(subject.mailbox),
             received_ms=record.received_ms,
-            message_id=subject.id if subject.kind is SubjectKind.MESSAGE else "",
+            # A thread claim's message has no id, nor has the newest inbound a thread claim recorded: the thread's id
+            # keeps a newer inbound from passing for the claim's own message (a message whose id is the thread's,
+            # as Gmail's first one, is never newer than the claim's).
+            message_id=subject.id,
             token=token,
             now_ms=now_ms,
             expiry=lambda window_ms: _round_up(now_ms + window_ms, rules.claim_bucket_ms),

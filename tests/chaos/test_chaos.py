@@ -119,7 +119,10 @@ def test_no_violation_under_every_fault_kind(runs: Runs) -> None:
     assert stats["claim_free_after_kill"]["measured"] >= 1, stats["claim_free_after_kill"]
     assert stats["takeovers"], "the human took nothing over"
     assert stats["final_states"].get("replied", 0) >= 1
-    assert set(stats["final_states"]) <= {"replied", "in_doubt"}
+    # FREE only for what agents leave to people on purpose (the storm actors' automated mail, a conversation whose
+    # reply budget is spent, a message a newer one superseded): anything else free is a `dropped` violation.
+    assert set(stats["final_states"]) <= {"replied", "in_doubt", "free"}
+    assert stats["storms"]["automated_messages"] >= 1, stats["storms"]
     # People answered from Gmail, their notifications late and redelivered: each was recorded, and no agent
     # committed after the record.
     outside = stats["outside"]
@@ -171,6 +174,7 @@ def _send(subject: str, token: int, *, nid: str = "ntf-1", key: str | None = Non
         "ev": "send", "sent": True, "outcome": "sent", "grant": mailbox, "subject_kind": "message",
         "subject_id": subject, "token": token, "sender": "agent-1", "sender_kind": "agent", "notification_id": nid,
         "idempotency_key": key or idempotency_key(mailbox, SubjectKind.MESSAGE, subject), "mode": "fenced",
+        "auto_submitted": "auto-replied",
     }  # fmt: skip
 
 

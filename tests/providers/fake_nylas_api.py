@@ -43,6 +43,8 @@ class FakeNylasApi(Outbox):
         self.messages: dict[str, dict[str, Any]] = {}
         self.sends: list[Sent] = []
         self.calls: Counter[str] = Counter()
+        self.failing: Counter[str] = Counter()
+        """Calls of an operation (``messages.get``...) to answer 503 before answering again."""
         self._keys: dict[str, tuple[bytes, HttpResponse]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
@@ -107,6 +109,11 @@ class FakeNylasApi(Outbox):
         path = unquote(urlsplit(request.url).path)
         prefix = f"/v3/grants/{self.grant_id}/messages"
         with self._lock:
+            operation = _operation(request.method, path, prefix)
+            if self.failing[operation] > 0:
+                self.failing[operation] -= 1
+                self.calls[operation] += 1
+                return _json(503, {"request_id": "r", "error": {"type": "api_error", "message": "unavailable"}})
             if request.method == "GET" and path == prefix:
                 self.calls["messages.list"] += 1
                 return self._list(params)
@@ -147,6 +154,12 @@ class FakeNylasApi(Outbox):
         if key:
             self._keys[key] = (content, answer)
         return answer
+
+
+def _operation(method: str, path: str, prefix: str) -> str:
+    if path == prefix:
+        return "messages.list"
+    return "messages.send" if method == "POST" else "messages.get"
 
 
 def _shown(message: dict[str, Any], params: dict[str, str]) -> dict[str, Any]:

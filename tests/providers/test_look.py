@@ -196,3 +196,17 @@ async def test_with_nothing_new_the_reply_goes_out_after_one_look(name: str, age
     assert mail.fake.replies_to(document["id"]) == 1
     assert looks(mail) == 1
     assert sent_headers(mail, document)["Auto-Submitted"] == "auto-replied"
+
+
+async def test_an_auto_reply_in_the_thread_found_by_the_look_does_not_stop_the_answer(agent: AsyncCoordinator) -> None:
+    """An out-of-office arriving in the thread after the customer's message is no new question: the reply goes out."""
+    mail = Nylas()
+    document = mail.customer()
+    message = await mail.facts(document)
+    async with agent.reply_to(message) as claim:
+        mail.fake.receive(
+            "bea@example.org", "Out of office", document["thread_id"], headers={"Auto-Submitted": "auto-replied"}
+        )
+        await claim.send(mail.provider.reply, message, body=BODY)
+    assert mail.fake.replies_to(document["id"]) == 1
+    assert looks(mail) == 1

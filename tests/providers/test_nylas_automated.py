@@ -33,9 +33,10 @@ async def agent(start_coordinator: StartCoordinator) -> AsyncIterator[AsyncCoord
 
 
 async def deliver(
-    agent: AsyncCoordinator, fake: FakeNylasApi, message: dict[str, Any], *, api_key: str | None
+    agent: AsyncCoordinator, fake: FakeNylasApi, message: dict[str, Any], *, api_key: str | None, status: int = 200
 ) -> list[str]:
-    """One signed notification of ``message`` through the webhook app; the messages the handler was given."""
+    """One signed notification of ``message`` through the webhook app, answered ``status``; the messages the handler
+    was given."""
     handled: list[str] = []
 
     async def handle(facts: MessageFacts, claim: AsyncClaim) -> None:
@@ -46,7 +47,7 @@ async def deliver(
     body = json.dumps(fake.notification(message)).encode()
     answer = await post(app, body, {"content-type": "application/json", "x-nylas-signature": sign_nylas(body, SECRET)})
     await settle([app])
-    assert answer.status_code == 200
+    assert answer.status_code == status, answer.text
     return handled
 
 
@@ -68,3 +69,16 @@ async def test_without_an_api_key_only_the_senders_rules_apply_and_nothing_is_re
     assert await deliver(agent, fake, auto, api_key=None) == [auto["id"]]  # its headers were never seen
     assert await deliver(agent, fake, bounce, api_key=None) == []
     assert sum(fake.calls.values()) == 0
+
+
+async def test_a_failed_header_read_is_not_acknowledged_and_its_redelivery_is_judged(agent: AsyncCoordinator) -> None:
+    """Answering automated mail is what the read prevents: when Nylas cannot answer it, the notification is answered
+    503 (Nylas delivers it again), nothing is claimed, and the redelivery reads the headers and leaves the
+    auto-reply."""
+    fake = FakeNylasApi()
+    auto = fake.receive("bea@example.org", "Out of office", headers={"X-Autoreply": "yes"})
+    fake.failing["messages.get"] = 1
+
+    assert await deliver(agent, fake, auto, api_key=fake.api_key, status=503) == []
+    assert await deliver(agent, fake, auto, api_key=fake.api_key) == []
+    assert fake.calls["messages.get"] == 2

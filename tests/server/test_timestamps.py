@@ -51,6 +51,14 @@ def _valid_requests(mailbox: str) -> dict[str, Message]:
         "RecordOutgoing": pb.RecordOutgoingRequest(
             request_id=uuid.uuid4().hex, mailbox=mailbox, message_id="gmail-1", thread_id="t-1", sent_at=at
         ),
+        "RecordIncoming": pb.RecordIncomingRequest(
+            request_id=uuid.uuid4().hex,
+            mailbox=mailbox,
+            message_id="ooo-1",
+            thread_id="t-1",
+            received_at=at,
+            summary=pb.MessageSummary(received_at=at),
+        ),
     }
 
 
@@ -155,6 +163,8 @@ def test_the_walk_finds_the_timestamps_requests_carry() -> None:
         ("ClaimReply", "summary.received_at"),
         ("Takeover", "summary.received_at"),
         ("RecordOutgoing", "sent_at"),
+        ("RecordIncoming", "received_at"),
+        ("RecordIncoming", "summary.received_at"),
         ("Batch", "calls[0].claim_reply.received_at"),
         ("Batch", "calls[0].claim_reply.summary.received_at"),
         ("Batch", "calls[0].record_outgoing.sent_at"),

@@ -643,8 +643,8 @@ class GuardState:
         facts (``claim.send(provider.reply, message, ...)``), ask the provider for the thread's messages received
         since, right before the commit point, and record each as its notification would have been: a reply from the
         mailbox with RecordOutgoing (BeginSend then finds the message answered), a customer's newer message with
-        RecordIncoming (BeginSend then refuses: the conversation moved on). A provider that cannot answer does not
-        stop the send: the notifications still come, as before."""
+        RecordIncoming (BeginSend then refuses: the conversation moved on); automated mail is left to its own
+        notification. A provider that cannot answer does not stop the send: the notifications still come."""
         provider = getattr(fn, "__self__", None)
         look = getattr(provider, "look", None)
         message = args[0] if args and isinstance(args[0], MessageFacts) else None
@@ -672,13 +672,21 @@ class GuardState:
                     sender=clean_text(facts.sender, SUMMARY_SENDER_MAX_BYTES),
                     claim_token=stamp,
                 )
+            elif automated_of(facts) is not None:
+                # An auto-reply in the thread (an out-of-office answering an earlier reply) is no new question from
+                # the customer: it must not stop the answer to theirs. Its own notification records it.
+                log.info(
+                    "looked before sending %s: %s is automated mail, left to its notification",
+                    self.subject,
+                    facts.message_id,
+                )
+                continue
             else:
                 op = self.core.record_incoming_op(
                     facts.mailbox,
                     facts.message_id,
                     facts.thread_id,
                     facts.received_at,
-                    automated=clean_text(automated_of(facts) or "", AUTOMATED_REASON_MAX_BYTES),
                     summary=summary_of(facts),
                 )
             yield from self.core.call(op)

@@ -13,10 +13,10 @@ Under the deployment prefix P:
     P t/<mailbox>/<thread>/r        the latest reply written outside the coordinator in the thread
     P c/<mailbox>/<name>            a cursor (docs/design.md#cursors): its value and position
     P c/<mailbox>/<name>/r          its range in progress, on an etcd lease of the range's TTL
-    P g/<mailbox>/t/<thread>/s/<token>   an agent's send counted in the thread's reply budget
+    P g/<mailbox>/t/<thread>/s/<token>/<kind>/<id>   an agent's send counted in the thread's reply budget
                                     (docs/design.md#reply-storms), on an etcd lease of the budget's window
     P g/<mailbox>/t/<thread>/i      the thread's newest inbound message (moved on?)
-    P g/<mailbox>/c/<address>/s/<token>  an agent's send counted in the correspondent's budget, the same way
+    P g/<mailbox>/c/<address>/s/<token>/<kind>/<id>  an agent's send counted in the correspondent's budget, the same way
     P g/<mailbox>/a/<kind>/<id>     why agents leave this message (RecordIncoming's automated reason)
 
 One thread's keys share the prefix ``P t/<mailbox>/<thread>/``: RecordOutgoing reads them with one range and
@@ -132,13 +132,14 @@ class Keys:
         return self._root + _GUARDS + f"{_enc(mailbox)}/c/{_enc(correspondent)}/s/".encode()
 
     @staticmethod
-    def counted_send(sends: bytes, token: int) -> bytes:
-        """One send's key under a ``thread_sends`` or ``correspondent_sends`` prefix."""
-        return sends + str(token).encode()
+    def counted_send(sends: bytes, token: int, subject: Subject) -> bytes:
+        """One send's key under a ``thread_sends`` or ``correspondent_sends`` prefix: its token and its subject,
+        since claims granted in one group commit share their token (two sends would be one key, counted once)."""
+        return sends + f"{token}/{subject.kind.value}/{_enc(subject.id)}".encode()
 
     @staticmethod
     def counted_token(sends: bytes, key: bytes) -> int:
-        return int(key[len(sends) :])
+        return int(key[len(sends) :].split(b"/", 1)[0])
 
     def cursor(self, mailbox: str, name: str) -> bytes:
         return self._root + _CURSORS + f"{_enc(mailbox)}/{_enc(name)}".encode()

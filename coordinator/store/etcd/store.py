@@ -389,7 +389,12 @@ class EtcdStore:
                 kv = _first_kv(answer)
                 stored = _stored(kv) if kv is not None else None
                 entries.append(ThreadEntry(subject, link.received_ms, stored, link.entered_by, link.vouched))
-        return ThreadView(tuple(entries), mark, int(response.header.revision), mark_revision, delivery)
+        # What commit_outgoing compares the thread's range with: the newest revision among the keys read, not the
+        # read's header revision, which in a group commit is the revision after the batch's writes, some of which
+        # (a claim entering the thread) this read, placed before them, did not see.
+        thread_kvs = response.responses[0].response_range.kvs
+        newest = max((int(kv.mod_revision) for kv in thread_kvs), default=0)
+        return ThreadView(tuple(entries), mark, newest, mark_revision, delivery)
 
     async def commit_outgoing(
         self,
@@ -777,7 +782,7 @@ class EtcdStore:
         compare = [_unchanged_since(subject_key, current.revision)]
         counting = transition.counting
         if counting is not None and guard is not None:
-            await self._count(subject.mailbox, guard, counting, compare, put, delete, writes)
+            await self._count(subject, guard, counting, compare, put, delete, writes)
         if marker_gone:
             compare.append(_absent(self.keys.send_marker(subject)))
         withdraw = transition.withdraw
@@ -807,7 +812,7 @@ class EtcdStore:
 
     async def _count(
         self,
-        mailbox: str,
+        subject: Subject,
         guard: GuardView,
         counting: Counting,
         compare: list[Any],
@@ -820,6 +825,7 @@ class EtcdStore:
         message is the one read: two replicas racing for a budget's last unit compare the same range, and one
         loses. Each window's range is named among the writes, so that two of them never share a group commit,
         whose compares would all see the state before any of its writes."""
+        mailbox = subject.mailbox
         windows = []
         if guard.thread_id:
             thread = self.keys.thread_sends(mailbox, guard.thread_id)
@@ -830,7 +836,7 @@ class EtcdStore:
         for prefix, expires_ms, newest in windows:
             writes.add(prefix)
             if counting.give_back:
-                delete(self.keys.counted_send(prefix, counting.give_back))
+                delete(self.keys.counted_send(prefix, counting.give_back, subject))
                 continue
             compare.append(
                 rpc.Compare(
@@ -843,7 +849,11 @@ class EtcdStore:
             )
             if counting.send is not None and expires_ms:
                 began, token = counting.send
-                put(self.keys.counted_send(prefix, token), _codec.encode_send(began), await self._lease(expires_ms))
+                put(
+                    self.keys.counted_send(prefix, token, subject),
+                    _codec.encode_send(began),
+                    await self._lease(expires_ms),
+                )
         if guard.thread_id and not counting.give_back:
             inbound = self.keys.thread_inbound(mailbox, guard.thread_id)
             writes.add(inbound)

@@ -319,23 +319,19 @@ class NylasProvider:
         headers = (("Idempotency-Key", idempotency_key), ("Content-Type", "application/json"))
         path = f"{quote(grant_id, safe='')}/messages/send"
         request = self._api("POST", path, headers=headers, content=_payload(draft))
+        assert self.transport is not None
         try:
-            response = yield from http(self.transport, request)  # type: ignore[arg-type]
+            response = yield from http(self.transport, request)
         except ProviderError as error:
             raise NylasSendOutcomeUnknown(f"the send may have gone out: {error}") from error
         return interpret_send_response(response.status, response.content)
 
     def _with_headers(self, grant_id: str, message_id: str) -> Flow[dict[str, Any] | None]:
-        assert self.transport is not None
         """The message read with its headers; None when it is gone (404: deleted since). Any other failure is the
         delivery's (503, delivered again): answering automated mail is what this read prevents."""
-        url = f"{self.api_base}/v3/grants/{quote(grant_id, safe='')}/messages/{quote(message_id, safe='')}"
-        request = HttpRequest(
-            "GET",
-            url,
-            params=(("fields", "include_headers"),),
-            headers=(("Authorization", f"Bearer {self.api_key}"), ("Accept", "application/json")),
-        )
+        assert self.transport is not None
+        path = f"{quote(grant_id, safe='')}/messages/{quote(message_id, safe='')}"
+        request = self._api("GET", path, (("fields", "include_headers"),))
         response = yield from http(self.transport, request)
         if response.status == 404:
             return None
