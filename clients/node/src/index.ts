@@ -13,6 +13,7 @@ export {
   signStandardWebhook,
   verifyNylasSignature,
   verifyStandardWebhook,
+  verifySvixWebhook,
 } from "./webhooks.js";
 export {
   DEFAULT_ADMISSION_TIMEOUT_MS,
