@@ -26,6 +26,7 @@ import {
   SentButUnconfirmed,
 } from "./errors.js";
 import type { OutgoingMatch } from "./outgoing.js";
+import { inScope, sdkError, sentIdOf } from "./sdks.js";
 import {
   idempotencyKey,
   messageSubject,
@@ -350,9 +351,11 @@ export class Claim {
     this.phase = "sending";
     let sent: unknown;
     try {
-      sent = await fn(fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject));
+      // An SDK's response is read for its sent id, and an SDK's 4xx is a SendRejected (src/sdks.ts).
+      sent = sentIdOf(await inScope(this.subject.id, true, () => fn(fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject))));
       if (!this.keyTaken) warnNoIdempotencyKey(this.subject.id);
-    } catch (error) {
+    } catch (thrown) {
+      const error = sdkError(thrown);
       if (error instanceof SendRejected) {
         await this.abort(error);
         throw error;
@@ -438,7 +441,7 @@ export class Claim {
   async run<T>(work: (claim: Claim) => Promise<T>): Promise<T> {
     let failed = false;
     try {
-      return await work(this);
+      return await inScope(this.subject.id, false, () => work(this)); // a send outside claim.send is caught there
     } catch (error) {
       failed = true;
       throw error;

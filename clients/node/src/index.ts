@@ -28,3 +28,4 @@ export {
   type WebhookOptions,
 } from "./middleware.js";
 export type { ClaimStamp, Cursors, CursorRange, MessageFacts, Provider } from "./providers/seam.js";
+export { idempotencyOverrides, sdkError, sentIdOf, UNGUARDED_SEND_WARNING, UnguardedSend } from "./sdks.js";

@@ -70,12 +70,17 @@ abstract class MailApi {
 
   protected abstract route(method: string, path: string, body: Json, key: string): { status: number; answer: Json; sent?: boolean };
 
+  /** An error's body, as the API documents it. */
+  protected errorBody(status: number, name: string, message: string): Json {
+    return { name, message };
+  }
+
   private async serve(req: IncomingMessage, res: ServerResponse): Promise<void> {
     const chunks: Buffer[] = [];
     for await (const chunk of req) chunks.push(chunk as Buffer);
     const text = Buffer.concat(chunks).toString("utf8");
     const answer = (status: number, document: Json): void => void res.writeHead(status, { "content-type": "application/json" }).end(JSON.stringify(document));
-    if (req.headers.authorization !== `Bearer ${this.apiKey}`) return answer(401, { name: "missing_api_key", message: "Missing or invalid API key" });
+    if (req.headers.authorization !== `Bearer ${this.apiKey}`) return answer(401, this.errorBody(401, "missing_api_key", "Missing or invalid API key"));
     const path = new URL(req.url ?? "/", this.url).pathname;
     const name = `${req.method} ${path.replace(/\/[^/]*$/, "/*")}`;
     this.calls[name] = (this.calls[name] ?? 0) + 1;
@@ -84,11 +89,11 @@ abstract class MailApi {
     if (isSend && key) {
       const earlier = this.idempotent.get(key);
       if (earlier !== undefined) {
-        if (earlier.body !== text) return answer(409, { name: "invalid_idempotent_request", message: "Same idempotency key used with a different request payload" });
+        if (earlier.body !== text) return answer(409, this.errorBody(409, "invalid_idempotent_request", "Same idempotency key used with a different request payload"));
         return answer(earlier.status, earlier.answer); // the first answer again, nothing sent
       }
     }
-    if (isSend && this.sendFailure === "unavailable") return answer(503, { name: "service_unavailable", message: "try again later" });
+    if (isSend && this.sendFailure === "unavailable") return answer(503, this.errorBody(503, "service_unavailable", "try again later"));
     const { status, answer: document, sent } = this.route(req.method ?? "GET", decodeURIComponent(path), text ? (JSON.parse(text) as Json) : {}, key);
     if (sent && key) this.idempotent.set(key, { body: text, status, answer: document });
     if (sent && this.sendFailure === "lost_answer") return void res.destroy(); // sent; the answer never arrives
@@ -213,6 +218,10 @@ export class ResendDouble extends MailApi {
     return id;
   }
 
+  protected override errorBody(status: number, name: string, message: string): Json {
+    return { statusCode: status, name, message };
+  }
+
   protected route(method: string, path: string, body: Json, key: string): { status: number; answer: Json; sent?: boolean } {
     const read = /^\/emails\/receiving\/([^/]+)$/.exec(path);
     if (method === "GET" && read !== null) {
@@ -220,8 +229,9 @@ export class ResendDouble extends MailApi {
       return email === undefined ? { status: 404, answer: { statusCode: 404, name: "not_found", message: "Email not found" } } : { status: 200, answer: email };
     }
     if (method === "POST" && path === "/emails") {
-      if (typeof body.from !== "string" || !Array.isArray(body.to) || body.to.length === 0 || typeof body.subject !== "string") {
-        return { status: 422, answer: { statusCode: 422, name: "validation_error", message: "from, to and subject are required" } };
+      const to = Array.isArray(body.to) ? body.to : [body.to];
+      if (typeof body.from !== "string" || to.length === 0 || !to.every((a) => typeof a === "string" && a.includes("@")) || typeof body.subject !== "string") {
+        return { status: 422, answer: { statusCode: 422, name: "validation_error", message: "from, to (email addresses) and subject are required" } };
       }
       for (const tag of (body.tags as { name: string; value: string }[] | undefined) ?? []) {
         if (!/^[A-Za-z0-9_-]{1,256}$/.test(tag.name) || !/^[A-Za-z0-9_-]{1,256}$/.test(tag.value)) {
@@ -231,5 +241,30 @@ export class ResendDouble extends MailApi {
       return { status: 200, answer: { id: this.store("agent", body, key) }, sent: true };
     }
     return { status: 404, answer: { statusCode: 404, name: "not_found", message: "The requested endpoint does not exist" } };
+  }
+}
+
+/** Nylas v3: POST /v3/grants/{grant}/messages/send (the answer `{request_id, data}`, an error `{request_id, error: {type, message}}`). */
+export class NylasDouble extends MailApi {
+  constructor(
+    readonly grant: string,
+    apiKey = "nyk_test_key",
+  ) {
+    super(apiKey);
+  }
+
+  protected override errorBody(_status: number, name: string, message: string): Json {
+    return { request_id: `req-${++this.counter}`, error: { type: name, message } };
+  }
+
+  protected route(method: string, path: string, body: Json, key: string): { status: number; answer: Json; sent?: boolean } {
+    if (method !== "POST" || path !== `/v3/grants/${this.grant}/messages/send`) return { status: 404, answer: this.errorBody(404, "not_found_error", "Not found") };
+    const to = Array.isArray(body.to) ? (body.to as { email?: unknown }[]) : [];
+    if (to.length === 0 || !to.every((p) => typeof p.email === "string" && p.email.includes("@"))) {
+      return { status: 400, answer: this.errorBody(400, "invalid_request_error", "to: at least one recipient with a valid email is required") };
+    }
+    const id = `nylas-sent-${++this.counter}`;
+    this.sends.push({ by: "agent", inReplyTo: String(body.reply_to_message_id ?? ""), id, key, to: to.map((p) => String(p.email)), headers: {}, tags: {} });
+    return { status: 200, answer: { request_id: `req-${this.counter}`, data: { id, grant_id: this.grant, thread_id: "thread-1", subject: body.subject, to: body.to } }, sent: true };
   }
 }
