@@ -13,6 +13,7 @@ export { GraphProvider, GraphSendOutcomeUnknown, GraphSendRejected, type GraphPr
 export { GmailProvider, GmailSendOutcomeUnknown, GmailSendRejected, type GmailProviderOptions } from "./gmail.js";
 export { AgentMailProvider, AgentMailSendOutcomeUnknown, AgentMailSendRejected, type AgentMailProviderOptions } from "./agentmail.js";
 export { ResendProvider, ResendSendOutcomeUnknown, ResendSendRejected, threadOf as resendThreadOf, type ResendProviderOptions } from "./resend.js";
+export { ImapProvider, ImapSendOutcomeUnknown, ImapSendRejected, ImapWatcher, IDLE_MS, type ImapProviderOptions, type Wake } from "./imap.js";
 export { NylasProvider, factsOf as nylasFactsOf, type NylasProviderOptions } from "./nylas.js";
 
 /** Each provider by name, made from a vector file's settings (conformance/providers/<name>) with its I/O. */
