@@ -162,8 +162,9 @@ export function verifyStandardWebhook(rawBody: Body, headers: Headers, secret: s
  */
 export function verifySvixWebhook(rawBody: Body, headers: Headers, secret: string, options: { toleranceSeconds?: number; now?: number } = {}): void {
   const names = ["id", "timestamp", "signature"] as const;
-  const svix = names.some((name) => header(headers, `svix-${name}`) !== undefined);
-  if (!svix) return verifyStandardWebhook(rawBody, headers, secret, options);
+  // The Standard Webhooks names are read only when a request carries them; a request with neither is refused naming svix-id.
+  const standard = !names.some((name) => header(headers, `svix-${name}`) !== undefined) && header(headers, "webhook-id") !== undefined;
+  if (standard) return verifyStandardWebhook(rawBody, headers, secret, options);
   const mapped: Record<string, string | undefined> = {};
   for (const name of names) mapped[`webhook-${name}`] = header(headers, `svix-${name}`);
   try {

@@ -131,7 +131,7 @@ test("agentmail and resend: the reply carries the claim's key as Idempotency-Key
   const agentmail = new AgentMailProvider(secret, { apiKey: "am_key", apiBase: "https://agentmail.test", transport: am.transport });
   assert.equal(await agentmail.reply(message, { body: "Ships today.", stamp: STAMP }), "<sent@agentmail.to>");
   const sent = am.requests[0]!;
-  assert.equal(sent.url, "https://agentmail.test/v0/inboxes/support%40shop.agentmail.to/messages/%3Corig%40mail.example%3E/reply");
+  assert.equal(sent.url, "https://agentmail.test/v0/inboxes/support@shop.agentmail.to/messages/%3Corig%40mail.example%3E/reply");
   assert.deepEqual(sent.headers, [["Authorization", "Bearer am_key"], ["Idempotency-Key", STAMP.key]]);
   assert.deepEqual(sent.json, { text: "Ships today.", headers: { "X-Inbox-Claim": formatStamp(STAMP), "Auto-Submitted": "auto-replied" } });
   const rs = scripted(json(200, { id: "4ef9a417" }));
@@ -147,8 +147,7 @@ test("agentmail and resend: the reply carries the claim's key as Idempotency-Key
     text: "Ships today.",
     headers: { "X-Inbox-Claim": formatStamp(STAMP), "Auto-Submitted": "auto-replied", "In-Reply-To": "<orig@mail.example>", References: "<a@x.example> <orig@mail.example>" },
     tags: [
-      { name: "inbox_claim_key", value: STAMP.key },
-      { name: "inbox_claim_token", value: "4711" },
+      { name: "inbox_claim", value: `${STAMP.key}_4711` },
       { name: "inbox_thread", value: message.threadId },
     ],
   });

@@ -11,7 +11,6 @@
 // * Send: POST /v0/inboxes/{inbox}/messages/{id}/reply with the claim's key as `Idempotency-Key`, the stamp and
 //   `Auto-Submitted: auto-replied` in its headers.
 import { InboxClaimsError, SendRejected } from "../errors.js";
-import { verifySvixWebhook, WebhookVerificationError } from "../webhooks.js";
 import {
   Accepted,
   AUTO_SUBMITTED,
@@ -21,6 +20,7 @@ import {
   fetchTransport,
   formatStamp,
   headerIn,
+  isAnswer,
   isoDate,
   isRecord,
   jsonOf,
@@ -34,6 +34,7 @@ import {
   splitAddress,
   STAMP_HEADER,
   str,
+  svixChecked,
   type Answer,
   type Batch,
   type ClaimStamp,
@@ -64,6 +65,8 @@ export interface AgentMailProviderOptions {
   apiBase?: string;
   /** How far svix-timestamp may be from now, in seconds (default 300). */
   toleranceSeconds?: number;
+  /** The inboxes this endpoint answers for (default: every inbox the webhook covers). */
+  inboxIds?: readonly string[];
   mailboxAddresses?: readonly string[];
   transport?: Transport;
   /** Unix seconds now (the signature's timestamp is checked against it). */
@@ -84,6 +87,7 @@ export class AgentMailProvider implements Provider {
   readonly apiBase: string;
   readonly toleranceSeconds: number;
   readonly mailboxAddresses: readonly string[];
+  readonly inboxIds: ReadonlySet<string>;
   private readonly apiKey: string;
   private readonly transport: Transport;
   private readonly clock: () => number;
@@ -99,6 +103,7 @@ export class AgentMailProvider implements Provider {
     this.apiBase = (options.apiBase ?? DEFAULT_API_BASE).replace(/\/+$/, "");
     this.toleranceSeconds = options.toleranceSeconds ?? 300;
     this.mailboxAddresses = options.mailboxAddresses ?? [];
+    this.inboxIds = new Set(options.inboxIds ?? []);
     this.transport = options.transport ?? fetchTransport();
     this.clock = options.clock ?? (() => Date.now() / 1000);
   }
@@ -120,6 +125,7 @@ export class AgentMailProvider implements Provider {
       apiKey: str(settings.api_key),
       apiBase: str(settings.api_base) || DEFAULT_API_BASE,
       mailboxAddresses: (settings.mailbox_addresses as string[] | undefined) ?? [],
+      inboxIds: (settings.inbox_ids as string[] | undefined) ?? [],
       ...io,
     });
   }
@@ -130,22 +136,9 @@ export class AgentMailProvider implements Provider {
 
   /** A refusal (405 method, 401 signature, 400 body) or the event (no I/O). */
   verify(request: WebhookRequest): Answer | Accepted {
-    if (request.method !== "POST") return { status: 405, body: "AgentMail posts its events; nothing else is answered", headers: { allow: "POST" } };
-    try {
-      verifySvixWebhook(request.body, request.headers, this.secret, { toleranceSeconds: this.toleranceSeconds, now: this.clock() });
-    } catch (error) {
-      if (!(error instanceof WebhookVerificationError)) throw error;
-      return { status: 401, body: `signature refused: ${error.message}` };
-    }
-    let document: unknown;
-    try {
-      document = JSON.parse(request.body.toString("utf8"));
-    } catch {
-      return { status: 400, body: "the body is not JSON: not an AgentMail event" };
-    }
-    if (!isRecord(document) || document.type !== "event" || !str(document.event_type) || !str(document.event_id)) {
-      return { status: 400, body: "not an AgentMail event: expected {type: 'event', event_type, event_id}" };
-    }
+    const document = svixChecked(request, "AgentMail", this.secret, this.toleranceSeconds, this.clock());
+    if (isAnswer(document)) return document;
+    if (!isRecord(document) || !str(document.event_id)) return { status: 400, body: "the event has no event_id: not an AgentMail event" };
     return new Accepted({ eventType: str(document.event_type), eventId: str(document.event_id), body: document } satisfies Event);
   }
 
@@ -157,20 +150,25 @@ export class AgentMailProvider implements Provider {
     const event = accepted.delivery as Event;
     if (event.eventType === RECEIVED) {
       const message = event.body.message;
-      return batchOf(isRecord(message) && str(message.message_id) ? [this.facts(message, event.eventId)] : []);
+      return batchOf(isRecord(message) && str(message.message_id) && this.answersFor(str(message.inbox_id)) ? [this.facts(message, event.eventId)] : []);
     }
     if (event.eventType === SENT) {
       const send = isRecord(event.body.send) ? event.body.send : {};
       const [inbox, id] = [str(send.inbox_id), str(send.message_id)];
-      if (!inbox || !id) return batchOf();
+      if (!inbox || !id || !this.answersFor(inbox)) return batchOf();
       const message = await this.read(inbox, id);
       return batchOf(message === undefined ? [] : [this.facts(message, event.eventId)]);
     }
     return batchOf(); // delivered, bounced, opened, ...: nothing to answer or record
   }
 
+  /** Whether this endpoint answers for `inbox` (every inbox when inboxIds is empty). */
+  answersFor(inbox: string): boolean {
+    return this.inboxIds.size === 0 || this.inboxIds.has(inbox);
+  }
+
   private url(inbox: string, messageId: string, tail = ""): string {
-    return `${this.apiBase}/v0/inboxes/${encodeURIComponent(inbox)}/messages/${encodeURIComponent(messageId)}${tail}`;
+    return `${this.apiBase}/v0/inboxes/${encodeURIComponent(inbox).replaceAll("%40", "@")}/messages/${encodeURIComponent(messageId)}${tail}`;
   }
 
   private async read(inbox: string, messageId: string): Promise<Record<string, unknown> | undefined> {

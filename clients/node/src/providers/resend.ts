@@ -12,7 +12,6 @@
 //   (X-Inbox-Claim) and `Auto-Submitted: auto-replied` go in its headers.
 import { createHash } from "node:crypto";
 import { InboxClaimsError, SendRejected } from "../errors.js";
-import { verifySvixWebhook, WebhookVerificationError } from "../webhooks.js";
 import {
   Accepted,
   AUTO_SUBMITTED,
@@ -22,6 +21,7 @@ import {
   fetchTransport,
   formatStamp,
   headerIn,
+  isAnswer,
   isoDate,
   isRecord,
   jsonOf,
@@ -35,6 +35,7 @@ import {
   splitAddress,
   STAMP_HEADER,
   str,
+  svixChecked,
   type Answer,
   type Batch,
   type ClaimStamp,
@@ -47,9 +48,8 @@ import {
 export const DEFAULT_API_BASE = "https://api.resend.com";
 export const RECEIVED = "email.received";
 export const SENT = "email.sent";
-/** The tags the agent's reply carries (Resend allows letters, digits, `_` and `-` in a tag). */
-export const TAG_KEY = "inbox_claim_key";
-export const TAG_TOKEN = "inbox_claim_token";
+/** The tags the agent's reply carries (Resend allows letters, digits, `_` and `-` in a tag): the stamp as `<key>_<token>`, and the thread. */
+export const TAG_STAMP = "inbox_claim";
 export const TAG_THREAD = "inbox_thread";
 
 /** Resend refused the send (a 4xx other than 409): nothing went out (claim.send aborts: FREE). */
@@ -62,10 +62,10 @@ export class ResendSendOutcomeUnknown extends InboxClaimsError {
   override name = "ResendSendOutcomeUnknown";
 }
 
-/** The thread of a message: `rt-` and 32 hex digits of the SHA-256 of the conversation's first Message-ID. */
+/** The thread of a message: `rt-` and the first 40 hex digits of the SHA-256 of the conversation's first Message-ID. */
 export function threadOf(ownId: string | undefined, inReplyTo: string | undefined, references: readonly string[]): string | undefined {
   const root = references[0] ?? messageIds(inReplyTo)[0] ?? ownId;
-  return root ? "rt-" + createHash("sha256").update(root.trim().toLowerCase()).digest("hex").slice(0, 32) : undefined;
+  return root ? "rt-" + createHash("sha256").update(root.trim()).digest("hex").slice(0, 40) : undefined;
 }
 
 /** Tags as Resend's events give them: an object, or a list of {name, value}. */
@@ -144,7 +144,7 @@ export class ResendProvider implements Provider {
     return new ResendProvider(str(settings.webhook_secret), str(settings.mailbox), {
       apiKey: str(settings.api_key),
       apiBase: str(settings.api_base) || DEFAULT_API_BASE,
-      ...(str(settings.from) ? { from: str(settings.from) } : {}),
+      ...(str(settings.sender) ? { from: str(settings.sender) } : {}),
       mailboxAddresses: (settings.mailbox_addresses as string[] | undefined) ?? [],
       ...io,
     });
@@ -156,20 +156,9 @@ export class ResendProvider implements Provider {
 
   /** A refusal (405 method, 401 signature, 400 body) or the event (no I/O). */
   verify(request: WebhookRequest): Answer | Accepted {
-    if (request.method !== "POST") return { status: 405, body: "Resend posts its events; nothing else is answered", headers: { allow: "POST" } };
-    try {
-      verifySvixWebhook(request.body, request.headers, this.secret, { toleranceSeconds: this.toleranceSeconds, now: this.clock() });
-    } catch (error) {
-      if (!(error instanceof WebhookVerificationError)) throw error;
-      return { status: 401, body: `signature refused: ${error.message}` };
-    }
-    let document: unknown;
-    try {
-      document = JSON.parse(request.body.toString("utf8"));
-    } catch {
-      return { status: 400, body: "the body is not JSON: not a Resend event" };
-    }
-    if (!isRecord(document) || !str(document.type) || !isRecord(document.data)) return { status: 400, body: "not a Resend event: expected {type, created_at, data}" };
+    const document = svixChecked(request, "Resend", this.secret, this.toleranceSeconds, this.clock());
+    if (isAnswer(document)) return document;
+    if (!isRecord(document) || !str(document.type) || !isRecord(document.data)) return { status: 400, body: "the event has no type and data: not a Resend event" };
     const id = request.headers["svix-id"] ?? request.headers["webhook-id"] ?? "";
     return new Accepted({ id, type: str(document.type), data: document.data } satisfies Delivery);
   }
@@ -216,7 +205,7 @@ export class ResendProvider implements Provider {
       sender: display(name, address),
       subjectLine: subject,
       fromAddresses: address ? [address] : [],
-      folders: ["INBOX"],
+      folders: [],
       outgoing: undefined,
       automated: undefined,
       stamp: parseStamp(headerIn(headers, STAMP_HEADER)),
@@ -244,7 +233,7 @@ export class ResendProvider implements Provider {
       folders: ["SENT"],
       outgoing: undefined,
       automated: undefined,
-      stamp: parseStamp(tags[TAG_KEY] && tags[TAG_TOKEN] ? `${tags[TAG_KEY]}.${tags[TAG_TOKEN]}` : undefined),
+      stamp: parseStamp(tags[TAG_STAMP]?.replace(/_(\d+)$/, ".$1")),
       reply: { to: addresses(data.to), subject: replySubject(subject), internetMessageId: undefined, references: [] },
       source: data,
     };
@@ -265,8 +254,7 @@ export class ResendProvider implements Provider {
       headers["References"] = [...references, internetMessageId].join(" ");
     }
     const tags = [
-      { name: TAG_KEY, value: options.stamp.key },
-      { name: TAG_TOKEN, value: String(options.stamp.token) },
+      { name: TAG_STAMP, value: `${options.stamp.key}_${options.stamp.token}` },
       ...(message.threadId ? [{ name: TAG_THREAD, value: message.threadId }] : []),
     ];
     const json = { from: this.from, to: [...message.reply.to], subject: message.reply.subject, text: options.body, ...(options.html === undefined ? {} : { html: options.html }), headers, tags };

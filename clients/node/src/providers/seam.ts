@@ -377,3 +377,26 @@ export function requireSvixSecret(secret: string, provider: string, variable: st
     if (!(error instanceof WebhookVerificationError)) throw new TypeError(`${variable}: ${(error as Error).message}`);
   }
 }
+
+/**
+ * A Svix-signed request's check (AgentMail, Resend): 405 for anything but a POST, 401 for a signature that does not
+ * hold (nothing recorded), 400 for a body that is not JSON; else the parsed body.
+ */
+export function svixChecked(request: WebhookRequest, provider: string, secret: string, toleranceSeconds: number, now: number): Answer | Record<string, unknown> | unknown[] {
+  if (request.method !== "POST") return { status: 405, body: `${provider} posts its events; ${request.method} is not one`, headers: { allow: "POST" } };
+  try {
+    verifySvixWebhook(request.body, request.headers, secret, { toleranceSeconds, now });
+  } catch (error) {
+    if (!(error instanceof WebhookVerificationError)) throw error;
+    return { status: 401, body: `signature refused: ${error.message}; nothing recorded` };
+  }
+  try {
+    const document: unknown = JSON.parse(request.body.toString("utf8"));
+    return isRecord(document) || Array.isArray(document) ? document : { value: document };
+  } catch {
+    return { status: 400, body: `the body is not JSON: not a ${provider} event` };
+  }
+}
+
+/** Tells svixChecked's refusal from its parsed body. */
+export const isAnswer = (value: unknown): value is Answer => isRecord(value) && typeof value.status === "number" && typeof value.body === "string" && Object.keys(value).every((k) => ["status", "body", "headers"].includes(k));
