@@ -108,13 +108,14 @@ export class AgentMailProvider implements Provider {
     this.clock = options.clock ?? (() => Date.now() / 1000);
   }
 
-  /** From AGENTMAIL_WEBHOOK_SECRET, AGENTMAIL_API_KEY, AGENTMAIL_API_BASE and INBOX_MAILBOX_ADDRESSES; `overrides` win. */
+  /** From AGENTMAIL_WEBHOOK_SECRET, AGENTMAIL_API_KEY, AGENTMAIL_API_BASE, AGENTMAIL_INBOX_IDS and INBOX_MAILBOX_ADDRESSES (as Python); `overrides` win. */
   static fromEnv(env: Record<string, string | undefined> = process.env, overrides: Partial<AgentMailProviderOptions> = {}): AgentMailProvider {
     requireEnv(env, ["AGENTMAIL_WEBHOOK_SECRET", "AGENTMAIL_API_KEY"], "AgentMail");
     return new AgentMailProvider(env["AGENTMAIL_WEBHOOK_SECRET"]!, {
       apiKey: env["AGENTMAIL_API_KEY"]!,
       apiBase: env["AGENTMAIL_API_BASE"] || DEFAULT_API_BASE,
       mailboxAddresses: (env["INBOX_MAILBOX_ADDRESSES"] ?? "").split(",").map((a) => a.trim()).filter((a) => a),
+      inboxIds: (env["AGENTMAIL_INBOX_IDS"] ?? "").split(",").map((a) => a.trim()).filter((a) => a),
       ...overrides,
     });
   }
