@@ -22,7 +22,7 @@ let dovecot: Dovecot;
 let smtp: Smtp;
 const SUPPORT = "support@example.test";
 const PERSON = "carla@example.test"; // a person of the support team, with a mail client on the shared mailbox
-const CUSTOMERS = ["bea@example.test", "carl@example.test", "dee@example.test", "eve@example.test", "finn@example.test", "gus@example.test", "hal@example.test", "ida@example.test"];
+const CUSTOMERS = ["bea@example.test", "carl@example.test", "dee@example.test", "eve@example.test", "finn@example.test", "gus@example.test", "hal@example.test", "ida@example.test", "jo@example.test"];
 
 before(async () => {
   cluster = await Cluster.start({ replicas: 2 });
@@ -35,8 +35,10 @@ after(async () => {
   await cluster?.stop();
 });
 
-function provider(options: { checkEveryMs?: number } = {}): ImapProvider {
-  return new ImapProvider(SUPPORT, { host: "127.0.0.1", port: dovecot.port, secure: false, user: SUPPORT, pass: PASSWORD, smtpPort: smtp.port, smtpTls: "none", checkEveryMs: options.checkEveryMs ?? 0 });
+type Options = { checkEveryMs?: number; smtpTimeoutMs?: number; appendToSent?: boolean };
+
+function provider(options: Options = {}): ImapProvider {
+  return new ImapProvider(SUPPORT, { host: "127.0.0.1", port: dovecot.port, secure: false, user: SUPPORT, pass: PASSWORD, smtpPort: smtp.port, smtpTls: "none", checkEveryMs: 0, ...options });
 }
 
 /** A customer writing to the shared mailbox over SMTP; the Message-ID. */
@@ -53,10 +55,11 @@ async function repliesIn(customer: string): Promise<number> {
 }
 
 /** Guarded watchers, one per client, each with its own provider; `drafting` holds their sends back. */
-async function watchers(clients: Coordinator[], drafting?: Promise<void>, options: { checkEveryMs?: number; ttl?: number } = {}): Promise<ImapWatcher[]> {
+async function watchers(clients: Coordinator[], drafting?: Promise<void>, options: Options & { ttl?: number } = {}): Promise<ImapWatcher[]> {
   return Promise.all(
     clients.map(async (coordinator) => {
-      const mail = provider(options);
+      const { ttl: _ttl, ...settings } = options;
+      const mail = provider(settings);
       const watcher = new ImapWatcher(mail, {
         coordinator,
         ttl: options.ttl ?? 30,
@@ -158,4 +161,35 @@ test("imap: a watcher killed mid-message (its claim left to lapse) and another w
   await closeAll(running);
   assert.equal(await repliesIn(customer), 1);
   assert.equal((await cluster.client("probe").status(messageSubject(SUPPORT, id))).state, "REPLIED");
+});
+
+test("imap: an SMTP answer lost (the server filed the copy in Sent, as Gmail's and Microsoft 365's do): the send's outcome is unknown to the agent, and its stamped copy in Sent settles it (REPLIED with the copy's id); no second reply, no person asked", async () => {
+  const customer = "jo@example.test";
+  smtp.filesSent = true;
+  smtp.loseAnswersMs = 3_000; // the message is delivered and filed; its answer comes after the agent stopped waiting
+  const failures: unknown[] = [];
+  try {
+    const mail = provider({ smtpTimeoutMs: 1_000, appendToSent: false });
+    const agent = new ImapWatcher(mail, {
+      coordinator: cluster.client("agent-a"),
+      ttl: 30,
+      work: async (message, claim) => {
+        await claim.send(() => mail.reply(message, { body: "Your order ships today.", stamp: claim.stamp })).catch((error: unknown) => failures.push(error));
+      },
+    });
+    await agent.start();
+    const other = await watchers([cluster.client("agent-b", { replica: 1 })]);
+    const id = await write(customer, "Wrong size");
+    const subject = messageSubject(SUPPORT, id);
+    await eventually(async () => (await cluster.client("probe").status(subject)).state === "REPLIED", 30_000);
+    await eventually(() => failures.length === 1, 30_000);
+    await closeAll([agent, ...other]);
+    assert.equal((failures[0] as Error).name, "SendOutcomeUnknown"); // not a refusal: the message was not freed
+    const settled = await cluster.client("probe").status(subject);
+    assert.match(settled.sentMessageId, /^<ic1-[0-9a-f]{64}\.\d+@example\.test>$/);
+    assert.equal(await repliesIn(customer), 1);
+  } finally {
+    smtp.filesSent = false;
+    smtp.loseAnswersMs = 0;
+  }
 });

@@ -396,9 +396,11 @@ export class ImapProvider implements Provider {
     try {
       await this.smtp.sendMail({ envelope: { from: this.address, to }, raw });
     } catch (error) {
-      const { code, command, responseCode } = error as { code?: string; command?: string; responseCode?: number };
-      // A server's answer refusing it, or no connection: nothing was accepted. Cut while the message was under way: unknown.
-      if (typeof responseCode === "number" || code === "ECONNECTION" || code === "EAUTH" || code === "EENVELOPE" || command === "CONN") {
+      const { code, responseCode, message } = error as { code?: string; responseCode?: number; message: string };
+      // A server's answer refusing it, or no connection made: nothing was accepted. A timeout or a connection cut
+      // (nodemailer says CONN for those too, whatever the stage) may have come after the message was handed over: unknown.
+      const neverConnected = code === "ESOCKET" && /ECONNREFUSED|ENOTFOUND|EHOSTUNREACH|ENETUNREACH/.test(message);
+      if (typeof responseCode === "number" || code === "EAUTH" || code === "EENVELOPE" || neverConnected) {
         throw new ImapSendRejected(`the SMTP server refused the reply or could not be reached, nothing was sent: ${(error as Error).message}`);
       }
       throw new ImapSendOutcomeUnknown(`the SMTP connection failed mid-send, it may have gone out: ${(error as Error).message}`, { cause: error });
