@@ -352,7 +352,7 @@ export class Claim {
     let sent: unknown;
     try {
       // An SDK's response is read for its sent id, and an SDK's 4xx is a SendRejected (src/sdks.ts).
-      sent = sentIdOf(await inScope(this.subject.id, true, () => fn(fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject))));
+      sent = sentIdOf(await inScope(this.subject.id, true, `${idempotencyKey(this.subject)}.${this.token_}`, () => fn(fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject))));
       if (!this.keyTaken) warnNoIdempotencyKey(this.subject.id);
     } catch (thrown) {
       const error = sdkError(thrown);
@@ -441,7 +441,7 @@ export class Claim {
   async run<T>(work: (claim: Claim) => Promise<T>): Promise<T> {
     let failed = false;
     try {
-      return await inScope(this.subject.id, false, () => work(this)); // a send outside claim.send is caught there
+      return await inScope(this.subject.id, false, "", () => work(this)); // a send outside claim.send is caught there
     } catch (error) {
       failed = true;
       throw error;

@@ -24,6 +24,8 @@ export const UNGUARDED_SEND_WARNING = "INBOX_CLAIMS_UNGUARDED_SEND";
 interface Scope {
   readonly messageId: string;
   readonly sending: boolean;
+  /** The claim's stamp (`<key>.<token>`), for a send that can carry it (the Nylas adapter's custom_headers). */
+  readonly stamp: string;
 }
 
 const scope = new AsyncLocalStorage<Scope>();
@@ -80,9 +82,15 @@ function watch(): void {
 }
 
 /** Runs a claim's work (`sending` false) or its send function (`sending` true) in the guard's scope. */
-export function inScope<T>(messageId: string, sending: boolean, run: () => T): T {
+export function inScope<T>(messageId: string, sending: boolean, stamp: string, run: () => T): T {
   watch();
-  return scope.run({ messageId, sending }, run);
+  return scope.run({ messageId, sending, stamp }, run);
+}
+
+/** The stamp of the claim whose send function runs now (inside claim.send), else undefined. */
+export function currentStamp(): string | undefined {
+  const current = scope.getStore();
+  return current?.sending ? current.stamp : undefined;
 }
 
 const rejectable = (status: number): boolean => status >= 400 && status < 500 && status !== 408 && status !== 409;

@@ -169,3 +169,22 @@ test("agentmail and resend: the reply carries the claim's key as Idempotency-Key
   assert.throws(() => ResendProvider.fromEnv({ RESEND_WEBHOOK_SECRET: secret, RESEND_API_KEY: "k" }), /set RESEND_MAILBOX/);
   assert.throws(() => new ResendProvider(secret, "support", { apiKey: "k" }), /RESEND_FROM/);
 });
+
+test("nylas: inside claim.send the adapter's send carries the claim's stamp and Auto-Submitted as custom_headers (a header the reply sets is kept); outside, neither", async () => {
+  const { buildSendRequest } = await import("../src/providers/nylas.js");
+  const { inScope } = await import("../src/sdks.js");
+  const reply = { replyToMessageId: "m-1", to: ["bea@example.org"], subject: "Re: x", body: "Ships today." };
+  const body = (fields?: Record<string, unknown>) => JSON.parse(buildSendRequest("https://nylas.test", "k", "grant-1", { ...reply, fields }, STAMP.key).body) as Record<string, unknown>;
+  assert.equal(body()["custom_headers"], undefined);
+  const inside = inScope("m-1", true, formatStamp(STAMP), () => body());
+  assert.deepEqual(inside["custom_headers"], [
+    { name: "X-Inbox-Claim", value: formatStamp(STAMP) },
+    { name: "Auto-Submitted", value: "auto-replied" },
+  ]);
+  const kept = inScope("m-1", true, formatStamp(STAMP), () => body({ custom_headers: [{ name: "auto-submitted", value: "auto-generated" }] }));
+  assert.deepEqual(kept["custom_headers"], [
+    { name: "auto-submitted", value: "auto-generated" },
+    { name: "X-Inbox-Claim", value: formatStamp(STAMP) },
+  ]);
+  assert.equal(inScope("m-1", false, "", () => body())["custom_headers"], undefined); // in the work, outside claim.send
+});

@@ -15,7 +15,8 @@
 import { InboxClaimsError, SendRejected } from "../errors.js";
 import { EnvelopeError, parseNotification, type Notification } from "../envelope.js";
 import { NYLAS_SIGNATURE_HEADER, nylasChallengeResponse, signNylas, signStandardWebhook, verifyNylasSignature, verifyStandardWebhook, WebhookVerificationError } from "../webhooks.js";
-import { Accepted, batchOf, isRecord, replySubject, str, type Answer, type Batch, type MessageFacts, type Provider, type WebhookRequest } from "./seam.js";
+import { currentStamp } from "../sdks.js";
+import { Accepted, AUTO_SUBMITTED, batchOf, bearer, fetchTransport, header, isRecord, jsonOf, parseStamp, ProviderError, replySubject, STAMP_HEADER, str, type Answer, type Batch, type MessageFacts, type Provider, type Transport, type WebhookRequest } from "./seam.js";
 
 // Unix seconds of the year 10000: a later "date" is not a time the coordinator can store.
 const LAST_DATE_SECONDS = 253402300800;
@@ -70,6 +71,15 @@ export interface NylasProviderOptions {
   /** Standard Webhooks: how far webhook-timestamp may be from now, in seconds (default 300). */
   toleranceSeconds?: number;
   mailboxAddresses?: readonly string[];
+  /**
+   * The Nylas API key (with apiBase): a message a notification puts in a sent folder is read with its headers, for
+   * the claim stamp its send carried: what settles an IN_DOUBT send (without it, none is read and a person settles it).
+   */
+  apiKey?: string;
+  apiBase?: string;
+  /** The sent folders besides SENT (Microsoft and IMAP grants' folder ids: Nylas.sentFolderIds). */
+  sentFolders?: readonly string[];
+  transport?: Transport;
 }
 
 /** Nylas webhooks behind the seam. `secret`: the webhook secret Nylas showed when the webhook was created. */
@@ -79,6 +89,10 @@ export class NylasProvider implements Provider {
   readonly scheme: "nylas" | "standard";
   readonly toleranceSeconds: number;
   readonly mailboxAddresses: readonly string[];
+  readonly apiBase: string;
+  readonly sentFolders: ReadonlySet<string>;
+  private readonly apiKey: string;
+  private readonly transport: Transport;
 
   constructor(
     readonly secret: string | Buffer,
@@ -87,6 +101,10 @@ export class NylasProvider implements Provider {
     this.scheme = options.scheme ?? "nylas";
     this.toleranceSeconds = options.toleranceSeconds ?? 300;
     this.mailboxAddresses = options.mailboxAddresses ?? [];
+    this.apiKey = options.apiKey ?? "";
+    this.apiBase = (options.apiBase || DEFAULT_API_BASE).replace(/\/+$/, "");
+    this.sentFolders = new Set(["SENT", ...(options.sentFolders ?? [])]);
+    this.transport = options.transport ?? fetchTransport();
     // Throws on an empty or mistyped secret: at start, not on the first request.
     if (this.scheme === "nylas") signNylas(Buffer.alloc(0), secret);
     else if (this.scheme === "standard") {
@@ -96,8 +114,14 @@ export class NylasProvider implements Provider {
   }
 
   /** From a vector file's settings (conformance/providers/nylas). */
-  static fromSettings(settings: Record<string, unknown>): NylasProvider {
-    return new NylasProvider(str(settings.webhook_secret), { mailboxAddresses: (settings.mailbox_addresses as string[] | undefined) ?? [] });
+  static fromSettings(settings: Record<string, unknown>, io: { transport?: Transport } = {}): NylasProvider {
+    return new NylasProvider(str(settings.webhook_secret), {
+      mailboxAddresses: (settings.mailbox_addresses as string[] | undefined) ?? [],
+      apiKey: str(settings.api_key),
+      apiBase: str(settings.api_base),
+      sentFolders: (settings.sent_folders as string[] | undefined) ?? [],
+      ...io,
+    });
   }
 
   /** The challenge's answer, a refusal (401 signature, 400 envelope), or the notification (no I/O). */
@@ -126,7 +150,20 @@ export class NylasProvider implements Provider {
 
   async open(accepted: Accepted): Promise<Batch> {
     const facts = factsOf(accepted.delivery as Notification);
-    return batchOf(facts === undefined ? [] : [facts]);
+    if (facts === undefined) return batchOf();
+    if (this.apiKey && facts.folders.some((folder) => this.sentFolders.has(folder))) return batchOf([{ ...facts, stamp: await this.stampOf(facts) }]);
+    return batchOf([facts]);
+  }
+
+  /** The claim stamp of a sent message: GET .../messages/{id}?fields=include_headers (gone: none). */
+  private async stampOf(facts: MessageFacts): Promise<MessageFacts["stamp"]> {
+    const url = `${this.apiBase}/v3/grants/${encodeURIComponent(facts.mailbox)}/messages/${encodeURIComponent(facts.messageId)}`;
+    const response = await this.transport({ method: "GET", url, params: [["fields", "include_headers"]], headers: [bearer(this.apiKey)] });
+    if (response.status === 404) return undefined; // gone: nothing to settle with
+    const document = jsonOf(response);
+    const data = isRecord(document) ? document.data : undefined;
+    if (response.status !== 200 || !isRecord(data)) throw new ProviderError(`reading sent message ${JSON.stringify(facts.messageId)} answered HTTP ${response.status}`);
+    return parseStamp(header(data.headers, STAMP_HEADER));
   }
 
   acknowledge(): Answer {
@@ -236,6 +273,7 @@ export function buildSendRequest(apiBase: string, apiKey: string, grantId: strin
   };
   if (reply.cc?.length) document["cc"] = participants(reply.cc, "cc");
   if (reply.bcc?.length) document["bcc"] = participants(reply.bcc, "bcc");
+  stamped(document);
   return {
     url: `${apiBase.replace(/\/+$/, "")}/v3/grants/${encodeURIComponent(grantId)}/messages/send`,
     headers: {
@@ -246,6 +284,22 @@ export function buildSendRequest(apiBase: string, apiKey: string, grantId: strin
     },
     body: JSON.stringify(document),
   };
+}
+
+/**
+ * Inside claim.send, the send carries the claim's stamp (X-Inbox-Claim, a Nylas custom header) and Auto-Submitted:
+ * auto-replied (RFC 3834): its copy in the sent folder, read with its headers, then settles an IN_DOUBT send
+ * (docs/providers.md, "Sends that settle themselves"). Headers the reply's fields set are kept.
+ */
+function stamped(document: Record<string, unknown>): void {
+  const stamp = currentStamp();
+  if (stamp === undefined) return;
+  const given = (Array.isArray(document["custom_headers"]) ? document["custom_headers"] : []).filter(isRecord);
+  const names = new Set(given.map((h) => str(h.name).toLowerCase()));
+  const added = [[STAMP_HEADER, stamp], AUTO_SUBMITTED]
+    .filter(([name]) => !names.has(name!.toLowerCase()))
+    .map(([name, value]) => ({ name: name!, value: value! }));
+  if (added.length > 0) document["custom_headers"] = [...given, ...added];
 }
 
 /** The sent message's id from a 2xx answer (undefined when it has none: still sent), or the error for any other. */
