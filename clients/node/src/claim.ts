@@ -33,6 +33,7 @@ import {
 } from "./errors.js";
 import type { OutgoingMatch } from "./outgoing.js";
 import { inChild, replyStarted, type GuardSpan } from "./tracing.js";
+import { inScope, sdkError, sentIdOf } from "./sdks.js";
 import {
   idempotencyKey,
   messageSubject,
@@ -416,10 +417,15 @@ export class Claim {
     let sent: unknown;
     try {
       const key = fn.length > 0 ? this.idempotencyKey : idempotencyKey(this.subject);
-      // The send paths mark an agent's reply Auto-Submitted, never a person's (current.ts).
-      sent = await inChild(this.trace, "inbox send", async () => sendingAs(this.status_?.holderKind === "human", () => fn(key)));
+      // The send paths mark an agent's reply Auto-Submitted, never a person's (current.ts); an SDK's response is read
+      // for its sent id, and an SDK's 4xx is a SendRejected (src/sdks.ts).
+      const stamp = `${idempotencyKey(this.subject)}.${this.token_}`;
+      sent = sentIdOf(
+        await inChild(this.trace, "inbox send", async () => inScope(this.subject.id, true, stamp, () => sendingAs(this.status_?.holderKind === "human", () => fn(key)))),
+      );
       if (!this.keyTaken) warnNoIdempotencyKey(this.subject.id);
-    } catch (error) {
+    } catch (thrown) {
+      const error = sdkError(thrown);
       if (error instanceof SendRejected) {
         await this.abort(error);
         throw error;
@@ -538,8 +544,10 @@ export class Claim {
   async run<T>(work: (claim: Claim) => Promise<T>): Promise<T> {
     let failed: { error: unknown } | undefined;
     try {
-      // The reply's span is the active one in the work: the user's own spans and the send's request beneath it.
-      return await (this.trace === undefined ? work(this) : this.trace.active(() => work(this)));
+      // The reply's span is the active one in the work: the user's own spans and the send's request beneath it; a send
+      // outside claim.send is caught there (src/sdks.ts).
+      const run = () => inScope(this.subject.id, false, "", () => work(this));
+      return await (this.trace === undefined ? run() : this.trace.active(run));
     } catch (error) {
       failed = { error };
       throw error;

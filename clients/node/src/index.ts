@@ -14,6 +14,7 @@ export {
   signStandardWebhook,
   verifyNylasSignature,
   verifyStandardWebhook,
+  verifySvixWebhook,
 } from "./webhooks.js";
 export {
   DEFAULT_ADMISSION_TIMEOUT_MS,
@@ -28,3 +29,4 @@ export {
   type WebhookOptions,
 } from "./middleware.js";
 export type { Automated, ClaimStamp, Cursors, CursorRange, MessageFacts, Provider } from "./providers/seam.js";
+export { idempotencyOverrides, sdkError, sentIdOf, UNGUARDED_SEND_WARNING, UnguardedSend } from "./sdks.js";

@@ -83,6 +83,11 @@ export interface WebhookHandler {
   drain(): Promise<void>;
   /** Runs the provider's periodic check now (Gmail: what a dropped push would have said); its answer, as a delivery's. */
   periodicCheck(): Promise<Answer>;
+  /**
+   * Admits a delivery the agent opened itself (an IMAP watcher's wake), as a webhook request's: recorded, committed,
+   * its work started; the answer it would have had.
+   */
+  deliver(accepted: Accepted): Promise<Answer>;
   /** Stops the periodic check and waits for the running work (on shutdown). */
   close(): Promise<void>;
 }
@@ -144,6 +149,10 @@ class Webhook implements WebhookHandler {
     } finally {
       this.checking = false;
     }
+  }
+
+  deliver(accepted: Accepted): Promise<Answer> {
+    return this.accept(accepted);
   }
 
   async close(): Promise<void> {
@@ -363,6 +372,7 @@ function withHandler<F extends object>(fn: F, webhook: Webhook): F & WebhookHand
     running: { get: () => webhook.running },
     drain: { value: () => webhook.drain() },
     periodicCheck: { value: () => webhook.periodicCheck() },
+    deliver: { value: (accepted: Accepted) => webhook.deliver(accepted) },
     close: { value: () => webhook.close() },
   }) as F & WebhookHandler;
 }

@@ -154,3 +154,23 @@ export function verifyStandardWebhook(rawBody: Body, headers: Headers, secret: s
   for (const candidate of candidates) matched = timingSafeEqual(expected, candidate) || matched; // no early exit
   if (!matched) throw new WebhookVerificationError("no v1 signature in webhook-signature matches the request (wrong secret, or the id, timestamp or body was altered)");
 }
+
+/**
+ * Checks a request signed by Svix (AgentMail, Resend): Standard Webhooks under other header names (`svix-id`,
+ * `svix-timestamp`, `svix-signature`); a request carrying the `webhook-*` names is checked as they are. Throws
+ * WebhookVerificationError as verifyStandardWebhook does.
+ */
+export function verifySvixWebhook(rawBody: Body, headers: Headers, secret: string, options: { toleranceSeconds?: number; now?: number } = {}): void {
+  const names = ["id", "timestamp", "signature"] as const;
+  // The Standard Webhooks names are read only when a request carries them; a request with neither is refused naming svix-id.
+  const standard = !names.some((name) => header(headers, `svix-${name}`) !== undefined) && header(headers, "webhook-id") !== undefined;
+  if (standard) return verifyStandardWebhook(rawBody, headers, secret, options);
+  const mapped: Record<string, string | undefined> = {};
+  for (const name of names) mapped[`webhook-${name}`] = header(headers, `svix-${name}`);
+  try {
+    verifyStandardWebhook(rawBody, mapped, secret, options);
+  } catch (error) {
+    if (error instanceof WebhookVerificationError) throw new WebhookVerificationError(error.message.replaceAll("webhook-", "svix-"));
+    throw error;
+  }
+}

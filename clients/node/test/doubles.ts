@@ -2,6 +2,7 @@
 // documented behaviour, never our code), each run as a process by test/doubles.py and driven over HTTP, and what the
 // provider scenario tests share: the webhook endpoint on node:http, waiting for background work, the unguarded agent.
 import { spawn, type ChildProcess } from "node:child_process";
+import { randomBytes } from "node:crypto";
 import { createServer, type Server } from "node:http";
 import type { AddressInfo } from "node:net";
 import { join } from "node:path";
@@ -14,7 +15,7 @@ import type { Coordinator } from "../src/client.js";
 
 /** A provider that sends a reply stamped from the claim (Graph, Gmail). */
 export interface Replier extends Provider {
-  reply(message: MessageFacts, options: { body: string; stamp: ClaimStamp }): Promise<string>;
+  reply(message: MessageFacts, options: { body: string; stamp: ClaimStamp }): Promise<string | undefined>;
 }
 
 export class Double {
@@ -151,8 +152,12 @@ export class LocalCursors implements Cursors {
   }
 }
 
-/** The stamp an unguarded agent's reply carries: it has no claim (the providers' reply needs a stamp). */
-export const UNCLAIMED = { key: "ic1-" + "0".repeat(64), token: 1n };
+/**
+ * The stamp an unguarded agent's reply carries: it has no claim (the providers' reply needs a stamp), and a key of
+ * its own for each send, as an agent without the coordinator makes one per attempt (a provider that takes an
+ * Idempotency-Key would otherwise refuse its second reply itself).
+ */
+export const unclaimed = (): ClaimStamp => ({ key: "ic1-" + randomBytes(32).toString("hex"), token: 1n });
 
 /**
  * The same agent without the coordinator: the provider checks and opens each delivery, and every message it reads
@@ -166,6 +171,6 @@ export async function unguarded(
   const accepted = await provider.check({ method: "POST", query: "", headers: request.headers, body: request.body });
   if (!(accepted instanceof Accepted)) throw new Error(`refused: ${accepted.status}`);
   const batch = await provider.open(accepted, cursors);
-  for (const facts of batch.facts) if (!facts.folders.includes("SENT")) await provider.reply(facts, { body: "Your order ships today.", stamp: UNCLAIMED });
+  for (const facts of batch.facts) if (!facts.folders.includes("SENT")) await provider.reply(facts, { body: "Your order ships today.", stamp: unclaimed() });
   await batch.commit();
 }

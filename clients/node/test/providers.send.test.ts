@@ -219,3 +219,71 @@ test("a person's reply is never marked: the same MIME under a person's claim has
   assert.ok(!headerNames(byPerson).includes("Auto-Submitted"));
   assert.ok(headerNames(byPerson).includes("In-Reply-To"));
 });
+
+test("agentmail and resend: the reply carries the claim's key as Idempotency-Key, the stamp and Auto-Submitted; a 4xx is rejected (FREE), a 409, a 5xx or no answer unknown", async () => {
+  const { AgentMailProvider, AgentMailSendOutcomeUnknown, AgentMailSendRejected } = await import("../src/providers/agentmail.js");
+  const { ResendProvider, ResendSendOutcomeUnknown, ResendSendRejected, threadOf } = await import("../src/providers/resend.js");
+  const secret = "whsec_" + Buffer.from("a secret of 24 bytes....").toString("base64");
+  const message = facts({ mailbox: "support@shop.agentmail.to", messageId: "<orig@mail.example>", threadId: threadOf("<orig@mail.example>", undefined, ["<a@x.example>"]) });
+  const am = scripted(json(200, { message_id: "<sent@agentmail.to>", thread_id: "thd_1" }));
+  const agentmail = new AgentMailProvider(secret, { apiKey: "am_key", apiBase: "https://agentmail.test", transport: am.transport });
+  assert.equal(await agentmail.reply(message, { body: "Ships today.", stamp: STAMP }), "<sent@agentmail.to>");
+  const sent = am.requests[0]!;
+  assert.equal(sent.url, "https://agentmail.test/v0/inboxes/support@shop.agentmail.to/messages/%3Corig%40mail.example%3E/reply");
+  assert.deepEqual(sent.headers, [["Authorization", "Bearer am_key"], ["Idempotency-Key", STAMP.key]]);
+  assert.deepEqual(sent.json, { text: "Ships today.", headers: { "X-Inbox-Claim": formatStamp(STAMP), "Auto-Submitted": "auto-replied" } });
+  const rs = scripted(json(200, { id: "4ef9a417" }));
+  const resend = new ResendProvider(secret, "support@shop.example", { apiKey: "re_key", apiBase: "https://resend.test", transport: rs.transport });
+  assert.equal(await resend.reply(message, { body: "Ships today.", stamp: STAMP }), "4ef9a417");
+  const mail = rs.requests[0]!;
+  assert.equal(mail.url, "https://resend.test/emails");
+  assert.deepEqual(mail.headers, [["Authorization", "Bearer re_key"], ["Idempotency-Key", STAMP.key]]);
+  assert.deepEqual(mail.json, {
+    from: "support@shop.example",
+    to: ["bea@example.org"],
+    subject: "Re: Where is my order?",
+    text: "Ships today.",
+    headers: { "X-Inbox-Claim": formatStamp(STAMP), "Auto-Submitted": "auto-replied", "In-Reply-To": "<orig@mail.example>", References: "<a@x.example> <orig@mail.example>" },
+    tags: [
+      { name: "inbox_claim", value: `${STAMP.key}_4711` },
+      { name: "inbox_thread", value: message.threadId },
+    ],
+  });
+  const cases: [HttpResponse | Error, new (...args: never[]) => Error, new (...args: never[]) => Error][] = [
+    [json(422, { name: "validation_error", message: "Invalid `to` field" }), AgentMailSendRejected, ResendSendRejected],
+    [json(409, { name: "invalid_idempotent_request", message: "Same idempotency key used with a different request payload" }), AgentMailSendOutcomeUnknown, ResendSendOutcomeUnknown],
+    [json(500, { message: "internal" }), AgentMailSendOutcomeUnknown, ResendSendOutcomeUnknown],
+    [new ProviderError("timed out"), AgentMailSendOutcomeUnknown, ResendSendOutcomeUnknown],
+  ];
+  for (const [answer, agentmailError, resendError] of cases) {
+    const a = new AgentMailProvider(secret, { apiKey: "k", transport: scripted(answer).transport });
+    await assert.rejects(a.reply(message, { body: "x", stamp: STAMP }), agentmailError);
+    const r = new ResendProvider(secret, "support@shop.example", { apiKey: "k", transport: scripted(answer).transport });
+    await assert.rejects(r.reply(message, { body: "x", stamp: STAMP }), resendError);
+  }
+  assert.ok(new ResendSendRejected("x") instanceof SendRejected && new AgentMailSendRejected("x") instanceof SendRejected);
+  assert.throws(() => new AgentMailProvider("not base64 !", { apiKey: "k" }), /AGENTMAIL_WEBHOOK_SECRET/);
+  assert.throws(() => AgentMailProvider.fromEnv({ AGENTMAIL_API_KEY: "k" }), /set AGENTMAIL_WEBHOOK_SECRET/);
+  assert.throws(() => ResendProvider.fromEnv({ RESEND_WEBHOOK_SECRET: secret, RESEND_API_KEY: "k" }), /set RESEND_MAILBOX/);
+  assert.throws(() => new ResendProvider(secret, "support", { apiKey: "k" }), /RESEND_FROM/);
+});
+
+test("nylas: inside claim.send the adapter's send carries the claim's stamp and Auto-Submitted as custom_headers (a header the reply sets is kept); outside, only an agent's Auto-Submitted", async () => {
+  const { buildSendRequest } = await import("../src/providers/nylas.js");
+  const { inScope } = await import("../src/sdks.js");
+  const reply = { replyToMessageId: "m-1", to: ["bea@example.org"], subject: "Re: x", body: "Ships today." };
+  const body = (fields?: Record<string, unknown>) => JSON.parse(buildSendRequest("https://nylas.test", "k", "grant-1", { ...reply, fields }, STAMP.key).body) as Record<string, unknown>;
+  const agentsMark = [{ name: "Auto-Submitted", value: "auto-replied" }];
+  assert.deepEqual(body()["custom_headers"], agentsMark); // outside any claim the sender is an agent: no stamp
+  const inside = inScope("m-1", true, formatStamp(STAMP), () => body());
+  assert.deepEqual(inside["custom_headers"], [
+    { name: "X-Inbox-Claim", value: formatStamp(STAMP) },
+    { name: "Auto-Submitted", value: "auto-replied" },
+  ]);
+  const kept = inScope("m-1", true, formatStamp(STAMP), () => body({ custom_headers: [{ name: "auto-submitted", value: "auto-generated" }] }));
+  assert.deepEqual(kept["custom_headers"], [
+    { name: "auto-submitted", value: "auto-generated" },
+    { name: "X-Inbox-Claim", value: formatStamp(STAMP) },
+  ]);
+  assert.deepEqual(inScope("m-1", false, "", () => body())["custom_headers"], agentsMark); // in the work, outside claim.send: no stamp
+});

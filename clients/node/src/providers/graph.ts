@@ -22,6 +22,7 @@ import {
   display,
   fetchTransport,
   header,
+  isoDate,
   isRecord,
   jsonOf,
   messageIds,
@@ -76,12 +77,6 @@ export class GraphSendOutcomeUnknown extends InboxClaimsError {
 
 function iso(seconds: number): string {
   return new Date(Math.floor(seconds) * 1000).toISOString().replace(/\.\d{3}Z$/, "Z");
-}
-
-function received(text: unknown): Date | undefined {
-  if (typeof text !== "string") return undefined;
-  const date = new Date(text);
-  return Number.isNaN(date.getTime()) ? undefined : date;
 }
 
 function etagKey(etag: unknown): string | undefined {
@@ -300,7 +295,7 @@ export class GraphProvider implements Provider {
       dedupKey: `${id}@${changeKey || str(message.changeKey)}`,
       messageId: id,
       threadId: str(message.conversationId) || undefined,
-      receivedAt: received(message.receivedDateTime),
+      receivedAt: isoDate(message.receivedDateTime),
       sender: display(name, address),
       subjectLine: subject,
       fromAddresses: address ? [address] : [],

@@ -26,15 +26,19 @@ import { InboxClaimsError, SendRejected } from "../errors.js";
 import { traceHeaders } from "../tracing.js";
 import { EnvelopeError, parseNotification, type Notification } from "../envelope.js";
 import { NYLAS_SIGNATURE_HEADER, nylasChallengeResponse, signNylas, signStandardWebhook, verifyNylasSignature, verifyStandardWebhook, WebhookVerificationError } from "../webhooks.js";
+import { currentStamp } from "../sdks.js";
 import {
   Accepted,
   batchOf,
   bearer,
   fetchTransport,
+  header,
   isRecord,
   jsonOf,
+  parseStamp,
   ProviderError,
   replySubject,
+  STAMP_HEADER,
   str,
   type Answer,
   type Batch,
@@ -112,11 +116,14 @@ export interface NylasProviderOptions {
   mailboxAddresses?: readonly string[];
   /**
    * The Nylas API key: with it, each message is read with its headers for the automated-mail rules (one request per
-   * message notification) and the send path looks at the thread before sending (one request per send).
+   * message notification; a message in a sent folder gives the claim stamp its send carried, what settles an IN_DOUBT
+   * send) and the send path looks at the thread before sending (one request per send).
    */
   apiKey?: string;
   /** Default https://api.us.nylas.com. */
   apiBase?: string;
+  /** The sent folders besides SENT (Microsoft and IMAP grants' folder ids: Nylas.sentFolderIds). */
+  sentFolders?: readonly string[];
   transport?: Transport;
 }
 
@@ -128,6 +135,7 @@ export class NylasProvider implements Provider {
   readonly toleranceSeconds: number;
   readonly mailboxAddresses: readonly string[];
   readonly apiBase: string;
+  readonly sentFolders: ReadonlySet<string>;
   private readonly apiKey: string;
   private readonly transport: Transport;
 
@@ -141,6 +149,10 @@ export class NylasProvider implements Provider {
     this.scheme = options.scheme ?? "nylas";
     this.toleranceSeconds = options.toleranceSeconds ?? 300;
     this.mailboxAddresses = options.mailboxAddresses ?? [];
+    this.apiKey = options.apiKey ?? "";
+    this.apiBase = (options.apiBase || DEFAULT_API_BASE).replace(/\/+$/, "");
+    this.sentFolders = new Set(["SENT", ...(options.sentFolders ?? [])]);
+    this.transport = options.transport ?? fetchTransport();
     // Throws on an empty or mistyped secret: at start, not on the first request.
     if (this.scheme === "nylas") signNylas(Buffer.alloc(0), secret);
     else if (this.scheme === "standard") {
@@ -155,6 +167,7 @@ export class NylasProvider implements Provider {
       mailboxAddresses: (settings.mailbox_addresses as string[] | undefined) ?? [],
       apiKey: str(settings.api_key),
       apiBase: str(settings.api_base),
+      sentFolders: (settings.sent_folders as string[] | undefined) ?? [],
       ...io,
     });
   }
@@ -194,7 +207,10 @@ export class NylasProvider implements Provider {
     const data = isRecord(document) ? document.data : undefined;
     if (response.status !== 200 || !isRecord(data)) throw new ProviderError(`reading message ${JSON.stringify(facts.messageId)} with its headers answered HTTP ${response.status}`);
     const { event, mailbox, dedupKey, messageId, threadId, receivedAt, source } = facts;
-    return batchOf([messageFacts({ ...notification.object, ...data }, { event, mailbox, dedupKey, messageId, threadId, receivedAt, source })]);
+    const read = messageFacts({ ...notification.object, ...data }, { event, mailbox, dedupKey, messageId, threadId, receivedAt, source });
+    // The same read gives a sent message's claim stamp: what settles an IN_DOUBT send.
+    const sent = facts.folders.some((folder) => this.sentFolders.has(folder));
+    return batchOf([sent ? { ...read, stamp: parseStamp(header(data.headers, STAMP_HEADER)) } : read]);
   }
 
   private api(path: string, grantId: string, params: [string, string][]): HttpRequest {
@@ -322,10 +338,16 @@ export function buildSendRequest(apiBase: string, apiKey: string, grantId: strin
   if (!idempotencyKey || idempotencyKey.length > MAX_IDEMPOTENCY_KEY_LENGTH || ![...idempotencyKey].every((ch) => ch.charCodeAt(0) < 0x80)) {
     throw new TypeError(`idempotencyKey must be 1 to ${MAX_IDEMPOTENCY_KEY_LENGTH} ASCII characters (pass claim.idempotencyKey)`);
   }
-  // An agent's reply says so (RFC 3834: machines that honour it do not answer it), a person's never (agentHeaders);
-  // custom headers given are kept.
+  // Inside claim.send the send carries the claim's stamp (X-Inbox-Claim: its copy in the sent folder, read with its
+  // headers, then settles an IN_DOUBT send, docs/providers.md "Sends that settle themselves"); an agent's reply says
+  // it is automatic (RFC 3834: machines that honour it do not answer it), a person's never (agentHeaders). Custom
+  // headers given are kept, and win over ours of the same name.
   const given = Array.isArray(reply.fields?.["custom_headers"]) ? (reply.fields["custom_headers"] as unknown[]) : [];
-  const marks = agentHeaders().map(([name, value]) => ({ name, value }));
+  const names = new Set(given.filter(isRecord).map((h) => str(h.name).toLowerCase()));
+  const stamp = currentStamp();
+  const marks = [...(stamp === undefined ? [] : [[STAMP_HEADER, stamp] as const]), ...agentHeaders()]
+    .filter(([name]) => !names.has(name.toLowerCase()))
+    .map(([name, value]) => ({ name, value }));
   const document: Record<string, unknown> = {
     ...reply.fields,
     ...(given.length + marks.length > 0 ? { custom_headers: [...given, ...marks] } : {}),

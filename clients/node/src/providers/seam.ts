@@ -11,8 +11,10 @@
 // Where Python runs one flow of effects under a blocking and an asyncio client, Node has one kind of I/O: a provider's
 // steps are async functions over an injected Transport (fetch by default, a double in tests).
 import { agentHeaders } from "../current.js";
+import { InboxClaimsError, SendRejected } from "../errors.js";
 import type { OutgoingMatch } from "../outgoing.js";
 import { traceHeaders } from "../tracing.js";
+import { verifySvixWebhook, WebhookVerificationError } from "../webhooks.js";
 
 /** The header a reply sent without an idempotency key carries: `<idempotency key>.<fencing token>`. */
 export const STAMP_HEADER = "X-Inbox-Claim";
@@ -350,3 +352,85 @@ export function requireEnv(env: Record<string, string | undefined>, names: reado
 
 export const isRecord = (value: unknown): value is Record<string, unknown> => typeof value === "object" && value !== null && !Array.isArray(value);
 export const str = (value: unknown): string => (typeof value === "string" ? value : "");
+
+/** The header an agent's reply carries (RFC 3834): an auto-responder elsewhere does not answer it, so two agents never mail each other in a loop. */
+export const AUTO_SUBMITTED: readonly [string, string] = ["Auto-Submitted", "auto-replied"];
+
+/** The date of an ISO 8601 text; undefined for anything else. */
+export function isoDate(text: unknown): Date | undefined {
+  if (typeof text !== "string" || !text) return undefined;
+  const date = new Date(text);
+  return Number.isNaN(date.getTime()) ? undefined : date;
+}
+
+/** A value of a header map ({name: value}, as AgentMail and Resend give them), the name's case aside. */
+export function headerIn(headers: unknown, name: string): string | undefined {
+  if (!isRecord(headers)) return undefined;
+  const wanted = name.toLowerCase();
+  for (const [key, value] of Object.entries(headers)) if (key.toLowerCase() === wanted && typeof value === "string") return value;
+  return undefined;
+}
+
+/**
+ * A send to an API that takes an Idempotency-Key (AgentMail, Resend), as claim.send needs its answer: the sent
+ * message's id from a 2xx (`idOf`); a 4xx other than 409 throws `rejected` (nothing went out: the claim is freed);
+ * a 409 (the key was taken by a send that went out or is in flight), a 5xx or no answer throws `unknown` (the send
+ * stays SENDING, then IN_DOUBT, until the sent event carrying the claim's stamp settles it, or a person does).
+ */
+export async function keyedSend(
+  transport: Transport,
+  request: HttpRequest,
+  what: string,
+  idOf: (document: Record<string, unknown>) => unknown,
+  errors: { rejected: new (reason: string) => SendRejected; unknown: new (message: string, options?: { cause?: unknown }) => InboxClaimsError },
+): Promise<string | undefined> {
+  let response: HttpResponse;
+  try {
+    response = await transport(request);
+  } catch (error) {
+    throw new errors.unknown(`${what}: no answer, the reply may have gone out: ${(error as Error).message}`, { cause: error });
+  }
+  const document = jsonOf(response);
+  const record = isRecord(document) ? document : {};
+  const detail = str(record.message) || str(record.error) || str(record.name) || response.body.toString("utf8").slice(0, 200);
+  if (response.status >= 200 && response.status < 300) {
+    const id = idOf(record);
+    return typeof id === "string" && id ? id : undefined;
+  }
+  if (response.status === 409) throw new errors.unknown(`${what}: HTTP 409, a send with this idempotency key went out or is in flight (${detail})`);
+  if (response.status >= 400 && response.status < 500) throw new errors.rejected(`${what} refused (HTTP ${response.status}), nothing was sent: ${detail}`);
+  throw new errors.unknown(`${what}: HTTP ${response.status}, the reply may have gone out: ${detail}`);
+}
+
+/** Throws, naming `variable`, unless `secret` is a Svix endpoint secret ('whsec_<base64>'): at start, not on the first request. */
+export function requireSvixSecret(secret: string, provider: string, variable: string): void {
+  if (typeof secret !== "string" || !secret) throw new TypeError(`the ${provider} webhook secret is empty: the endpoint's 'whsec_...' secret (${variable})`);
+  try {
+    verifySvixWebhook(Buffer.alloc(0), { "svix-id": "config-check", "svix-timestamp": "0", "svix-signature": "v1,AAAA" }, secret, { now: 0 });
+  } catch (error) {
+    if (!(error instanceof WebhookVerificationError)) throw new TypeError(`${variable}: ${(error as Error).message}`);
+  }
+}
+
+/**
+ * A Svix-signed request's check (AgentMail, Resend): 405 for anything but a POST, 401 for a signature that does not
+ * hold (nothing recorded), 400 for a body that is not JSON; else the parsed body.
+ */
+export function svixChecked(request: WebhookRequest, provider: string, secret: string, toleranceSeconds: number, now: number): Answer | Record<string, unknown> | unknown[] {
+  if (request.method !== "POST") return { status: 405, body: `${provider} posts its events; ${request.method} is not one`, headers: { allow: "POST" } };
+  try {
+    verifySvixWebhook(request.body, request.headers, secret, { toleranceSeconds, now });
+  } catch (error) {
+    if (!(error instanceof WebhookVerificationError)) throw error;
+    return { status: 401, body: `signature refused: ${error.message}; nothing recorded` };
+  }
+  try {
+    const document: unknown = JSON.parse(request.body.toString("utf8"));
+    return isRecord(document) || Array.isArray(document) ? document : { value: document };
+  } catch {
+    return { status: 400, body: `the body is not JSON: not a ${provider} event` };
+  }
+}
+
+/** Tells svixChecked's refusal from its parsed body. */
+export const isAnswer = (value: unknown): value is Answer => isRecord(value) && typeof value.status === "number" && typeof value.body === "string" && Object.keys(value).every((k) => ["status", "body", "headers"].includes(k));

@@ -1,0 +1,167 @@
+// The SDKs people already send with, as published on npm (nylas 7.x, resend, agentmail: devDependencies), under the
+// guard, through a real coordinator on etcd, each against a local double of its API (test/mailapis.ts): the claim's
+// key reaches the API as Idempotency-Key through the SDK's own per-request options (Nylas `overrides.headers`,
+// Resend and AgentMail `idempotencyKey`); the SDK's response passed straight back from claim.send records the sent
+// id; a 4xx through the SDK frees the message (FREE) as our own adapters do; a send made inside the guarded work
+// without claim.send is said loudly (the nylas SDK's, over node:http, refused before it left; resend's and
+// agentmail's, over fetch, warned about).
+import { after, before, test } from "node:test";
+import assert from "node:assert/strict";
+import NylasSdk from "nylas";
+import { Resend } from "resend";
+import { AgentMailClient } from "agentmail";
+import { Cluster } from "../src/testing.js";
+import { idempotencyKey, idempotencyOverrides, messageSubject, UNGUARDED_SEND_WARNING, type Coordinator } from "../src/index.js";
+import { AgentMailDouble, NylasDouble, ResendDouble, secretOf } from "./mailapis.js";
+
+let cluster: Cluster;
+let agent: Coordinator;
+before(async () => {
+  cluster = await Cluster.start({ replicas: 1 });
+  agent = cluster.client("agent-a");
+});
+after(async () => {
+  await cluster?.stop();
+});
+
+let counter = 0;
+// The package's types declare its class as the module's `default` (CommonJS types), while Node's ESM loader gives the class itself.
+const Nylas = NylasSdk as unknown as typeof NylasSdk.default;
+
+/** The process warnings with `code` that `run` causes. */
+async function warningsOf(code: string, run: () => Promise<void>): Promise<string[]> {
+  const seen: string[] = [];
+  const listen = (warning: Error & { code?: string }): void => void (warning.code === code && seen.push(warning.message));
+  process.on("warning", listen);
+  try {
+    await run();
+    await new Promise((ok) => setImmediate(ok)); // warnings are emitted on the next tick
+  } finally {
+    process.off("warning", listen);
+  }
+  return seen;
+}
+
+/** One SDK's four cases: `send(key, to)` sends to `to` with the key (undefined: without it) and resolves to the SDK's answer. */
+interface Sdk {
+  double: NylasDouble | ResendDouble | AgentMailDouble;
+  /** The message the guarded work answers (the double must know it). */
+  messageId: string;
+  send(idempotencyKey: string | undefined, to: string): Promise<unknown>;
+  /** Whether the process can stop the SDK's unguarded send (node:http) or only warn (fetch). */
+  refusable: boolean;
+  stop(): Promise<void>;
+}
+
+async function nylasSdk(): Promise<Sdk> {
+  const grant = `grant-${process.pid}-${++counter}`;
+  const double = await new NylasDouble(grant).start();
+  const nylas = new Nylas({ apiKey: double.apiKey, apiUri: double.url });
+  return {
+    double,
+    messageId: `m-${counter}`,
+    send: (key, to) =>
+      nylas.messages.send({
+        identifier: grant,
+        requestBody: { to: [{ email: to }], subject: "Re: Where is my order?", body: "Ships today.", replyToMessageId: `m-${counter}` },
+        ...(key === undefined ? {} : { overrides: idempotencyOverrides(key) }),
+      }),
+    refusable: true,
+    stop: () => double.stop(),
+  };
+}
+
+async function resendSdk(): Promise<Sdk> {
+  const mailbox = `support-${process.pid}-${++counter}@shop.example`;
+  const double = await new ResendDouble(mailbox, secretOf("unused")).start();
+  const resend = new Resend(double.apiKey, { baseUrl: double.url });
+  return {
+    double,
+    messageId: `r-${counter}`,
+    send: (key, to) => resend.emails.send({ from: mailbox, to: [to], subject: "Re: Where is my order?", text: "Ships today." }, key === undefined ? {} : { idempotencyKey: key }),
+    refusable: false,
+    stop: () => double.stop(),
+  };
+}
+
+async function agentmailSdk(): Promise<Sdk> {
+  const inbox = `support-${process.pid}-${++counter}@agentmail.to`;
+  const double = await new AgentMailDouble(inbox, secretOf("unused")).start();
+  const client = new AgentMailClient({ apiKey: double.apiKey, baseUrl: double.url, maxRetries: 0 });
+  const original = String((double.receive("Bea Costa <bea@example.org>", "Where is my order?").message as Record<string, unknown>).message_id);
+  return {
+    double,
+    messageId: original,
+    // AgentMail answers a reply to its sender; `to` stands for a recipient it refuses (an empty text is refused too).
+    send: (key, to) => client.inboxes.messages.reply(inbox, original, to.includes("@") ? { text: "Ships today." } : {}, key === undefined ? {} : { idempotencyKey: key }),
+    refusable: false,
+    stop: () => double.stop(),
+  };
+}
+
+const SDKS = { nylas: nylasSdk, resend: resendSdk, agentmail: agentmailSdk };
+
+for (const [name, make] of Object.entries(SDKS)) {
+  test(`${name} SDK: the claim's key reaches the API as Idempotency-Key through the SDK's per-request options, and the SDK's answer passed back records the sent id`, async () => {
+    const sdk = await make();
+    try {
+      const mailbox = `sdk-${name}-${process.pid}-${counter}`;
+      const sent = await agent.replyTo({ mailbox, messageId: sdk.messageId, notificationId: `n-${counter}` }, { ttl: 10 }, async (claim) => claim.send((key) => sdk.send(key, "bea@example.org") as Promise<string>));
+      assert.equal(sdk.double.sends.length, 1);
+      const [reply] = sdk.double.sends;
+      assert.equal(reply!.key, idempotencyKey(messageSubject(mailbox, sdk.messageId)));
+      assert.equal(sent, reply!.id);
+      const recorded = await agent.status(messageSubject(mailbox, sdk.messageId));
+      assert.deepEqual([recorded.state, recorded.sentMessageId], ["REPLIED", reply!.id]);
+    } finally {
+      await sdk.stop();
+    }
+  });
+
+  test(`${name} SDK: a 4xx through the SDK frees the message (FREE, nothing sent), as our own adapters do; a 5xx leaves it in doubt`, async () => {
+    const sdk = await make();
+    try {
+      const mailbox = `sdk-${name}-${process.pid}-${counter}`;
+      await assert.rejects(
+        agent.replyTo({ mailbox, messageId: sdk.messageId }, { ttl: 10 }, async (claim) => claim.send((key) => sdk.send(key, "not-an-address") as Promise<string>)),
+        (error: Error) => error.name === "SendRejected" && /HTTP 4\d\d/.test(error.message),
+      );
+      assert.equal(sdk.double.sends.length, 0);
+      assert.equal((await agent.status(messageSubject(mailbox, sdk.messageId))).state, "FREE");
+      sdk.double.sendFailure = "unavailable";
+      const other = `${mailbox}-503`;
+      await assert.rejects(
+        agent.replyTo({ mailbox: other, messageId: sdk.messageId }, { ttl: 10 }, async (claim) => claim.send((key) => sdk.send(key, "bea@example.org") as Promise<string>)),
+        (error: Error) => error.name === "SendOutcomeUnknown",
+      );
+      assert.equal((await agent.status(messageSubject(other, sdk.messageId))).state, "SENDING"); // IN_DOUBT after the send timeout
+    } finally {
+      await sdk.stop();
+    }
+  });
+
+  test(`${name} SDK: a send inside the guarded work without claim.send is said loudly${name === "nylas" ? " and refused before it leaves" : ""}; the message stays unanswered in the coordinator`, async () => {
+    const sdk = await make();
+    try {
+      const mailbox = `sdk-${name}-${process.pid}-${counter}`;
+      let failure: unknown;
+      const warnings = await warningsOf(UNGUARDED_SEND_WARNING, async () => {
+        await agent
+          .replyTo({ mailbox, messageId: sdk.messageId }, { ttl: 10 }, async () => {
+            await sdk.send(undefined, "bea@example.org"); // the SDK called directly: no commit point passed
+          })
+          .catch((error: unknown) => (failure = error));
+      });
+      assert.equal(warnings.length, 1, warnings.join("\n"));
+      assert.match(warnings[0]!, new RegExp(`without claim\\.send.*${sdk.refusable ? "refused and nothing was sent" : "went out unguarded"}`));
+      assert.equal(sdk.double.sends.length, sdk.refusable ? 0 : 1);
+      if (sdk.refusable) assert.match(String(failure), /without claim\.send/);
+      assert.equal((await agent.status(messageSubject(mailbox, sdk.messageId))).state, "FREE");
+      // Outside any guarded work the guard says nothing: a send of another kind (a newsletter) is none of its business.
+      const outside = await warningsOf(UNGUARDED_SEND_WARNING, async () => void (await sdk.send(undefined, "bea@example.org")));
+      assert.deepEqual(outside, []);
+    } finally {
+      await sdk.stop();
+    }
+  });
+}
