@@ -322,7 +322,7 @@ class Engine:
             if attempt.created is not None:
                 answered = attempt.created.record.replied_outside
                 if link is not None and not attempt.inbound_recorded:
-                    await self._record_inbound(subject, link)
+                    await self._record_inbound(subject, link, unless_automated=True)
                 return ClaimOutcome(ClaimResult.ALREADY_REPLIED if answered else ClaimResult.GRANTED, attempt.created)
             if attempt.delivery is not None and domain.is_duplicate_delivery(
                 attempt.delivery, command, attempt.current, attempt.end, caller, attempt.delivery_revision
@@ -331,7 +331,7 @@ class Engine:
             if attempt.current is not None:
                 conflict = domain.claim_conflict(attempt.current, caller, command)
                 if link is not None and conflict is ClaimResult.HELD:
-                    await self._record_inbound(subject, link)
+                    await self._record_inbound(subject, link, unless_automated=True)
                 return ClaimOutcome(conflict, attempt.current)
             if link is not None and attempt.outside_revision != outside_revision:
                 # The thread's latest reply written outside is not the one decided on: did it answer this message?
@@ -361,9 +361,13 @@ class Engine:
         its time says it all."""
         return Inbound(subject.id if subject.kind is SubjectKind.MESSAGE else "", link.received_ms)
 
-    async def _record_inbound(self, subject: Subject, link: ThreadLink) -> None:
+    async def _record_inbound(self, subject: Subject, link: ThreadLink, *, unless_automated: bool = False) -> None:
         """The thread's newest inbound message, for BeginSend's check that the conversation did not move on
-        (docs/design.md#reply-storms)."""
+        (docs/design.md#reply-storms). Automated mail never moves a conversation on: an out-of-office arriving
+        after the customer's message must not stop the reply to the customer. ``unless_automated``: a claim of
+        a message RecordIncoming said is automated (a person answering it) is not recorded either."""
+        if unless_automated and subject.kind is SubjectKind.MESSAGE and await self.store.automated(subject):
+            return
         await self.store.record_inbound(
             subject.mailbox, link.thread_id, self._inbound(subject, link), self.rules.inbound_expiry(self._clock())
         )
@@ -403,9 +407,10 @@ class Engine:
             if earlier is not None:
                 domain.is_retry(earlier.request_id, earlier.fingerprint, command)
             delivery = earlier or record
-        link = ThreadLink(command.thread_id, received, caller.principal)
-        await self._record_inbound(subject, link)
-        if command.automated:
+        if not command.automated:
+            # Automated mail does not move the conversation on (docs/design.md#reply-storms).
+            await self._record_inbound(subject, ThreadLink(command.thread_id, received, caller.principal))
+        else:
             # For people asking about it later (GetStatus, inboxctl), as long as its delivery is remembered.
             await self.store.record_automated(
                 subject, limits.without_invisible_formatting(command.automated), self.rules.delivery_expiry(now)

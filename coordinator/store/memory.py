@@ -227,9 +227,10 @@ class MemoryStore:
                 linked.entries[subject] = _Leased(thread, revision, thread_expires_ms)
                 linked.changed = revision
             self._publish(Change(subject, None, created, None, revision))
-            if inbound is not None and thread is not None:
+            recorded = inbound is not None and thread is not None and not await self.automated(subject)
+            if recorded and inbound is not None and thread is not None:
                 await self.record_inbound(subject.mailbox, thread.thread_id, *inbound)
-            return ClaimAttempt(created, None, None, inbound_recorded=inbound is not None and thread is not None)
+            return ClaimAttempt(created, None, None, inbound_recorded=recorded)
         end = self._ends.get(subject) if delivery is not None else None
         return ClaimAttempt(
             None,

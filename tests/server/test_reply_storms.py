@@ -241,6 +241,30 @@ async def test_a_conversation_that_moved_on_refuses_the_older_messages_send(repl
     assert (await reply(agent, message(mailbox, "m-9"), "t-1", received_s=ASKED + 300)).result == REFUSED
 
 
+async def test_automated_mail_and_a_persons_claim_of_it_do_not_move_the_conversation_on(
+    replicas: Pair, mailbox: str
+) -> None:
+    """An out-of-office arriving after the customer's message must not stop the agent's reply to the customer
+    (else nobody answers): neither its RecordIncoming nor a person claiming it to answer it moves the thread on."""
+    agent, reporter = replicas.agent("agent-a"), replicas.agent("worker", second=True)
+    customer = message(mailbox, "m-1")
+    token = await claim(agent, customer, "t-1", received_s=ASKED)
+    automated = incoming(mailbox, "ooo-1", "t-1", ASKED + 60, automated="Auto-Submitted: auto-replied")
+    assert (await reporter.stub.RecordIncoming(automated, metadata=reporter.metadata)).status.automated
+    # A person claims the out-of-office (on the other replica, which knows nothing of the thread yet).
+    ana = replicas.human("ana@shop.example", second=True)
+    await claim(ana, message(mailbox, "ooo-1"), "t-1", received_s=ASKED + 60)
+    begun = await agent.begin(customer, token)
+    assert (begun.result, begun.refusal.kind) == (OK, pb.SendRefusal.KIND_UNSPECIFIED), begun
+    assert (await agent.confirm(customer, token)).result == OK
+    # The customer's own next message still moves it on.
+    second = message(mailbox, "m-2")
+    token = await claim(agent, second, "t-1", received_s=ASKED + 120)
+    await reporter.stub.RecordIncoming(incoming(mailbox, "m-3", "t-1", ASKED + 180), metadata=reporter.metadata)
+    refused = await agent.begin(second, token)
+    assert (refused.result, refused.refusal.newer_message_id) == (REFUSED, "m-3")
+
+
 async def test_record_incoming_answers_duplicates_and_retries_and_marks_automated_mail(
     replicas: Pair, mailbox: str
 ) -> None:

@@ -281,8 +281,11 @@ class EtcdStore:
                 success.append(_op_put(entry_key, entry, await self._lease(thread_expires_ms)))
             if inbound is not None and inbound_key is not None and inbound_guess is not None:
                 guessed = _unchanged_since(inbound_key, inbound_guess) if inbound_guess else _absent(inbound_key)
+                # Automated mail (RecordIncoming said so) is no inbound message of the conversation: when it is,
+                # the nested transaction fails and the engine decides apart (docs/design.md#reply-storms).
+                compares = [guessed, _absent(self.keys.automated(subject))]
                 put = _op_put(inbound_key, _codec.encode_inbound(inbound[0]), await self._lease(inbound[1]))
-                success.append(rpc.RequestOp(request_txn=rpc.TxnRequest(compare=[guessed], success=[put])))
+                success.append(rpc.RequestOp(request_txn=rpc.TxnRequest(compare=compares, success=[put])))
             return await self._txn(compare, success, [_op_get(key) for key in reads], frozenset(writes))
 
         wrote = True
