@@ -54,7 +54,7 @@ from coordinator.core.domain import (
 from coordinator.core.errors import InvalidArgument, SlowConsumer, StoreConflict, StoreUnavailable, WatcherBehind
 from coordinator.core.memo import LastConverted
 from coordinator.core.storage import Change, FeedLost, Store, encode_cursor
-from coordinator.core.storms import Inbound, Refusal, normalised_correspondent
+from coordinator.core.storms import Inbound, Refusal, RefusalKind, Stopped, normalised_correspondent
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +124,27 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Recent:
+    """ListRecentMessages: the deliveries found, why agents leave those automated, where agents are stopped."""
+
+    messages: list[DeliveryRecord]
+    automated: dict[Subject, str]
+    stopped: list[Stopped]
+
+
+@dataclass(frozen=True)
 class Page:
     subjects: list[tuple[Subject, Stored]]
     next_token: str | None
     revision: int
+
+
+def _matches(wanted: str, summary: Summary | None, subject: Subject) -> bool:
+    """Whether a message's subject line, sender or id contains ``wanted`` (casefolded; empty: all)."""
+    if not wanted:
+        return True
+    summary = summary or Summary()
+    return any(wanted in text.casefold() for text in (summary.subject_line, summary.sender, subject.id))
 
 
 def _check_subject(caller: Caller, subject: Subject) -> None:
@@ -562,7 +579,14 @@ class Engine:
             send_marker_expires_ms=self.rules.send_marker_expiry(now),
             from_recent_write=True,
         )
-        return transition.result, after, transition.refusal
+        refusal = transition.refusal
+        if refusal is not None and refusal.kind is RefusalKind.REPLY_BUDGET_SPENT and after is not None:
+            # Kept until the budget frees, past the claim (the client releases it at once): people see where
+            # agents stopped (board, inboxctl) and look (docs/design.md#reply-storms).
+            record = after.record
+            stopped = Stopped(command.subject, record.thread_id, refusal, record.holder, now, record.summary)
+            await self.store.record_stopped(stopped)
+        return transition.result, after, refusal
 
     async def confirm_sent(self, caller: Caller, command: ConfirmSent) -> tuple[FenceResult, Stored | None]:
         _check_fenced_call(caller, command)
@@ -652,12 +676,11 @@ class Engine:
             cursor = last
         return Page(found, cursor, revision)
 
-    async def recent_messages(
-        self, caller: Caller, *, mailbox: str, query: str, page_size: int
-    ) -> list[DeliveryRecord]:
+    async def recent_messages(self, caller: Caller, *, mailbox: str, query: str, page_size: int) -> Recent:
         """The mailbox's recently delivered messages, newest first, one per subject, whose summary or id contains
         ``query`` (case-insensitive): the deliveries ClaimReply recorded, among the newest
-        RECENT_DELIVERIES_READ_MAX of them."""
+        RECENT_DELIVERIES_READ_MAX of them; why agents leave those that are automated; and the conversations
+        where agents are stopped (docs/design.md#reply-storms), matching ``query`` the same way."""
         _check_mailbox(caller, mailbox)
         limits.check_text("query", query, limits.RECENT_QUERY_MAX_BYTES, required=False)
         size = limits.check_page_size(page_size, limits.RECENT_PAGE_SIZE_DEFAULT, limits.RECENT_PAGE_SIZE_MAX)
@@ -677,15 +700,18 @@ class Engine:
             if subject is None or subject in seen:
                 continue
             seen.add(subject)
-            summary = delivery.summary or domain.Summary()
-            if wanted and not any(
-                wanted in text.casefold() for text in (summary.subject_line, summary.sender, subject.id)
-            ):
+            if not _matches(wanted, delivery.summary, subject):
                 continue
             found.append(delivery)
             if len(found) == size:
                 break
-        return found
+        automated = await self.store.automated_of([d.subject for d in found if d.subject is not None])
+        stopped = [
+            known
+            for known in await self.store.stopped(mailbox, limits.RECENT_DELIVERIES_READ_MAX)
+            if _matches(wanted, known.summary, known.subject)
+        ][:size]
+        return Recent(found, automated, stopped)
 
     # --- humans --------------------------------------------------------------------------------------------
 

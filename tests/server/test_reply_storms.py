@@ -265,6 +265,45 @@ async def test_automated_mail_and_a_persons_claim_of_it_do_not_move_the_conversa
     assert (refused.result, refused.refusal.newer_message_id) == (REFUSED, "m-3")
 
 
+async def test_people_find_automated_mail_and_stopped_conversations_after_the_agent_let_go(
+    replicas: Pair, mailbox: str
+) -> None:
+    """The board's and inboxctl's source (ListRecentMessages): automated mail nobody claims says why agents leave
+    it; a conversation where agents are stopped stays listed after the agent released its claim, on any replica."""
+    reporter, agent = replicas.agent("worker"), replicas.agent("agent-a")
+    automated = incoming(mailbox, "ooo-1", "t-ooo", ASKED, notification_id="n-ooo", automated="Precedence: bulk")
+    automated.summary.subject_line = "Out of office"
+    await reporter.stub.RecordIncoming(automated, metadata=reporter.metadata)
+    plain = incoming(mailbox, "m-plain", "t-plain", ASKED, notification_id="n-plain")
+    await reporter.stub.RecordIncoming(plain, metadata=reporter.metadata)
+    for n in range(3):
+        assert (await reply(agent, message(mailbox, f"m-{n}"), "t-1", received_s=ASKED + n)).result == OK
+    stopped_subject = message(mailbox, "m-3")
+    token = await claim(agent, stopped_subject, "t-1", received_s=ASKED + 3, correspondent="ana@example.com")
+    refused = await agent.begin(stopped_subject, token)
+    assert refused.result == REFUSED
+    assert (await agent.release(stopped_subject, token)).result == OK  # what the clients do at once
+    person = replicas.human("ana@shop.example", second=True)
+    found = await person.stub.ListRecentMessages(
+        pb.ListRecentMessagesRequest(mailbox=mailbox), metadata=person.metadata
+    )
+    why = {item.subject.id: item.automated for item in found.messages}
+    assert (why["ooo-1"], why["m-plain"]) == ("Precedence: bulk", "")
+    (stopped,) = found.agents_stopped
+    assert (stopped.subject.id, stopped.seen_by) == ("m-3", "agent-a")
+    assert stopped.agents_stopped.reason == refused.refusal.reason
+    assert stopped.agents_stopped.reason.startswith("agents stopped: 3 agent replies to this conversation")
+    assert stopped.agents_stopped.frees_at == refused.refusal.frees_at
+    # A search narrows both lists alike.
+    narrowed = await person.stub.ListRecentMessages(
+        pb.ListRecentMessagesRequest(mailbox=mailbox, query="office"), metadata=person.metadata
+    )
+    assert [item.subject.id for item in narrowed.messages] == ["ooo-1"]
+    assert not narrowed.agents_stopped
+    # A person can still answer the stopped conversation.
+    assert (await reply(person, stopped_subject, "t-1", received_s=ASKED + 3)).result == OK
+
+
 async def test_record_incoming_answers_duplicates_and_retries_and_marks_automated_mail(
     replicas: Pair, mailbox: str
 ) -> None:
