@@ -22,6 +22,7 @@ import grpc
 import pytest
 
 from inbox_claims import Coordinator, RetryPolicy, Subject, asgi, nylas
+from inbox_claims._automated import automated_reason
 from inbox_claims._batch import MAX_BATCHES_IN_FLIGHT, answers
 from inbox_claims._effects import Rpc, RpcFailure
 from inbox_claims._guard import (
@@ -332,6 +333,15 @@ def outgoing(case: Case) -> None:
     assert rules.match(case["message"]) == (None if expected is None else OutgoingMatch(**expected))
 
 
+# -- automated.json -------------------------------------------------------------------------------------------
+
+
+def automated(case: Case) -> None:
+    reason = automated_reason(case["headers"], case["sender"], case.get("content_type"))
+    assert reason == case["expect"]["reason"]
+    assert (reason is not None) == case["expect"]["automated"]
+
+
 # -- wire_constants.json --------------------------------------------------------------------------------------
 
 
@@ -409,6 +419,7 @@ def message_ids(case: Case) -> None:
 # -- the runner -----------------------------------------------------------------------------------------------
 
 RUNNERS: dict[str, Callable[[Case], None]] = {
+    "automated.json": automated,
     "backoff.json": backoff,
     "idempotency_keys.json": idempotency_keys,
     "message_ids.json": message_ids,
@@ -466,6 +477,23 @@ def test_a_vector_file_says_what_its_vectors_mean_and_names_each_case_once(name:
 def test_the_outgoing_cases_cover_every_rule_and_both_answers() -> None:
     rules = {case["match"]["rule"] if case["match"] else None for case in load("outgoing.json")["cases"]}
     assert rules == {None, "sent_folder", "mailbox_address"}
+
+
+def test_the_automated_cases_cover_every_rule_and_both_answers() -> None:
+    reasons = {case["expect"]["reason"] for case in load("automated.json")["cases"]}
+    rules = {None if reason is None else reason.split(" ")[0].rstrip(":") for reason in reasons}
+    assert rules == {
+        None,
+        "Auto-Submitted",
+        "Precedence",
+        "List-Id",
+        "List-Unsubscribe",
+        "X-Autoreply",
+        "X-Autorespond",
+        "X-Auto-Response-Suppress",
+        "delivery",
+        "no-reply",
+    }
 
 
 @pytest.mark.parametrize(("name", "case"), VECTORS, ids=[f"{name}: {case['name']}" for name, case in VECTORS])

@@ -9,6 +9,7 @@ can know.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 from collections.abc import Iterator
@@ -125,6 +126,8 @@ async def test_a_sent_reply_is_recorded_with_the_nylas_message_id(
         "cc": [{"email": "cc@example.com"}],
         "subject": "Re: Where is my order?",
         "body": "<p>It ships today.</p>",
+        # An agent's reply says it is automatic (RFC 3834), so that auto-responders do not answer it.
+        "custom_headers": [{"name": "Auto-Submitted", "value": "auto-replied"}],
     }
 
 
@@ -272,3 +275,37 @@ async def test_the_sent_folders_of_a_grant_are_found_by_their_attribute_across_p
         assert blocking.sent_folder_ids(grant) == ["AAMkSent", "INBOX.Sent"]
     with Nylas("wrong-key", api_base=fake.api_base) as refused, pytest.raises(httpx.HTTPStatusError, match="401"):
         refused.sent_folder_ids(grant)
+
+
+async def test_a_persons_reply_is_never_marked_automatic_and_an_agents_keeps_its_threading(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str
+) -> None:
+    """RFC 3834 marks only automatic replies: a person's claim (kind human) sends without Auto-Submitted; an agent's
+    keeps the reply's threading (reply_to_message_id, from which Nylas sets In-Reply-To and References) and the
+    draft's own custom headers."""
+    person_subject, agent_subject = Subject.message(mailbox, "m-person"), Subject.message(mailbox, "m-agent")
+    async with (
+        AsyncCoordinator(server.address, principal="ana", kind="human") as person,
+        AsyncNylas(API_KEY, api_base=fake.api_base) as nylas,
+        person.reply_to(mailbox=mailbox, message_id=person_subject.id) as claim,
+    ):
+        await claim.send(nylas.send, mailbox, a_reply(person_subject.id), idempotency_key=claim.idempotency_key)
+    own = dataclasses.replace(
+        a_reply(agent_subject.id), fields={"custom_headers": [{"name": "X-Ticket", "value": "T-7"}]}
+    )
+    async with (
+        AsyncCoordinator(server.address, principal="agent-a") as agent,
+        AsyncNylas(API_KEY, api_base=fake.api_base) as nylas,
+        agent.reply_to(mailbox=mailbox, message_id=agent_subject.id) as claim,
+    ):
+        await claim.send(nylas.send, mailbox, own, idempotency_key=claim.idempotency_key)
+
+    assert fake.problems == []
+    by_person, by_agent = (request.json() for request in fake.requests)
+    assert by_person["reply_to_message_id"] == "m-person"
+    assert "custom_headers" not in by_person
+    assert by_agent["reply_to_message_id"] == "m-agent"
+    assert by_agent["custom_headers"] == [
+        {"name": "X-Ticket", "value": "T-7"},
+        {"name": "Auto-Submitted", "value": "auto-replied"},
+    ]

@@ -95,7 +95,7 @@ def facts_json(facts: MessageFacts) -> dict[str, Any]:
         "from_addresses": list(facts.from_addresses),
         "folders": list(facts.folders),
         "outgoing": None if facts.outgoing is None else {"rule": facts.outgoing.rule, "value": facts.outgoing.value},
-        "automated": None,
+        "automated": facts.automated.why if facts.automated is not None and facts.automated.automated else None,
         "stamp": None if facts.stamp is None else {"key": facts.stamp.key, "token": facts.stamp.token},
         "reply": {
             "to": list(facts.reply.to),

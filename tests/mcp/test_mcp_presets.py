@@ -135,6 +135,29 @@ async def test_racing_and_repeated_replies_through_a_preset_send_once(
         assert f"use {preset.tools[0].name}" in text(result)
 
 
+async def test_a_reply_through_a_tool_that_takes_headers_is_marked_automatic_keeping_its_own(
+    server: CoordinatorServer,
+) -> None:
+    """resend's send-email takes any MIME header: the guard adds Auto-Submitted: auto-replied (RFC 3834), keeps
+    In-Reply-To (and the agent's References) as written; a tool without headers is sent as it was called."""
+    preset, fake, recorder = PRESETS["resend"], FAKES["resend"], Recorder()
+    assert fake.mailbox is not None
+    tool, arguments = fake.reply(fake.mailbox, "<msg-7@example.org>")
+    arguments["headers"]["References"] = "<msg-6@example.org> <msg-7@example.org>"
+    async with behind(server, "agent-a", preset, fake, recorder) as agent:
+        result = await agent.call_tool(tool, arguments)
+    assert not result.is_error, text(result)
+    [sent] = recorder.sends
+    assert sent["arguments"]["headers"] == {
+        "In-Reply-To": "<msg-7@example.org>",
+        "References": "<msg-6@example.org> <msg-7@example.org>",
+        "Auto-Submitted": "auto-replied",
+    }
+    assert {key: value for key, value in sent["arguments"].items() if key != "headers"} == {
+        key: value for key, value in arguments.items() if key != "headers"
+    }
+
+
 @pytest.mark.parametrize("name", sorted(name for name in PRESETS if FAKES[name].new_mail or FAKES[name].unfenced))
 async def test_mail_naming_no_message_is_refused_or_passed_through_unclaimed_when_allowed(
     server: CoordinatorServer, name: str

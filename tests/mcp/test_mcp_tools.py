@@ -325,3 +325,77 @@ async def test_claim_message_and_send_reply_claim_a_message_id_however_it_is_wri
     assert answer(answered)["outcome"] == "already_replied"
     assert len(fake.sends) == 1
     assert fake.sends[0].payload["reply_to_message_id"] == "CAF=1@mail.gmail.com"  # the id as claimed
+
+
+async def test_send_reply_marks_the_reply_automatic_and_answers_a_spent_budget_in_words(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str
+) -> None:
+    """Each send_reply carries Auto-Submitted: auto-replied (RFC 3834); the thread's fourth agent reply within the
+    hour is refused at the commit point, and the model is told, in words, to stop and leave it to a person."""
+    asked = datetime(2026, 12, 2, 14, 3, tzinfo=UTC)
+
+    def in_thread(n: int) -> dict[str, Any]:
+        at = (asked + timedelta(minutes=n)).isoformat()
+        return {**reply_arguments(mailbox, f"msg-{n}"), "thread_id": "thread-1", "received_at": at}
+
+    async with agent_session(server.address, "agent-a", api_base=fake.api_base) as (client, _):
+        results = [await client.call_tool("send_reply", in_thread(n)) for n in range(4)]
+
+    assert [answer(result)["outcome"] for result in results] == ["sent", "sent", "sent", "not_sent"]
+    assert len(fake.sends) == 3
+    for sent in fake.sends:
+        assert sent.payload["custom_headers"] == [{"name": "Auto-Submitted", "value": "auto-replied"}]
+    refused = answer(results[3])
+    assert results[3].is_error
+    assert refused["message"].startswith(
+        "Not sent: agents stopped: 3 agent replies to this conversation in the last hour"
+    )
+    assert "it is left for a person" in refused["message"]
+    assert await status_of(server.address, Subject.message(mailbox, "msg-3")) is SubjectState.FREE
+
+
+async def test_send_reply_to_a_conversation_that_moved_on_says_to_answer_the_newest_message(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str
+) -> None:
+    asked = datetime(2026, 12, 2, 14, 3, tzinfo=UTC)
+    first = {**reply_arguments(mailbox, "msg-old"), "thread_id": "thread-2", "received_at": asked.isoformat()}
+    newer = {
+        "mailbox": mailbox,
+        "message_id": "msg-new",
+        "thread_id": "thread-2",
+        "received_at": (asked + timedelta(seconds=30)).isoformat(),
+    }
+    async with (
+        agent_session(server.address, "agent-a", api_base=fake.api_base) as (drafting, _),
+        agent_session(server.address, "agent-b", api_base=fake.api_base) as (other, _),
+    ):
+        claimed = await drafting.call_tool("claim_message", {k: first[k] for k in newer})
+        assert answer(claimed)["outcome"] == "granted"
+        assert answer(await other.call_tool("claim_message", newer))["outcome"] == "granted"
+        result = await drafting.call_tool("send_reply", first)
+
+    assert fake.sends == []
+    assert result.is_error
+    assert answer(result)["outcome"] == "not_sent"
+    assert answer(result)["message"].startswith(
+        "Not sent: the customer wrote again; draft again with the new message (message msg-new)."
+    )
+
+
+async def test_send_reply_counts_the_correspondent_from_the_summarys_sender(
+    server: CoordinatorServer, fake: FakeNylas, mailbox: str
+) -> None:
+    """The sender of the summary the model gives is the correspondent of the reply budget: the eleventh reply to one
+    customer in a day, over eleven conversations, is refused."""
+    asked = datetime(2026, 12, 2, 14, 3, tzinfo=UTC).isoformat()
+
+    def to_bea(n: int) -> dict[str, Any]:
+        summary = {"subject_line": f"Order {n}", "sender": "Bea Costa <Bea@Example.org>"}
+        return {**reply_arguments(mailbox, f"m-{n}"), "thread_id": f"t-{n}", "received_at": asked, "summary": summary}
+
+    async with agent_session(server.address, "agent-a", api_base=fake.api_base) as (client, _):
+        results = [await client.call_tool("send_reply", to_bea(n)) for n in range(11)]
+
+    assert [answer(result)["outcome"] for result in results] == ["sent"] * 10 + ["not_sent"]
+    assert "agent replies to bea@example.org in the last day" in answer(results[10])["message"].lower()
+    assert len(fake.sends) == 10

@@ -8,6 +8,8 @@ pages), never our code:
 * ``users.messages.get`` with ``format`` ``minimal``, ``metadata`` (only the ``metadataHeaders`` asked for),
   ``full`` (the default: headers and the body) or ``raw``; 404 for a message that is not there.
 * ``users.messages.list`` (``q=newer_than:<n>d``, ``maxResults``), newest first; ``users.getProfile``.
+* ``users.threads.get`` with ``format`` and ``metadataHeaders`` as ``messages.get``: the thread's messages, oldest
+  first; 404 for a thread that is not there.
 * ``users.messages.send``: a ``raw`` RFC 2822 message (base64url) and an optional ``threadId``; the message joins the
   thread only as documented (the ``threadId`` given, ``In-Reply-To`` or ``References`` naming a message of the
   thread, the same subject), Gmail writes its own ``Message-ID`` and keeps other headers; the sent copy is a new
@@ -166,18 +168,30 @@ class FakeGmail(Outbox):
         message.set_content(body)
         return self._add(message, ["UNREAD", "CATEGORY_PERSONAL", "INBOX"], "")
 
-    def person_replies(self, to: dict[str, Any], body: str = "I am on it. Ana") -> dict[str, Any]:
-        """A person answering ``to`` from the Gmail UI: the reply, in the thread, labelled SENT."""
+    def _in_thread(self, to: dict[str, Any], sender: str, recipient: str, message_id: str, body: str) -> EmailMessage:
+        """A message answering ``to`` in its thread (In-Reply-To and References name it)."""
         original = self.parsed(to["id"])
         message = EmailMessage()
-        message["From"] = f"Ana <{self.address}>"
-        message["To"] = original["From"]
+        message["From"] = sender or original["From"]
+        message["To"] = recipient or original["From"]
         message["Subject"] = "Re: " + str(original["Subject"])
         message["Date"] = email.utils.formatdate(self.clock())
-        message["Message-ID"] = f"<CA+{uuid.uuid4().hex}@mail.gmail.com>"
+        message["Message-ID"] = message_id
         message["In-Reply-To"] = original["Message-ID"]
         message["References"] = original["Message-ID"]
         message.set_content(body)
+        return message
+
+    def customer_writes_again(
+        self, to: dict[str, Any], body: str = "Also: can I change the address?"
+    ) -> dict[str, Any]:
+        """The customer of ``to`` writing again in its thread (a reply to their own message), in the Inbox."""
+        message = self._in_thread(to, "", self.address, f"<{uuid.uuid4().hex}@mail.example>", body)
+        return self._add(message, ["UNREAD", "INBOX"], to["threadId"])
+
+    def person_replies(self, to: dict[str, Any], body: str = "I am on it. Ana") -> dict[str, Any]:
+        """A person answering ``to`` from the Gmail UI: the reply, in the thread, labelled SENT."""
+        message = self._in_thread(to, f"Ana <{self.address}>", "", f"<CA+{uuid.uuid4().hex}@mail.gmail.com>", body)
         document = self._add(message, ["SENT"], to["threadId"])
         with self._lock:
             self.sends.append(Sent("person", document["id"], to["id"]))
@@ -279,6 +293,8 @@ class FakeGmail(Outbox):
             ("GET", "messages"): ("messages.list", lambda: self._list(params)),
             ("POST", "messages/send"): ("messages.send", lambda: self._send(request.json_body)),
         }
+        if request.method == "GET" and rest.startswith("threads/"):
+            routes[("GET", rest)] = ("threads.get", lambda: self._thread(rest[len("threads/") :], params))
         if request.method == "GET" and rest.startswith("messages/"):
             routes[("GET", rest)] = ("messages.get", lambda: self._get(rest[len("messages/") :], params))
         route = routes.get((request.method, rest))
@@ -340,6 +356,13 @@ class FakeGmail(Outbox):
         if found:
             document["messages"] = [{"id": m["id"], "threadId": m["threadId"]} for m in found[:size]]
         return _json(200, document)
+
+    def _thread(self, thread_id: str, params: dict[str, list[str]]) -> HttpResponse:
+        ids = [m["id"] for m in self.messages.values() if m["threadId"] == thread_id]
+        if not ids:
+            return _error(404, "Requested entity was not found.", "NOT_FOUND")
+        messages = [json.loads(self._get(message_id, params).content) for message_id in ids]
+        return _json(200, {"id": thread_id, "historyId": str(self.history_id), "messages": messages})
 
     def _get(self, message_id: str, params: dict[str, list[str]]) -> HttpResponse:
         message = self.messages.get(message_id)

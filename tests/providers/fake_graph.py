@@ -3,8 +3,12 @@ never our code:
 
 * messages by immutable id (a message moved to another folder keeps its id), read with ``$select`` (only the
   properties asked for, with ``id`` and ``@odata.etag``; ``internetMessageHeaders`` only when selected);
-* ``createReply`` (201, a draft in Drafts keeping the ``internetMessageHeaders`` given, each of which must be an
-  ``X-`` header) then ``send`` (202, no body: the draft, same immutable id, moves to Sent Items);
+* ``createReply`` (201, a draft in Drafts) in JSON (keeping the ``internetMessageHeaders`` given, each of which must
+  be an ``X-`` header) or in MIME (``Content-Type: text/plain``, the MIME in base64: the draft keeps its headers,
+  any name; not base64: 400 ``ErrorMimeContentInvalidBase64String``), then ``send`` (202, no body: the draft, same
+  immutable id, moves to Sent Items);
+* ``GET /messages`` (every folder's messages) with ``$filter=conversationId eq '<id>'``, optionally ``and
+  receivedDateTime gt|ge <time>`` (the filters Graph documents for messages), ``$select`` as for one message;
 * the well-known folders (``inbox``, ``sentitems``, ``drafts``), by name or ``('name')``;
 * delta queries per folder: the first round lists the folder's messages (``$filter=receivedDateTime ge <t>``
   supported, as documented for messages), ``odata.maxpagesize`` per page with an ``@odata.nextLink``, then an
@@ -19,6 +23,9 @@ tests/providers/serving.py, a real HTTP server. It counts every API call and eve
 
 from __future__ import annotations
 
+import base64
+import binascii
+import email
 import itertools
 import json
 import re
@@ -37,6 +44,7 @@ _FOLDERS = {"inbox": INBOX, "sentitems": SENT, "drafts": DRAFTS}
 _USER_PATH = re.compile(r"^(?P<version>/[^/]+)?/users/(?P<user>[^/]+)/(?P<rest>.+)$")
 _FOLDER_DELTA = re.compile(r"^mailFolders(?:\('(?P<quoted>[^']+)'\)|/(?P<plain>[^/]+))/messages/delta$")
 _FILTER = re.compile(r"^receivedDateTime (ge|gt) (\S+)$")
+_CONVERSATION = re.compile(r"^conversationId eq '((?:[^']|'')*)'(?: and receivedDateTime (ge|gt) (\S+))?$")
 SendFailure = Literal["reject", "unavailable", "lost_answer"]
 
 
@@ -194,6 +202,9 @@ class FakeGraph(Outbox):
                     return _error(404, "ErrorInvalidIdMalformed", f"no folder {name}")
                 return _json(200, _selected({"id": _FOLDERS[name], "displayName": name}, params))
             parts = rest.split("/")
+            if request.method == "GET" and parts == ["messages"]:
+                self.calls["messages.list"] += 1
+                return self._list(params)
             if parts[0] != "messages" or len(parts) < 2:
                 return _error(400, "BadRequest", f"{request.method} {rest}")
             message = self.messages.get(parts[1])
@@ -205,6 +216,8 @@ class FakeGraph(Outbox):
                 return _json(200, _selected(message, params))
             if request.method == "POST" and parts[2:] == ["createReply"]:
                 self.calls["messages.createReply"] += 1
+                if headers.get("content-type", "").startswith("text/plain"):
+                    return self._create_reply_mime(message, request.content or b"")
                 return self._create_reply(message, request.json_body)
             if request.method == "POST" and parts[2:] == ["send"]:
                 self.calls["messages.send"] += 1
@@ -248,6 +261,33 @@ class FakeGraph(Outbox):
         draft["internetMessageHeaders"] = list(given)
         draft["_reply_to"] = original["id"]
         return _json(201, _selected(draft, {}))
+
+    def _create_reply_mime(self, original: dict[str, Any], content: bytes) -> HttpResponse:
+        try:
+            mime = email.message_from_bytes(base64.b64decode(content, validate=True))
+        except (binascii.Error, ValueError):
+            return _error(400, "ErrorMimeContentInvalidBase64String", "Invalid base64 string for MIME content.")
+        # Graph lists each header unfolded (RFC 5322 section 2.2.3), its value without the space after the colon.
+        headers = [{"name": name, "value": re.sub(r"\r?\n", "", str(value)).strip()} for name, value in mime.items()]
+        answer = self._create_reply(original, {})
+        draft = self.messages[json.loads(answer.content)["id"]]
+        draft["internetMessageHeaders"] = headers
+        return answer
+
+    def _list(self, params: dict[str, str]) -> HttpResponse:
+        bound = _CONVERSATION.match(params.get("$filter", ""))
+        if bound is None:
+            return _error(400, "ErrorInvalidUrlQueryFilter", "only conversationId eq [and receivedDateTime] here")
+        conversation = bound.group(1).replace("''", "'")
+        found = [m for m in self.messages.values() if m["conversationId"] == conversation]
+        if bound.group(2):
+            at = _time(bound.group(3))
+            found = [
+                m
+                for m in found
+                if _time(m["receivedDateTime"]) > at or (bound.group(2) == "ge" and _time(m["receivedDateTime"]) == at)
+            ]
+        return _json(200, {"value": [_selected(m, params) for m in found]})
 
     def _send(self, draft: dict[str, Any]) -> HttpResponse:
         if draft["parentFolderId"] != DRAFTS:

@@ -116,6 +116,7 @@ async def test_one_push_delivered_three_times_to_two_workers_gets_one_reply(
     reply = fake.parsed(copy["id"])
     assert copy["threadId"] == message["threadId"]  # in the customer's thread, as Gmail documents threading
     assert reply["In-Reply-To"] == fake.parsed(message["id"])["Message-ID"]
+    assert reply["Auto-Submitted"] == "auto-replied"  # an agent's reply says it is automatic (RFC 3834)
     status = await clients["a1"].status(Subject.message(fake.address, message["id"]))
     assert (status.state, status.sent_message_id) == (SubjectState.REPLIED, copy["id"])
 

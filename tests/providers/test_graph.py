@@ -81,6 +81,15 @@ async def test_one_notification_delivered_three_times_to_two_workers_gets_one_re
     assert fake.replies_to(message["id"]) == 1
     status = await clients["a1"].status(Subject.message(fake.user, message["id"]))
     assert (status.state, status.sent_message_id) == (SubjectState.REPLIED, copy["id"])
+    # The reply, made in MIME, says it is automatic (RFC 3834) and keeps the thread's headers and the stamp.
+    headers = {h["name"]: h["value"] for h in copy["internetMessageHeaders"]}
+    assert headers["Auto-Submitted"] == "auto-replied"
+    original = message["internetMessageId"]
+    assert (headers["In-Reply-To"], headers["References"]) == (original, original)
+    assert (
+        headers["X-Inbox-Claim"]
+        == f"{Subject.message(fake.user, message['id']).idempotency_key}.{status.fencing_token}"
+    )
 
     assert await unguarded_replies((0, 1, 0)) >= 2
 

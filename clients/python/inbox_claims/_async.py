@@ -42,6 +42,7 @@ from ._types import (
     ClaimsPage,
     DeliveryResult,
     FenceResult,
+    IncomingResult,
     MessageSummary,
     OutgoingResult,
     OutsideReplyUndone,
@@ -247,6 +248,36 @@ class AsyncCoordinator(ClientBase):
         return await self._drive(
             self._core.record_outgoing(
                 mailbox, message_id, thread_id, sent_at, sender=sender, notification_id=notification_id, timeout=timeout
+            )
+        )
+
+    async def record_incoming(
+        self,
+        mailbox: str,
+        message_id: str,
+        thread_id: str,
+        received_at: datetime,
+        *,
+        automated: str = "",
+        summary: MessageSummary | None = None,
+        notification_id: str = "",
+        timeout: float | None = None,
+    ) -> IncomingResult:
+        """RecordIncoming: an inbound message nobody claims (docs/design.md#reply-storms): automated mail
+        (``automated`` says why, up to 256 bytes; agents leave it, people see it and may answer it), or a customer's
+        newer message found by looking at the thread before a send (``automated`` empty). Either way the thread's
+        latest inbound message moves, so an agent's claim on an older one is refused at BeginSend
+        (:class:`~inbox_claims.ConversationMovedOn`). The guard calls it for you on automated mail."""
+        return await self._drive(
+            self._core.record_incoming(
+                mailbox,
+                message_id,
+                thread_id,
+                received_at,
+                automated=automated,
+                summary=summary,
+                notification_id=notification_id,
+                timeout=timeout,
             )
         )
 

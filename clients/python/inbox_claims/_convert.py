@@ -26,12 +26,16 @@ from ._types import (
     EventType,
     FenceResult,
     HolderKind,
+    IncomingOutcome,
+    IncomingResult,
     MessageSummary,
     OutgoingOutcome,
     OutgoingResult,
     OutsideReply,
     OutsideReplyUndone,
     RecentMessage,
+    RefusalKind,
+    SendRefusal,
     Subject,
     SubjectKind,
     SubjectState,
@@ -176,6 +180,22 @@ def status_from_pb(message: pb.SubjectStatus) -> SubjectStatus:
         replied_outside=message.replied_outside,
         outside_reply=outside_reply_from_pb(message),
         settled_by=message.settled_by,
+        automated=message.automated,
+        agents_stopped=refusal_from_pb(message.agents_stopped) if message.HasField("agents_stopped") else None,
+    )
+
+
+def refusal_from_pb(message: pb.SendRefusal) -> SendRefusal:
+    return SendRefusal(
+        kind=_enum_from_pb(RefusalKind, pb.SendRefusal.Kind, message.kind, ""),
+        reason=message.reason,
+        scope=message.scope,
+        limit=message.limit,
+        window_seconds=message.window_seconds,
+        counted=message.counted,
+        frees_at=_time(message, "frees_at"),
+        newer_message_id=message.newer_message_id,
+        newer_received_at=_time(message, "newer_received_at"),
     )
 
 
@@ -202,7 +222,21 @@ def delivery_from_pb(message: pb.DeliveryRecord) -> DeliveryRecord:
 
 
 def fence_result_from_pb(response: Any) -> FenceResult:
-    return FenceResult(ok=response.result == pb.FENCE_RESULT_OK, status=status_from_pb(response.status))
+    refused = response.result == pb.FENCE_RESULT_REFUSED and response.HasField("refusal")
+    return FenceResult(
+        ok=response.result == pb.FENCE_RESULT_OK,
+        status=status_from_pb(response.status),
+        refusal=refusal_from_pb(response.refusal) if refused else None,
+    )
+
+
+def incoming_result_from_pb(response: pb.RecordIncomingResponse) -> IncomingResult:
+    outcome: IncomingOutcome = _enum_from_pb(IncomingOutcome, pb.RecordIncomingResponse.Result, response.result, "")
+    return IncomingResult(
+        outcome=outcome,
+        status=status_from_pb(response.status) if response.HasField("status") else None,
+        delivery=delivery_from_pb(response.delivery) if response.HasField("delivery") else None,
+    )
 
 
 def claim_result_from_pb(response: pb.ClaimReplyResponse) -> ClaimResult:

@@ -28,6 +28,7 @@ from ._convert import (
     claims_page_from_pb,
     delivery_result_from_pb,
     fence_result_from_pb,
+    incoming_result_from_pb,
     outgoing_result_from_pb,
     recent_messages_from_pb,
     state_to_pb,
@@ -49,6 +50,7 @@ from ._types import (
     ClaimsPage,
     DeliveryResult,
     FenceResult,
+    IncomingResult,
     MessageSummary,
     OutgoingResult,
     OutsideReplyUndone,
@@ -166,6 +168,7 @@ class Core:
         summary: MessageSummary | None = None,
         thread_id: str = "",
         received_at: datetime | None = None,
+        correspondent: str = "",
     ) -> Op[ClaimResult]:
         request = pb.ClaimReplyRequest(
             request_id=new_request_id(),
@@ -176,8 +179,32 @@ class Core:
             summary=summary_to_pb(summary),
             thread_id=thread_id,
             received_at=timestamp_to_pb(received_at, "received_at") if received_at is not None else None,
+            correspondent=correspondent,
         )
         return Op("ClaimReply", request, claim_result_from_pb)
+
+    def record_incoming_op(
+        self,
+        mailbox: str,
+        message_id: str,
+        thread_id: str,
+        received_at: datetime,
+        *,
+        automated: str = "",
+        summary: MessageSummary | None = None,
+        notification_id: str = "",
+    ) -> Op[IncomingResult]:
+        request = pb.RecordIncomingRequest(
+            request_id=new_request_id(),
+            mailbox=mailbox,
+            notification_id=notification_id,
+            message_id=message_id,
+            thread_id=thread_id,
+            received_at=timestamp_to_pb(received_at, "received_at"),
+            summary=summary_to_pb(summary),
+            automated=automated,
+        )
+        return Op("RecordIncoming", request, incoming_result_from_pb)
 
     def record_outgoing_op(
         self,
@@ -354,6 +381,10 @@ class Core:
             mailbox, message_id, thread_id, sent_at, sender=sender, notification_id=notification_id
         )
         return self.call(op, timeout=timeout)
+
+    def record_incoming(self, *args: Any, timeout: float | None = None, **fields: Any) -> Flow[IncomingResult]:
+        """RecordIncoming: the arguments of :meth:`record_incoming_op`."""
+        return self.call(self.record_incoming_op(*args, **fields), timeout=timeout)
 
     def renew(self, subject: Subject, token: int, *, ttl: int = 0, timeout: float | None = None) -> Flow[FenceResult]:
         return self.call(self.renew_op(subject, token, ttl=ttl), timeout=timeout)

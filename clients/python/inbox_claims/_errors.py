@@ -7,8 +7,12 @@
     │   ├── DuplicateDelivery      this notification id was seen before
     │   ├── ReplyHeld              someone else holds the subject now
     │   ├── AlreadyReplied         a reply was sent, is being sent, or is in doubt
-    │   └── OutgoingMessage        the message is one the mailbox sent: never answered (recorded instead)
+    │   ├── OutgoingMessage        the message is one the mailbox sent: never answered (recorded instead)
+    │   └── AutomatedMessage       automated mail (an auto-reply, a list, a bounce): agents leave it (recorded)
     ├── ClaimLost                  you held the claim and no longer do (fenced): never send
+    ├── ReplyRefused               BeginSend REFUSED: the mailbox's reply rules stop this send (nothing sent)
+    │   ├── ReplyBudgetSpent       the agents' reply budget of the thread or correspondent is spent
+    │   └── ConversationMovedOn    the customer wrote again: draft again with the new message
     ├── SendRejected               raised BY YOU from a send function: "the mail API refused, nothing went out"
     ├── SendOutcomeUnknown         the send function raised something else: it may have gone out (IN_DOUBT)
     ├── SentButUnconfirmed         the reply went out but the coordinator could not record it
@@ -31,9 +35,12 @@ from ._outgoing import OutgoingMatch
 from ._types import (
     DeliveryRecord,
     HolderKind,
+    IncomingResult,
     LossReason,
     OutgoingOutcome,
     OutgoingResult,
+    RefusalKind,
+    SendRefusal,
     Subject,
     SubjectState,
     SubjectStatus,
@@ -41,8 +48,10 @@ from ._types import (
 
 __all__ = [
     "AlreadyReplied",
+    "AutomatedMessage",
     "ClaimLost",
     "ClaimNotGranted",
+    "ConversationMovedOn",
     "CoordinatorError",
     "CoordinatorUnavailable",
     "DuplicateDelivery",
@@ -52,7 +61,9 @@ __all__ = [
     "OutgoingMessage",
     "PermissionDenied",
     "QuotaExceeded",
+    "ReplyBudgetSpent",
     "ReplyHeld",
+    "ReplyRefused",
     "SendOutcomeUnknown",
     "SendRejected",
     "SentButUnconfirmed",
@@ -176,6 +187,27 @@ class OutgoingMessage(ClaimNotGranted):
         self.result = result
 
 
+class AutomatedMessage(ClaimNotGranted):
+    """The message is automated mail (``why``: "Auto-Submitted: auto-replied", "List-Id", ...): an agent never
+    answers it, or two automatic responders answer each other forever (RFC 3834). The guard recorded it for people
+    (``result``; ``None`` when it could not be: no thread id or date); a person can still claim and answer it."""
+
+    def __init__(self, subject: Subject, notification_id: str, why: str, result: IncomingResult | None) -> None:
+        recorded = (
+            "recorded for people to see"
+            if result is not None
+            else "it was not recorded (the notification has no thread id or date)"
+        )
+        super().__init__(
+            f"not answering {_describe(subject)} (notification {notification_id!r}): automated message ({why}): "
+            f"agents leave it; {recorded}"
+        )
+        self.subject = subject
+        self.notification_id = notification_id
+        self.why = why
+        self.result = result
+
+
 # ------------------------------------------------------------------------------------------- the guard
 
 
@@ -200,6 +232,54 @@ class ClaimLost(InboxClaimsError):
         self.token = token
         self.reason = reason
         self.status = status
+
+
+class ReplyRefused(InboxClaimsError):
+    """BeginSend REFUSED: the mailbox's reply rules stop this send (docs/design.md#reply-storms). Nothing was sent or
+    counted. The guard releases the claim (not redeliverable: the refusal is the decision) and logs ``reason``.
+    Carries the refusal's fields (``refusal``, and each as an attribute)."""
+
+    def __init__(self, subject: Subject, token: int, refusal: SendRefusal) -> None:
+        super().__init__(f"not sending the reply to {_describe(subject)}: {refusal.reason}")
+        self.subject = subject
+        self.token = token
+        self.refusal = refusal
+        self.reason = refusal.reason
+        self.kind = refusal.kind
+
+    @staticmethod
+    def of(subject: Subject, token: int, refusal: SendRefusal) -> ReplyRefused:
+        """The exception of a refusal's kind."""
+        if refusal.kind is RefusalKind.REPLY_BUDGET_SPENT:
+            return ReplyBudgetSpent(subject, token, refusal)
+        if refusal.kind is RefusalKind.CONVERSATION_MOVED_ON:
+            return ConversationMovedOn(subject, token, refusal)
+        return ReplyRefused(subject, token, refusal)
+
+
+class ReplyBudgetSpent(ReplyRefused):
+    """The agents' reply budget is spent: ``scope`` ("thread" or "correspondent") had ``counted`` agent replies of
+    ``limit`` in the last ``window_seconds``; ``frees_at`` is when the oldest leaves the window. A person should
+    look: agents stay stopped on this conversation until then."""
+
+    def __init__(self, subject: Subject, token: int, refusal: SendRefusal) -> None:
+        super().__init__(subject, token, refusal)
+        self.scope = refusal.scope
+        self.limit = refusal.limit
+        self.window_seconds = refusal.window_seconds
+        self.counted = refusal.counted
+        self.frees_at = refusal.frees_at
+
+
+class ConversationMovedOn(ReplyRefused):
+    """The customer wrote again in the thread (``newer_message_id``, received ``newer_received_at``) after the
+    claim's message: the draft answers a conversation that is no longer current. Nothing was sent; the newer
+    message's own handler answers the whole conversation (docs/client.md, "Reply storms")."""
+
+    def __init__(self, subject: Subject, token: int, refusal: SendRefusal) -> None:
+        super().__init__(subject, token, refusal)
+        self.newer_message_id = refusal.newer_message_id
+        self.newer_received_at = refusal.newer_received_at
 
 
 class SendRejected(InboxClaimsError):

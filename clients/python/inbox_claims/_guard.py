@@ -3,9 +3,11 @@
 A guarded claim goes through these phases (:class:`Phase`)::
 
     CLAIMING --the message is outgoing, RecordOutgoing--> OUTGOING (refused: the user's code never runs)
+    CLAIMING --the message is automated mail, RecordIncoming--> AUTOMATED (refused: the user's code never runs)
     CLAIMING --ClaimReply GRANTED--> CLAIMED --renewal finds it gone--> LOST
     CLAIMED --send()--> BEGINNING --BeginSend OK--> SENDING --fn returned, ConfirmSent--> REPLIED
                                   --BeginSend STALE--> LOST         --fn raised SendRejected, AbortSend--> ABORTED
+                                  --BeginSend REFUSED--> REFUSED (released, not redeliverable, on leaving)
                                                                     --fn raised anything else--> UNKNOWN (left SENDING)
     CLAIMED (or LOST after failed renewals, or BEGINNING with an unknown answer) --leaving the block--> RELEASED
 
@@ -28,12 +30,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, TypeAlias, TypedDict, TypeVar
 
+from ._automated import automated_reason
 from ._core import Core
 from ._current import current as _current
 from ._effects import Flow, Invoke, Op, Sleep
 from ._envelope import Notification, parse_notification
 from ._errors import (
     AlreadyReplied,
+    AutomatedMessage,
     ClaimLost,
     ClaimNotGranted,
     DuplicateDelivery,
@@ -41,6 +45,7 @@ from ._errors import (
     InboxClaimsError,
     OutgoingMessage,
     ReplyHeld,
+    ReplyRefused,
     SendOutcomeUnknown,
     SendRejected,
     SentButUnconfirmed,
@@ -51,6 +56,7 @@ from ._types import (
     ClaimResult,
     FenceResult,
     HolderKind,
+    IncomingResult,
     LossReason,
     MessageSummary,
     OutgoingResult,
@@ -58,7 +64,7 @@ from ._types import (
     SubjectState,
     SubjectStatus,
 )
-from .providers._seam import MessageFacts
+from .providers._seam import MessageFacts, ProviderError, split_address
 from .providers.nylas import facts_of as nylas_facts
 
 log = logging.getLogger("inbox_claims")
@@ -105,9 +111,13 @@ reordered ``message.created``), and the claim decides whether the message still 
 already answered is refused as :class:`AlreadyReplied`; a notification seen before as
 :class:`DuplicateDelivery`)."""
 
-EXPECTED_REFUSALS: tuple[type[Exception], ...] = (ClaimNotGranted, ClaimLost)
+EXPECTED_REFUSALS: tuple[type[Exception], ...] = (ClaimNotGranted, ClaimLost, ReplyRefused)
 """What ``guard`` absorbs: the message is not this agent's to answer (a redelivery, held by someone else,
-answered already), or stopped being so (lost, taken over). Each is one log line, not an error."""
+answered already, automated mail), or stopped being so (lost, taken over), or the mailbox's reply rules stopped the
+send (the reply budget spent, the conversation moved on). Each is one log line, not an error."""
+
+AUTOMATED_REASON_MAX_BYTES = 256
+CORRESPONDENT_MAX_BYTES = 320
 
 REASON_MAX_BYTES = 1024
 # After a failed renewal, try again after a third of the time left, but not more often than this.
@@ -117,9 +127,11 @@ RENEWAL_RETRY_FLOOR_S = 0.2
 class Phase(enum.Enum):
     CLAIMING = "claiming"
     OUTGOING = "outgoing"
+    AUTOMATED = "automated"
     CLAIMED = "claimed"
     LOST = "lost"
     BEGINNING = "beginning"
+    REFUSED = "refused"
     SENDING = "sending"
     REPLIED = "replied"
     ABORTED = "aborted"
@@ -145,6 +157,27 @@ def facts_of(event: Event) -> MessageFacts | None:
     if isinstance(event, MessageFacts):
         return event
     return nylas_facts(as_notification(event))
+
+
+def automated_of(facts: MessageFacts) -> str | None:
+    """Why the message of ``facts`` is automated mail agents leave, or None. The provider's verdict when it read the
+    headers; without them (a Nylas event the guard reads alone, docs/providers.md) the sender's rules still hold."""
+    if facts.automated is not None:
+        return facts.automated.why or "automated" if facts.automated.automated else None
+    return automated_reason({}, facts.from_addresses[0] if facts.from_addresses else None)
+
+
+def correspondent_of(facts: MessageFacts) -> str:
+    """The sender's address, for the reply budget per correspondent; empty when there is none the coordinator
+    takes (over its byte limit)."""
+    address = facts.from_addresses[0].strip() if facts.from_addresses else ""
+    return address if len(address.encode("utf-8")) <= CORRESPONDENT_MAX_BYTES else ""
+
+
+def correspondent_in(summary: MessageSummary | None) -> str:
+    """A claim made without its notification (the MCP tools) knows its sender from the summary, if at all."""
+    address = split_address(summary.sender)[1] if summary is not None else ""
+    return address if "@" in address and len(address.encode("utf-8")) <= CORRESPONDENT_MAX_BYTES else ""
 
 
 def outgoing_of(
@@ -209,7 +242,7 @@ class ReplyPolicy:
     @staticmethod
     def refused(facts: MessageFacts, refusal: Exception) -> None:
         """The one log line of an absorbed refusal (an outgoing message's was written when it was found)."""
-        if isinstance(refusal, OutgoingMessage):
+        if isinstance(refusal, OutgoingMessage | AutomatedMessage):
             return
         log_refusal("not replying to message %s (notification %s): %s", facts.message_id, facts.dedup_key, refusal)
 
@@ -276,6 +309,9 @@ class GuardState:
     outgoing: OutgoingMatch | None
     """Why the notification's message is one the mailbox sent (then it is never answered), if it is."""
     _outgoing_op: Op[OutgoingResult] | None
+    automated: str | None
+    """Why the notification's message is automated mail (then agents never answer it), if it is."""
+    _incoming_op: Op[IncomingResult] | None
 
     @classmethod
     def for_reply(
@@ -339,10 +375,38 @@ class GuardState:
             summary=summary,
             thread_id=thread or "",
             received_at=date,
+            correspondent=correspondent_of(facts) if facts is not None else correspondent_in(summary),
         )
         if facts is not None:
             state.outgoing_check(facts, mailbox, thread, date)
+            if state.outgoing is None and core.options.kind is HolderKind.AGENT:
+                state.automated_check(facts, mailbox, thread, date, summary)
         return state
+
+    def automated_check(
+        self,
+        facts: MessageFacts,
+        mailbox: str,
+        thread_id: str | None,
+        date: datetime | None,
+        summary: MessageSummary | None,
+    ) -> None:
+        """Finds whether the message is automated mail (docs/client.md, "Automated mail"); entering then records it
+        for people (RecordIncoming) instead of claiming it. Only an agent's claim: a person may answer anything."""
+        why = automated_of(facts)
+        if why is None:
+            return
+        self.automated = clean_text(why, AUTOMATED_REASON_MAX_BYTES)
+        if facts.message_id and thread_id and date is not None:
+            self._incoming_op = self.core.record_incoming_op(
+                mailbox,
+                facts.message_id,
+                thread_id,
+                date,
+                automated=self.automated,
+                summary=summary,
+                notification_id=self.notification_id,
+            )
 
     def outgoing_check(self, facts: MessageFacts, mailbox: str, thread_id: str | None, date: datetime | None) -> None:
         """Finds whether the message is one the mailbox sent (the provider's adapter may have decided it already,
@@ -376,6 +440,7 @@ class GuardState:
         summary: MessageSummary | None = None,
         thread_id: str = "",
         received_at: datetime | None = None,
+        correspondent: str = "",
     ) -> None:
         self.core = core
         self.subject = subject
@@ -398,9 +463,12 @@ class GuardState:
             summary=summary,
             thread_id=thread_id,
             received_at=received_at if thread_id else None,
+            correspondent=correspondent,
         )
         self.outgoing = None
         self._outgoing_op = None
+        self.automated = None
+        self._incoming_op = None
 
     @property
     def token(self) -> int:
@@ -436,6 +504,14 @@ class GuardState:
             refusal = OutgoingMessage(self.subject, self.notification_id, self.outgoing, recorded)
             log_refusal("%s", refusal)
             raise refusal
+        if self.automated is not None:
+            self.phase = Phase.AUTOMATED
+            incoming = None
+            if self._incoming_op is not None:
+                incoming = yield from self.core.call(self._incoming_op, deadline=deadline)
+            automated = AutomatedMessage(self.subject, self.notification_id, self.automated, incoming)
+            log_refusal("%s", automated)
+            raise automated
         started = time.monotonic()
         result = yield from self.core.call(self._claim_op, deadline=deadline)
         status = granted_status(result, self.subject, self.notification_id)
@@ -512,7 +588,13 @@ class GuardState:
                     f"claim.send() runs once, inside the claim's block (this claim is {self.phase.value})"
                 )
             self.phase = Phase.BEGINNING  # renewal stops; until BeginSend answers, the exit aborts
+        yield from self._look(fn, args)
         begin = yield from self.core.call(self.core.begin_send_op(self.subject, self.token))
+        if begin.refusal is not None:
+            # Still held: leaving the block releases it, not redeliverable (the refusal is the decision).
+            self.status = begin.status
+            self.phase = Phase.REFUSED
+            raise ReplyRefused.of(self.subject, self.token, begin.refusal)
         if begin.stale:
             loss = self._lose(self._stale_reason(begin.status), begin.status, Phase.BEGINNING)
             assert loss is not None
@@ -532,6 +614,60 @@ class GuardState:
             raise
         yield from self._confirm(sent)
         return sent
+
+    def _look(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Flow[None]:
+        """Look before you send (docs/design.md#reply-storms): when the send is a provider's reply to a message's
+        facts (``claim.send(provider.reply, message, ...)``), ask the provider for the thread's messages received
+        since, right before the commit point, and record each as its notification would have been: a reply from the
+        mailbox with RecordOutgoing (BeginSend then finds the message answered), a customer's newer message with
+        RecordIncoming (BeginSend then refuses: the conversation moved on); automated mail is left to its own
+        notification. A provider that cannot answer does not stop the send: the notifications still come."""
+        provider = getattr(fn, "__self__", None)
+        look = getattr(provider, "look", None)
+        message = args[0] if args and isinstance(args[0], MessageFacts) else None
+        if message is None or not callable(look):
+            return
+        try:
+            found: tuple[MessageFacts, ...] = yield from look(message)
+        except ProviderError as error:
+            log.warning("could not look at the thread of %s before sending (%s); sending anyway", self.subject, error)
+            return
+        addresses = getattr(provider, "mailbox_addresses", ())
+        for facts in found:
+            # newer_than keeps only messages with both
+            assert facts.thread_id is not None
+            assert facts.received_at is not None
+            why = facts.outgoing if isinstance(facts.outgoing, OutgoingMatch) else None
+            why = why or outgoing_of(self.core.options.outgoing, facts, addresses)
+            if why is not None:
+                stamp = facts.stamp.token if facts.stamp is not None and why.rule == "sent_folder" else 0
+                op: Op[Any] = self.core.record_outgoing_op(
+                    facts.mailbox,
+                    facts.message_id,
+                    facts.thread_id,
+                    facts.received_at,
+                    sender=clean_text(facts.sender, SUMMARY_SENDER_MAX_BYTES),
+                    claim_token=stamp,
+                )
+            elif automated_of(facts) is not None:
+                # An auto-reply in the thread (an out-of-office answering an earlier reply) is no new question from
+                # the customer: it must not stop the answer to theirs. Its own notification records it.
+                log.info(
+                    "looked before sending %s: %s is automated mail, left to its notification",
+                    self.subject,
+                    facts.message_id,
+                )
+                continue
+            else:
+                op = self.core.record_incoming_op(
+                    facts.mailbox,
+                    facts.message_id,
+                    facts.thread_id,
+                    facts.received_at,
+                    summary=summary_of(facts),
+                )
+            yield from self.core.call(op)
+            log.info("looked before sending %s: found %s, recorded (%s)", self.subject, facts.message_id, why or "new")
 
     def mark_replied(self, sent_message_id: str, note: str) -> Flow[None]:
         """MarkReplied (fenced): the reply was made outside ``send``; a refusal is the claim's loss."""
@@ -604,10 +740,12 @@ class GuardState:
         with self._lock:
             phase = self.phase
             unsure = phase is Phase.LOST and self.loss is not None and self.loss.reason is LossReason.RENEWAL_FAILED
-            if phase in (Phase.CLAIMED, Phase.BEGINNING) or unsure:
+            if phase in (Phase.CLAIMED, Phase.BEGINNING, Phase.REFUSED) or unsure:
                 self.phase = Phase.RELEASED
         try:
-            if phase is Phase.CLAIMED or unsure:
+            if phase is Phase.REFUSED:
+                yield from self._release(redeliverable=False)
+            elif phase is Phase.CLAIMED or unsure:
                 yield from self._release(redeliverable=failed or unsure)
             elif phase is Phase.BEGINNING:
                 reason = "BeginSend's answer was lost; the send function was never called"
@@ -650,6 +788,11 @@ class ClaimBase:
     def sending(self) -> bool:
         """True while ``send`` runs its send function (between BeginSend and ConfirmSent)."""
         return self._state.phase is Phase.SENDING
+
+    @property
+    def by_person(self) -> bool:
+        """True when the claim is a person's (the client's kind is ``human``): its reply is never marked automatic."""
+        return self._state.core.options.kind is HolderKind.HUMAN
 
     @property
     def subject(self) -> Subject:

@@ -25,6 +25,8 @@ __all__ = [
     "EventType",
     "FenceResult",
     "HolderKind",
+    "IncomingOutcome",
+    "IncomingResult",
     "LossReason",
     "MessageSummary",
     "OutgoingOutcome",
@@ -32,7 +34,9 @@ __all__ = [
     "OutsideReply",
     "OutsideReplyUndone",
     "RecentMessage",
+    "RefusalKind",
     "RetryPolicy",
+    "SendRefusal",
     "Subject",
     "SubjectKind",
     "SubjectState",
@@ -100,6 +104,23 @@ class OutgoingOutcome(enum.Enum):
     """A reply written outside the coordinator: it ended the claims on the messages of its thread it answered."""
     DUPLICATE_DELIVERY = "duplicate_delivery"
     """The notification was seen before: nothing changed."""
+
+
+class IncomingOutcome(enum.Enum):
+    """The answer to ``record_incoming``."""
+
+    RECORDED = "recorded"
+    """The message is recorded (also when it was before): people see it, agents' older claims of its thread are
+    refused at BeginSend (the conversation moved on)."""
+    DUPLICATE_DELIVERY = "duplicate_delivery"
+    """The notification was seen before: nothing changed."""
+
+
+class RefusalKind(enum.Enum):
+    """Why BeginSend refused an agent's send (docs/design.md#reply-storms)."""
+
+    REPLY_BUDGET_SPENT = "reply_budget_spent"
+    CONVERSATION_MOVED_ON = "conversation_moved_on"
 
 
 class EventType(enum.Enum):
@@ -212,6 +233,24 @@ class OutsideReply:
 
 
 @dataclass(frozen=True, slots=True)
+class SendRefusal:
+    """Why the mailbox's reply rules stopped an agent's send (BeginSend REFUSED). ``reason`` is for a person."""
+
+    kind: RefusalKind
+    reason: str
+    scope: str = ""
+    """REPLY_BUDGET_SPENT: ``"thread"`` or ``"correspondent"``."""
+    limit: int = 0
+    window_seconds: int = 0
+    counted: int = 0
+    frees_at: datetime | None = None
+    """REPLY_BUDGET_SPENT: when the oldest counted reply leaves the window."""
+    newer_message_id: str = ""
+    """CONVERSATION_MOVED_ON: the customer's newer message."""
+    newer_received_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SubjectStatus:
     """Everything recorded about one subject. Times are timezone-aware UTC datetimes, ``None`` when unset."""
 
@@ -244,6 +283,10 @@ class SubjectStatus:
     IN_DOUBT or REPLIED subject that sent its own, both replies went out."""
     settled_by: str = ""
     """REPLIED by ``resolve_in_doubt(SENT)``: the person who settled it (``holder`` is whose send it was)."""
+    automated: str = ""
+    """Automated mail agents leave (``"Auto-Submitted: auto-replied"``): why; a person can still answer it."""
+    agents_stopped: SendRefusal | None = None
+    """While agents are stopped on this conversation (its reply budget spent): the refusal they were given."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +344,16 @@ class ClaimResult:
 
 
 @dataclass(frozen=True, slots=True)
+class IncomingResult:
+    """The answer to ``record_incoming``: ``status`` the message's subject as it is now; ``delivery`` the first
+    sighting when DUPLICATE_DELIVERY."""
+
+    outcome: IncomingOutcome
+    status: SubjectStatus | None = None
+    delivery: DeliveryRecord | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class OutgoingResult:
     """The answer to ``record_outgoing``: what the coordinator took the message for, and the subjects of its
     thread it concerns (the subject whose reply it is, or those it answered, as they are now); ``delivery`` is
@@ -321,10 +374,12 @@ class FenceResult:
 
     ok: bool
     status: SubjectStatus
+    refusal: SendRefusal | None = None
+    """BeginSend only: the mailbox's reply rules refused the send (the claim is still held); not stale."""
 
     @property
     def stale(self) -> bool:
-        return not self.ok
+        return not self.ok and self.refusal is None
 
 
 @dataclass(frozen=True, slots=True)

@@ -278,6 +278,10 @@ def status_lines(status: SubjectStatus, now: datetime) -> list[str]:
         lines.append(f"  kept      until {clock(status.expires_at)} ({within(status.expires_at, now)})")
     if status.outside_reply is not None and not status.replied_outside:
         lines.append(f"  also      {answered_outside(status)}")
+    if status.automated:
+        lines.append(f"  automated automated message ({status.automated}): agents leave it; you can still answer it")
+    if status.agents_stopped is not None:
+        lines.append(f"  stopped   {status.agents_stopped.reason}")
     if status.fencing_token and state is not SubjectState.FREE:
         lines.append(f"  token     {status.fencing_token}")
     if status.note:

@@ -12,7 +12,7 @@ import enum
 from datetime import UTC, datetime
 from typing import Any
 
-from .._errors import ClaimLost
+from .._errors import ClaimLost, ConversationMovedOn, ReplyRefused
 from .._types import HolderKind, LossReason, OutsideReply, Subject, SubjectState, SubjectStatus
 
 
@@ -218,6 +218,22 @@ def not_sent(subject: Subject, reason: str) -> Answer:
         subject,
         detail=reason,
     )
+
+
+def refused(refusal: ReplyRefused) -> Answer:
+    """BeginSend REFUSED: the mailbox's reply rules stopped the send before anything went out; the claim is let go."""
+    if isinstance(refusal, ConversationMovedOn):
+        newer = f" (message {refusal.newer_message_id})" if refusal.newer_message_id else ""
+        text = (
+            f"Not sent: {refusal.reason}{newer}. Nothing went out. Read the customer's newest message and answer "
+            "that one: its own claim_message decides who replies."
+        )
+    else:
+        text = (
+            f"Not sent: {refusal.reason}. Nothing went out. Do not send anything more to this conversation: it is "
+            "left for a person."
+        )
+    return Answer(Outcome.NOT_SENT, text, refusal.subject, detail=refusal.reason)
 
 
 def not_reached(subject: Subject, reason: str, *, claimed: bool) -> Answer:

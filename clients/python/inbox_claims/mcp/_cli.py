@@ -159,8 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="SPEC",
-        help="a tool that sends a reply: NAME,message=PATH[,mailbox=PATH][,thread=PATH][,sent_id=PATH]"
-        "[,sent_id_text=REGEX][,error_text=TEXT] (repeatable)",
+        help="a tool that sends a reply: NAME,message=PATH[,mailbox=PATH][,thread=PATH][,headers=PATH]"
+        "[,sent_id=PATH][,sent_id_text=REGEX][,error_text=TEXT] (repeatable; headers=PATH: where the guard adds "
+        "Auto-Submitted: auto-replied)",
     )
     guard.add_argument(
         "--unfenced-tool",

@@ -23,6 +23,7 @@ does not start otherwise, and it passes nothing to an upstream whose later tool 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import logging
@@ -37,6 +38,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.methods import CacheableMethod
 
 from .._async import AsyncClaim
+from .._current import agent_headers
 from .._errors import CoordinatorError, SendRejected
 from .._types import Subject
 from ._answers import Answer, Outcome
@@ -100,7 +102,7 @@ def _text_of(result: Mapping[str, Any]) -> str:
     return " ".join(text for text in texts if isinstance(text, str)).strip()
 
 
-_SPEC_KEYS = ("message", "mailbox", "thread", "sent_id", "sent_id_text", "error_text")
+_SPEC_KEYS = ("message", "mailbox", "thread", "headers", "sent_id", "sent_id_text", "error_text")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,9 @@ class SendTool:
     guard's ``--mailbox`` names it, as it does when a call leaves the argument out)."""
     thread: str | None = None
     """The path of the thread id, for a guard that claims whole conversations (``--scope thread``)."""
+    headers: str | None = None
+    """The path of the reply's headers (an object of name: value) when the tool takes them: the guard adds an
+    agent's ``Auto-Submitted: auto-replied`` there (RFC 3834), so that auto-responders do not answer the reply."""
     sent_id: tuple[str, ...] = DEFAULT_SENT_ID_PATHS
     """Where the sent message's id may be in the tool's structured result."""
     sent_id_text: str | None = None
@@ -154,6 +159,27 @@ class SendTool:
                 ) from None
         sent_id = (fields.pop("sent_id"),) if "sent_id" in fields else DEFAULT_SENT_ID_PATHS
         return cls(name, sent_id=sent_id, **fields)
+
+    def marked(self, params: types.CallToolRequestParams) -> types.CallToolRequestParams:
+        """The call as forwarded: with ``Auto-Submitted: auto-replied`` among its headers when the tool takes them
+        (kept as the agent wrote it if it set that header itself)."""
+        if self.headers is None:
+            return params
+        arguments = copy.deepcopy(dict(params.arguments or {}))
+        *parents, last = self.headers.split(".")
+        place: Any = arguments
+        for part in parents:
+            place = place.setdefault(part, {}) if isinstance(place, dict) else None
+        if not isinstance(place, dict):
+            return params
+        given = place.get(last)
+        headers = dict(given) if isinstance(given, Mapping) else {}
+        names = {str(name).lower() for name in headers}
+        for name, value in agent_headers():
+            if name.lower() not in names:
+                headers[name] = value
+        place[last] = headers
+        return params.model_copy(update={"arguments": arguments})
 
     def replied_to_path(self, scope: Scope) -> str | None:
         return self.thread if scope == "thread" else self.message
@@ -253,7 +279,7 @@ def check_tools(send_tools: Sequence[SendTool], unfenced: Sequence[str] = (), *,
                 continue
             schema = found.get("inputSchema") or {}
             replied_to = ("thread" if scope == "thread" else "message", tool.replied_to_path(scope))
-            for what, path in (("mailbox", tool.mailbox), replied_to):
+            for what, path in (("mailbox", tool.mailbox), replied_to, ("headers", tool.headers)):
                 if path is not None and not schema_has(schema, path):
                     declared = sorted((schema.get("properties") or {}) if isinstance(schema, Mapping) else ())
                     problems.append(
@@ -406,7 +432,7 @@ class Guard:
 
         async def deliver(claim: AsyncClaim) -> str | None:
             try:
-                result = await self._upstream.call_tool(params)
+                result = await self._upstream.call_tool(tool.marked(params))
             except UpstreamFailed as failure:
                 if not failure.handed_over:
                     raise NotHandedOver(failure.reason) from failure

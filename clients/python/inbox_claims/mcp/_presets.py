@@ -111,7 +111,12 @@ PRESETS: dict[str, Preset] = {
             "resend",
             "Resend's MCP server (`npx -y resend-mcp`): a reply is send-email with the In-Reply-To header; one "
             "sending address per guard: needs --mailbox",
-            _named("resend", SendTool("send-email", message="headers.In-Reply-To", sent_id_text=r'"id":\s*"([^"]+)"')),
+            _named(
+                "resend",
+                SendTool(
+                    "send-email", message="headers.In-Reply-To", headers="headers", sent_id_text=r'"id":\s*"([^"]+)"'
+                ),
+            ),
             ("send-batch-emails", "send-broadcast"),
             "resend-mcp 2.22.0's tools/list (npm; recorded in tests/mcp/data/tools/resend.json): no tool replies to "
             "an email by its id; send-email takes to, subject, text, from, headers (any MIME header: In-Reply-To "

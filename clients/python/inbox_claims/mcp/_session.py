@@ -33,7 +33,15 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from .._async import AsyncClaim, AsyncCoordinator
-from .._errors import AlreadyReplied, ClaimLost, ReplyHeld, SendOutcomeUnknown, SendRejected, SentButUnconfirmed
+from .._errors import (
+    AlreadyReplied,
+    ClaimLost,
+    ReplyHeld,
+    ReplyRefused,
+    SendOutcomeUnknown,
+    SendRejected,
+    SentButUnconfirmed,
+)
 from .._types import MessageSummary, Subject, SubjectKind, SubjectState, SubjectStatus
 from . import _answers as answers
 from ._answers import Answer, Outcome
@@ -311,6 +319,8 @@ class AgentSession:
                 return answers.not_reached(subject, unreachable.reason, claimed=True)
             except SendRejected as rejected:
                 return answers.not_sent(subject, rejected.reason)
+            except ReplyRefused as refusal:
+                return answers.refused(refusal)
             except SendOutcomeUnknown as unknown:
                 answer = answers.in_doubt(subject, str(unknown.__cause__ or unknown))
             except SentButUnconfirmed as unconfirmed:

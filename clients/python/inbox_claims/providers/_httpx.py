@@ -34,6 +34,7 @@ def _request(request: HttpRequest) -> dict[str, Any]:
         "params": list(request.params) or None,
         "headers": dict(request.headers),
         "json": request.json_body,
+        "content": request.content,
     }
 
 

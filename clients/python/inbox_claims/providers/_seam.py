@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from email.message import EmailMessage
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 from urllib.parse import urlencode
 
+from .._automated import automated_reason
+from .._current import agent_headers
 from .._effects import Effect, Invoke
 
 __all__ = [
@@ -80,11 +83,22 @@ def parse_stamp(value: str | None) -> ClaimStamp | None:
 
 @dataclass(frozen=True, slots=True)
 class Automated:
-    """Whether a message is automated mail (an auto-reply, a list, a bounce) and why. Filled by the reply-storm rules;
-    every provider leaves ``MessageFacts.automated`` None (not known) until then."""
+    """Whether a message is automated mail (an auto-reply, a list, a bounce) and why, by the rules of
+    conformance/automated.json over its headers: filled by a provider that read them (``MessageFacts.automated``
+    None: not known, e.g. a Nylas notification without them)."""
 
     automated: bool
     why: str = ""
+
+    @classmethod
+    def of(cls, headers: Sequence[tuple[Any, Any]], sender: str | None) -> Automated:
+        """The verdict on a message's headers (name, value pairs; the first of each name counts) and sender."""
+        first: dict[str, str] = {}
+        for name, value in headers:
+            if isinstance(name, str) and isinstance(value, str):
+                first.setdefault(name.lower(), value)
+        why = automated_reason(first, sender)
+        return cls(why is not None, why or "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +191,8 @@ class HttpRequest:
     params: tuple[tuple[str, str], ...] = ()
     headers: tuple[tuple[str, str], ...] = ()
     json_body: Any = None
+    content: bytes | None = None
+    """A body that is not JSON (Graph's base64 MIME), sent as is; its ``Content-Type`` is in ``headers``."""
 
     @property
     def full_url(self) -> str:
@@ -323,6 +339,31 @@ def split_address(text: str) -> tuple[str, str]:
 def display(name: str, address: str) -> str:
     """The sender as people read it: ``Name <address>``, or whichever half is there."""
     return f"{name} <{address}>" if name and address else name or address
+
+
+def reply_mime(message: MessageFacts, body: str, stamp: ClaimStamp) -> EmailMessage:
+    """A reply as MIME (Gmail's raw send, Graph's MIME ``createReply``): ``To`` the sender (its ``Reply-To``),
+    ``In-Reply-To`` and ``References``, the claim's stamp, and an agent's ``Auto-Submitted: auto-replied``."""
+    reply = EmailMessage()
+    reply["To"] = ", ".join(message.reply.to)
+    reply["Subject"] = message.reply.subject
+    if message.reply.internet_message_id:
+        reply["In-Reply-To"] = message.reply.internet_message_id
+        reply["References"] = " ".join((*message.reply.references, message.reply.internet_message_id))
+    reply[STAMP_HEADER] = str(stamp)
+    for name, value in agent_headers():
+        reply[name] = value
+    reply.set_content(body)
+    return reply
+
+
+def newer_than(message: MessageFacts, found: Iterable[MessageFacts]) -> Iterator[MessageFacts]:
+    """The messages of ``found`` received after ``message`` (itself left out): what a provider's ``look`` answers."""
+    assert message.received_at is not None
+    for facts in found:
+        received = facts.received_at
+        if facts.message_id != message.message_id and received is not None and received > message.received_at:
+            yield facts
 
 
 def reply_subject(subject: str) -> str:

@@ -19,8 +19,8 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from email.message import EmailMessage
 from typing import Any
+from urllib.parse import quote
 
 import jwt
 
@@ -31,6 +31,7 @@ from ._seam import (
     STAMP_HEADER,
     Accepted,
     Answer,
+    Automated,
     Batch,
     ClaimStamp,
     CursorRange,
@@ -44,7 +45,9 @@ from ._seam import (
     header,
     http,
     message_ids,
+    newer_than,
     parse_stamp,
+    reply_mime,
     reply_subject,
     split_address,
 )
@@ -66,6 +69,15 @@ METADATA_HEADERS = (
     "In-Reply-To",
     "Reply-To",
     STAMP_HEADER,
+    # The automated-mail rules' headers (conformance/automated.json): in the same messages.get, no extra call.
+    "Auto-Submitted",
+    "Precedence",
+    "List-Id",
+    "List-Unsubscribe",
+    "X-Autoreply",
+    "X-Autorespond",
+    "X-Auto-Response-Suppress",
+    "Content-Type",
 )
 RESYNC_QUERY = "newer_than:1d"
 RESYNC_MAX = 500
@@ -353,6 +365,7 @@ class GmailProvider:
             subject_line=subject,
             from_addresses=(address,) if address else (),
             folders=tuple(label for label in message.get("labelIds") or [] if isinstance(label, str)),
+            automated=Automated.of(headers, address),
             stamp=parse_stamp(header(headers, STAMP_HEADER)),
             reply=ReplyContext(
                 to=(split_address(reply_to)[1],) if reply_to else ((address,) if address else ()),
@@ -362,6 +375,23 @@ class GmailProvider:
             ),
             source=dict(message),
         )
+
+    # -- look before you send ----------------------------------------------------------------------------------
+
+    def look(self, message: MessageFacts) -> Flow[tuple[MessageFacts, ...]]:
+        """The thread's messages received after ``message`` (``threads.get`` in metadata form: one call), for the
+        guard's look right before the commit point (docs/providers.md, "Look before you send")."""
+        if not message.thread_id or message.received_at is None:
+            return ()
+        params = [("format", "metadata")] + [("metadataHeaders", name) for name in METADATA_HEADERS]
+        response = yield from http(self.transport, self._api("GET", f"threads/{quote(message.thread_id)}", params))
+        if response.status == 404:
+            return ()
+        document = response.json()
+        if response.status != 200 or not isinstance(document, dict):
+            raise ProviderError(f"threads.get {message.thread_id!r} answered HTTP {response.status}")
+        found = (self.facts(m) for m in document.get("messages") or [] if isinstance(m, dict) and "id" in m)
+        return tuple(newer_than(message, found))
 
     # -- send ------------------------------------------------------------------------------------------------
 
@@ -374,16 +404,9 @@ class GmailProvider:
 
     def raw_reply(self, message: MessageFacts, body: str, stamp: ClaimStamp) -> bytes:
         """The RFC 2822 reply: ``To`` the sender (its ``Reply-To``), ``In-Reply-To`` and ``References``, the stamp."""
-        reply = EmailMessage()
+        reply = reply_mime(message, body, stamp)
         reply["From"] = self.user
-        reply["To"] = ", ".join(message.reply.to)
-        reply["Subject"] = message.reply.subject
         reply["Message-ID"] = stamp.message_id(self.user.rpartition("@")[2])
-        if message.reply.internet_message_id:
-            reply["In-Reply-To"] = message.reply.internet_message_id
-            reply["References"] = " ".join((*message.reply.references, message.reply.internet_message_id))
-        reply[STAMP_HEADER] = str(stamp)
-        reply.set_content(body)
         return bytes(reply)
 
     def _reply(self, message: MessageFacts, body: str, stamp: ClaimStamp) -> Flow[str]:

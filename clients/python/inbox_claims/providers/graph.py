@@ -7,12 +7,15 @@
 * Lifecycle: ``reauthorizationRequired`` renews, ``subscriptionRemoved`` subscribes again, ``missed`` reads the Inbox
   and Sent Items by delta query from the delta links the coordinator keeps as cursors (``graph-delta:<folder>``); a
   first round (no link yet, or an expired one: 410) reads only the last day's messages.
-* Send: ``createReply`` (the draft carries the claim's stamp, ``X-Inbox-Claim``; its immutable id is the id of its
-  copy in Sent Items) then ``send`` (202).
+* Send: ``createReply`` in MIME (base64, ``Content-Type: text/plain``: the only way Graph takes headers that are not
+  ``X-`` ones, and an agent's reply says ``Auto-Submitted: auto-replied``; the draft carries ``In-Reply-To``,
+  ``References`` and the claim's stamp, ``X-Inbox-Claim``; its immutable id is the id of its copy in Sent Items) then
+  ``send`` (202).
 """
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import os
@@ -28,6 +31,7 @@ from ._seam import (
     STAMP_HEADER,
     Accepted,
     Answer,
+    Automated,
     Batch,
     ClaimStamp,
     CursorRange,
@@ -42,7 +46,9 @@ from ._seam import (
     header,
     http,
     message_ids,
+    newer_than,
     parse_stamp,
+    reply_mime,
     reply_subject,
 )
 
@@ -293,6 +299,7 @@ class GraphProvider:
             subject_line=subject,
             from_addresses=(address,) if address else (),
             folders=folders,
+            automated=Automated.of(headers, address),
             stamp=stamp,
             reply=ReplyContext(
                 to=tuple(reply_to) or ((address,) if address else ()),
@@ -384,6 +391,29 @@ class GraphProvider:
         """Renews a subscription now (run on this provider's transport)."""
         return drive(self._renew(subscription_id), self.transport)
 
+    # -- look before you send ----------------------------------------------------------------------------------
+
+    def look(self, message: MessageFacts) -> Flow[tuple[MessageFacts, ...]]:
+        """The conversation's messages received after ``message`` (one list call: ``$filter`` on conversationId and
+        receivedDateTime, its first page), for the guard's look right before the commit point."""
+        if not message.thread_id or message.received_at is None:
+            return ()
+        since = message.received_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        conversation = message.thread_id.replace("'", "''")
+        query = [
+            ("$select", SELECT),
+            ("$filter", f"conversationId eq '{conversation}' and receivedDateTime gt {since}"),
+        ]
+        response = yield from http(self.transport, self._request("GET", self._user_url("messages"), params=query))
+        document = response.json()
+        if response.status != 200 or not isinstance(document, dict):
+            raise ProviderError(f"listing conversation {message.thread_id!r} answered HTTP {response.status}")
+        found = []
+        for item in document.get("value") or []:
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                found.append((yield from self.facts(item, "message.created")))
+        return tuple(newer_than(message, found))
+
     # -- send ------------------------------------------------------------------------------------------------
 
     def reply(self, message: MessageFacts, body: str) -> Any:
@@ -393,14 +423,18 @@ class GraphProvider:
         both type-check."""
         return drive(self._reply(message, body, current_stamp()), self.transport)
 
+    def mime_reply(self, message: MessageFacts, body: str, stamp: ClaimStamp) -> bytes:
+        """The reply's MIME for ``createReply``: ``To`` the sender (its ``Reply-To``), ``In-Reply-To`` and
+        ``References``, the stamp, and an agent's ``Auto-Submitted`` (JSON ``internetMessageHeaders`` take only
+        ``X-`` headers)."""
+        return bytes(reply_mime(message, body, stamp))
+
     def _reply(self, message: MessageFacts, body: str, stamp: ClaimStamp) -> Flow[str]:
         url = self._user_url(f"messages/{quote(message.message_id, safe='=')}/createReply")
-        draft = {
-            "message": {"internetMessageHeaders": [{"name": STAMP_HEADER, "value": str(stamp)}]},
-            "comment": body,
-        }
+        mime = base64.b64encode(self.mime_reply(message, body, stamp))
+        request = HttpRequest("POST", url, (), self._headers(("Content-Type", "text/plain")), content=mime)
         try:
-            created = yield from http(self.transport, self._request("POST", url, body=draft))
+            created = yield from http(self.transport, request)
         except ProviderError as error:
             raise GraphSendRejected(f"the reply's draft could not be made, nothing was sent: {error}") from error
         document = created.json()

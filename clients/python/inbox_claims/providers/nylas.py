@@ -24,6 +24,7 @@ unreadable answer                          IN_DOUBT for a human to resolve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from urllib.parse import parse_qs, quote
 
 import httpx
 
+from .._current import agent_headers
 from .._envelope import Notification, NotificationError, parse_notification
 from .._errors import InboxClaimsError, SendRejected
 from .._webhooks import (
@@ -45,7 +47,23 @@ from .._webhooks import (
     verify_nylas_signature,
     verify_standard_webhook,
 )
-from ._seam import Accepted, Answer, Batch, Cursors, Flow, MessageFacts, ReplyContext, WebhookRequest, reply_subject
+from ._httpx import AsyncHttp, HttpTransport, current_stamp, drive
+from ._seam import (
+    Accepted,
+    Answer,
+    Automated,
+    Batch,
+    Cursors,
+    Flow,
+    HttpRequest,
+    MessageFacts,
+    ProviderError,
+    ReplyContext,
+    WebhookRequest,
+    http,
+    newer_than,
+    reply_subject,
+)
 
 __all__ = [
     "DEFAULT_API_BASE",
@@ -63,6 +81,7 @@ __all__ = [
     "interpret_send_response",
 ]
 
+DEFAULT_API_BASE = "https://api.us.nylas.com"
 # Unix seconds of the year 10000: a later "date" is not a time the coordinator can store.
 _YEAR_10000 = 253402300800
 _MESSAGE_EVENTS = ("message.created", "message.updated")
@@ -73,7 +92,28 @@ def facts_of(notification: Notification) -> MessageFacts | None:
     message (``grant.expired``...). Fields of another shape than Nylas documents are left out, never an error."""
     if not notification.is_message_event or notification.message_id is None:
         return None
-    message = notification.object
+    return message_facts(
+        notification.object,
+        event=notification.base_type,
+        mailbox=notification.grant_id or "",
+        dedup_key=notification.notification_id,
+        message_id=notification.message_id,
+        thread_id=notification.thread_id,
+        source=notification,
+    )
+
+
+def message_facts(
+    message: Mapping[str, Any],
+    *,
+    event: str,
+    mailbox: str,
+    dedup_key: str,
+    message_id: str,
+    thread_id: str | None,
+    source: Any,
+) -> MessageFacts:
+    """The facts of a Nylas message object (a notification's ``data.object``, or one the API answered)."""
     senders = message.get("from")
     first = senders[0] if isinstance(senders, list) and senders and isinstance(senders[0], dict) else {}
     name, email = first.get("name"), first.get("email")
@@ -91,21 +131,28 @@ def facts_of(notification: Notification) -> MessageFacts | None:
     to: list[str] = [
         p["email"] for p in answer_to if isinstance(p, dict) and isinstance(p.get("email"), str) and p["email"]
     ]
+    headers = message.get("headers")
     return MessageFacts(
         provider="nylas",
-        event=notification.base_type,
-        mailbox=notification.grant_id or "",
-        dedup_key=notification.notification_id,
-        message_id=notification.message_id,
-        thread_id=notification.thread_id,
+        event=event,
+        mailbox=mailbox,
+        dedup_key=dedup_key,
+        message_id=message_id,
+        thread_id=thread_id,
         received_at=_date_of(message),
         sender=f"{name} <{email}>" if name and email else name or email,
         subject_line=subject,
         from_addresses=tuple(addresses),
         folders=tuple(f for f in folders if isinstance(f, str)) if isinstance(folders, list) else (),
+        # A webhook's message carries no headers; one read with fields=include_headers does (NylasProvider.open).
+        automated=Automated.of(_header_pairs(headers), email) if isinstance(headers, list) else None,
         reply=ReplyContext(to=tuple(to), subject=reply_subject(subject)),
-        source=notification,
+        source=source,
     )
+
+
+def _header_pairs(headers: list[Any]) -> list[tuple[Any, Any]]:
+    return [(h.get("name"), h.get("value")) for h in headers if isinstance(h, dict)]
 
 
 def _date_of(message: Mapping[str, Any]) -> datetime | None:
@@ -119,7 +166,12 @@ def _date_of(message: Mapping[str, Any]) -> datetime | None:
 
 class NylasProvider:
     """Nylas webhooks behind the seam. ``secret``: the webhook secret (``scheme="standard"``: a Standard Webhooks
-    ``whsec_...`` secret, its headers checked within ``tolerance`` seconds)."""
+    ``whsec_...`` secret, its headers checked within ``tolerance`` seconds).
+
+    ``api_key``: with it, each message notification's message is read again with its headers
+    (``GET /v3/grants/{grant_id}/messages/{id}?fields=include_headers``, one call per message) so that the
+    automated-mail rules see ``Auto-Submitted``, ``Precedence``, the list headers...; without it only the sender's
+    rules apply (a notification carries no headers; docs/providers.md)."""
 
     name = "nylas"
 
@@ -130,6 +182,9 @@ class NylasProvider:
         scheme: str = "nylas",
         tolerance: float = 300.0,
         mailbox_addresses: Sequence[str] = (),
+        api_key: str | None = None,
+        api_base: str = DEFAULT_API_BASE,
+        transport: HttpTransport | None = None,
     ) -> None:
         if scheme == "nylas":
             sign_nylas(b"", secret)  # raises on an empty or mistyped secret: at start, not on the first request
@@ -143,10 +198,20 @@ class NylasProvider:
         self.scheme = scheme
         self.tolerance = tolerance
         self.mailbox_addresses = tuple(mailbox_addresses)
+        self.api_key = api_key
+        self.api_base = api_base.rstrip("/")
+        # Made only when headers are read: a provider without an API key makes no HTTP client.
+        self.transport: HttpTransport | None = transport or (AsyncHttp() if api_key else None)
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any], **_io: Any) -> NylasProvider:
-        return cls(settings["webhook_secret"], mailbox_addresses=settings.get("mailbox_addresses") or ())
+    def from_settings(cls, settings: Mapping[str, Any], **io: Any) -> NylasProvider:
+        return cls(
+            settings["webhook_secret"],
+            mailbox_addresses=settings.get("mailbox_addresses") or (),
+            api_key=settings.get("api_key"),
+            api_base=settings.get("api_base") or DEFAULT_API_BASE,
+            transport=io.get("transport"),
+        )
 
     def verify(self, request: WebhookRequest) -> Answer | Notification:
         """The challenge's answer, a refusal (401 signature, 400 envelope), or the notification (no I/O)."""
@@ -174,8 +239,90 @@ class NylasProvider:
 
     def open(self, accepted: Accepted, cursors: Cursors) -> Flow[Batch]:
         facts = facts_of(accepted.delivery)
-        return Batch(facts=(facts,) if facts is not None else ())
-        yield  # a flow with no effect
+        if facts is None:
+            return Batch()
+        if self.api_key and self.transport is not None and facts.automated is None and facts.mailbox:
+            message = yield from self._with_headers(facts.mailbox, facts.message_id)
+            if message is not None:
+                headers = message.get("headers")
+                if isinstance(headers, list):
+                    automated = Automated.of(_header_pairs(headers), (facts.from_addresses or (None,))[0])
+                    facts = dataclasses.replace(facts, automated=automated)
+        return Batch(facts=(facts,))
+
+    def _api(self, method: str, path: str, params: tuple[tuple[str, str], ...] = (), **more: Any) -> HttpRequest:
+        headers = (("Authorization", f"Bearer {self.api_key}"), ("Accept", "application/json"))
+        extra = tuple(more.pop("headers", ()))
+        return HttpRequest(method, f"{self.api_base}/v3/grants/{path}", params, headers + extra, **more)
+
+    def look(self, message: MessageFacts) -> Flow[tuple[MessageFacts, ...]]:
+        """The thread's messages received after ``message`` (``GET /v3/grants/{grant}/messages`` with ``thread_id``
+        and ``received_after``, their headers included: one call), for the guard's look right before the commit
+        point. Without ``api_key``, nothing (the notifications alone tell)."""
+        if not self.api_key or self.transport is None or not message.thread_id or message.received_at is None:
+            return ()
+        params = (
+            ("thread_id", message.thread_id),
+            ("received_after", str(int(message.received_at.timestamp()))),
+            ("fields", "include_headers"),
+        )
+        response = yield from http(
+            self.transport, self._api("GET", f"{quote(message.mailbox, safe='')}/messages", params)
+        )
+        document = response.json()
+        listed = document.get("data") if isinstance(document, dict) else None
+        if response.status != 200 or not isinstance(listed, list):
+            raise ProviderError(f"listing thread {message.thread_id!r} answered HTTP {response.status}")
+        found = (
+            message_facts(
+                item,
+                event="message.created",
+                mailbox=message.mailbox,
+                dedup_key="",
+                message_id=item["id"],
+                thread_id=item.get("thread_id") if isinstance(item.get("thread_id"), str) else message.thread_id,
+                source=item,
+            )
+            for item in listed
+            if isinstance(item, dict) and isinstance(item.get("id"), str)
+        )
+        return tuple(newer_than(message, found))
+
+    def reply(self, message: MessageFacts, body: str) -> Any:
+        """``claim.send(provider.reply, message, body=...)``: the reply through Nylas's send API, with the claim's
+        ``Idempotency-Key`` and an agent's ``Auto-Submitted`` (so that the guard looks at the thread first); the
+        sent message's id: a ``str`` on a blocking transport, a coroutine of it on an asyncio one. Needs
+        ``api_key``."""
+        if not self.api_key or self.transport is None:
+            raise ValueError("NylasProvider.reply needs api_key= (the Nylas API key)")
+        draft = NylasReply(message.message_id, list(message.reply.to), message.reply.subject, body)
+        return drive(self._reply(message.mailbox, draft, current_stamp().key), self.transport)
+
+    def _reply(self, grant_id: str, draft: NylasReply, idempotency_key: str) -> Flow[str | None]:
+        headers = (("Idempotency-Key", idempotency_key), ("Content-Type", "application/json"))
+        path = f"{quote(grant_id, safe='')}/messages/send"
+        request = self._api("POST", path, headers=headers, content=_payload(draft))
+        assert self.transport is not None
+        try:
+            response = yield from http(self.transport, request)
+        except ProviderError as error:
+            raise NylasSendOutcomeUnknown(f"the send may have gone out: {error}") from error
+        return interpret_send_response(response.status, response.content)
+
+    def _with_headers(self, grant_id: str, message_id: str) -> Flow[dict[str, Any] | None]:
+        """The message read with its headers; None when it is gone (404: deleted since). Any other failure is the
+        delivery's (503, delivered again): answering automated mail is what this read prevents."""
+        assert self.transport is not None
+        path = f"{quote(grant_id, safe='')}/messages/{quote(message_id, safe='')}"
+        request = self._api("GET", path, (("fields", "include_headers"),))
+        response = yield from http(self.transport, request)
+        if response.status == 404:
+            return None
+        document = response.json()
+        data = document.get("data") if isinstance(document, dict) else None
+        if response.status != 200 or not isinstance(data, dict):
+            raise ProviderError(f"reading message {message_id!r} with its headers answered HTTP {response.status}")
+        return data
 
     def acknowledge(self) -> Answer:
         return Answer(200, "ok")
@@ -193,7 +340,6 @@ def _challenge(query: str) -> Answer:
     return Answer(200, value)
 
 
-DEFAULT_API_BASE = "https://api.us.nylas.com"
 MAX_IDEMPOTENCY_KEY_LENGTH = 256
 DEFAULT_TIMEOUT = 60.0
 
@@ -506,12 +652,26 @@ Draft = NylasReply | Mapping[str, Any]
 
 def _payload(draft: Draft) -> bytes:
     if isinstance(draft, NylasReply):
-        return json.dumps(draft.payload()).encode("utf-8")
-    if not isinstance(draft, Mapping):
+        document = draft.payload()
+    elif isinstance(draft, Mapping):
+        document = dict(draft)
+    else:
         raise TypeError(
             f"draft must be a NylasReply or the send request's JSON body (a dict), not {type(draft).__name__}"
         )
-    return json.dumps(dict(draft)).encode("utf-8")
+    return json.dumps(marked(document)).encode("utf-8")
+
+
+def marked(document: dict[str, Any]) -> dict[str, Any]:
+    """The send body with an agent's ``Auto-Submitted: auto-replied`` among its ``custom_headers`` (Nylas's field
+    for the message's own headers), unless the draft set ``Auto-Submitted`` itself or a person sends it. Nylas
+    threads the reply from ``reply_to_message_id`` (``In-Reply-To`` and ``References``), which stays as given."""
+    extra = agent_headers()
+    given = document.get("custom_headers")
+    headers = list(given) if isinstance(given, list) else []
+    names = {str(h.get("name", "")).lower() for h in headers if isinstance(h, Mapping)}
+    added = [{"name": name, "value": value} for name, value in extra if name.lower() not in names]
+    return {**document, "custom_headers": headers + added} if added else document
 
 
 def _post_sync(client: httpx.Client, request: SendRequest) -> str | None:
