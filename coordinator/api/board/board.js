@@ -145,7 +145,8 @@ function take(mailbox, message) {
   }
   showRecent();
   showWaiting();
-  if (message.event) scheduleWaiting();
+  // Asked again only for a change that may concern it (agents renewing their claims every few seconds do not).
+  if (message.event && concernsWaiting(message.event.status)) scheduleWaiting();
   applyFocusIntent();
 }
 
@@ -884,6 +885,11 @@ async function refreshWaiting() {
     return; // the next refresh tries again; the board's own stream says when the coordinator is unreachable
   }
   showWaiting();
+}
+
+function concernsWaiting(status) {
+  const key = keyOf(status.subject);
+  return Boolean(status.agentsStopped) || waiting.some(({ message }) => keyOf(message.subject) === key);
 }
 
 function scheduleWaiting() {
