@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -302,6 +303,40 @@ async def test_people_find_automated_mail_and_stopped_conversations_after_the_ag
     assert not narrowed.agents_stopped
     # A person can still answer the stopped conversation.
     assert (await reply(person, stopped_subject, "t-1", received_s=ASKED + 3)).result == OK
+
+
+async def test_a_stopped_conversation_is_listed_until_its_budget_frees_and_no_longer(
+    start_coordinator: StartCoordinator, mailbox: str
+) -> None:
+    """The stopped record lives on an etcd lease until the refusal's frees_at (the shortest window an operator may
+    set, one minute): etcd, not a replica's clock, ends it, and agents may answer the conversation again."""
+    budgets = ReplyBudgets(thread=Budget(1, 60_000), correspondent=None)
+    coordinator = await start_coordinator(reply_budgets=lambda _mailbox: budgets)
+    async with grpc.aio.insecure_channel(coordinator.address) as channel:
+        agent = Actor(channel, "agent-a")
+        assert (await reply(agent, message(mailbox, "m-0"), "t-1", received_s=ASKED)).result == OK
+        subject = message(mailbox, "m-1")
+        token = await claim(agent, subject, "t-1", received_s=ASKED + 1)
+        refused = await agent.begin(subject, token)
+        assert refused.result == REFUSED
+        await agent.release(subject, token)
+
+        async def stopped() -> list[str]:
+            listed = await agent.stub.ListRecentMessages(
+                pb.ListRecentMessagesRequest(mailbox=mailbox), metadata=agent.metadata
+            )
+            return [item.subject.id for item in listed.agents_stopped]
+
+        assert await stopped() == ["m-1"]
+        frees_at = refused.refusal.frees_at.ToMilliseconds() / 1000
+
+        async def gone() -> bool:
+            return not await stopped()
+
+        await eventually(gone, within=90, interval=1)
+        # Not before the budget freed (the lease ends at or after frees_at), and agents may answer again.
+        assert time.time() >= frees_at
+        assert (await reply(agent, message(mailbox, "m-1"), "t-1", received_s=ASKED + 1)).result == OK
 
 
 async def test_record_incoming_answers_duplicates_and_retries_and_marks_automated_mail(

@@ -66,7 +66,7 @@ from coordinator.store.etcd.group_commit import TxnBatcher
 from coordinator.store.etcd.guards import GuardMemory
 from coordinator.store.etcd.keys import Keys, prefix_end
 from coordinator.store.etcd.lapses import LapseKeeper
-from coordinator.store.etcd.lease_buckets import LeaseBuckets
+from coordinator.store.etcd.lease_buckets import SHARED_WITHIN_MS, LeaseBuckets
 from coordinator.store.etcd.settings import EtcdSettings
 
 __all__ = ["EtcdStore"]
@@ -887,7 +887,9 @@ class EtcdStore:
         key = self.keys.stopped(stopped.subject, stopped.thread_id)
 
         async def attempt() -> Any:
-            lease = await self._lease(stopped.refusal.frees_ms)
+            # A lease ends less than SHARED_WITHIN_MS after the time it is asked for: the counted send that frees
+            # the budget may end that late, so the record asks for that much later and never ends before it.
+            lease = await self._lease(stopped.refusal.frees_ms + SHARED_WITHIN_MS)
             return await self._txn([], [_op_put(key, _codec.encode_stopped(stopped), lease)], [], frozenset((key,)))
 
         await self._with_leases(attempt)
