@@ -281,6 +281,25 @@ def status_out(subject: Subject, stored: Stored | None) -> pb.SubjectStatus:
     )
 
 
+def _recent_out(
+    subject: Subject,
+    summary: Summary | None,
+    seen_ms: int,
+    seen_by: str,
+    automated: str = "",
+    *,
+    stopped: pb.SendRefusal | None = None,
+) -> pb.RecentMessage:
+    return pb.RecentMessage(
+        subject=subject_out(subject),
+        summary=summary_out(summary),
+        first_seen_at=_timestamp(seen_ms),
+        seen_by=seen_by,
+        automated=automated,
+        agents_stopped=stopped,
+    )
+
+
 def refusal_out(refusal: Refusal | None) -> pb.SendRefusal | None:
     if refusal is None:
         return None
@@ -747,20 +766,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def _list_recent_messages(
         self, caller: Caller, request: pb.ListRecentMessagesRequest
     ) -> pb.ListRecentMessagesResponse:
-        deliveries = await self._engine.recent_messages(
+        recent = await self._engine.recent_messages(
             caller, mailbox=request.mailbox, query=request.query, page_size=request.page_size
         )
+        # A stopped conversation is listed by its refused message: when and by whom agents were stopped.
         return pb.ListRecentMessagesResponse(
             messages=[
-                pb.RecentMessage(
-                    subject=subject_out(delivery.subject),
-                    summary=summary_out(delivery.summary),
-                    first_seen_at=_timestamp(delivery.recorded_ms),
-                    seen_by=delivery.recorded_by,
-                )
-                for delivery in deliveries
-                if delivery.subject is not None
-            ]
+                _recent_out(d.subject, d.summary, d.recorded_ms, d.recorded_by, recent.automated.get(d.subject, ""))
+                for d in recent.messages
+                if d.subject is not None
+            ],
+            agents_stopped=[
+                _recent_out(s.subject, s.summary, s.stopped_ms, s.stopped_holder, stopped=refusal_out(s.refusal))
+                for s in recent.stopped
+            ],
         )
 
     async def _takeover(self, caller: Caller, request: pb.TakeoverRequest) -> pb.TakeoverResponse:

@@ -54,7 +54,7 @@ from coordinator.core.domain import (
 from coordinator.core.errors import InvalidArgument, SlowConsumer, StoreConflict, StoreUnavailable, WatcherBehind
 from coordinator.core.memo import LastConverted
 from coordinator.core.storage import Change, FeedLost, Store, encode_cursor
-from coordinator.core.storms import Inbound, Refusal, normalised_correspondent
+from coordinator.core.storms import Inbound, Refusal, RefusalKind, Stopped, normalised_correspondent
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +124,27 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Recent:
+    """ListRecentMessages: the deliveries found, why agents leave those automated, where agents are stopped."""
+
+    messages: list[DeliveryRecord]
+    automated: dict[Subject, str]
+    stopped: list[Stopped]
+
+
+@dataclass(frozen=True)
 class Page:
     subjects: list[tuple[Subject, Stored]]
     next_token: str | None
     revision: int
+
+
+def _matches(wanted: str, summary: Summary | None, subject: Subject) -> bool:
+    """Whether a message's subject line, sender or id contains ``wanted`` (casefolded; empty: all)."""
+    if not wanted:
+        return True
+    summary = summary or Summary()
+    return any(wanted in text.casefold() for text in (summary.subject_line, summary.sender, subject.id))
 
 
 def _check_subject(caller: Caller, subject: Subject) -> None:
@@ -322,7 +339,7 @@ class Engine:
             if attempt.created is not None:
                 answered = attempt.created.record.replied_outside
                 if link is not None and not attempt.inbound_recorded:
-                    await self._record_inbound(subject, link)
+                    await self._record_inbound(subject, link, unless_automated=True)
                 return ClaimOutcome(ClaimResult.ALREADY_REPLIED if answered else ClaimResult.GRANTED, attempt.created)
             if attempt.delivery is not None and domain.is_duplicate_delivery(
                 attempt.delivery, command, attempt.current, attempt.end, caller, attempt.delivery_revision
@@ -331,7 +348,7 @@ class Engine:
             if attempt.current is not None:
                 conflict = domain.claim_conflict(attempt.current, caller, command)
                 if link is not None and conflict is ClaimResult.HELD:
-                    await self._record_inbound(subject, link)
+                    await self._record_inbound(subject, link, unless_automated=True)
                 return ClaimOutcome(conflict, attempt.current)
             if link is not None and attempt.outside_revision != outside_revision:
                 # The thread's latest reply written outside is not the one decided on: did it answer this message?
@@ -361,9 +378,13 @@ class Engine:
         its time says it all."""
         return Inbound(subject.id if subject.kind is SubjectKind.MESSAGE else "", link.received_ms)
 
-    async def _record_inbound(self, subject: Subject, link: ThreadLink) -> None:
+    async def _record_inbound(self, subject: Subject, link: ThreadLink, *, unless_automated: bool = False) -> None:
         """The thread's newest inbound message, for BeginSend's check that the conversation did not move on
-        (docs/design.md#reply-storms)."""
+        (docs/design.md#reply-storms). Automated mail never moves a conversation on: an out-of-office arriving
+        after the customer's message must not stop the reply to the customer. ``unless_automated``: a claim of
+        a message RecordIncoming said is automated (a person answering it) is not recorded either."""
+        if unless_automated and subject.kind is SubjectKind.MESSAGE and await self.store.automated(subject):
+            return
         await self.store.record_inbound(
             subject.mailbox, link.thread_id, self._inbound(subject, link), self.rules.inbound_expiry(self._clock())
         )
@@ -403,9 +424,10 @@ class Engine:
             if earlier is not None:
                 domain.is_retry(earlier.request_id, earlier.fingerprint, command)
             delivery = earlier or record
-        link = ThreadLink(command.thread_id, received, caller.principal)
-        await self._record_inbound(subject, link)
-        if command.automated:
+        if not command.automated:
+            # Automated mail does not move the conversation on (docs/design.md#reply-storms).
+            await self._record_inbound(subject, ThreadLink(command.thread_id, received, caller.principal))
+        else:
             # For people asking about it later (GetStatus, inboxctl), as long as its delivery is remembered.
             await self.store.record_automated(
                 subject, limits.without_invisible_formatting(command.automated), self.rules.delivery_expiry(now)
@@ -557,7 +579,14 @@ class Engine:
             send_marker_expires_ms=self.rules.send_marker_expiry(now),
             from_recent_write=True,
         )
-        return transition.result, after, transition.refusal
+        refusal = transition.refusal
+        if refusal is not None and refusal.kind is RefusalKind.REPLY_BUDGET_SPENT and after is not None:
+            # Kept until the budget frees, past the claim (the client releases it at once): people see where
+            # agents stopped (board, inboxctl) and look (docs/design.md#reply-storms).
+            record = after.record
+            stopped = Stopped(command.subject, record.thread_id, refusal, record.holder, now, record.summary)
+            await self.store.record_stopped(stopped)
+        return transition.result, after, refusal
 
     async def confirm_sent(self, caller: Caller, command: ConfirmSent) -> tuple[FenceResult, Stored | None]:
         _check_fenced_call(caller, command)
@@ -647,12 +676,11 @@ class Engine:
             cursor = last
         return Page(found, cursor, revision)
 
-    async def recent_messages(
-        self, caller: Caller, *, mailbox: str, query: str, page_size: int
-    ) -> list[DeliveryRecord]:
+    async def recent_messages(self, caller: Caller, *, mailbox: str, query: str, page_size: int) -> Recent:
         """The mailbox's recently delivered messages, newest first, one per subject, whose summary or id contains
         ``query`` (case-insensitive): the deliveries ClaimReply recorded, among the newest
-        RECENT_DELIVERIES_READ_MAX of them."""
+        RECENT_DELIVERIES_READ_MAX of them; why agents leave those that are automated; and the conversations
+        where agents are stopped (docs/design.md#reply-storms), matching ``query`` the same way."""
         _check_mailbox(caller, mailbox)
         limits.check_text("query", query, limits.RECENT_QUERY_MAX_BYTES, required=False)
         size = limits.check_page_size(page_size, limits.RECENT_PAGE_SIZE_DEFAULT, limits.RECENT_PAGE_SIZE_MAX)
@@ -672,15 +700,18 @@ class Engine:
             if subject is None or subject in seen:
                 continue
             seen.add(subject)
-            summary = delivery.summary or domain.Summary()
-            if wanted and not any(
-                wanted in text.casefold() for text in (summary.subject_line, summary.sender, subject.id)
-            ):
+            if not _matches(wanted, delivery.summary, subject):
                 continue
             found.append(delivery)
             if len(found) == size:
                 break
-        return found
+        automated = await self.store.automated_of([d.subject for d in found if d.subject is not None])
+        stopped = [
+            known
+            for known in await self.store.stopped(mailbox, limits.RECENT_DELIVERIES_READ_MAX)
+            if _matches(wanted, known.summary, known.subject)
+        ][:size]
+        return Recent(found, automated, stopped)
 
     # --- humans --------------------------------------------------------------------------------------------
 

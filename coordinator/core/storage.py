@@ -39,7 +39,7 @@ from coordinator.core.domain import (
 )
 from coordinator.core.errors import InvalidArgument
 from coordinator.core.limits import PAGE_TOKEN_MAX_BYTES
-from coordinator.core.storms import GuardView, Inbound
+from coordinator.core.storms import GuardView, Inbound, Stopped
 
 # A decision on a subject, its last end mark and its guard records (None: not an agent's guarded claim).
 GuardedDecide = Callable[[Stored | None, EndMark | None, GuardView | None], Transition]
@@ -225,6 +225,16 @@ class Store(Protocol):
 
     async def automated(self, subject: Subject) -> str:
         """What ``record_automated`` recorded for the message, while it lives; empty: nothing."""
+
+    async def automated_of(self, subjects: Sequence[Subject]) -> dict[Subject, str]:
+        """``automated`` of each of ``subjects`` (those with a reason only), read together."""
+
+    async def record_stopped(self, stopped: Stopped) -> None:
+        """A conversation where agents are stopped, until its refusal's ``frees_ms`` (one per thread, or per
+        message when it has no thread: a later refusal replaces it)."""
+
+    async def stopped(self, mailbox: str, limit: int) -> list[Stopped]:
+        """The mailbox's conversations where agents are stopped, at most ``limit``, newest refusal first."""
 
     async def read_cursor(self, mailbox: str, name: str) -> CursorView:
         """A mailbox's cursor and its range in progress, read together (docs/design.md#cursors)."""

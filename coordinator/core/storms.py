@@ -12,6 +12,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from coordinator.core.values import Subject, Summary
+
 # A budget's limits, as the operator may set them (coordinator/ops/budgets.py).
 BUDGET_LIMIT_MAX = 1000
 BUDGET_WINDOW_MIN_MS = 60_000
@@ -96,6 +98,20 @@ class Refusal:
     frees_ms: int = 0
     newer_message_id: str = ""
     newer_received_ms: int = 0
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A conversation where agents are stopped: the message whose agent's send a spent reply budget refused, and
+    that refusal; kept until the budget frees (``refusal.frees_ms``) so that people see it after the agent let go
+    of the message (docs/design.md#reply-storms)."""
+
+    subject: Subject
+    thread_id: str
+    refusal: Refusal
+    stopped_holder: str
+    stopped_ms: int
+    summary: Summary | None = None
 
 
 MOVED_ON_REASON = "the customer wrote again; draft again with the new message"

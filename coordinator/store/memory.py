@@ -31,6 +31,7 @@ from coordinator.core.domain import (
     State,
     Stored,
     Subject,
+    SubjectKind,
     SubjectRecord,
     ThreadEntry,
     ThreadLink,
@@ -53,7 +54,7 @@ from coordinator.core.storage import (
     encode_cursor,
     subject_order,
 )
-from coordinator.core.storms import Counting, GuardView, Inbound, Send
+from coordinator.core.storms import Counting, GuardView, Inbound, Send, Stopped
 
 V = TypeVar("V")
 
@@ -102,6 +103,7 @@ class MemoryStore:
         self._counted: dict[tuple[str, str, str], dict[int, _Leased[int]]] = {}
         self._inbound: dict[tuple[str, str], _Leased[Inbound]] = {}
         self._automated: dict[Subject, _Leased[str]] = {}
+        self._stopped: dict[Subject, _Leased[Stopped]] = {}
 
     # --- the write path ------------------------------------------------------------------------------------
 
@@ -227,9 +229,10 @@ class MemoryStore:
                 linked.entries[subject] = _Leased(thread, revision, thread_expires_ms)
                 linked.changed = revision
             self._publish(Change(subject, None, created, None, revision))
-            if inbound is not None and thread is not None:
+            recorded = inbound is not None and thread is not None and not await self.automated(subject)
+            if recorded and inbound is not None and thread is not None:
                 await self.record_inbound(subject.mailbox, thread.thread_id, *inbound)
-            return ClaimAttempt(created, None, None, inbound_recorded=inbound is not None and thread is not None)
+            return ClaimAttempt(created, None, None, inbound_recorded=recorded)
         end = self._ends.get(subject) if delivery is not None else None
         return ClaimAttempt(
             None,
@@ -441,6 +444,21 @@ class MemoryStore:
     async def automated(self, subject: Subject) -> str:
         known = self._automated.get(subject)
         return known.value if known is not None and not known.expired(self._clock()) else ""
+
+    async def automated_of(self, subjects: Sequence[Subject]) -> dict[Subject, str]:
+        return {subject: reason for subject in subjects if (reason := await self.automated(subject))}
+
+    async def record_stopped(self, stopped: Stopped) -> None:
+        subject = stopped.subject
+        # One per thread (as a thread subject); a message with no thread is its own conversation.
+        key = Subject(subject.mailbox, SubjectKind.THREAD, stopped.thread_id) if stopped.thread_id else subject
+        self._stopped[key] = _Leased(stopped, self._next_revision(), stopped.refusal.frees_ms)
+
+    async def stopped(self, mailbox: str, limit: int) -> list[Stopped]:
+        now = self._clock()
+        live = [leased for key, leased in self._stopped.items() if key.mailbox == mailbox and not leased.expired(now)]
+        live.sort(key=lambda leased: -leased.revision)
+        return [leased.value for leased in live[:limit]]
 
     async def status(self, subject: Subject) -> Stored | None:
         self._expire()

@@ -721,5 +721,61 @@ async def test_a_conversation_where_agents_stopped_goes_first_and_asks_for_a_per
         await expect(stopped).to_have_count(0, timeout=LIVE)
         await expect(page.locator("#status-line")).to_contain_text(
             "agent-a let go of “Re: Out of office”: agents stopped: 3 agent replies to this conversation in the last "
-            "hour — a person should look. Answer it from “Answer an email yourself”."
+            "hour — a person should look. It waits for a person under “Waiting for a person”."
         )
+
+
+async def test_what_agents_leave_waits_for_a_person_until_someone_answers_or_the_budget_frees(
+    server: CoordinatorServer, browser: Browser, mailbox: str
+) -> None:
+    """docs/design.md#reply-storms: a conversation where agents were stopped stays under "Waiting for a person"
+    after the agent let go of it (until the budget frees), and automated mail nobody claims is listed with why
+    agents leave it; a person can claim either from there."""
+    page = await open_board(browser, board_url(server, mailbox), name="bo", size=LAPTOP)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        agent, reporter = Actor(channel, "agent-a"), Actor(channel, "mail-reporter")
+        now = int(time.time())
+        ooo = pb.RecordIncomingRequest(
+            request_id=new_request_id(),
+            mailbox=mailbox,
+            message_id="ooo-1",
+            thread_id="t-ooo",
+            notification_id="n-ooo",
+            received_at=Timestamp(seconds=now - 300),
+            automated="Auto-Submitted: auto-replied",
+            summary=pb.MessageSummary(subject_line="Automatic reply: away until Monday", sender="Cy <cy@example.org>"),
+        )
+        assert (await reporter.stub.RecordIncoming(ooo, metadata=reporter.metadata)).status.automated
+        for n in range(3):
+            subject = message(mailbox, f"msg-{n}")
+            asked = Timestamp(seconds=now - 600 + n)
+            held = await claim(agent, subject, "Refund?", "Ana <ana@example.org>", thread_id="t-1", received_at=asked)
+            assert (await agent.begin(subject, held.status.fencing_token)).result == pb.FENCE_RESULT_OK
+            await agent.confirm(subject, held.status.fencing_token)
+        fourth = message(mailbox, "msg-3")
+        asked = Timestamp(seconds=now - 500)
+        held = await claim(agent, fourth, "Re: Refund?", "Ana <ana@example.org>", thread_id="t-1", received_at=asked)
+        assert (await agent.begin(fourth, held.status.fencing_token)).result == pb.FENCE_RESULT_REFUSED
+        await agent.release(fourth, held.status.fencing_token)  # as the clients do at once
+        await expect(row(page, "msg-3")).to_have_count(0, timeout=LIVE)
+        waiting = page.locator("#waiting")
+        stopped = waiting.locator("li.stopped", has_text="Re: Refund?")
+        await expect(stopped).to_contain_text(
+            "agents stopped: 3 agent replies to this conversation in the last hour — a person should look", timeout=LIVE
+        )
+        await expect(stopped).to_contain_text("agent-a was stopped at")
+        await expect(stopped).to_contain_text("agents may answer again from")
+        await expect(stopped).to_contain_text("Nobody is answering it.")
+        automated = waiting.locator("li.automated", has_text="Automatic reply: away until Monday")
+        await expect(automated).to_contain_text(
+            "automated message (Auto-Submitted: auto-replied): agents leave it; you can still answer it."
+        )
+        await expect(page.locator("#waiting-count")).to_have_text("2")
+        await page.screenshot(path=ARTIFACTS / "board-waiting-for-a-person.png")
+        # A person takes the automated one up: it leaves the list for the board's table; the stopped
+        # conversation stays listed (the budget has not freed), saying who answers it now.
+        await automated.get_by_role("button", name="I'm answering this").click()
+        await expect(row(page, "ooo-1")).to_contain_text("You are answering this", timeout=LIVE)
+        await expect(automated).to_have_count(0, timeout=LIVE)
+        await stopped.get_by_role("button", name="I'm answering this").click()
+        await expect(stopped).to_contain_text("Now: You are answering this", timeout=LIVE)

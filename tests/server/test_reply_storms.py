@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -239,6 +240,103 @@ async def test_a_conversation_that_moved_on_refuses_the_older_messages_send(repl
     for n in range(2):
         assert (await reply(agent, message(mailbox, f"m-{4 + n}"), "t-1", received_s=ASKED + 200 + n)).result == OK
     assert (await reply(agent, message(mailbox, "m-9"), "t-1", received_s=ASKED + 300)).result == REFUSED
+
+
+async def test_automated_mail_and_a_persons_claim_of_it_do_not_move_the_conversation_on(
+    replicas: Pair, mailbox: str
+) -> None:
+    """An out-of-office arriving after the customer's message must not stop the agent's reply to the customer
+    (else nobody answers): neither its RecordIncoming nor a person claiming it to answer it moves the thread on."""
+    agent, reporter = replicas.agent("agent-a"), replicas.agent("worker", second=True)
+    customer = message(mailbox, "m-1")
+    token = await claim(agent, customer, "t-1", received_s=ASKED)
+    automated = incoming(mailbox, "ooo-1", "t-1", ASKED + 60, automated="Auto-Submitted: auto-replied")
+    assert (await reporter.stub.RecordIncoming(automated, metadata=reporter.metadata)).status.automated
+    # A person claims the out-of-office (on the other replica, which knows nothing of the thread yet).
+    ana = replicas.human("ana@shop.example", second=True)
+    await claim(ana, message(mailbox, "ooo-1"), "t-1", received_s=ASKED + 60)
+    begun = await agent.begin(customer, token)
+    assert (begun.result, begun.refusal.kind) == (OK, pb.SendRefusal.KIND_UNSPECIFIED), begun
+    assert (await agent.confirm(customer, token)).result == OK
+    # The customer's own next message still moves it on.
+    second = message(mailbox, "m-2")
+    token = await claim(agent, second, "t-1", received_s=ASKED + 120)
+    await reporter.stub.RecordIncoming(incoming(mailbox, "m-3", "t-1", ASKED + 180), metadata=reporter.metadata)
+    refused = await agent.begin(second, token)
+    assert (refused.result, refused.refusal.newer_message_id) == (REFUSED, "m-3")
+
+
+async def test_people_find_automated_mail_and_stopped_conversations_after_the_agent_let_go(
+    replicas: Pair, mailbox: str
+) -> None:
+    """The board's and inboxctl's source (ListRecentMessages): automated mail nobody claims says why agents leave
+    it; a conversation where agents are stopped stays listed after the agent released its claim, on any replica."""
+    reporter, agent = replicas.agent("worker"), replicas.agent("agent-a")
+    automated = incoming(mailbox, "ooo-1", "t-ooo", ASKED, notification_id="n-ooo", automated="Precedence: bulk")
+    automated.summary.subject_line = "Out of office"
+    await reporter.stub.RecordIncoming(automated, metadata=reporter.metadata)
+    plain = incoming(mailbox, "m-plain", "t-plain", ASKED, notification_id="n-plain")
+    await reporter.stub.RecordIncoming(plain, metadata=reporter.metadata)
+    for n in range(3):
+        assert (await reply(agent, message(mailbox, f"m-{n}"), "t-1", received_s=ASKED + n)).result == OK
+    stopped_subject = message(mailbox, "m-3")
+    token = await claim(agent, stopped_subject, "t-1", received_s=ASKED + 3, correspondent="ana@example.com")
+    refused = await agent.begin(stopped_subject, token)
+    assert refused.result == REFUSED
+    assert (await agent.release(stopped_subject, token)).result == OK  # what the clients do at once
+    person = replicas.human("ana@shop.example", second=True)
+    found = await person.stub.ListRecentMessages(
+        pb.ListRecentMessagesRequest(mailbox=mailbox), metadata=person.metadata
+    )
+    why = {item.subject.id: item.automated for item in found.messages}
+    assert (why["ooo-1"], why["m-plain"]) == ("Precedence: bulk", "")
+    (stopped,) = found.agents_stopped
+    assert (stopped.subject.id, stopped.seen_by) == ("m-3", "agent-a")
+    assert stopped.agents_stopped.reason == refused.refusal.reason
+    assert stopped.agents_stopped.reason.startswith("agents stopped: 3 agent replies to this conversation")
+    assert stopped.agents_stopped.frees_at == refused.refusal.frees_at
+    # A search narrows both lists alike.
+    narrowed = await person.stub.ListRecentMessages(
+        pb.ListRecentMessagesRequest(mailbox=mailbox, query="office"), metadata=person.metadata
+    )
+    assert [item.subject.id for item in narrowed.messages] == ["ooo-1"]
+    assert not narrowed.agents_stopped
+    # A person can still answer the stopped conversation.
+    assert (await reply(person, stopped_subject, "t-1", received_s=ASKED + 3)).result == OK
+
+
+async def test_a_stopped_conversation_is_listed_until_its_budget_frees_and_no_longer(
+    start_coordinator: StartCoordinator, mailbox: str
+) -> None:
+    """The stopped record lives on an etcd lease until the refusal's frees_at (the shortest window an operator may
+    set, one minute): etcd, not a replica's clock, ends it, and agents may answer the conversation again."""
+    budgets = ReplyBudgets(thread=Budget(1, 60_000), correspondent=None)
+    coordinator = await start_coordinator(reply_budgets=lambda _mailbox: budgets)
+    async with grpc.aio.insecure_channel(coordinator.address) as channel:
+        agent = Actor(channel, "agent-a")
+        assert (await reply(agent, message(mailbox, "m-0"), "t-1", received_s=ASKED)).result == OK
+        subject = message(mailbox, "m-1")
+        token = await claim(agent, subject, "t-1", received_s=ASKED + 1)
+        refused = await agent.begin(subject, token)
+        assert refused.result == REFUSED
+        await agent.release(subject, token)
+
+        async def stopped() -> list[str]:
+            listed = await agent.stub.ListRecentMessages(
+                pb.ListRecentMessagesRequest(mailbox=mailbox), metadata=agent.metadata
+            )
+            return [item.subject.id for item in listed.agents_stopped]
+
+        assert await stopped() == ["m-1"]
+        frees_at = refused.refusal.frees_at.ToMilliseconds() / 1000
+
+        async def gone() -> bool:
+            return not await stopped()
+
+        await eventually(gone, within=90, interval=1)
+        # Not before the budget freed (the lease ends at or after frees_at), and agents may answer again.
+        assert time.time() >= frees_at
+        assert (await reply(agent, message(mailbox, "m-1"), "t-1", received_s=ASKED + 1)).result == OK
 
 
 async def test_record_incoming_answers_duplicates_and_retries_and_marks_automated_mail(

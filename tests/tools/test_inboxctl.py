@@ -630,3 +630,43 @@ def test_undo_outside_makes_a_message_answerable_again_and_watch_says_who_undid_
     assert agent.claim(subject, ttl=30, thread_id="t-1", received_at=at - timedelta(minutes=5)).granted
     again = ctl("undo-outside", mailbox, "msg-1")
     assert (again.returncode, "only a message recorded as answered outside" in again.stderr) == (1, True)
+
+
+def test_waiting_lists_stopped_conversations_after_the_agent_let_go_and_automated_mail(
+    ctl: Ctl, agent: Coordinator, mailbox: str
+) -> None:
+    """docs/design.md#reply-storms: what agents leave to people, with how to answer it."""
+    asked = datetime.now(UTC) - timedelta(minutes=10)
+    assert "nothing waits for a person" in ctl("waiting", mailbox).stdout
+    agent.record_incoming(
+        mailbox,
+        "ooo-1",
+        "t-ooo",
+        asked,
+        automated="Auto-Submitted: auto-replied",
+        summary=MessageSummary("Automatic reply: away", "Cy <cy@example.org>"),
+        notification_id="n-ooo",
+    )
+    for n in range(4):
+        subject = Subject.message(mailbox, f"m-{n}")
+        claimed = agent.claim(
+            subject, thread_id="t-1", received_at=asked + timedelta(seconds=n), summary=MessageSummary("Refund?", "Ana")
+        )
+        begun = agent.begin_send(subject, claimed.token)
+        if begun.ok:
+            agent.confirm_sent(subject, claimed.token)
+    assert not begun.ok
+    agent.release(subject, claimed.token)  # as the guard does at once
+    shown = ctl("waiting", mailbox)
+    assert shown.returncode == 0, shown.stderr
+    stopped, automated = shown.stdout.split("\n\n")
+    assert stopped.startswith("agents stopped: 3 agent replies to this conversation in the last hour")
+    assert f"message m-3 in {mailbox}" in stopped
+    assert "stopped   agent-a at" in stopped
+    assert "agents    may answer again from" in stopped
+    assert f"answer it inboxctl claim {mailbox} m-3" in stopped
+    assert automated.startswith("automated message (Auto-Submitted: auto-replied): agents leave it")
+    assert "“Automatic reply: away” from Cy <cy@example.org>" in automated
+    listed = json.loads(ctl("waiting", mailbox, "--json").stdout)
+    assert [item["subject"]["id"] for item in listed] == ["m-3", "ooo-1"]
+    assert listed[0]["agents_stopped"]["scope"] == "thread"

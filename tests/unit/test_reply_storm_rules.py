@@ -106,6 +106,11 @@ async def test_a_send_leaves_the_window_when_its_lease_ends() -> None:
     clock.now += 30 * MINUTE
     assert await send("m-2") is FenceResult.OK
     assert await send("m-3") is FenceResult.REFUSED
+    (stopped,) = (await engine.recent_messages(AGENT, mailbox="box", query="", page_size=0)).stopped
+    assert (stopped.subject.id, stopped.thread_id, stopped.stopped_holder) == ("m-3", "t-1", AGENT.principal)
+    assert stopped.refusal.frees_ms == START + 60 * MINUTE
     clock.now += 31 * MINUTE  # the first send left the hour (its lease, rounded up to the 1 s bucket, ended)
+    # Agents are no longer stopped there: the record went with the budget's freeing.
+    assert (await engine.recent_messages(AGENT, mailbox="box", query="", page_size=0)).stopped == []
     assert await send("m-4") is FenceResult.OK
     assert await send("m-5") is FenceResult.REFUSED

@@ -231,28 +231,28 @@ async def test_recent_messages_are_the_deliveries_claimed_newest_first_with_thei
     # A redelivery of the same message, and a claim without a notification, add no entry.
     assert (await _claim(engine, OTHER, _subject("m-2", mailbox), "n-2"))[0] is ClaimResult.DUPLICATE_DELIVERY
     await _claim(engine, AGENT, _subject("no-notification", mailbox))
-    recent = await engine.recent_messages(AGENT, mailbox=mailbox, query="", page_size=0)
+    recent = (await engine.recent_messages(AGENT, mailbox=mailbox, query="", page_size=0)).messages
     assert [delivery.subject.id for delivery in recent if delivery.subject] == ["m-2", "m-1", "m-0"]
     assert [delivery.summary.subject_line for delivery in recent if delivery.summary] == lines[::-1]
     assert recent[0].recorded_by == "agent-a"
-    found = await engine.recent_messages(AGENT, mailbox=mailbox, query="REFUND", page_size=0)
+    found = (await engine.recent_messages(AGENT, mailbox=mailbox, query="REFUND", page_size=0)).messages
     assert [delivery.subject.id for delivery in found if delivery.subject] == ["m-2", "m-0"]
-    assert len(await engine.recent_messages(AGENT, mailbox=mailbox, query="bea 1 <", page_size=0)) == 1
-    assert len(await engine.recent_messages(AGENT, mailbox=mailbox, query="", page_size=2)) == 2
+    assert len((await engine.recent_messages(AGENT, mailbox=mailbox, query="bea 1 <", page_size=0)).messages) == 1
+    assert len((await engine.recent_messages(AGENT, mailbox=mailbox, query="", page_size=2)).messages) == 2
     with pytest.raises(InvalidArgument, match="page_size"):
         await engine.recent_messages(AGENT, mailbox=mailbox, query="", page_size=101)
     with pytest.raises(InvalidArgument, match="query"):
         await engine.recent_messages(AGENT, mailbox=mailbox, query="x" * 257, page_size=0)
-    assert await engine.recent_messages(AGENT, mailbox=f"other-{mailbox}", query="", page_size=0) == []
+    assert (await engine.recent_messages(AGENT, mailbox=f"other-{mailbox}", query="", page_size=0)).messages == []
 
 
 async def test_recent_messages_keep_no_summary_where_summaries_are_not_stored(engine: Engine) -> None:
     private = Engine(engine.store, Rules(test_rules().limits, store_summaries=False), wall_clock_ms)
     mailbox = f"private-{uuid.uuid4().hex}"
     await _claim(private, AGENT, _subject("m-1", mailbox), "n-1", Summary("Secret subject", "x@example.org"))
-    recent = await private.recent_messages(AGENT, mailbox=mailbox, query="", page_size=0)
+    recent = (await private.recent_messages(AGENT, mailbox=mailbox, query="", page_size=0)).messages
     assert [(d.subject.id if d.subject else "", d.summary) for d in recent] == [("m-1", None)]
-    assert await private.recent_messages(AGENT, mailbox=mailbox, query="secret", page_size=0) == []
+    assert (await private.recent_messages(AGENT, mailbox=mailbox, query="secret", page_size=0)).messages == []
 
 
 async def test_listing_pages_with_opaque_cursors_and_filters_by_state(engine: Engine) -> None:

@@ -68,6 +68,7 @@ __all__ = [
     "token_to_pb",
     "ttl_to_pb",
     "undone_from_pb",
+    "waiting_from_pb",
     "watch_item_from_pb",
 ]
 
@@ -200,14 +201,23 @@ def refusal_from_pb(message: pb.SendRefusal) -> SendRefusal:
 
 
 def recent_messages_from_pb(response: pb.ListRecentMessagesResponse) -> tuple[RecentMessage, ...]:
-    return tuple(
-        RecentMessage(
-            subject=subject_from_pb(message.subject),
-            summary=summary_from_pb(message),
-            first_seen_at=_time(message, "first_seen_at"),
-            seen_by=message.seen_by,
-        )
-        for message in response.messages
+    return tuple(_recent_from_pb(message) for message in response.messages)
+
+
+def waiting_from_pb(response: pb.ListRecentMessagesResponse) -> tuple[RecentMessage, ...]:
+    """What agents leave to people: the stopped conversations, then the automated messages."""
+    automated = (message for message in response.messages if message.automated)
+    return tuple(_recent_from_pb(message) for message in (*response.agents_stopped, *automated))
+
+
+def _recent_from_pb(message: pb.RecentMessage) -> RecentMessage:
+    return RecentMessage(
+        subject=subject_from_pb(message.subject),
+        summary=summary_from_pb(message),
+        first_seen_at=_time(message, "first_seen_at"),
+        seen_by=message.seen_by,
+        automated=message.automated,
+        agents_stopped=refusal_from_pb(message.agents_stopped) if message.HasField("agents_stopped") else None,
     )
 
 

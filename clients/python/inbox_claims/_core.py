@@ -40,6 +40,7 @@ from ._convert import (
     token_to_pb,
     ttl_to_pb,
     undone_from_pb,
+    waiting_from_pb,
     watch_item_from_pb,
 )
 from ._effects import Emit, Flow, Op, OpenStream, ReadStream, Rpc, RpcFailure, Sleep, Stream
@@ -455,6 +456,10 @@ class Core:
     ) -> Flow[tuple[RecentMessage, ...]]:
         request = pb.ListRecentMessagesRequest(mailbox=mailbox, query=query, page_size=operator.index(page_size))
         return self.call(Op("ListRecentMessages", request, recent_messages_from_pb), timeout=timeout)
+
+    def waiting_for_a_person(self, mailbox: str, *, timeout: float | None = None) -> Flow[tuple[RecentMessage, ...]]:
+        request = pb.ListRecentMessagesRequest(mailbox=mailbox, page_size=100)
+        return self.call(Op("ListRecentMessages", request, waiting_from_pb), timeout=timeout)
 
     def iter_claims(
         self, mailbox: str, *, states: Iterable[SubjectState] = (), page_size: int = 0

@@ -299,9 +299,10 @@ class Coordinator(ClientBase):
     ) -> IncomingResult:
         """RecordIncoming: an inbound message nobody claims (docs/design.md#reply-storms): automated mail
         (``automated`` says why, up to 256 bytes; agents leave it, people see it and may answer it), or a customer's
-        newer message found by looking at the thread before a send (``automated`` empty). Either way the thread's
-        latest inbound message moves, so an agent's claim on an older one is refused at BeginSend
-        (:class:`~inbox_claims.ConversationMovedOn`). The guard calls it for you on automated mail."""
+        newer message found by looking at the thread before a send (``automated`` empty). A customer's
+        message moves the thread's latest inbound message, so an agent's claim on an older one is refused at
+        BeginSend (:class:`~inbox_claims.ConversationMovedOn`); automated mail never does. The guard calls it for you on
+        automated mail."""
         return self._drive(
             self._core.record_incoming(
                 mailbox,
@@ -436,6 +437,12 @@ class Coordinator(ClientBase):
         """ListRecentMessages: the mailbox's recently delivered messages (the delivery retention, 24 h), newest
         first, whose subject line, sender or id contains ``query``: what a person picks one to answer from."""
         return self._drive(self._core.recent_messages(mailbox, query=query, page_size=page_size, timeout=timeout))
+
+    def waiting_for_a_person(self, mailbox: str, *, timeout: float | None = None) -> tuple[RecentMessage, ...]:
+        """What agents leave to people (docs/design.md#reply-storms): the conversations where agents are stopped
+        (``agents_stopped``, until the budget frees), then the automated messages (``automated``) among the newest
+        100 delivered; a person can claim and answer any of them."""
+        return self._drive(self._core.waiting_for_a_person(mailbox, timeout=timeout))
 
     def iter_claims(
         self, mailbox: str, *, states: Iterable[SubjectState] = (), page_size: int = 0

@@ -299,6 +299,11 @@ class RecentMessage:
     first_seen_at: datetime | None
     seen_by: str
     """The agent whose claim recorded the delivery."""
+    automated: str = ""
+    """Automated mail agents leave (``"Auto-Submitted: auto-replied"``): why; a person can still answer it."""
+    agents_stopped: SendRefusal | None = None
+    """``waiting_for_a_person`` only: agents are stopped on its conversation (the refusal, ``frees_at`` when the
+    budget frees); ``first_seen_at`` / ``seen_by``: when and which agent was stopped."""
 
 
 @dataclass(frozen=True, slots=True)

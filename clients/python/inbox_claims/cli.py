@@ -52,6 +52,7 @@ from ._types import (
     EventType,
     HolderKind,
     OutsideReply,
+    RecentMessage,
     RetryPolicy,
     Subject,
     SubjectState,
@@ -498,6 +499,36 @@ async def cmd_in_doubt(ctx: Context) -> int:
     return EXIT_OK
 
 
+def waiting_lines(message: RecentMessage) -> list[str]:
+    """One email agents leave to people (docs/design.md#reply-storms), and how a person answers it."""
+    stopped, summary = message.agents_stopped, message.summary
+    if stopped is not None:
+        lines = [stopped.reason]
+    else:
+        lines = [f"automated message ({message.automated}): agents leave it; you can still answer it"]
+    if summary is not None:
+        lines.append(f"  email     “{summary.subject_line}” from {summary.sender}")
+    lines.append(f"  which     {describe_subject(message.subject)}")
+    if stopped is not None:
+        lines.append(f"  stopped   {message.seen_by} at {clock(message.first_seen_at)}")
+        lines.append(f"  agents    may answer again from {clock(stopped.frees_at)}")
+    lines.append(f"  answer it inboxctl claim {message.subject.mailbox} {message.subject.id}")
+    return lines
+
+
+async def cmd_waiting(ctx: Context) -> int:
+    mailbox = ctx.options.mailbox
+    found = await ctx.client.waiting_for_a_person(mailbox)
+    if ctx.json:
+        ctx.emit(found)
+    elif not found:
+        ctx.say(f"nothing waits for a person in {mailbox}: no conversation where agents are stopped, no automated mail")
+    else:
+        for index, message in enumerate(found):
+            ctx.say(*([""] if index else []), *waiting_lines(message))
+    return EXIT_OK
+
+
 async def cmd_claim(ctx: Context) -> int:
     subject = ctx.subject()
     result = await ctx.client.claim(subject, ttl=ctx.options.ttl, note=ctx.options.note)
@@ -858,6 +889,12 @@ COMMANDS: dict[str, tuple[Command, str, str]] = {
         "who the coordinator takes you to be: your name, kind, mailboxes and what you may do",
         "  inboxctl whoami\n  inboxctl whoami --json",
     ),
+    "waiting": (
+        cmd_waiting,
+        "list what agents leave to people: conversations where agents are stopped (until their reply budget frees) "
+        "and automated mail",
+        "  inboxctl waiting grant-7f3a\n  inboxctl waiting grant-7f3a --json",
+    ),
     "in-doubt": (
         cmd_in_doubt,
         "list the sends whose outcome is unknown (IN_DOUBT): each needs a person to check the sent folder",
@@ -899,7 +936,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         sub.set_defaults(handler=handler)
-        if name in ("ls", "watch", "in-doubt"):
+        if name in ("ls", "watch", "in-doubt", "waiting"):
             sub.add_argument("mailbox", help="the mailbox (a Nylas grant id, or the shared address)")
         elif name != "whoami":
             _subject_arguments(sub)

@@ -21,6 +21,9 @@ const alike = new Map(); // subject line + sender -> the keys of the rows that s
 const warned = new Set(); // keys of the person's own claims they were told are ending
 const undone = new Map(); // key -> { by, at }: emails whose reply from the mailbox a person undid (while this page is open)
 let recent = []; // the last answer to "Answer an email yourself"
+let waiting = []; // what agents leave to people (automated mail nobody claims, stopped conversations), per refresh
+let waitingPending = false;
+const WAITING_REFRESH_MS = 15000; // how often "Waiting for a person" is asked again, besides after each change
 let search = "";
 let reorderPending = false;
 let focusIntent = null; // where the focus goes once the change an action caused has arrived
@@ -141,6 +144,9 @@ function take(mailbox, message) {
     rovingFocus();
   }
   showRecent();
+  showWaiting();
+  // Asked again only for a change that may concern it (agents renewing their claims every few seconds do not).
+  if (message.event && concernsWaiting(message.event.status)) scheduleWaiting();
   applyFocusIntent();
 }
 
@@ -161,7 +167,7 @@ function tellTheHolder(status, type, previousHolder) {
 // free again, and off the board; everyone watching hears it, in the coordinator's words.
 function tellAgentsStopped(status, event) {
   const reason = event.reason || status.agentsStopped.reason;
-  say(`${status.holder} let go of ${nameOf(status)}: ${reason}. Answer it from “Answer an email yourself”.`);
+  say(`${status.holder} let go of ${nameOf(status)}: ${reason}. It waits for a person under “Waiting for a person”.`);
 }
 
 // Everyone watching hears that a reply recorded as written outside was undone, by whom: the email is free again.
@@ -839,6 +845,89 @@ async function findRecent(event) {
   showRecent();
 }
 
+// One email a person may answer (found, or waiting for a person): what it is, what is happening, what they can do.
+function emailItem(message, status, stateText) {
+  const summary = message.summary || {};
+  const item = document.createElement("li");
+  item.dataset.key = keyOf(message.subject);
+  const found = document.createElement("div");
+  found.className = "found";
+  const subject = document.createElement("div");
+  subject.className = "subject";
+  subject.append(summary.subjectLine ? isolated(summary.subjectLine) : `(no subject given) message ${plain(message.subject.id)}`);
+  const received = summary.receivedAt || message.firstSeenAt;
+  found.append(subject, line("sender", summary.sender, received ? "came in " + clock(when(received)) : ""));
+  const state = document.createElement("div");
+  state.className = "state";
+  state.textContent = stateText;
+  found.append(state);
+  item.append(found);
+  let offered = [];
+  if (status.state === FREE) offered = [["I'm answering this", () => claim(message.subject, message.summary)]];
+  else offered = actionsFor(status).offered.filter(([label]) => !OWN_CLAIM_ACTIONS.has(label));
+  addButtons(item, offered);
+  return item;
+}
+
+// --- waiting for a person: what agents leave (docs/design.md#reply-storms) ----------------------------------------
+
+// Conversations where agents are stopped stay until their reply budget frees, whoever holds them; automated mail
+// stays while nobody has claimed or answered it. Both come from ListRecentMessages (the newest 100 per mailbox).
+async function refreshWaiting() {
+  waitingPending = false;
+  try {
+    const answers = await Promise.all(session.mailboxes.map((mailbox) => call("ListRecentMessages", { mailbox, pageSize: 100 })));
+    waiting = answers.flatMap((answer) => [
+      ...(answer.agentsStopped || []).map((message) => ({ message, stopped: message.agentsStopped })),
+      ...(answer.messages || []).filter((message) => message.automated).map((message) => ({ message, stopped: null })),
+    ]);
+  } catch (error) {
+    return; // the next refresh tries again; the board's own stream says when the coordinator is unreachable
+  }
+  showWaiting();
+}
+
+function concernsWaiting(status) {
+  const key = keyOf(status.subject);
+  return Boolean(status.agentsStopped) || waiting.some(({ message }) => keyOf(message.subject) === key);
+}
+
+function scheduleWaiting() {
+  if (waitingPending) return;
+  waitingPending = true;
+  setTimeout(refreshWaiting, 500);
+}
+
+function automatedWords(reason) { return `automated message (${plain(reason)}): agents leave it`; }
+
+function showWaiting() {
+  const list = $("#waiting-list");
+  if (!list) return;
+  const focusedKey = list.contains(document.activeElement) ? document.activeElement.closest("li")?.dataset.key : null;
+  const items = [];
+  for (const { message, stopped } of waiting) {
+    const row = rows.get(keyOf(message.subject));
+    const status = row ? row.status : { subject: message.subject, state: FREE, summary: message.summary };
+    if (!stopped && status.state !== FREE) continue; // someone took the automated message up: it is on the board
+    const now = status.state === FREE ? " Nobody is answering it."
+      : status.agentsStopped ? "" : ` Now: ${plain(whatIsHappening(status))}.`;
+    const text = stopped
+      ? `${plain(stopped.reason)}. ${plain(message.seenBy)} was stopped at ${clock(when(message.firstSeenAt))}; ` +
+        `agents may answer again from ${clock(when(stopped.freesAt))}.${now}`
+      : `${automatedWords(message.automated)}; you can still answer it.`;
+    const item = emailItem(message, status, text);
+    item.classList.add(stopped ? "stopped" : "automated");
+    items.push(item);
+  }
+  list.replaceChildren(...items);
+  $("#waiting").hidden = items.length === 0;
+  $("#waiting-count").textContent = String(items.length);
+  if (focusedKey && !focusIntent) {
+    const again = list.querySelector(`li[data-key="${CSS.escape(focusedKey)}"] button`);
+    if (again) again.focus();
+  }
+}
+
 // What can be done with each email found, from what the board shows about it now.
 function showRecent() {
   const list = $("#answer-results");
@@ -848,29 +937,11 @@ function showRecent() {
     const key = keyOf(message.subject);
     const row = rows.get(key);
     const status = row ? row.status : { subject: message.subject, state: FREE, summary: message.summary };
-    const summary = message.summary || {};
-    const item = document.createElement("li");
-    item.dataset.key = key;
-    const found = document.createElement("div");
-    found.className = "found";
-    const subject = document.createElement("div");
-    subject.className = "subject";
-    subject.append(summary.subjectLine ? isolated(summary.subjectLine) : `(no subject given) message ${plain(message.subject.id)}`);
-    const received = summary.receivedAt || message.firstSeenAt;
-    found.append(subject, line("sender", summary.sender, received ? "came in " + clock(when(received)) : ""));
-    const state = document.createElement("div");
-    state.className = "state";
     const reopened = undone.get(key);
-    state.textContent = status.state !== FREE ? plain(whatIsHappening(status)) + "." : reopened
+    const automated = message.automated ? `${automatedWords(message.automated)}; you can still answer it.` : "";
+    return emailItem(message, status, status.state !== FREE ? plain(whatIsHappening(status)) + "." : reopened
       ? `Nobody is answering it: ${plain(reopened.by)} undid the reply from the mailbox recorded for it at ${clock(when(reopened.at))}.`
-      : "Nobody is answering it.";
-    found.append(state);
-    item.append(found);
-    let offered = [];
-    if (status.state === FREE) offered = [["I'm answering this", () => claim(message.subject, message.summary)]];
-    else offered = actionsFor(status).offered.filter(([label]) => !OWN_CLAIM_ACTIONS.has(label));
-    addButtons(item, offered);
-    return item;
+      : automated || "Nobody is answering it.");
   }));
   if (focusedKey && !focusIntent) {
     const again = list.querySelector(`li[data-key="${CSS.escape(focusedKey)}"] button`);
@@ -958,6 +1029,8 @@ function start() {
   select.hidden = session.mailboxes.length < 2;
   refreshCounts();
   for (const mailbox of session.mailboxes) watch(mailbox);
+  refreshWaiting();
+  setInterval(refreshWaiting, WAITING_REFRESH_MS);
   setInterval(tick, 1000);
   tick();
 }

@@ -51,7 +51,7 @@ from coordinator.core.domain import (
     Summary,
     ThreadLink,
 )
-from coordinator.core.storms import Inbound, Refusal, RefusalKind
+from coordinator.core.storms import Inbound, Refusal, RefusalKind, Stopped
 
 _STATES = {State.CLAIMED: "c", State.SENDING: "s", State.REPLIED: "r", State.IN_DOUBT: "d"}
 _STATES_IN = {code: state for state, code in _STATES.items()}
@@ -174,6 +174,33 @@ def _refusal(refusal: Refusal | None) -> list[Any] | None:
 def _refusal_in(fields: list[Any]) -> Refusal:
     kind, reason, scope, limit, window_ms, counted, frees_ms, newer_id, newer_ms = fields[:9]
     return Refusal(_REFUSAL_KINDS_IN[kind], reason, scope, limit, window_ms, counted, frees_ms, newer_id, newer_ms)
+
+
+def encode_stopped(stopped: Stopped) -> bytes:
+    subject = stopped.subject
+    return _dump(
+        {
+            "k": subject.kind.value,
+            "id": subject.id,
+            "th": stopped.thread_id,
+            "as": _refusal(stopped.refusal),
+            "h": stopped.stopped_holder,
+            "at": stopped.stopped_ms,
+            "v": _summary(stopped.summary),
+        }
+    )
+
+
+def decode_stopped(value: bytes, mailbox: str) -> Stopped:
+    data = json.loads(value)
+    return Stopped(
+        Subject(mailbox, SubjectKind(data["k"]), data["id"]),
+        data.get("th", ""),
+        _refusal_in(data["as"]),
+        data.get("h", ""),
+        int(data["at"]),
+        Summary(*data["v"]) if "v" in data else None,
+    )
 
 
 def encode_send(began_ms: int) -> bytes:

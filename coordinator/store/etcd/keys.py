@@ -122,6 +122,14 @@ class Keys:
     def automated(self, subject: Subject) -> bytes:
         return self._root + _GUARDS + f"{_enc(subject.mailbox)}/a/{subject.kind.value}/{_enc(subject.id)}".encode()
 
+    def stopped_all(self, mailbox: str) -> bytes:
+        return self._root + _GUARDS + f"{_enc(mailbox)}/x/".encode()
+
+    def stopped(self, subject: Subject, thread_id: str) -> bytes:
+        """One per thread; a message with no thread is its own conversation."""
+        where = f"t/{_enc(thread_id)}" if thread_id else f"s/{subject.kind.value}/{_enc(subject.id)}"
+        return self.stopped_all(subject.mailbox) + where.encode()
+
     def thread_sends(self, mailbox: str, thread_id: str) -> bytes:
         return self._root + _GUARDS + f"{_enc(mailbox)}/t/{_enc(thread_id)}/s/".encode()
 

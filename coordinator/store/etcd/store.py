@@ -51,7 +51,7 @@ from coordinator.core.storage import (
     decode_cursor,
     encode_cursor,
 )
-from coordinator.core.storms import Counting, GuardView, Inbound
+from coordinator.core.storms import Counting, GuardView, Inbound, Stopped
 from coordinator.store.etcd import codec as _codec
 from coordinator.store.etcd.client import (
     EtcdClient,
@@ -66,7 +66,7 @@ from coordinator.store.etcd.group_commit import TxnBatcher
 from coordinator.store.etcd.guards import GuardMemory
 from coordinator.store.etcd.keys import Keys, prefix_end
 from coordinator.store.etcd.lapses import LapseKeeper
-from coordinator.store.etcd.lease_buckets import LeaseBuckets
+from coordinator.store.etcd.lease_buckets import SHARED_WITHIN_MS, LeaseBuckets
 from coordinator.store.etcd.settings import EtcdSettings
 
 __all__ = ["EtcdStore"]
@@ -281,8 +281,11 @@ class EtcdStore:
                 success.append(_op_put(entry_key, entry, await self._lease(thread_expires_ms)))
             if inbound is not None and inbound_key is not None and inbound_guess is not None:
                 guessed = _unchanged_since(inbound_key, inbound_guess) if inbound_guess else _absent(inbound_key)
+                # Automated mail (RecordIncoming said so) is no inbound message of the conversation: when it is,
+                # the nested transaction fails and the engine decides apart (docs/design.md#reply-storms).
+                compares = [guessed, _absent(self.keys.automated(subject))]
                 put = _op_put(inbound_key, _codec.encode_inbound(inbound[0]), await self._lease(inbound[1]))
-                success.append(rpc.RequestOp(request_txn=rpc.TxnRequest(compare=[guessed], success=[put])))
+                success.append(rpc.RequestOp(request_txn=rpc.TxnRequest(compare=compares, success=[put])))
             return await self._txn(compare, success, [_op_get(key) for key in reads], frozenset(writes))
 
         wrote = True
@@ -876,14 +879,32 @@ class EtcdStore:
         response = await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=self.keys.automated(subject)))
         return response.kvs[0].value.decode() if response.kvs else ""
 
-    async def status(self, subject: Subject) -> Stored | None:
-        work.spend(1)
-        response = await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))
-        return _stored(response.kvs[0]) if response.kvs else None
+    async def automated_of(self, subjects: Sequence[Subject]) -> dict[Subject, str]:
+        if not subjects:
+            return {}
+        keys = [self.keys.automated(subject) for subject in subjects]
+        work.spend(len(keys))
+        response = await self._read_at_one_revision(keys)
+        found = (_first_kv(answer) for answer in response.responses)
+        return {subject: kv.value.decode() for subject, kv in zip(subjects, found, strict=True) if kv is not None}
 
-    async def recent_deliveries(self, mailbox: str, limit: int, *, containing: str = "") -> list[DeliveryRecord]:
-        # etcd sorts a range by create revision and cuts it at the limit itself: one read, bounded by the limit.
-        base = self.keys.deliveries(mailbox)
+    async def record_stopped(self, stopped: Stopped) -> None:
+        key = self.keys.stopped(stopped.subject, stopped.thread_id)
+
+        async def attempt() -> Any:
+            # A lease ends less than SHARED_WITHIN_MS after the time it is asked for: the counted send that frees
+            # the budget may end that late, so the record asks for that much later and never ends before it.
+            lease = await self._lease(stopped.refusal.frees_ms + SHARED_WITHIN_MS)
+            return await self._txn([], [_op_put(key, _codec.encode_stopped(stopped), lease)], [], frozenset((key,)))
+
+        await self._with_leases(attempt)
+
+    async def stopped(self, mailbox: str, limit: int) -> list[Stopped]:
+        response = await self._newest(self.keys.stopped_all(mailbox), limit, rpc.RangeRequest.MOD)
+        return [_codec.decode_stopped(kv.value, mailbox) for kv in response.kvs]
+
+    async def _newest(self, base: bytes, limit: int, sort_target: Any) -> Any:
+        """A prefix's newest ``limit`` keys: etcd sorts the range and cuts it at the limit itself."""
         async with work.turn() as read:
             response = await self.etcd.call(
                 self.etcd.kv.Range,
@@ -892,12 +913,21 @@ class EtcdStore:
                     range_end=prefix_end(base),
                     limit=limit,
                     sort_order=rpc.RangeRequest.DESCEND,
-                    sort_target=rpc.RangeRequest.CREATE,
+                    sort_target=sort_target,
                 ),
             )
-            # etcd reads and sorts every delivery of the mailbox to find the newest, at once: that is the work,
-            # not the limit, and one sort of it all costs the others more than reads of its size in slices (twice).
+            # etcd reads and sorts every key of the prefix to find the newest, at once: that is the work, not
+            # the limit, and one sort of it all costs the others more than reads of its size in slices (twice).
             read(2 * max(int(response.count), len(response.kvs)))
+        return response
+
+    async def status(self, subject: Subject) -> Stored | None:
+        work.spend(1)
+        response = await self.etcd.call(self.etcd.kv.Range, rpc.RangeRequest(key=self.keys.subject(subject)))
+        return _stored(response.kvs[0]) if response.kvs else None
+
+    async def recent_deliveries(self, mailbox: str, limit: int, *, containing: str = "") -> list[DeliveryRecord]:
+        response = await self._newest(self.keys.deliveries(mailbox), limit, rpc.RangeRequest.CREATE)
         deliveries = []
         for index, kv in enumerate(response.kvs):
             if index % _DECODED_PER_TURN == _DECODED_PER_TURN - 1:

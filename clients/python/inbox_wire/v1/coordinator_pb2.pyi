@@ -1371,7 +1371,13 @@ class RecentMessage(_message.Message):
     SUMMARY_FIELD_NUMBER: _builtins.int
     FIRST_SEEN_AT_FIELD_NUMBER: _builtins.int
     SEEN_BY_FIELD_NUMBER: _builtins.int
+    AUTOMATED_FIELD_NUMBER: _builtins.int
+    AGENTS_STOPPED_FIELD_NUMBER: _builtins.int
     seen_by: _builtins.str
+    automated: _builtins.str
+    """Set when RecordIncoming said the message is automated mail agents leave: why ("Auto-Submitted:
+    auto-replied"); shown as "automated message (…): agents leave it". A person can still claim and answer it.
+    """
     @_builtins.property
     def subject(self) -> Global___Subject: ...
     @_builtins.property
@@ -1382,6 +1388,10 @@ class RecentMessage(_message.Message):
     def first_seen_at(self) -> _timestamp_pb2.Timestamp:
         """When its first delivery was recorded, and by whom (the agent that claimed it)."""
 
+    @_builtins.property
+    def agents_stopped(self) -> Global___SendRefusal:
+        """In `agents_stopped` only: the refusal that stopped agents on the conversation (reason, scope, frees_at)."""
+
     def __init__(
         self,
         *,
@@ -1389,10 +1399,12 @@ class RecentMessage(_message.Message):
         summary: Global___MessageSummary | None = ...,
         first_seen_at: _timestamp_pb2.Timestamp | None = ...,
         seen_by: _builtins.str = ...,
+        automated: _builtins.str = ...,
+        agents_stopped: Global___SendRefusal | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["first_seen_at", b"first_seen_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agents_stopped", b"agents_stopped", "first_seen_at", b"first_seen_at", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_seen_at", b"first_seen_at", "seen_by", b"seen_by", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents_stopped", b"agents_stopped", "automated", b"automated", "first_seen_at", b"first_seen_at", "seen_by", b"seen_by", "subject", b"subject", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1403,18 +1415,27 @@ class ListRecentMessagesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MESSAGES_FIELD_NUMBER: _builtins.int
+    AGENTS_STOPPED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecentMessage]:
         """Newest first, one per subject."""
+
+    @_builtins.property
+    def agents_stopped(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecentMessage]:
+        """Conversations where agents are stopped (docs/design.md#reply-storms: an agent's BeginSend refused for a
+        spent reply budget), each by the message whose send was refused, until the budget frees (`frees_at`): a
+        person should look. Newest refusal first, at most `page_size`, matching `query` as `messages` do.
+        """
 
     def __init__(
         self,
         *,
         messages: _abc.Iterable[Global___RecentMessage] | None = ...,
+        agents_stopped: _abc.Iterable[Global___RecentMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents_stopped", b"agents_stopped", "messages", b"messages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
