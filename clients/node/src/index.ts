@@ -29,4 +29,4 @@ export {
   type WebhookOptions,
 } from "./middleware.js";
 export type { Automated, ClaimStamp, Cursors, CursorRange, MessageFacts, Provider } from "./providers/seam.js";
-export { idempotencyOverrides, sdkError, sentIdOf, UNGUARDED_SEND_WARNING, UnguardedSend } from "./sdks.js";
+export { claimCustomHeaders, claimHeaders, idempotencyOverrides, sdkError, sentIdOf, UNGUARDED_SEND_WARNING, UnguardedSend, type CustomHeader } from "./sdks.js";

@@ -13,10 +13,15 @@
 //   claim.send is said loudly (a process warning, INBOX_CLAIMS_UNGUARDED_SEND); made with node:http (the nylas SDK,
 //   through node-fetch), it is refused as well, before a byte is sent; made with fetch (resend, agentmail), it
 //   cannot be stopped from here and is only warned about.
+// * The marks a reply carries: claimHeaders() / claimCustomHeaders() give the SDK's message headers the claim's stamp
+//   (X-Inbox-Claim: <key>.<token>, what settles an IN_DOUBT send from the sent copy) and, for an agent's claim,
+//   Auto-Submitted: auto-replied (never a person's), as the Python client's inbox_claims.sdks does.
 import { AsyncLocalStorage } from "node:async_hooks";
 import diagnostics from "node:diagnostics_channel";
 import type { ClientRequest } from "node:http";
+import { agentHeaders } from "./current.js";
 import { InboxClaimsError, SendRejected } from "./errors.js";
+import { isRecord, STAMP_HEADER } from "./providers/seam.js";
 
 export const UNGUARDED_SEND_WARNING = "INBOX_CLAIMS_UNGUARDED_SEND";
 
@@ -24,7 +29,7 @@ export const UNGUARDED_SEND_WARNING = "INBOX_CLAIMS_UNGUARDED_SEND";
 interface Scope {
   readonly messageId: string;
   readonly sending: boolean;
-  /** The claim's stamp (`<key>.<token>`), for a send that can carry it (the Nylas adapter's custom_headers). */
+  /** The claim's stamp (`<key>.<token>`), for a send that can carry it (Nylas custom_headers, the SDKs' headers). */
   readonly stamp: string;
 }
 
@@ -144,4 +149,41 @@ export function sentIdOf(value: unknown): unknown {
 /** Nylas SDK `overrides` carrying the claim's key: `nylas.messages.send({ identifier, requestBody, overrides: idempotencyOverrides(key) })`. */
 export function idempotencyOverrides(idempotencyKey: string, overrides: { headers?: Record<string, string> } & Record<string, unknown> = {}): Record<string, unknown> {
   return { ...overrides, headers: { ...overrides.headers, "Idempotency-Key": idempotencyKey } };
+}
+
+/**
+ * The message headers of a reply sent now, name by name: inside claim.send the claim's stamp (`X-Inbox-Claim`), and
+ * `Auto-Submitted: auto-replied` unless the claim is a person's (agentHeaders). A header in `given` wins over ours of
+ * the same name (any case), and `given` is kept in full.
+ */
+function marks(given: Iterable<string>): [string, string][] {
+  const names = new Set([...given].map((name) => name.toLowerCase()));
+  const stamp = currentStamp();
+  return [...(stamp === undefined ? [] : [[STAMP_HEADER, stamp] as const]), ...agentHeaders()]
+    .filter(([name]) => !names.has(name.toLowerCase()))
+    .map(([name, value]) => [name, value]);
+}
+
+/**
+ * The `headers` of an email sent through the resend or agentmail SDK inside claim.send: `given` and the claim's
+ * marks (the stamp; Auto-Submitted for an agent). `resend.emails.send({ ..., headers: claimHeaders() }, { idempotencyKey: key })`.
+ */
+export function claimHeaders(given: Readonly<Record<string, string>> = {}): Record<string, string> {
+  return { ...given, ...Object.fromEntries(marks(Object.keys(given))) };
+}
+
+/** A Nylas custom header (the SDK's `customHeaders`, the API's `custom_headers`). */
+export interface CustomHeader {
+  name: string;
+  value: string;
+}
+
+/**
+ * The `customHeaders` of a Nylas send inside claim.send (Nylas writes them into the message, where `overrides.headers`
+ * go only to the API request): `given` and the claim's marks. Nylas.send's own request uses it too.
+ */
+export function claimCustomHeaders(given: readonly CustomHeader[] = []): CustomHeader[] {
+  // What a caller gave is checked by Nylas, not here: a header without a string name is passed on, never matched.
+  const names = given.flatMap((header: unknown) => (isRecord(header) && typeof header.name === "string" ? [header.name] : []));
+  return [...given, ...marks(names).map(([name, value]): CustomHeader => ({ name, value }))];
 }

@@ -264,7 +264,10 @@ export class NylasDouble extends MailApi {
       return { status: 400, answer: this.errorBody(400, "invalid_request_error", "to: at least one recipient with a valid email is required") };
     }
     const id = `nylas-sent-${++this.counter}`;
-    this.sends.push({ by: "agent", inReplyTo: String(body.reply_to_message_id ?? ""), id, key, to: to.map((p) => String(p.email)), headers: {}, tags: {} });
+    // custom_headers ({name, value}) are what Nylas writes into the message's headers.
+    const custom = Array.isArray(body.custom_headers) ? (body.custom_headers as { name?: unknown; value?: unknown }[]) : [];
+    const headers = Object.fromEntries(custom.map((h) => [String(h.name), String(h.value)]));
+    this.sends.push({ by: "agent", inReplyTo: String(body.reply_to_message_id ?? ""), id, key, to: to.map((p) => String(p.email)), headers, tags: {} });
     return { status: 200, answer: { request_id: `req-${this.counter}`, data: { id, grant_id: this.grant, thread_id: "thread-1", subject: body.subject, to: body.to } }, sent: true };
   }
 }

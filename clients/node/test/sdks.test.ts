@@ -1,7 +1,9 @@
 // The SDKs people already send with, as published on npm (nylas 7.x, resend, agentmail: devDependencies), under the
 // guard, through a real coordinator on etcd, each against a local double of its API (test/mailapis.ts): the claim's
 // key reaches the API as Idempotency-Key through the SDK's own per-request options (Nylas `overrides.headers`,
-// Resend and AgentMail `idempotencyKey`); the SDK's response passed straight back from claim.send records the sent
+// Resend and AgentMail `idempotencyKey`), the claim's stamp and an agent's Auto-Submitted as message headers (Nylas
+// `customHeaders`, Resend's and AgentMail's `headers`: claimCustomHeaders / claimHeaders), never Auto-Submitted on a
+// person's reply, the caller's own headers kept and winning; the SDK's response passed straight back from claim.send records the sent
 // id; a 4xx through the SDK frees the message (FREE) as our own adapters do; a send made inside the guarded work
 // without claim.send is said loudly (the nylas SDK's, over node:http, refused before it left; resend's and
 // agentmail's, over fetch, warned about).
@@ -11,14 +13,16 @@ import NylasSdk from "nylas";
 import { Resend } from "resend";
 import { AgentMailClient } from "agentmail";
 import { Cluster } from "../src/testing.js";
-import { idempotencyKey, idempotencyOverrides, messageSubject, UNGUARDED_SEND_WARNING, type Coordinator } from "../src/index.js";
+import { claimCustomHeaders, claimHeaders, idempotencyKey, idempotencyOverrides, messageSubject, UNGUARDED_SEND_WARNING, type Coordinator } from "../src/index.js";
 import { AgentMailDouble, NylasDouble, ResendDouble, secretOf } from "./mailapis.js";
 
 let cluster: Cluster;
 let agent: Coordinator;
+let person: Coordinator;
 before(async () => {
   cluster = await Cluster.start({ replicas: 1 });
   agent = cluster.client("agent-a");
+  person = cluster.client("ana@shop.example", { kind: "human" });
 });
 after(async () => {
   await cluster?.stop();
@@ -42,12 +46,15 @@ async function warningsOf(code: string, run: () => Promise<void>): Promise<strin
   return seen;
 }
 
-/** One SDK's four cases: `send(key, to)` sends to `to` with the key (undefined: without it) and resolves to the SDK's answer. */
+/**
+ * One SDK's cases: `send(key, to, headers)` sends to `to` with the key (undefined: without it), the claim's marks and
+ * the caller's own `headers`, and resolves to the SDK's answer.
+ */
 interface Sdk {
   double: NylasDouble | ResendDouble | AgentMailDouble;
   /** The message the guarded work answers (the double must know it). */
   messageId: string;
-  send(idempotencyKey: string | undefined, to: string): Promise<unknown>;
+  send(idempotencyKey: string | undefined, to: string, headers?: Record<string, string>): Promise<unknown>;
   /** Whether the process can stop the SDK's unguarded send (node:http) or only warn (fetch). */
   refusable: boolean;
   stop(): Promise<void>;
@@ -60,10 +67,16 @@ async function nylasSdk(): Promise<Sdk> {
   return {
     double,
     messageId: `m-${counter}`,
-    send: (key, to) =>
+    send: (key, to, headers = {}) =>
       nylas.messages.send({
         identifier: grant,
-        requestBody: { to: [{ email: to }], subject: "Re: Where is my order?", body: "Ships today.", replyToMessageId: `m-${counter}` },
+        requestBody: {
+          to: [{ email: to }],
+          subject: "Re: Where is my order?",
+          body: "Ships today.",
+          replyToMessageId: `m-${counter}`,
+          customHeaders: claimCustomHeaders(Object.entries(headers).map(([name, value]) => ({ name, value }))),
+        },
         ...(key === undefined ? {} : { overrides: idempotencyOverrides(key) }),
       }),
     refusable: true,
@@ -78,7 +91,8 @@ async function resendSdk(): Promise<Sdk> {
   return {
     double,
     messageId: `r-${counter}`,
-    send: (key, to) => resend.emails.send({ from: mailbox, to: [to], subject: "Re: Where is my order?", text: "Ships today." }, key === undefined ? {} : { idempotencyKey: key }),
+    send: (key, to, headers = {}) =>
+      resend.emails.send({ from: mailbox, to: [to], subject: "Re: Where is my order?", text: "Ships today.", headers: claimHeaders(headers) }, key === undefined ? {} : { idempotencyKey: key }),
     refusable: false,
     stop: () => double.stop(),
   };
@@ -93,7 +107,8 @@ async function agentmailSdk(): Promise<Sdk> {
     double,
     messageId: original,
     // AgentMail answers a reply to its sender; `to` stands for a recipient it refuses (an empty text is refused too).
-    send: (key, to) => client.inboxes.messages.reply(inbox, original, to.includes("@") ? { text: "Ships today." } : {}, key === undefined ? {} : { idempotencyKey: key }),
+    send: (key, to, headers = {}) =>
+      client.inboxes.messages.reply(inbox, original, to.includes("@") ? { text: "Ships today.", headers: claimHeaders(headers) } : {}, key === undefined ? {} : { idempotencyKey: key }),
     refusable: false,
     stop: () => double.stop(),
   };
@@ -116,6 +131,34 @@ for (const [name, make] of Object.entries(SDKS)) {
     } finally {
       await sdk.stop();
     }
+  });
+
+  test(`${name} SDK: the reply carries the claim's stamp (X-Inbox-Claim: <key>.<token>) and, from an agent, Auto-Submitted: auto-replied; a person's reply is stamped, never marked; the caller's headers are kept and win`, async () => {
+    for (const [who, coordinator] of [["agent", agent], ["person", person]] as const) {
+      const sdk = await make();
+      try {
+        const mailbox = `sdk-${name}-${who}-${process.pid}-${counter}`;
+        let stamp = "";
+        await coordinator.replyTo({ mailbox, messageId: sdk.messageId }, { ttl: 10 }, async (claim) => {
+          stamp = `${claim.idempotencyKey}.${claim.token}`;
+          return claim.send((key) => sdk.send(key, "bea@example.org", { "X-Ticket": "T-42", "x-inbox-claim-note": "kept" }) as Promise<string>);
+        });
+        assert.equal(sdk.double.sends.length, 1);
+        const headers = Object.fromEntries(Object.entries(sdk.double.sends[0]!.headers).map(([k, v]) => [k.toLowerCase(), v]));
+        const key = idempotencyKey(messageSubject(mailbox, sdk.messageId));
+        assert.match(stamp.slice(key.length), /^\.[1-9]\d*$/); // the key, then the granted token
+        assert.ok(stamp.startsWith(key));
+        assert.equal(headers["x-inbox-claim"], stamp);
+        assert.equal(headers["auto-submitted"], who === "agent" ? "auto-replied" : undefined);
+        assert.deepEqual([headers["x-ticket"], headers["x-inbox-claim-note"]], ["T-42", "kept"]);
+      } finally {
+        await sdk.stop();
+      }
+    }
+    // A header the caller set wins over ours of the same name, in any case (here outside any claim: no stamp).
+    assert.deepEqual(claimHeaders({ "auto-submitted": "no" }), { "auto-submitted": "no" });
+    assert.deepEqual(claimCustomHeaders([{ name: "AUTO-SUBMITTED", value: "no" }]), [{ name: "AUTO-SUBMITTED", value: "no" }]);
+    assert.deepEqual(claimHeaders(), { "Auto-Submitted": "auto-replied" });
   });
 
   test(`${name} SDK: a 4xx through the SDK frees the message (FREE, nothing sent), as our own adapters do; a 5xx leaves it in doubt`, async () => {

@@ -21,12 +21,11 @@
 // alone (no-reply, mailer-daemon). The same key lets the send
 // path look at the thread first (since(): GET .../messages?thread_id=&received_after=, one request per send).
 import { judgeAutomated } from "../automated.js";
-import { agentHeaders } from "../current.js";
 import { InboxClaimsError, SendRejected } from "../errors.js";
 import { traceHeaders } from "../tracing.js";
 import { EnvelopeError, parseNotification, type Notification } from "../envelope.js";
 import { NYLAS_SIGNATURE_HEADER, nylasChallengeResponse, signNylas, signStandardWebhook, verifyNylasSignature, verifyStandardWebhook, WebhookVerificationError } from "../webhooks.js";
-import { currentStamp } from "../sdks.js";
+import { claimCustomHeaders, type CustomHeader } from "../sdks.js";
 import {
   Accepted,
   batchOf,
@@ -342,15 +341,11 @@ export function buildSendRequest(apiBase: string, apiKey: string, grantId: strin
   // headers, then settles an IN_DOUBT send, docs/providers.md "Sends that settle themselves"); an agent's reply says
   // it is automatic (RFC 3834: machines that honour it do not answer it), a person's never (agentHeaders). Custom
   // headers given are kept, and win over ours of the same name.
-  const given = Array.isArray(reply.fields?.["custom_headers"]) ? (reply.fields["custom_headers"] as unknown[]) : [];
-  const names = new Set(given.filter(isRecord).map((h) => str(h.name).toLowerCase()));
-  const stamp = currentStamp();
-  const marks = [...(stamp === undefined ? [] : [[STAMP_HEADER, stamp] as const]), ...agentHeaders()]
-    .filter(([name]) => !names.has(name.toLowerCase()))
-    .map(([name, value]) => ({ name, value }));
+  const given = Array.isArray(reply.fields?.["custom_headers"]) ? (reply.fields["custom_headers"] as CustomHeader[]) : [];
+  const customHeaders = claimCustomHeaders(given);
   const document: Record<string, unknown> = {
     ...reply.fields,
-    ...(given.length + marks.length > 0 ? { custom_headers: [...given, ...marks] } : {}),
+    ...(customHeaders.length > 0 ? { custom_headers: customHeaders } : {}),
     reply_to_message_id: reply.replyToMessageId,
     to: participants(reply.to, "to"),
     subject: reply.subject,
