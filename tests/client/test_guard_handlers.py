@@ -185,7 +185,11 @@ def notification(
         "thread_id": thread_id or f"thread-{message_id}",
         "object": "message",
         "subject": f"Order {message_id}",
-        "from": [{"email": sent_by or "customer@example.com", "name": "Ana Lima" if sent_by else "A Customer"}],
+        # Each message from a customer of its own: twenty from one address would spend that correspondent's reply
+        # budget (10 a day by default, docs/design.md#reply-storms) and the guarded run would rightly stop at ten.
+        "from": [
+            {"email": sent_by or f"customer-{message_id}@example.com", "name": "Ana Lima" if sent_by else "A Customer"}
+        ],
         "folders": ["SENT"] if sent_by else ["INBOX", "UNREAD"],
         "date": int(time.time()),
     }
